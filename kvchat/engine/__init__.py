@@ -1,0 +1,1 @@
+"""The engine: model loading, cache kinds, Session and stats. Imports no Textual."""

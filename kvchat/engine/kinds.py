@@ -1,0 +1,255 @@
+"""Cache kinds: the one place that maps a kind name to mlx-lm cache objects.
+
+A kind is named in config, on the command line and in the UI by one of
+``standard``, ``quantized:8``, ``quantized:4``, ``rotating:N``, ``chunked:N``
+or ``concatenate``. :func:`parse_kind` turns such a name into a
+:class:`CacheKind`; everything else here is a plain function over the list of
+per-layer caches that mlx-lm's models take, in the style of
+``mlx_lm.models.cache``.
+
+Adding a kind touches ``_FAMILIES``, :meth:`CacheKind.make_layer` and the
+tests, nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.models.cache import (
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+
+QUANT_GROUP_SIZE = 64
+
+# family -> (takes a number?, one-line description)
+_FAMILIES: dict[str, tuple[bool, str]] = {
+    "standard": (False, "full precision, grows with the conversation (the default)"),
+    "quantized": (True, "quantized:8 or quantized:4 bits: about 1/2 or 1/4 the memory"),
+    "rotating": (True, "rotating:N keeps the system prompt and the last tokens, N in all"),
+    "chunked": (True, "chunked:N keeps about the last N tokens between turns"),
+    "concatenate": (False, "full precision, no preallocation"),
+}
+
+EXAMPLE_KINDS = (
+    "standard",
+    "quantized:8",
+    "quantized:4",
+    "rotating:4096",
+    "chunked:2048",
+    "concatenate",
+)
+
+
+class CacheKindError(ValueError):
+    """A kind name that is not understood, or a kind that cannot apply to a model."""
+
+
+@dataclass(frozen=True)
+class CacheKind:
+    """A parsed cache-kind name: ``family`` plus its number, if it takes one."""
+
+    family: str
+    size: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.family if self.size is None else f"{self.family}:{self.size}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def description(self) -> str:
+        return _FAMILIES[self.family][1]
+
+    def make_layer(self, keep: int = 0) -> Any:
+        """One layer's empty cache of this kind.
+
+        ``keep`` is how many leading tokens a rotating cache never evicts
+        (the system prompt).
+        """
+        if self.family == "standard":
+            return KVCache()
+        if self.family == "quantized":
+            return QuantizedKVCache(group_size=QUANT_GROUP_SIZE, bits=self.size)
+        if self.family == "rotating":
+            return RotatingKVCache(max_size=self.size, keep=min(keep, self.size // 2))
+        if self.family == "chunked":
+            return ChunkedKVCache(chunk_size=self.size)
+        if self.family == "concatenate":
+            return ConcatenateKVCache()
+        raise AssertionError(self.family)
+
+
+def parse_kind(name: str | CacheKind) -> CacheKind:
+    """Parse a kind name such as ``quantized:4``; raise :class:`CacheKindError`."""
+    if isinstance(name, CacheKind):
+        return name
+    text = (name or "").strip().lower()
+    family, _, arg = text.partition(":")
+    valid = ", ".join(EXAMPLE_KINDS)
+    if family not in _FAMILIES:
+        raise CacheKindError(f"Unknown cache kind {name!r}; use one of: {valid}.")
+    takes_number = _FAMILIES[family][0]
+    if not takes_number:
+        if arg:
+            raise CacheKindError(f"Cache kind {family!r} takes no number (got {name!r}).")
+        return CacheKind(family)
+    if not arg.isdigit():
+        raise CacheKindError(f"Cache kind {family!r} needs a number, e.g. {_example(family)}.")
+    size = int(arg)
+    if family == "quantized" and size not in (4, 8):
+        raise CacheKindError("Quantized caches take 8 or 4 bits: quantized:8 or quantized:4.")
+    if family in ("rotating", "chunked") and size < 64:
+        raise CacheKindError(f"{family}:N needs N of at least 64 tokens (got {size}).")
+    return CacheKind(family, size)
+
+
+def _example(family: str) -> str:
+    return next(k for k in EXAMPLE_KINDS if k.startswith(family))
+
+
+def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
+    """A fresh, empty prompt cache of ``kind`` for ``model``.
+
+    Models that bring their own ``make_cache()`` (sliding-window or
+    state-space layers) keep their own classes for those layers; the kind
+    replaces only their plain ``KVCache`` layers, and a kind that could
+    replace none says so.
+    """
+    if kind.family == "standard":
+        return make_prompt_cache(model)
+    if not hasattr(model, "make_cache"):
+        return [kind.make_layer(keep) for _ in model.layers]
+    own = model.make_cache()
+    if not any(type(c) is KVCache for c in own):
+        raise CacheKindError(
+            f"This model brings its own cache ({_class_names(own)}); "
+            f"cache kind {kind.name!r} cannot apply to it. Use 'standard'."
+        )
+    return [kind.make_layer(keep) if type(c) is KVCache else c for c in own]
+
+
+def _class_names(cache: list[Any]) -> str:
+    return ", ".join(sorted({type(c).__name__ for c in cache}))
+
+
+def cache_offset(cache: list[Any]) -> int | None:
+    """Tokens the cache has seen (its position), or None if no layer tracks it."""
+    offsets = [c.offset for c in cache if hasattr(c, "offset")]
+    return max(offsets) if offsets else None
+
+
+def cache_bytes(cache: list[Any]) -> int:
+    """Bytes held by the cache's arrays."""
+    return sum(c.nbytes for c in cache)
+
+
+def trim_to(cache: list[Any], n: int) -> bool:
+    """Trim the cache in place so it holds exactly the first ``n`` tokens.
+
+    Returns False when the cache cannot get there (a rotating cache that has
+    wrapped, a chunked cache that dropped those tokens, a state-space layer);
+    the caller must then rebuild, since the cache may be partly trimmed.
+    """
+    offset = cache_offset(cache)
+    if offset is None:
+        return False
+    if offset == n:
+        return True
+    if any(not c.is_trimmable() for c in cache):
+        return False
+    if any(isinstance(c, ChunkedKVCache) and c.start_position > n for c in cache):
+        return False
+    trim_prompt_cache(cache, offset - n)
+    for c in cache:
+        # mlx-lm's ConcatenateKVCache.trim only moves its offset, and the next
+        # update appends after the stale keys; cut them here.
+        if isinstance(c, ConcatenateKVCache) and c.keys is not None:
+            c.keys, c.values = c.keys[..., :n, :], c.values[..., :n, :]
+    return all(c.offset == n for c in cache if hasattr(c, "offset"))
+
+
+def after_turn(cache: list[Any]) -> None:
+    """Housekeeping between turns: chunked caches drop what fell out of their window."""
+    for c in cache:
+        if isinstance(c, ChunkedKVCache):
+            c.maybe_trim_front()
+
+
+def _copy_layer(src: Any, dst_kind: CacheKind) -> Any | None:
+    """Convert one full-precision layer without recomputing, or None if not possible."""
+    if type(src) not in (KVCache, ConcatenateKVCache):
+        return None
+    if src.keys is None:
+        return dst_kind.make_layer()
+    n = src.offset
+    keys, values = src.keys[..., :n, :], src.values[..., :n, :]
+    if dst_kind.family == "quantized":
+        bits = dst_kind.size
+        dst = QuantizedKVCache(group_size=QUANT_GROUP_SIZE, bits=bits)
+        if keys.shape[-1] % QUANT_GROUP_SIZE:
+            return None
+        dst.keys = _quantize(keys, bits)
+        dst.values = _quantize(values, bits)
+        dst.offset = n
+        return dst
+    if dst_kind.family in ("standard", "concatenate"):
+        dst = dst_kind.make_layer()
+        dst.update_and_fetch(keys, values)
+        return dst
+    return None
+
+
+def _quantize(x, bits: int):
+    import mlx.core as mx
+
+    return mx.quantize(x, group_size=QUANT_GROUP_SIZE, bits=bits)
+
+
+def convert_cache(cache: list[Any], src: CacheKind, dst: CacheKind) -> list[Any] | None:
+    """Convert a live cache from kind ``src`` to ``dst`` without recomputing, where the data allows.
+
+    Full-precision layers (standard, concatenate) convert to standard,
+    concatenate or quantized exactly as their data stands; layers the model
+    brought itself stay as they are. Anything else (dequantizing, a rotating
+    or chunked target) returns None: the caller rebuilds from the
+    transcript, which is exact.
+    """
+    src_class = type(src.make_layer())
+    out = []
+    for layer in cache:
+        if type(layer) is not src_class:
+            out.append(layer)
+            continue
+        converted = _copy_layer(layer, dst)
+        if converted is None:
+            return None
+        out.append(converted)
+    return out
+
+
+def held_tokens(cache: list[Any], default: int = 0) -> int:
+    """Tokens whose keys and values the cache holds now (bounded for rotating and chunked kinds).
+
+    The most any layer holds: a model's sliding-window layers hold fewer than
+    its full-attention layers.
+    """
+    held = [_held(c) for c in cache if hasattr(c, "offset")]
+    return max(held) if held else default
+
+
+def _held(c: Any) -> int:
+    if isinstance(c, ChunkedKVCache):
+        return c.offset - c.start_position
+    if isinstance(c, RotatingKVCache):
+        return min(c.offset, c.max_size)
+    return c.offset

@@ -1,0 +1,525 @@
+"""Session: one conversation, its live prompt cache and the token ledger.
+
+The contract (DESIGN.md, "The engine contract"): every turn renders the whole
+message list with the chat template, keeps the longest common prefix of that
+rendering and the **ledger** (the token ids whose keys and values are in the
+cache, in order), trims the cache back to it, and evaluates only the rest.
+Nothing in the cache ever differs from what a fresh run of the same prompt
+would compute, so edits, regenerates, templates that rewrite old turns and
+re-tokenised replies need no special cases.
+
+:meth:`Session.send` returns a generator of small events, mlx-lm style:
+:class:`Prefill` while the prompt is evaluated, :class:`Chunk` for each
+piece of streamed text and a final :class:`TurnDone` carrying the reply and
+its :class:`~kvchat.engine.stats.TurnStats`. The TUI and the CLI consume the
+same stream.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.sample_utils import make_sampler
+
+from .kinds import (
+    CacheKind,
+    after_turn,
+    cache_bytes,
+    convert_cache,
+    held_tokens,
+    make_cache,
+    parse_kind,
+    trim_to,
+)
+from .stats import TurnStats, memory
+
+if TYPE_CHECKING:
+    from .model import LoadedModel
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class GenerationSettings:
+    """How replies are sampled. ``temp`` 0 is greedy, so runs are reproducible."""
+
+    max_tokens: int = 512
+    temp: float = 0.0
+    top_p: float = 1.0
+    prefill_step: int = 512
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prompt evaluation progress: ``done`` of ``total`` new tokens are in the cache."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of the streamed reply (untrusted model output)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class TurnDone:
+    """The turn is over: the reply as kept in the transcript, and what it cost."""
+
+    reply: str
+    stats: TurnStats
+    stopped: bool
+
+
+Event = Prefill | Chunk | TurnDone
+
+
+class SessionError(Exception):
+    """A request the session cannot carry out; the message says why, in one sentence."""
+
+
+class SessionBusy(SessionError):
+    """Another turn of this session is still running."""
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Session:
+    """One conversation with its own prompt cache (one cache object per model layer)."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        *,
+        kind: str | CacheKind = "standard",
+        system: str | None = None,
+        settings: GenerationSettings | None = None,
+        messages: list[dict] | None = None,
+    ):
+        self.lm = lm
+        self.kind = parse_kind(kind)
+        self.settings = settings or GenerationSettings()
+        self.messages: list[dict] = list(messages or [])
+        if system and not (self.messages and self.messages[0]["role"] == "system"):
+            self.messages.insert(0, {"role": "system", "content": system})
+        self.turns: list[TurnStats] = []
+        self.archived: list[dict] = []  # turns dropped by trim_history, kept for the record
+        self.ledger: list[int] = []
+        self.cache: list[Any] = make_cache(lm.model, self.kind, keep=self._system_tokens())
+        self._logits: tuple[int, mx.array] | None = None
+        self._stop = threading.Event()
+        self._busy = threading.Lock()
+
+    @classmethod
+    def restore(
+        cls,
+        lm: LoadedModel,
+        *,
+        messages: list[dict],
+        kind: str | CacheKind,
+        settings: GenerationSettings | None = None,
+        ledger: list[int] | None = None,
+        cache: list[Any] | None = None,
+        turns: list[TurnStats] | None = None,
+        archived: list[dict] | None = None,
+    ) -> "Session":
+        """A session from saved parts. Without a ``cache`` (or ledger) it starts empty;
+        the caller decides whether to :meth:`rebuild` it now."""
+        session = cls(lm, kind=kind, settings=settings, messages=messages)
+        session.turns = list(turns or [])
+        session.archived = list(archived or [])
+        if cache is not None and ledger is not None:
+            session.cache, session.ledger = cache, list(ledger)
+        return session
+
+    def fork_prefix(self, messages: list[dict] | None = None) -> "Session":
+        """A new session whose cache starts as a copy of this one's, cut to the
+        common prefix with ``messages`` (by default this session's system prompt).
+
+        This is how a new conversation with the same model, kind and system
+        prompt skips evaluating the system prompt again.
+        """
+        messages = list(messages if messages is not None else self.messages[:1] if self.system else [])
+        child = Session(self.lm, kind=self.kind, settings=self.settings, messages=messages)
+        n = common_prefix(self.ledger, child.render(messages, False))
+        copied = copy_cache(self.cache)
+        if n and trim_to(copied, n) and held_tokens(copied) == n:
+            child.cache, child.ledger = copied, self.ledger[:n]
+        return child
+
+    # ----------------------------------------------------------------- views
+
+    @property
+    def system(self) -> str | None:
+        if self.messages and self.messages[0]["role"] == "system":
+            return self.messages[0]["content"]
+        return None
+
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens whose keys and values the cache holds now."""
+        return held_tokens(self.cache, len(self.ledger))
+
+    @property
+    def cache_bytes(self) -> int:
+        return cache_bytes(self.cache)
+
+    @property
+    def last_stats(self) -> TurnStats | None:
+        return self.turns[-1] if self.turns else None
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        """Token ids of ``messages`` through the model's chat template."""
+        if not messages:
+            return []
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        tokenizer = self.lm.tokenizer
+        text = tokenizer.apply_chat_template(
+            plain, tokenize=False, add_generation_prompt=generation_prompt
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def _system_tokens(self) -> int:
+        return len(self.render(self.messages[:1], False)) if self.system else 0
+
+    # ----------------------------------------------------------------- turns
+
+    def send(self, text: str) -> Iterator[Event]:
+        """Add a user message and stream the reply.
+
+        Bad input raises :class:`SessionError` here, before anything changes.
+        """
+        if not isinstance(text, str) or not text.strip():
+            raise SessionError("Nothing to send: the message is empty.")
+        messages = [*self.messages, {"role": "user", "content": text}]
+        return self._turn(messages, self._fitting_prompt(messages))
+
+    def regenerate(self) -> Iterator[Event]:
+        """Replace the last reply with a new one; the prompt is already in the cache."""
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise SessionError("Nothing to regenerate: the last message is not a reply.")
+        messages = self.messages[:-1]
+        return self._turn(messages, self._fitting_prompt(messages))
+
+    def stop(self) -> None:
+        """Ask the running turn to stop after its current token (thread-safe)."""
+        self._stop.set()
+
+    def _fitting_prompt(self, messages: list[dict]) -> list[int]:
+        prompt = self.render(messages, True)
+        limit = self.lm.context_length
+        if len(prompt) >= limit:
+            raise SessionError(
+                f"That message makes the conversation {len(prompt):,} tokens, over this "
+                f"model's context of {limit:,}; trim the history or start a new session."
+            )
+        return prompt
+
+    def _turn(self, messages: list[dict], prompt: list[int]) -> Iterator[Event]:
+        if not self._busy.acquire(blocking=False):
+            raise SessionBusy("This session is already answering; wait or stop it first.")
+        try:
+            yield from self._run_turn(messages, prompt)
+        finally:
+            self._busy.release()
+
+    def _run_turn(self, messages: list[dict], prompt: list[int]) -> Iterator[Event]:
+        started = time.perf_counter()
+        self._stop.clear()
+        mx.reset_peak_memory()
+        self.messages = messages
+
+        n = common_prefix(self.ledger, prompt)
+        zero_prefill = (
+            n == len(prompt) and self._logits is not None and self._logits[0] == len(prompt)
+        )
+        if not zero_prefill:
+            n = min(n, len(prompt) - 1)  # the last prompt token is evaluated for its logits
+        rebuilt = self._rewind(n)
+        if rebuilt:
+            n, zero_prefill = 0, False
+        reused, evaluated = n, len(prompt) - n
+
+        max_new = max(1, min(self.settings.max_tokens, self.lm.context_length - len(prompt)))
+        sampler = make_sampler(temp=self.settings.temp, top_p=self._top_p())
+        tokens: list[int] = []
+        first_at = prompt_eval_s = None
+        stopped = False
+
+        try:
+            prefill_started = time.perf_counter()
+            if zero_prefill:
+                first = int(sampler(self._logits[1][None]).item())
+                steps = self._continue([first], max_new - 1, sampler, prompt_len=None)
+                stream = _chain([first], steps)
+            else:
+                for event in self._prefill(prompt[n:-1], total=evaluated):
+                    yield event
+                stopped = self._stop.is_set()
+                steps = self._continue(prompt[-1:], max_new, sampler, prompt_len=len(prompt))
+                stream = iter(()) if stopped else steps
+
+            detok = self.lm.tokenizer.detokenizer
+            eos = self.lm.tokenizer.eos_token_ids
+            try:
+                for token in stream:
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                        prompt_eval_s = first_at - prefill_started
+                    tokens.append(token)
+                    if token in eos:
+                        break
+                    detok.add_token(token)
+                    if detok.last_segment:
+                        yield Chunk(detok.last_segment)
+                    if self._stop.is_set():
+                        stopped = True
+                        break
+                    if len(tokens) >= max_new:
+                        break
+            finally:
+                steps.close()
+            detok.finalize()
+            if detok.last_segment:
+                yield Chunk(detok.last_segment)
+            reply = detok.text
+        except GeneratorExit:
+            # The consumer walked away mid-reply: keep what was said, as stopped.
+            self._finish(reply_text(self.lm.tokenizer, tokens), stopped=True)
+            raise
+        except BaseException:
+            self._discard("the previous turn failed before it finished")
+            raise
+
+        ended = time.perf_counter()
+        first_at = first_at or ended
+        decode_s = ended - first_at
+        self._finish(reply, stopped)
+        stats = TurnStats(
+            prompt_tokens=len(prompt),
+            reused_tokens=reused,
+            evaluated_tokens=evaluated,
+            prompt_eval_s=prompt_eval_s if prompt_eval_s is not None else ended - prefill_started,
+            ttft_s=first_at - started,
+            generated_tokens=len(tokens),
+            gen_tps=(len(tokens) / decode_s) if decode_s > 0 and tokens else 0.0,
+            cache_tokens=self.cache_tokens,
+            cache_bytes=self.cache_bytes,
+            cache_kind=self.kind.name,
+            active_memory_bytes=memory()[0],
+            peak_memory_bytes=memory()[1],
+            rebuilt=rebuilt or self._pending_rebuild,
+        )
+        self._pending_rebuild = None
+        self.turns.append(stats)
+        yield TurnDone(reply=reply, stats=stats, stopped=stopped)
+
+    _pending_rebuild: str | None = None
+
+    def _top_p(self) -> float:
+        return self.settings.top_p if 0.0 < self.settings.top_p < 1.0 else 0.0
+
+    def _continue(
+        self, prompt: list[int], max_tokens: int, sampler, prompt_len: int | None
+    ) -> Iterator[int]:
+        """Feed ``prompt`` (a token or two) and yield sampled tokens, keeping the ledger exact.
+
+        mlx-lm's ``generate_step`` feeds every token it yields into the cache
+        before yielding it, so each yielded token joins the ledger. The log
+        probabilities that come with the first token belong to the last prompt
+        position: they are kept, so a regenerate needs no prefill.
+        """
+        if max_tokens <= 0:
+            return
+        self.ledger.extend(prompt)
+        gen = generate_step(
+            mx.array(prompt), self.lm.model, prompt_cache=self.cache,
+            sampler=sampler, max_tokens=max_tokens,
+        )
+        try:
+            for i, (token, logprobs) in enumerate(gen):
+                if i == 0 and prompt_len is not None:
+                    self._logits = (prompt_len, logprobs)
+                self.ledger.append(token)
+                yield token
+        finally:
+            gen.close()
+
+    def _prefill(self, tokens: list[int], total: int) -> Iterator[Prefill]:
+        """Evaluate ``tokens`` into the cache in chunks, yielding progress; stops early on stop()."""
+        step = max(1, self.settings.prefill_step)
+        done = 0
+        yield Prefill(0, total)
+        with mx.stream(generation_stream):
+            for start in range(0, len(tokens), step):
+                if self._stop.is_set():
+                    return
+                chunk = tokens[start : start + step]
+                self.lm.model(mx.array(chunk)[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+                self.ledger.extend(chunk)
+                done += len(chunk)
+                yield Prefill(done, total)
+                mx.clear_cache()
+
+    def _finish(self, reply: str, stopped: bool) -> None:
+        message = {"role": "assistant", "content": reply}
+        if stopped:
+            message["stopped"] = True
+        self.messages.append(message)
+        after_turn(self.cache)
+
+    # ----------------------------------------------------- cache maintenance
+
+    def _rewind(self, n: int) -> str | None:
+        """Make the cache hold exactly ``ledger[:n]``; rebuild (empty it) if it cannot.
+
+        Returns None, or the reason the cache had to be emptied.
+        """
+        if n >= len(self.ledger):
+            return None
+        if trim_to(self.cache, n):
+            self._set_ledger(self.ledger[:n])
+            return None
+        reason = f"the {self.kind.name} cache could not be trimmed back to token {n}"
+        self._discard(reason)
+        return reason
+
+    def _set_ledger(self, ledger: list[int]) -> None:
+        self.ledger = ledger
+        if self._logits is not None and self._logits[0] > len(ledger):
+            self._logits = None
+
+    def _discard(self, reason: str) -> None:
+        """Replace the cache with an empty one; the next turn evaluates everything."""
+        self.cache = make_cache(self.lm.model, self.kind, keep=self._system_tokens())
+        self.ledger = []
+        self._logits = None
+        self._pending_rebuild = reason
+
+    def reset(self) -> None:
+        """Empty the cache and keep the transcript: the next turn prefills it all again."""
+        self._discard("the cache was reset")
+
+    def rebuild(self, reason: str, progress: Progress | None = None) -> str:
+        """Recompute the cache from the transcript (exact), reporting progress."""
+        self._discard(reason)
+        tokens = self.render(self.messages, False)
+        for event in self._prefill(tokens, total=len(tokens)):
+            if progress:
+                progress(event.done, event.total)
+        after_turn(self.cache)
+        return reason
+
+    def sync(self) -> None:
+        """Trim the cache to what the transcript renders to now (after undo or an edit)."""
+        tokens = self.render(self.messages, False)
+        self._rewind(common_prefix(self.ledger, tokens))
+
+    def undo(self, turns: int = 1) -> None:
+        """Remove the last ``turns`` exchanges (user message and reply) and trim the cache exactly."""
+        messages = list(self.messages)
+        removed = 0
+        while removed < turns and any(m["role"] == "user" for m in messages):
+            if messages.pop()["role"] == "user":
+                removed += 1
+        if not removed:
+            raise SessionError("Nothing to undo: there is no user message yet.")
+        self.messages = messages
+        self.sync()
+
+    def trim_history(self, max_tokens: int, progress: Progress | None = None) -> int:
+        """Drop the oldest exchanges, keeping the system prompt, until the transcript fits ``max_tokens``.
+
+        Exact semantics: the cache is trimmed back to the system prompt and the
+        kept turns are evaluated again, so it equals a fresh run of the
+        shortened transcript. Dropped turns move to ``archived``. Returns the
+        number of messages dropped.
+        """
+        keep_system = 1 if self.system else 0
+        messages = list(self.messages)
+        dropped: list[dict] = []
+        while len(self.render(messages, False)) > max_tokens:
+            if len(messages) <= keep_system:
+                raise SessionError(
+                    f"The system prompt alone is over {max_tokens:,} tokens; nothing to trim to."
+                )
+            first = messages.pop(keep_system)
+            dropped.append(first)
+            # an exchange goes whole: drop the replies that answered this message too
+            while len(messages) > keep_system and messages[keep_system]["role"] != "user":
+                dropped.append(messages.pop(keep_system))
+        if not dropped:
+            return 0
+        self.archived.extend(dropped)
+        self.messages = messages
+        tokens = self.render(messages, False)
+        self._rewind(common_prefix(self.ledger, tokens))
+        for event in self._prefill(tokens[len(self.ledger) :], total=len(tokens) - len(self.ledger)):
+            if progress:
+                progress(event.done, event.total)
+        after_turn(self.cache)
+        return len(dropped)
+
+    def set_kind(self, kind: str | CacheKind, progress: Progress | None = None) -> str | None:
+        """Switch the cache kind, converting the live cache where the data allows.
+
+        Returns None when the cache was converted in place, else the reason it
+        was rebuilt from the transcript. Raises ``CacheKindError`` for a kind
+        that cannot apply to this model, before anything changes.
+        """
+        new = parse_kind(kind)
+        if new == self.kind:
+            return None
+        make_cache(self.lm.model, new)  # raises if the kind cannot apply to this model
+        old, self.kind = self.kind, new
+        converted = convert_cache(self.cache, old, new)
+        if converted is not None:
+            self.cache = converted
+            self._logits = None
+            return None
+        return self.rebuild(f"cache kind changed from {old.name} to {new.name}", progress)
+
+
+def copy_cache(cache: list[Any]) -> list[Any]:
+    """An independent copy of a prompt cache (slices are new arrays; state is shared by none)."""
+    return [type(c).from_state(_copy_state(c.state)) for c in cache]
+
+
+def _copy_state(state: Any) -> Any:
+    if isinstance(state, mx.array):
+        return mx.array(state)
+    if isinstance(state, (tuple, list)):
+        return type(state)(_copy_state(x) for x in state)
+    return state
+
+
+def _chain(first: list[int], rest: Iterator[int]) -> Iterator[int]:
+    yield from first
+    yield from rest
+
+
+def reply_text(tokenizer, tokens: list[int]) -> str:
+    """The text of generated ``tokens`` up to any end-of-sequence token."""
+    eos = tokenizer.eos_token_ids
+    kept = []
+    for t in tokens:
+        if t in eos:
+            break
+        kept.append(t)
+    return tokenizer.decode(kept)

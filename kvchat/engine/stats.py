@@ -1,0 +1,47 @@
+"""Per-turn statistics: the one definition of the fields the TUI, ``--json`` and benchmarks show."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import mlx.core as mx
+
+
+@dataclass
+class TurnStats:
+    """What one turn cost and what the cache holds after it.
+
+    ``reused_tokens + evaluated_tokens == prompt_tokens`` always;
+    ``rebuilt`` is None, or why the cache had to be recomputed this turn.
+    """
+
+    prompt_tokens: int
+    reused_tokens: int
+    evaluated_tokens: int
+    prompt_eval_s: float
+    ttft_s: float
+    generated_tokens: int
+    gen_tps: float
+    cache_tokens: int
+    cache_bytes: int
+    cache_kind: str
+    active_memory_bytes: int
+    peak_memory_bytes: int
+    rebuilt: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TurnStats":
+        """Rebuild from :meth:`to_dict` output, ignoring keys this version does not know."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+STAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TurnStats))
+
+
+def memory() -> tuple[int, int]:
+    """Process memory held by mlx: (active bytes, peak bytes since the last reset)."""
+    return mx.get_active_memory(), mx.get_peak_memory()

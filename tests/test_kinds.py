@@ -1,0 +1,69 @@
+"""The kind parser and the functions over mlx-lm cache lists."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.models.cache import (
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+from kvchat.engine.kinds import (
+    EXAMPLE_KINDS,
+    CacheKindError,
+    make_cache,
+    parse_kind,
+)
+
+
+@pytest.mark.parametrize(
+    "name, cls",
+    [
+        ("standard", KVCache),
+        ("quantized:8", QuantizedKVCache),
+        ("quantized:4", QuantizedKVCache),
+        ("rotating:4096", RotatingKVCache),
+        ("chunked:2048", ChunkedKVCache),
+        ("concatenate", ConcatenateKVCache),
+    ],
+)
+def test_every_kind_makes_its_mlx_lm_class(demo_model, name, cls):
+    kind = parse_kind(name)
+    assert kind.name == name and str(kind) == name
+    cache = make_cache(demo_model.model, kind, keep=10)
+    assert len(cache) == len(demo_model.model.layers)
+    assert all(type(c) is cls for c in cache)
+
+
+def test_kind_parameters_reach_the_cache(demo_model):
+    q4 = make_cache(demo_model.model, parse_kind("quantized:4"))[0]
+    assert (q4.bits, q4.group_size) == (4, 64)
+    rot = make_cache(demo_model.model, parse_kind("rotating:256"), keep=12)[0]
+    assert (rot.max_size, rot.keep) == (256, 12)
+    # the kept system prompt never takes more than half of a rotating cache
+    assert make_cache(demo_model.model, parse_kind("rotating:256"), keep=1000)[0].keep == 128
+
+
+def test_examples_parse_and_names_normalise():
+    assert [parse_kind(k).name for k in EXAMPLE_KINDS] == list(EXAMPLE_KINDS)
+    assert parse_kind("  Quantized:4 ").name == "quantized:4"
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("bogus", "Unknown cache kind"),
+        ("", "Unknown cache kind"),
+        ("quantized", "needs a number"),
+        ("quantized:3", "8 or 4 bits"),
+        ("rotating:abc", "needs a number"),
+        ("rotating:16", "at least 64"),
+        ("standard:5", "takes no number"),
+    ],
+)
+def test_bad_names_are_clear_errors(name, message):
+    with pytest.raises(CacheKindError, match=message):
+        parse_kind(name)
