@@ -1,0 +1,274 @@
+"""Built-in demo models: random weights, a locally trained tokenizer, real files.
+
+``--model demo`` (and ``demo:<shape>``) needs no download. On first use a
+model folder in mlx-lm's format (config.json, safetensors weights, tokenizer
+files) is built into the cache dir, and from then on it is loaded like any
+other model with ``mlx_lm.load``. The weights are random, so the model speaks
+nonsense, but every cache behaviour, timing and file is real. The shapes named
+after real models copy their architecture (layers, heads, widths) so that
+benchmarks on them mean something; only the vocabulary is small.
+
+Builds are deterministic: the same files, byte for byte, on every build.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from kvchat.locations import models_dir
+
+BUILD_VERSION = "v1"  # bump when a build changes, so old folders are not reused
+PREFIX = "demo"
+VOCAB_SIZE = 2048
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, IM_START, IM_END]
+CORPUS = Path(__file__).with_name("demo_corpus.txt")
+SHARD_BYTES = 1 << 30  # big shapes are written in shards of about this size
+
+# Qwen2's pre-tokenisation split (transformers' Qwen2Tokenizer), see train_tokenizer().
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+# Architecture of each demo shape; vocab_size and token ids come from the tokenizer.
+SHAPES: dict[str, dict[str, Any]] = {
+    "demo": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "num_hidden_layers": 2,
+        "hidden_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "intermediate_size": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 16384,
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "num_hidden_layers": 24,
+        "hidden_size": 896,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 32768,
+    },
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 16,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+    },
+}
+
+
+def demo_names() -> list[str]:
+    """The demo shapes, smallest first."""
+    return list(SHAPES)
+
+
+def demo_specs() -> list[str]:
+    """What ``--model`` accepts for each shape: ``demo``, ``demo:<shape>``."""
+    return [PREFIX if name == PREFIX else f"{PREFIX}:{name}" for name in SHAPES]
+
+
+def parse_demo_spec(spec: str) -> str | None:
+    """The shape a ``--model`` value names, or None when it is not a demo spec.
+
+    Raises ValueError for ``demo:<unknown>``, naming the valid specs.
+    """
+    if spec == PREFIX:
+        return PREFIX
+    if not spec.startswith(PREFIX + ":"):
+        return None
+    name = spec.removeprefix(PREFIX + ":")
+    if name not in SHAPES:
+        raise ValueError(f"Unknown demo model '{spec}'; use one of: {', '.join(demo_specs())}.")
+    return name
+
+
+def demo_path(name: str) -> Path:
+    """The folder a shape is built into (it may not exist yet)."""
+    return models_dir() / f"{name}-{BUILD_VERSION}"
+
+
+def build_demo(name: str) -> Path:
+    """Build shape ``name`` once and return its folder; later calls reuse it.
+
+    The folder appears atomically: it is built beside the target and renamed
+    into place, so a crash leaves nothing half-written, and when two processes
+    race the loser throws its copy away.
+    """
+    if name not in SHAPES:
+        raise ValueError(f"Unknown demo shape '{name}'; use one of: {', '.join(SHAPES)}.")
+    target = demo_path(name)
+    if target.is_dir():
+        return target
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tokenizer = train_tokenizer()
+        write_model(scratch, model_config(name, tokenizer), tokenizer)
+        try:
+            os.rename(scratch, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def train_tokenizer() -> Tokenizer:
+    """A byte-level BPE tokenizer trained on the shipped corpus, deterministically.
+
+    Its normaliser and pre-tokeniser are Qwen2's: transformers 5 loads any
+    ``qwen2`` checkpoint with its own Qwen2Tokenizer, which rebuilds exactly
+    this pipeline around tokenizer.json's vocabulary, so the demo tokenises the
+    same with transformers 4 and 5 and with either model type.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = CORPUS.read_text(encoding="utf-8").splitlines(keepends=True)
+    tokenizer.train_from_iterator(lines, trainer)
+    return tokenizer
+
+
+def model_config(name: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    """The config.json of shape ``name`` for ``tokenizer``."""
+    return {
+        **SHAPES[name],
+        "vocab_size": tokenizer.get_vocab_size(),
+        "bos_token_id": tokenizer.token_to_id(PAD),
+        "eos_token_id": tokenizer.token_to_id(IM_END),
+        "pad_token_id": tokenizer.token_to_id(PAD),
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+
+
+def write_model(folder: Path, config: dict[str, Any], tokenizer: Tokenizer) -> None:
+    """Write an mlx-lm model folder: tokenizer files, config.json, seeded random weights."""
+    _write_tokenizer(folder, tokenizer, config["max_position_embeddings"])
+    _write_json(folder / "config.json", config)
+    _write_weights(folder, config)
+
+
+def _write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> None:
+    tokenizer.save(str(folder / "tokenizer.json"))
+    _write_json(
+        folder / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": IM_END,
+            "pad_token": PAD,
+            "unk_token": None,
+            "additional_special_tokens": [IM_START, IM_END],
+            "model_max_length": max_length,
+            "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    _write_json(
+        folder / "special_tokens_map.json",
+        {"eos_token": IM_END, "pad_token": PAD, "additional_special_tokens": [IM_START, IM_END]},
+    )
+
+
+def _write_weights(folder: Path, config: dict[str, Any]) -> None:
+    """Initialise mlx-lm's own model class (seeded, float32) and save its weights.
+
+    Arrays are lazy until saved, so writing shard by shard keeps at most one
+    shard in memory; a model that fits in one shard is ``model.safetensors``.
+    """
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(0)
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    del model
+    shards = _split(weights)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    index = {}
+    for name, keys in zip(names, shards, strict=True):
+        shard = {key: weights.pop(key).astype(mx.float32) for key in keys}
+        mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
+        index.update(dict.fromkeys(keys, name))
+        del shard
+    if len(shards) > 1:
+        _write_json(folder / "model.safetensors.index.json", {"metadata": {}, "weight_map": index})
+
+
+def _split(weights: dict[str, mx.array]) -> list[list[str]]:
+    """Group parameter names into shards of at most about SHARD_BYTES each."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, value in weights.items():
+        nbytes = value.size * 4
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    return shards
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

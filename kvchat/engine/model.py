@@ -1,0 +1,152 @@
+"""Loading a model: the one place that turns a ``--model`` value into weights.
+
+Everything else takes a `LoadedModel`, so a different way of loading (for
+example a model sharded over several machines) only has to change this file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+)
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from kvchat.engine.demo import build_demo, parse_demo_spec
+
+DEFAULT_CONTEXT_LENGTH = 4096
+# What mlx_lm.load downloads for a Hugging Face id (its DEFAULT_ALLOW_PATTERNS).
+DOWNLOAD_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+WAY_OUT = "Use --model demo, or pass the path of a downloaded mlx-lm model folder."
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what sessions need to know about it."""
+
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    model_id: str  # as the user gave it: "demo", "demo:qwen2.5-0.5b", a HF id, a folder
+    path: Path  # the local folder it was loaded from
+    fingerprint: str  # changes when the weights' shape or the tokenizer could differ
+    context_length: int
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded; the message is one sentence naming the way out."""
+
+
+def load_model(spec: str) -> LoadedModel:
+    """Load ``spec``: a demo name, a local mlx-lm model folder or a Hugging Face id.
+
+    Demo models are built on first use. On the CPU backend, float16 and
+    bfloat16 weights are cast to float32, which CPU matmul runs far faster.
+    """
+    path = _resolve(spec)
+    source = None if Path(spec).expanduser() == path else path
+    if not (path / "config.json").is_file():
+        raise _load_error(spec, "the folder has no config.json", source)
+    try:
+        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+    except json.JSONDecodeError as exc:
+        raise _load_error(spec, f"a JSON file in it is damaged ({exc})", source) from exc
+    except Exception as exc:  # a broken folder fails in many ways; all mean the same here
+        raise _load_error(spec, _first_line(exc), source) from exc
+    if mx.default_device() == mx.cpu:
+        # Only floating parameters change: quantized weights stay packed integers.
+        model.set_dtype(mx.float32)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=spec,
+        path=path,
+        fingerprint=fingerprint(spec, path),
+        context_length=context_length(config),
+    )
+
+
+def fingerprint(model_id: str, path: Path) -> str:
+    """A short hash of the model id, its config and its tokenizer files."""
+    digest = hashlib.sha256(model_id.encode())
+    for name in FINGERPRINT_FILES:
+        file = path / name
+        digest.update(name.encode() + b"\0")
+        digest.update(file.read_bytes() if file.is_file() else b"")
+    return digest.hexdigest()[:16]
+
+
+def context_length(config: dict) -> int:
+    """The longest context the config declares, or DEFAULT_CONTEXT_LENGTH."""
+    text_config = config.get("text_config", {})
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
+        for source in (config, text_config):
+            if isinstance(source.get(key), int):
+                return source[key]
+    return DEFAULT_CONTEXT_LENGTH
+
+
+def _resolve(spec: str) -> Path:
+    """The local folder for ``spec``, building a demo or downloading as needed."""
+    try:
+        demo = parse_demo_spec(spec)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    if demo is not None:
+        try:
+            return build_demo(demo)
+        except OSError as exc:
+            raise ModelLoadError(
+                f"Could not build the demo model '{spec}': {_first_line(exc)}. "
+                "Free some disk space, or set KVCHAT_CACHE_DIR to a writable folder."
+            ) from exc
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise _load_error(spec, "it is a file, not a folder")
+        return path
+    try:
+        return Path(snapshot_download(spec, allow_patterns=DOWNLOAD_PATTERNS))
+    except HFValidationError as exc:
+        reason = "there is no such folder, and it is not a Hugging Face model id either"
+        raise _load_error(spec, reason) from exc
+    except LocalEntryNotFoundError as exc:
+        reason = "it is not a local folder and it could not be downloaded (no network?)"
+        raise _load_error(spec, reason) from exc
+    except (RepositoryNotFoundError, GatedRepoError) as exc:
+        reason = "Hugging Face has no such public model (a typo, or a private or gated one?)"
+        raise _load_error(spec, reason) from exc
+    except HfHubHTTPError as exc:
+        raise _load_error(spec, f"the download failed ({_first_line(exc)})") from exc
+
+
+def _load_error(spec: str, reason: str, source: Path | None = None) -> ModelLoadError:
+    where = f" from {source}" if source else ""
+    return ModelLoadError(f"Could not load model '{spec}'{where}: {reason}. {WAY_OUT}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0].rstrip(".")

@@ -1,0 +1,81 @@
+"""OpenBLAS is preloaded before mlx on Linux, unless turned off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvchat import blas
+
+PROBE = """
+import json, kvchat, mlx.core
+from kvchat import blas
+maps = open("/proc/self/maps").read()
+print(json.dumps({"status": blas.info.status, "path": blas.info.path,
+                  "mapped": "openblas" in maps, "describe": blas.describe()}))
+"""
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+def probe(**env: str) -> dict:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env={**environment, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+@linux_only
+def test_import_preloads_openblas():
+    result = probe()
+    if result["status"] == "not-found":
+        pytest.skip("libopenblas0-pthread is not installed here")
+    assert result["status"] == "loaded"
+    assert result["mapped"]
+    assert os.path.isfile(result["path"])
+    assert result["path"] in result["describe"]
+
+
+@linux_only
+def test_kvchat_no_blas_turns_it_off():
+    result = probe(KVCHAT_NO_BLAS="1")
+    assert (result["status"], result["path"], result["mapped"]) == ("disabled", None, False)
+    assert "KVCHAT_NO_BLAS" in result["describe"]
+
+
+@linux_only
+def test_explicit_path_that_fails_falls_back_and_says_so(tmp_path):
+    bogus = tmp_path / "libnothing.so"
+    bogus.write_bytes(b"not a library")
+    result = probe(KVCHAT_BLAS=str(bogus))
+    assert result["status"] in ("loaded", "not-found")
+    assert "KVCHAT_BLAS" in result["describe"]
+
+
+def test_too_late_when_mlx_came_first():
+    code = "import mlx.core, kvchat; from kvchat import blas; print(blas.info.status)"
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True
+    )
+    expected = "too-late" if sys.platform.startswith("linux") else "not-linux"
+    assert out.stdout.strip() == expected
+
+
+def test_blas_module_does_not_import_mlx():
+    code = "import sys, kvchat; print('mlx.core' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_describe_is_one_line():
+    assert "\n" not in blas.describe()

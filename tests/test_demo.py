@@ -1,0 +1,136 @@
+"""The built-in demo model: deterministic files in mlx-lm's format, a working
+tokenizer and chat template, and a model that runs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx.utils import tree_flatten
+from tokenizers import Tokenizer
+
+from kvchat.engine import demo
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello there."},
+    {"role": "assistant", "content": "Hi."},
+    {"role": "user", "content": "Tell me about caches."},
+]
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())}
+
+
+def test_build_is_deterministic_across_processes(demo_model, tmp_path):
+    """A second build in a fresh process, into another cache dir, gives identical files."""
+    env = {**os.environ, "KVCHAT_CACHE_DIR": str(tmp_path)}
+    code = "from kvchat.engine.demo import build_demo; print(build_demo('demo'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    other = Path(out.stdout.strip())
+    assert other.parent == tmp_path / "models"
+    assert file_hashes(other) == file_hashes(demo_model.path)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(file_hashes(other))
+
+
+def test_racing_builds_agree(tmp_path):
+    """Two processes building at once both end up with one complete folder."""
+    env = {**os.environ, "KVCHAT_CACHE_DIR": str(tmp_path)}
+    code = "from kvchat.engine.demo import build_demo; print(build_demo('demo'))"
+    racers = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    paths = {racer.communicate()[0].strip() for racer in racers}
+    assert [racer.returncode for racer in racers] == [0, 0]
+    assert paths == {str(tmp_path / "models" / "demo-v1")}
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["demo-v1"]
+
+
+def test_build_reuses_the_folder_and_leaves_no_scratch(demo_model):
+    assert demo.build_demo("demo") == demo_model.path
+    assert [p.name for p in demo_model.path.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_special_tokens_are_single_ids(demo_model):
+    tokenizer = demo_model.tokenizer
+    for token in demo.SPECIAL_TOKENS:
+        ids = tokenizer.encode(f"a {token} b", add_special_tokens=False)
+        assert tokenizer.convert_tokens_to_ids(token) in ids
+        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1
+
+
+def test_eos_is_im_end(demo_model):
+    im_end = demo_model.tokenizer.convert_tokens_to_ids(demo.IM_END)
+    assert demo_model.tokenizer.eos_token_ids == {im_end}
+    assert json.loads((demo_model.path / "config.json").read_text())["eos_token_id"] == im_end
+
+
+def test_loaded_tokenizer_matches_tokenizer_json(demo_model):
+    """transformers may wrap the file in a model-specific class; ids must not change."""
+    raw = Tokenizer.from_file(str(demo_model.path / "tokenizer.json"))
+    text = "  Hello,  world!\n\nThe café costs 3.50\t<|im_start|>user\n ok<|im_end|> naïve 12345"
+    ids = demo_model.tokenizer.encode(text, add_special_tokens=False)
+    assert ids == raw.encode(text).ids
+    assert demo_model.tokenizer.decode(ids) == text
+
+
+def test_chat_template_renders_chatml(demo_model):
+    text = demo_model.tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHello there.<|im_end|>\n"
+        "<|im_start|>assistant\nHi.<|im_end|>\n"
+        "<|im_start|>user\nTell me about caches.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    without = demo_model.tokenizer.apply_chat_template(MESSAGES, tokenize=False)
+    assert text == without + "<|im_start|>assistant\n"
+    ids = demo_model.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    assert ids == demo_model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_loads_with_mlx_lm_and_runs(demo_model):
+    model, tokenizer = mlx_lm.load(str(demo_model.path))
+    params = dict(tree_flatten(model.parameters()))
+    assert {p.dtype for p in params.values()} == {mx.float32}
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    logits = model(mx.array([ids]))
+    assert logits.shape == (1, len(ids), len(tokenizer.vocab))
+    assert logits.shape[-1] == demo.VOCAB_SIZE
+    assert mx.isfinite(logits).all().item()
+
+
+def test_parse_demo_spec():
+    assert demo.parse_demo_spec("demo") == "demo"
+    assert demo.parse_demo_spec("demo:qwen2.5-0.5b") == "qwen2.5-0.5b"
+    assert demo.parse_demo_spec("mlx-community/Qwen2.5-0.5B-Instruct-4bit") is None
+    assert demo.parse_demo_spec("./demo") is None
+    with pytest.raises(ValueError, match="demo:llama-3.2-1b"):
+        demo.parse_demo_spec("demo:gpt-5")
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.2-1b"])
+def test_big_shapes_load_in_mlx_lm(name, tmp_path):
+    """The shape-true configs are valid for mlx-lm: a one-layer copy builds and loads."""
+    tokenizer = demo.train_tokenizer()
+    config = {**demo.model_config(name, tokenizer), "num_hidden_layers": 1}
+    demo.write_model(tmp_path, config, tokenizer)
+    model, _ = mlx_lm.load(str(tmp_path))
+    assert len(model.layers) == 1
+    assert model.args.hidden_size == demo.SHAPES[name]["hidden_size"]
+    logits = model(mx.array([[1, 2, 3]]))
+    assert logits.shape == (1, 3, demo.VOCAB_SIZE)
+    assert mx.isfinite(logits).all().item()
