@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -144,7 +144,7 @@ class Session:
         session.turns = list(turns or [])
         session.archived = list(archived or [])
         if cache is not None and ledger is not None:
-            session.cache, session.ledger = cache, list(ledger)
+            session.attach(cache, ledger)
         return session
 
     def fork_prefix(self, messages: list[dict] | None = None) -> "Session":
@@ -155,7 +155,7 @@ class Session:
         prompt skips evaluating the system prompt again.
         """
         messages = list(messages if messages is not None else self.messages[:1] if self.system else [])
-        child = Session(self.lm, kind=self.kind, settings=self.settings, messages=messages)
+        child = Session(self.lm, kind=self.kind, settings=replace(self.settings), messages=messages)
         n = common_prefix(self.ledger, child.render(messages, False))
         copied = copy_cache(self.cache)
         if n and trim_to(copied, n) and held_tokens(copied) == n:
@@ -407,10 +407,19 @@ class Session:
 
     def _discard(self, reason: str) -> None:
         """Replace the cache with an empty one; the next turn evaluates everything."""
+        self.unload()
+        self._pending_rebuild = reason
+
+    def unload(self) -> None:
+        """Let go of the cache's memory (it was saved elsewhere); the transcript stays."""
         self.cache = make_cache(self.lm.model, self.kind, keep=self._system_tokens())
         self.ledger = []
         self._logits = None
-        self._pending_rebuild = reason
+
+    def attach(self, cache: list[Any], ledger: list[int]) -> None:
+        """Take back a cache holding exactly ``ledger`` (as loaded from disk)."""
+        self.cache, self.ledger = cache, list(ledger)
+        self._logits = None
 
     def reset(self) -> None:
         """Empty the cache and keep the transcript: the next turn prefills it all again."""
