@@ -1,0 +1,234 @@
+"""The live sessions of one process, and when their caches leave memory. Imports no Textual.
+
+Every open conversation keeps its transcript in memory; its prompt cache
+may be **offloaded**: saved to disk (if it changed since the last save) and
+dropped from memory. The next :meth:`SessionPool.get` loads it back, so the
+caller never sees the difference except in time. Caches are offloaded when
+idle longer than ``ttl_s`` (:meth:`SessionPool.expire`) and, least recently
+used first, when the caches in memory pass ``memory_budget_bytes``
+(:meth:`SessionPool.enforce_budget`). A new session starts from a copy of a
+live session's cache cut to the shared prefix (the system prompt) when one
+with the same model, cache kind and system prompt is open.
+
+Call the pool from the one place that decides which session runs next (the
+engine worker): offloading a session while it answers is not guarded here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvchat import store
+from kvchat.engine.kinds import parse_kind
+
+if TYPE_CHECKING:
+    from kvchat.engine.model import LoadedModel
+    from kvchat.engine.session import GenerationSettings, Session
+
+
+@dataclass
+class PoolEntry:
+    """One open session as the pool sees it (what the TUI shows)."""
+
+    name: str
+    session: Session
+    last_used: float
+    in_memory: bool = True
+    saved_state: str | None = None  # signature at the last save or load; None: never saved
+    notice: str | None = None  # what the last load from disk said, if anything
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.session.cache_bytes if self.in_memory else 0
+
+    @property
+    def cache_tokens(self) -> int:
+        return self.session.cache_tokens if self.in_memory else 0
+
+    @property
+    def dirty(self) -> bool:
+        return self.saved_state != _signature(self.session)
+
+
+def _signature(session: Session) -> str:
+    """A digest of everything :func:`store.save` writes that can change."""
+    body = json.dumps(
+        [session.kind.name, session.messages, session.archived, session.ledger,
+         len(session.turns)],
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+class SessionPool:
+    """The open sessions of one process, by name.
+
+    ``ttl_s`` (0 or None: never) and ``memory_budget_bytes`` (0 or None: no
+    limit) come from the config; ``clock`` returns seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        ttl_s: float | None = 1800,
+        memory_budget_bytes: int | None = 0,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.ttl_s = ttl_s
+        self.memory_budget_bytes = memory_budget_bytes
+        self.clock = clock
+        self._entries: dict[str, PoolEntry] = {}
+
+    # ------------------------------------------------------------- opening
+
+    def add(self, name: str, session: Session) -> Session:
+        """Put a live session in the pool under ``name`` (a valid store name)."""
+        store.check_name(name)
+        self._entries[name] = PoolEntry(name, session, self.clock())
+        return session
+
+    def open(self, name: str, lm: LoadedModel, progress=None) -> store.Loaded:
+        """Load saved session ``name`` (cache included) into the pool; see :func:`store.load`."""
+        if name in self._entries:
+            return store.Loaded(self.get(name), resumed_from_disk=False, notice=None)
+        loaded = store.load(name, lm, progress)
+        entry = PoolEntry(name, loaded.session, self.clock(), notice=loaded.notice)
+        entry.saved_state = _signature(loaded.session) if loaded.notice is None else None
+        self._entries[name] = entry
+        return loaded
+
+    def new_session(
+        self,
+        lm: LoadedModel,
+        kind: str = "standard",
+        system: str | None = None,
+        settings: GenerationSettings | None = None,
+        name: str | None = None,
+    ) -> Session:
+        """A new, empty conversation; shares a live session's cached prefix when it can.
+
+        A live session with the same model fingerprint, cache kind and system
+        prompt gives its cache, cut to the system prompt, so the first turn
+        evaluates only the new message. Added to the pool when ``name`` is given.
+        """
+        from kvchat.engine.session import Session
+
+        kind = parse_kind(kind)
+        session = None
+        for entry in sorted(self._entries.values(), key=lambda e: -e.last_used):
+            other = entry.session
+            if (
+                entry.in_memory
+                and other.ledger
+                and other.lm.fingerprint == lm.fingerprint
+                and other.kind == kind
+                and (other.system or None) == (system or None)
+            ):
+                session = other.fork_prefix()
+                if settings is not None:
+                    session.settings = settings
+                break
+        if session is None or not session.ledger:
+            session = Session(lm, kind=kind, system=system, settings=settings)
+        if name is not None:
+            self.add(name, session)
+        return session
+
+    # ------------------------------------------------------------- using
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def entry(self, name: str) -> PoolEntry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"No open session named {name!r}.") from None
+
+    def entries(self) -> list[PoolEntry]:
+        """Every open session, most recently used first."""
+        return sorted(self._entries.values(), key=lambda e: -e.last_used)
+
+    def get(self, name: str, progress=None) -> Session:
+        """The session ``name``, its cache loaded back from disk first if it was offloaded."""
+        entry = self.entry(name)
+        if not entry.in_memory:
+            session = entry.session
+            loaded = store.load(name, session.lm, progress)
+            # Same object for the caller; only the cache and its ledger come back.
+            session.attach(loaded.session.cache, loaded.session.ledger)
+            entry.in_memory = True
+            entry.notice = loaded.notice
+            entry.saved_state = _signature(session) if loaded.notice is None else None
+        entry.last_used = self.clock()
+        return entry.session
+
+    def touch(self, name: str) -> None:
+        """Mark ``name`` as just used (it becomes the last to be offloaded)."""
+        self.entry(name).last_used = self.clock()
+
+    def save(self, name: str) -> None:
+        """Save ``name`` to disk now if it changed since the last save."""
+        entry = self.entry(name)
+        if entry.in_memory and (entry.dirty or not store.exists(name)):
+            store.save(entry.session, name)
+            entry.saved_state = _signature(entry.session)
+
+    # ------------------------------------------------------------- letting go
+
+    def offload(self, name: str) -> bool:
+        """Save ``name`` if it changed, then drop its cache from memory (the transcript stays).
+
+        Returns False when it was not in memory.
+        """
+        entry = self.entry(name)
+        if not entry.in_memory:
+            return False
+        self.save(name)
+        session = entry.session
+        session.unload()
+        entry.in_memory = False
+        return True
+
+    def drop(self, name: str, delete_from_disk: bool = False) -> None:
+        """Close ``name`` without saving; with ``delete_from_disk`` its saved copy goes too."""
+        self._entries.pop(name, None)
+        if delete_from_disk and store.exists(name):
+            store.delete(name)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Offload every cache idle for longer than ``ttl_s``; return their names."""
+        if not self.ttl_s or self.ttl_s <= 0:
+            return []
+        now = self.clock() if now is None else now
+        idle = [e.name for e in self.entries() if e.in_memory and now - e.last_used > self.ttl_s]
+        for name in idle:
+            self.offload(name)
+        return idle
+
+    def memory_bytes(self) -> int:
+        """Bytes of the prompt caches held in memory now."""
+        return sum(e.cache_bytes for e in self._entries.values())
+
+    def enforce_budget(self) -> list[str]:
+        """Offload least recently used caches until the rest fit ``memory_budget_bytes``.
+
+        The most recently used session always stays. Returns the names offloaded.
+        """
+        budget = self.memory_budget_bytes
+        if not budget or budget <= 0:
+            return []
+        offloaded = []
+        for entry in reversed(self.entries()[1:]):  # oldest first, never the newest
+            if self.memory_bytes() <= budget:
+                break
+            if entry.in_memory and self.offload(entry.name):
+                offloaded.append(entry.name)
+        return offloaded
