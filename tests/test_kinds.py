@@ -14,6 +14,7 @@ from mlx_lm.models.cache import (
 from kvchat.engine.kinds import (
     EXAMPLE_KINDS,
     CacheKindError,
+    cache_bytes,
     make_cache,
     parse_kind,
 )
@@ -67,3 +68,8 @@ def test_examples_parse_and_names_normalise():
 def test_bad_names_are_clear_errors(name, message):
     with pytest.raises(CacheKindError, match=message):
         parse_kind(name)
+
+
+@pytest.mark.parametrize("name", ["standard", "quantized:8", "quantized:4", "rotating:256", "chunked:256", "concatenate"])
+def test_an_empty_cache_holds_no_bytes(demo_model, name):
+    assert cache_bytes(make_cache(demo_model.model, parse_kind(name))) == 0

@@ -149,8 +149,9 @@ def cache_offset(cache: list[Any]) -> int | None:
 
 
 def cache_bytes(cache: list[Any]) -> int:
-    """Bytes held by the cache's arrays."""
-    return sum(c.nbytes for c in cache)
+    """Bytes held by the cache's arrays (an empty layer holds none)."""
+    # mlx-lm's QuantizedKVCache.nbytes fails before its first update.
+    return sum(c.nbytes for c in cache if getattr(c, "keys", ()) is not None)
 
 
 def trim_to(cache: list[Any], n: int) -> bool:

@@ -180,6 +180,11 @@ class Session:
         return cache_bytes(self.cache)
 
     @property
+    def pending_rebuild(self) -> str | None:
+        """Why the cache was emptied since the last turn (reset, failed turn, ...), if it was."""
+        return self._pending_rebuild
+
+    @property
     def last_stats(self) -> TurnStats | None:
         return self.turns[-1] if self.turns else None
 
