@@ -1,0 +1,509 @@
+"""The kvchat Textual app: tabs of conversations, the cache sidebar, dialogs and key bindings.
+
+A thin layer: every action here is one engine or store call run through a
+conversation's worker (see ``widgets/chat.py``), in the order the shared
+:class:`~kvchat.engine.scheduler.Scheduler` decides. Every key is declared
+once, in a ``BINDINGS`` list; the footer, the help screen and the command
+palette are built from those lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import partial
+from pathlib import Path
+
+from textual import on, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.screen import Screen
+from textual.widgets import Footer, TabbedContent, TabPane, Tabs
+
+from kvchat import store
+from kvchat.config import Config, ConfigError, load_config, remember
+from kvchat.engine.scheduler import Scheduler
+from kvchat.engine.session import GenerationSettings, Session
+from kvchat.themes import kvchat_themes
+
+from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
+from .screens.help import HelpScreen
+from .screens.loading import LoadingScreen
+from .screens.picker import SessionPicker
+from .widgets.chat import Changed, ChatInput, Conversation
+from .widgets.sidebar import CacheInfo, CacheSidebar
+
+# Actions that need an open conversation (and no dialog on top).
+_TAB_ACTIONS = {
+    "close_tab", "next_tab", "previous_tab", "rename", "save", "trim", "cache_kind",
+    "reset_cache", "drop", "regenerate", "stop",
+}
+_NEEDS_IDLE = {"close_tab", "rename", "save", "trim", "cache_kind", "reset_cache", "drop",
+               "regenerate"}
+
+
+class KvChatApp(App):
+    """kvchat's terminal UI.
+
+    ``lm`` is a loaded model (tests pass the demo model); without it the app
+    loads ``config.model`` behind a loading screen. ``volatile=False`` hides
+    timings and memory figures, so snapshots are deterministic.
+    """
+
+    CSS_PATH = "kvchat.tcss"
+    TITLE = "kvchat"
+
+    BINDINGS = [
+        Binding("ctrl+t", "new_tab", "New tab", tooltip="Start a new conversation in a new tab."),
+        Binding("ctrl+w", "close_tab", "Close tab", priority=True, show=False,
+                tooltip="Close the active tab (a saved session stays on disk)."),
+        Binding("ctrl+pagedown,alt+right", "next_tab", "Next tab", show=False),
+        Binding("ctrl+pageup,alt+left", "previous_tab", "Previous tab", show=False),
+        Binding("f2", "rename", "Rename", show=False, tooltip="Rename the active session."),
+        Binding("escape", "stop", "Stop", tooltip="Stop the reply being written."),
+        Binding("ctrl+s", "save", "Save", tooltip="Save the session, cache included."),
+        Binding("ctrl+l", "trim", "Trim", tooltip="Undo the last turn or trim the history."),
+        Binding("f4", "cache_kind", "Cache type", tooltip="Switch the cache kind of this tab."),
+        Binding("ctrl+r", "reset_cache", "Reset cache",
+                tooltip="Empty the cache; the next turn prefills the whole transcript."),
+        Binding("f5", "regenerate", "Regenerate", show=False,
+                tooltip="Replace the last reply with a new one."),
+        Binding("f8", "drop", "Drop", show=False,
+                tooltip="Drop the session from memory, or from disk too."),
+        Binding("ctrl+o,f3", "sessions", "Sessions", tooltip="Open a saved session."),
+        Binding("ctrl+b", "toggle_sidebar", "Sidebar", show=False,
+                tooltip="Show or hide the cache panel."),
+        Binding("f1,question_mark", "help", "Help", key_display="F1",
+                tooltip="List every key."),
+    ]
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        lm=None,
+        resume: str | None = None,
+        volatile: bool = True,
+        picker: bool = True,
+        config_path: Path | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config or Config()
+        self.lm = lm
+        self.resume = resume
+        self.volatile = volatile
+        self.picker_on_start = picker
+        self.config_path = config_path
+        self.scheduler = Scheduler()
+        self._tab_numbers = 0
+        self._theme_ready = False
+
+    # ------------------------------------------------------------- layout
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            yield TabbedContent(id="tabs")
+            yield CacheSidebar(volatile=self.volatile, id="sidebar")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._register_themes()
+        if self.lm is None:
+            self.push_screen(LoadingScreen(f"Loading model {self.config.model}…"))
+            self._load_model(self.config.model)
+        else:
+            self.call_later(self._start)
+
+    def _register_themes(self) -> None:
+        themes, problems = kvchat_themes()
+        for theme in themes:
+            self.register_theme(theme)
+        for problem in problems:
+            self.notify(f"Theme skipped: {problem}", severity="warning", markup=False)
+        if self.config.theme in self.available_themes:
+            self.theme = self.config.theme
+        else:
+            self.notify(f"Unknown theme {self.config.theme!r}; using kvchat-dark.",
+                        severity="warning", markup=False)
+            self.theme = "kvchat-dark"
+        self.theme_changed_signal.subscribe(self, self._theme_changed)
+        self._theme_ready = True
+
+    def _theme_changed(self, theme) -> None:
+        if self._theme_ready and theme.name != self.config.theme:
+            self.config = self.config.override(theme=theme.name)
+            try:
+                remember(self.config_path, theme=theme.name)
+            except OSError as error:
+                self.notify(f"Could not remember the theme: {error}", severity="warning")
+
+    @work(thread=True, exclusive=True, group="model")
+    def _load_model(self, spec: str) -> None:
+        from kvchat.engine.model import ModelLoadError, load_model
+
+        try:
+            lm = load_model(spec)
+        except ModelLoadError as error:
+            self.call_from_thread(self.exit, return_code=2, message=f"kvchat: {error}")
+            return
+        self.call_from_thread(self._model_ready, lm)
+
+    def _model_ready(self, lm) -> None:
+        self.lm = lm
+        if isinstance(self.screen, LoadingScreen):
+            self.pop_screen()
+        self._start()
+
+    def _start(self) -> None:
+        if self.resume:
+            self.open_saved(self.resume)
+            return
+        sessions = store.list_sessions() if self.picker_on_start else []
+        if sessions:
+            self.push_screen(SessionPicker(sessions, cancellable=False), self._picked)
+        else:
+            self.call_later(self.new_tab)
+
+    async def _picked(self, name: str | None) -> None:
+        if name is None:
+            return
+        if name == "":
+            await self.new_tab()
+        else:
+            self.open_saved(name)
+
+    # ------------------------------------------------------------- tabs
+
+    @property
+    def tabs(self) -> TabbedContent:
+        return self.query_one("#tabs", TabbedContent)
+
+    @property
+    def sidebar(self) -> CacheSidebar:
+        return self.query_one("#sidebar", CacheSidebar)
+
+    def conversations(self) -> list[Conversation]:
+        return list(self.query(Conversation))
+
+    def active_conversation(self) -> Conversation | None:
+        try:
+            pane = self.tabs.active_pane
+        except Exception:
+            return None
+        if pane is None:
+            return None
+        found = pane.query(Conversation)
+        return found.first() if found else None
+
+    def _unique_name(self, base: str = "chat") -> str:
+        taken = {c.session_name for c in self.conversations()}
+        n = 1
+        while f"{base}-{n}" in taken or store.exists(f"{base}-{n}"):
+            n += 1
+        return f"{base}-{n}"
+
+    def new_session(self) -> Session:
+        c = self.config
+        settings = GenerationSettings(max_tokens=c.max_tokens, temp=c.temp)
+        return Session(self.lm, kind=c.cache, system=c.system or None, settings=settings)
+
+    async def new_tab(self) -> Conversation | None:
+        if self.lm is None:
+            return None
+        return await self.add_conversation(self.new_session(), self._unique_name())
+
+    async def add_conversation(
+        self, session: Session, name: str, *, saved: bool = False, notice: str | None = None
+    ) -> Conversation:
+        self._tab_numbers += 1
+        n = self._tab_numbers
+        conversation = Conversation(session, name, self.scheduler, id=f"conv-{n}")
+        conversation.saved = saved
+        conversation.autosave = self.config.autosave
+        pane = TabPane(name, conversation, id=f"pane-{n}")
+        await self.tabs.add_pane(pane)
+        self.tabs.active = pane.id
+        if notice:
+            await conversation.add_notice(notice, "rebuild")
+        conversation.log.scroll_end(animate=False)
+        conversation.focus_input()
+        self.refresh_sidebar()
+        return conversation
+
+    def open_saved(self, name: str) -> None:
+        for conversation in self.conversations():
+            if conversation.session_name == name:
+                pane = conversation.parent
+                self.tabs.active = pane.id
+                conversation.focus_input()
+                return
+        self.push_screen(LoadingScreen(f"Opening session {name}…"))
+        self._load_session(name)
+
+    @work(thread=True, group="load")
+    def _load_session(self, name: str) -> None:
+        screen = self.screen
+        progress = (lambda done, total: self.call_from_thread(screen.set_progress, done, total)
+                    ) if isinstance(screen, LoadingScreen) else None
+        try:
+            with self.scheduler.turn(f"load:{name}"):
+                loaded = store.load(name, self.lm, progress)
+        except store.StoreError as error:
+            self.call_from_thread(self._load_failed, str(error))
+            return
+        self.call_from_thread(self._loaded, name, loaded)
+
+    async def _loaded(self, name: str, loaded: store.Loaded) -> None:
+        if isinstance(self.screen, LoadingScreen):
+            self.pop_screen()
+        await self.add_conversation(loaded.session, name, saved=True, notice=loaded.notice)
+
+    async def _load_failed(self, message: str) -> None:
+        if isinstance(self.screen, LoadingScreen):
+            self.pop_screen()
+        self.notify(message, severity="error", markup=False, timeout=10)
+        if not self.conversations():
+            await self.new_tab()
+
+    @on(TabbedContent.TabActivated)
+    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        self.refresh_sidebar()
+        conversation = self.active_conversation()
+        if conversation is not None and conversation.is_mounted:
+            self.call_later(conversation.focus_input)
+
+    @on(Changed)
+    def _changed(self, event: Changed) -> None:
+        if event.conversation is self.active_conversation():
+            self.refresh_sidebar()
+
+    def refresh_sidebar(self) -> None:
+        conversation = self.active_conversation()
+        self.sidebar.info = CacheInfo.of(conversation) if conversation else None
+        self.refresh_bindings()
+
+    # ------------------------------------------------------------- actions
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in _TAB_ACTIONS:
+            if self.lm is None or not self.is_mounted:
+                return False
+            if len(self.screen_stack) > 1 and action != "stop":
+                return False
+            conversation = self.active_conversation()
+            if conversation is None:
+                return None
+            if action in _NEEDS_IDLE and conversation.busy:
+                return None
+        if action == "new_tab" and (self.lm is None or len(self.screen_stack) > 1):
+            return False
+        return True
+
+    async def action_new_tab(self) -> None:
+        await self.new_tab()
+
+    async def action_close_tab(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        pane = conversation.parent
+        await self.tabs.remove_pane(pane.id)
+        self.refresh_sidebar()
+
+    def action_next_tab(self) -> None:
+        self.tabs.query_one(Tabs).action_next_tab()
+
+    def action_previous_tab(self) -> None:
+        self.tabs.query_one(Tabs).action_previous_tab()
+
+    def action_stop(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is not None and conversation.stop():
+            self.notify("Stopping…", timeout=2)
+
+    def action_save(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        name = conversation.session_name
+
+        def saved(path) -> None:
+            conversation.saved = True
+            self.notify(f"Saved {name} ({conversation.session.cache_tokens:,} cache tokens).",
+                        markup=False)
+
+        conversation.run_job("saving", lambda progress: store.save(conversation.session, name),
+                             saved)
+
+    def action_trim(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        session = conversation.session
+
+        async def chosen(choice: TrimChoice | None) -> None:
+            if choice is None:
+                return
+            if choice.undo:
+                def undone(_):
+                    self.notify(f"Undid the last turn; the cache holds "
+                                f"{session.cache_tokens:,} tokens.")
+                    return conversation.reload()
+                conversation.run_job("undoing", lambda progress: session.undo(choice.undo),
+                                     undone)
+            else:
+                def trimmed(dropped: int):
+                    self.notify(f"Dropped {dropped} message(s); the cache holds "
+                                f"{session.cache_tokens:,} tokens.")
+                    return conversation.reload()
+                conversation.run_job(
+                    "trimming", lambda progress: session.trim_history(choice.max_tokens, progress),
+                    trimmed,
+                )
+
+        self.push_screen(TrimDialog(session.cache_tokens, len(session.turns)), chosen)
+
+    def action_cache_kind(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        session = conversation.session
+
+        def chosen(kind: str | None) -> None:
+            if kind is None or kind == session.kind.name:
+                return
+
+            def switched(reason: str | None) -> None:
+                how = f"rebuilt ({reason})" if reason else "converted in place"
+                self.notify(f"Cache is now {session.kind.name}: {how}.", markup=False)
+
+            conversation.run_job(
+                "switching cache", lambda progress: session.set_kind(kind, progress), switched
+            )
+
+        self.push_screen(KindDialog(session.kind.name, self.lm.model), chosen)
+
+    def action_reset_cache(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        conversation.run_job(
+            "resetting", lambda progress: conversation.session.reset(),
+            lambda _: self.notify("Cache emptied; the next turn prefills the whole transcript."),
+        )
+
+    def action_regenerate(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is not None:
+            conversation.regenerate()
+
+    def action_drop(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        name = conversation.session_name
+
+        async def chosen(where: str | None) -> None:
+            if where is None:
+                return
+            if where == "disk" and store.exists(name):
+                store.delete(name)
+            await self.tabs.remove_pane(conversation.parent.id)
+            self.refresh_sidebar()
+            self.notify(f"Dropped {name}" + (" from memory and disk." if where == "disk"
+                                              else " from memory."), markup=False)
+
+        self.push_screen(DropDialog(name, store.exists(name)), chosen)
+
+    def action_rename(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        old = conversation.session_name
+
+        def chosen(new: str | None) -> None:
+            if not new or new == old:
+                return
+            try:
+                store.check_name(new)
+            except store.StoreError as error:
+                self.notify(str(error), severity="error", markup=False)
+                return
+            taken = {c.session_name for c in self.conversations()}
+            if new in taken or store.exists(new):
+                self.notify(f"A session named {new!r} already exists.", severity="error",
+                            markup=False)
+                return
+            conversation.session_name = new
+            self.tabs.get_tab(conversation.parent.id).label = new
+            if conversation.saved and store.exists(old):
+                def move(progress):
+                    store.save(conversation.session, new)
+                    store.delete(old)
+                conversation.run_job("renaming", move)
+            self.refresh_sidebar()
+
+        self.push_screen(RenameDialog(old), chosen)
+
+    def action_sessions(self) -> None:
+        self.push_screen(SessionPicker(store.list_sessions()), self._picked)
+
+    def action_toggle_sidebar(self) -> None:
+        self.sidebar.display = not self.sidebar.display
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.binding_groups()))
+
+    # ------------------------------------------------------- help, palette
+
+    @classmethod
+    def binding_groups(cls) -> list[tuple[str, list]]:
+        """Where each key works, and the BINDINGS list that defines it."""
+        return [
+            ("anywhere", cls.BINDINGS),
+            ("message box", ChatInput.BINDINGS),
+            ("session picker", SessionPicker.BINDINGS),
+            ("anywhere", [Binding("ctrl+p", "command_palette", "Command palette"),
+                          Binding("ctrl+q", "quit", "Quit")]),
+        ]
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        for binding in self.BINDINGS:
+            if binding.description:
+                key = binding.key.split(",")[0]
+                help_text = f"{binding.tooltip or binding.description} ({key})"
+                yield SystemCommand(binding.description, help_text,
+                                    partial(self.run_action, binding.action))
+        yield from super().get_system_commands(screen)
+
+
+def run_tui(
+    *,
+    model: str | None = None,
+    cache: str | None = None,
+    system: str | None = None,
+    resume: str | None = None,
+    max_tokens: int | None = None,
+    temp: float | None = None,
+) -> int:
+    """Start the TUI with the config file's settings, overridden by the given flags.
+    Returns the exit status."""
+    import sys
+
+    if resume and model is None:
+        try:
+            model = store.summary(resume).model_id
+        except store.StoreError as error:
+            print(f"kvchat: {error}", file=sys.stderr)
+            return 2
+    try:
+        config = load_config().override(
+            model=model, cache=cache, system=system, max_tokens=max_tokens, temp=temp
+        )
+    except ConfigError as error:
+        print(f"kvchat: {error}", file=sys.stderr)
+        return 2
+    app = KvChatApp(config, resume=resume)
+    app.run()
+    return app.return_code or 0

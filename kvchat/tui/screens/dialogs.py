@@ -1,0 +1,225 @@
+"""Modal dialogs: trim, cache kind, drop, rename. Each one dismisses with a small result
+that the app turns into one engine call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, OptionList, Static
+from textual.widgets.option_list import Option
+
+from kvchat.engine.kinds import EXAMPLE_KINDS, QUANT_GROUP_SIZE, parse_kind
+
+from ..widgets.sidebar import human_bytes
+
+
+class Dialog(ModalScreen):
+    """A modal with a title; Escape cancels (dismisses with None)."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    TITLE_TEXT = ""
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+# ----------------------------------------------------------------------- trim
+
+
+@dataclass(frozen=True)
+class TrimChoice:
+    undo: int = 0
+    max_tokens: int | None = None
+
+
+class TrimDialog(Dialog):
+    """Undo the last turn, or drop the oldest turns until the history fits N tokens."""
+
+    def __init__(self, cache_tokens: int, turns: int) -> None:
+        super().__init__()
+        self.cache_tokens = cache_tokens
+        self.turns = turns
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="trim-dialog") as box:
+            box.border_title = "Trim the conversation"
+            yield Static(
+                f"The cache holds {self.cache_tokens:,} tokens over {self.turns} turn(s).",
+                markup=False,
+            )
+            yield Button("Undo last turn", id="trim-undo", variant="primary")
+            yield Label("…or keep the system prompt and the newest turns, at most:")
+            with Horizontal(classes="row"):
+                yield Input(
+                    placeholder="tokens", id="trim-tokens", type="integer",
+                    value=str(max(1, self.cache_tokens // 2)),
+                )
+                yield Button("Trim to tokens", id="trim-to", variant="warning")
+            yield Button("Cancel", id="trim-cancel")
+
+    @on(Button.Pressed, "#trim-undo")
+    def _undo(self) -> None:
+        self.dismiss(TrimChoice(undo=1))
+
+    @on(Button.Pressed, "#trim-to")
+    @on(Input.Submitted, "#trim-tokens")
+    def _trim(self) -> None:
+        raw = self.query_one("#trim-tokens", Input).value.strip()
+        if not raw.isdigit() or int(raw) < 1:
+            self.notify("Give a number of tokens (1 or more).", severity="warning")
+            return
+        self.dismiss(TrimChoice(max_tokens=int(raw)))
+
+    @on(Button.Pressed, "#trim-cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+# ----------------------------------------------------------------- cache kind
+
+
+def model_kv_shape(model) -> tuple[int, int, int, int]:
+    """(layers, kv heads, head dim, bytes per element) of a model's attention cache."""
+    args = getattr(model, "args", None)
+    layers = len(getattr(model, "layers", []))
+    heads = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", 1)
+    head_dim = getattr(args, "head_dim", None) or (
+        getattr(args, "hidden_size", 0) // max(1, getattr(args, "num_attention_heads", 1))
+    )
+    size = 4
+    for _, value in tree_flatten(model.parameters()):
+        if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+            size = value.dtype.size
+            break
+    return layers, heads, head_dim, size
+
+
+def kind_bytes_per_token(model, kind_name: str) -> float:
+    """Bytes one token adds to a cache of ``kind_name``, computed from the model's shape:
+    layers × kv heads × head dim × 2 (keys and values) × bytes per element; quantized
+    kinds store ``bits/8`` bytes per element plus a scale and a bias per group of 64."""
+    layers, heads, head_dim, size = model_kv_shape(model)
+    elements = layers * heads * head_dim * 2
+    kind = parse_kind(kind_name)
+    if kind.family == "quantized":
+        return elements * (kind.size / 8 + 2 * size / QUANT_GROUP_SIZE)
+    return float(elements * size)
+
+
+class KindDialog(Dialog):
+    """Pick a cache kind; each line shows its bytes per token for this model."""
+
+    def __init__(self, current: str, model) -> None:
+        super().__init__()
+        self.current = current
+        self.model = model
+
+    def compose(self) -> ComposeResult:
+        options = []
+        for name in EXAMPLE_KINDS:
+            kind = parse_kind(name)
+            per_token = kind_bytes_per_token(self.model, name)
+            bound = f", at most {human_bytes(int(per_token * kind.size))}" if kind.family in (
+                "rotating", "chunked") else ""
+            mark = "● " if name == self.current else "  "
+            label = Text.assemble(
+                (f"{mark}{name:<14}", "bold"),
+                f"{human_bytes(int(per_token)):>10}/token{bound}\n",
+                ("    " + kind.description, "dim"),
+            )
+            options.append(Option(label, id=name))
+        with Vertical(classes="dialog", id="kind-dialog") as box:
+            box.border_title = "Cache type"
+            yield Static(
+                "Bytes per token computed from the model: layers × kv heads × head dim × 2 × "
+                "bytes per element (quantized: bits/8 plus a scale and bias per 64).",
+                classes="hint", markup=False,
+            )
+            yield OptionList(*options, id="kind-options")
+            yield Button("Cancel", id="kind-cancel")
+
+    def on_mount(self) -> None:
+        options = self.query_one(OptionList)
+        if self.current in EXAMPLE_KINDS:
+            options.highlighted = EXAMPLE_KINDS.index(self.current)
+        options.focus()
+
+    @on(OptionList.OptionSelected)
+    def _picked(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+    @on(Button.Pressed, "#kind-cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+# ----------------------------------------------------------------------- drop
+
+
+class DropDialog(Dialog):
+    """Confirm dropping a session: from memory only (it stays on disk) or from disk too."""
+
+    def __init__(self, name: str, on_disk: bool) -> None:
+        super().__init__()
+        self.session_name = name
+        self.on_disk = on_disk
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="drop-dialog") as box:
+            box.border_title = "Drop session"
+            where = "It is saved on disk." if self.on_disk else "It has not been saved."
+            yield Static(
+                f"Drop {self.session_name!r} and close its tab? {where}", markup=False
+            )
+            with Horizontal(classes="row"):
+                yield Button("Memory only", id="drop-memory", variant="warning")
+                yield Button("Memory and disk", id="drop-disk", variant="error")
+                yield Button("Cancel", id="drop-cancel")
+
+    @on(Button.Pressed, "#drop-memory")
+    def _memory(self) -> None:
+        self.dismiss("memory")
+
+    @on(Button.Pressed, "#drop-disk")
+    def _disk(self) -> None:
+        self.dismiss("disk")
+
+    @on(Button.Pressed, "#drop-cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+# --------------------------------------------------------------------- rename
+
+
+class RenameDialog(Dialog):
+    """A new name for the session (it is also the name it is saved under)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.session_name = name
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="rename-dialog") as box:
+            box.border_title = "Rename session"
+            yield Input(value=self.session_name, id="rename-input")
+            with Horizontal(classes="row"):
+                yield Button("Rename", id="rename-ok", variant="primary")
+                yield Button("Cancel", id="rename-cancel")
+
+    @on(Button.Pressed, "#rename-ok")
+    @on(Input.Submitted, "#rename-input")
+    def _ok(self) -> None:
+        self.dismiss(self.query_one("#rename-input", Input).value.strip() or None)
+
+    @on(Button.Pressed, "#rename-cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,1 @@
+"""Widgets, grouped by the part of the screen they draw."""

@@ -1,0 +1,464 @@
+"""One conversation tab: its transcript view, its input and the worker that runs its turns.
+
+Model output is untrusted: every piece goes through :func:`kvchat.safety.printable`
+(control characters and escape sequences become visible ``\\xNN`` text) and is
+shown either as ``Text`` or through ``Markdown`` with link opening turned off,
+never parsed as Rich/Textual markup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rich.text import Text
+from textual import events, on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.reactive import reactive
+from textual.timer import Timer
+from textual.widgets import Markdown, ProgressBar, Static, TextArea
+
+from kvchat.engine.scheduler import Cancelled
+from kvchat.engine.session import Chunk, Prefill, Session, SessionError, TurnDone
+from kvchat.safety import printable
+
+if TYPE_CHECKING:
+    from kvchat.engine.scheduler import Scheduler
+
+Progress = Callable[[int, int], None]
+
+
+def safe(text: str) -> str:
+    """Untrusted text made safe for the terminal (markup is a separate matter: see callers)."""
+    return printable(text)
+
+
+# ------------------------------------------------------------------ messages
+
+
+class UserMessage(Static):
+    """What the user sent, shown as plain text."""
+
+    def __init__(self, content: str) -> None:
+        self.text = safe(content)
+        super().__init__(Text(self.text), markup=False, classes="message user")
+        self.border_title = "you"
+
+
+class AssistantMessage(Vertical):
+    """A reply, rendered as Markdown (streamed while it is written)."""
+
+    def __init__(self, content: str = "", stopped: bool = False) -> None:
+        super().__init__(classes="message assistant")
+        self.border_title = "assistant"
+        self._initial = safe(content)
+        self._pending = ""
+        self._flush_timer: Timer | None = None
+        self._done = False
+        self.text = self._initial
+        if stopped:
+            self.add_class("stopped")
+            self.border_subtitle = "stopped"
+
+    def compose(self) -> ComposeResult:
+        yield Markdown(self._initial, open_links=False)
+
+    @property
+    def markdown(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    async def write(self, chunk: str) -> None:
+        """Append a streamed piece of the reply; the Markdown catches up in small batches."""
+        piece = safe(chunk)
+        self.text += piece
+        self._pending += piece
+        if self._flush_timer is None:
+            self._flush_timer = self.set_timer(0.05, self._flush)
+
+    async def _flush(self) -> None:
+        self._flush_timer = None
+        pending, self._pending = self._pending, ""
+        if pending and not self._done:
+            await self.markdown.append(pending)
+
+    async def finish(self, reply: str, stopped: bool) -> None:
+        """The turn is over: show the reply as kept in the transcript."""
+        if self._flush_timer is not None:
+            self._flush_timer.stop()
+            self._flush_timer = None
+        self._pending = ""
+        self._done = True
+        self.text = safe(reply)
+        await self.markdown.update(self.text)
+        if stopped:
+            self.add_class("stopped")
+            self.border_subtitle = "stopped"
+
+    @on(Markdown.LinkClicked)
+    def _link_clicked(self, event: Markdown.LinkClicked) -> None:
+        # Links in model output open nothing; show where they point instead.
+        event.stop()
+        self.notify(f"Link (not opened): {safe(event.href)}", markup=False, timeout=6)
+
+
+class NoticeMessage(Static):
+    """A line from kvchat itself (a rebuild, a load notice, an error)."""
+
+    def __init__(self, content: str, kind: str = "info") -> None:
+        super().__init__(Text(safe(content)), markup=False, classes=f"message notice {kind}")
+
+
+# ---------------------------------------------------------------------- input
+
+
+class ChatInput(TextArea):
+    """A multi-line message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line."""
+
+    BINDINGS = [
+        Binding("enter", "submit", "Send"),
+        Binding("ctrl+j,shift+enter", "newline", "New line", key_display="^j"),
+    ]
+
+    class Submitted(Message):
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(soft_wrap=True, show_line_numbers=False, **kwargs)
+
+    async def _on_key(self, event: events.Key) -> None:
+        # TextArea inserts a newline on Enter before bindings are looked at, and a
+        # priority binding would run ahead of keys still queued (typed text), so the
+        # keys of BINDINGS are dispatched here, in order with the typing.
+        for binding in self.BINDINGS:
+            if event.key in [key.strip() for key in binding.key.split(",")]:
+                event.stop()
+                event.prevent_default()
+                await self.run_action(binding.action)
+                return
+        await super()._on_key(event)
+
+    def action_submit(self) -> None:
+        self.post_message(self.Submitted(self.text))
+
+    def action_newline(self) -> None:
+        self.insert("\n")
+
+
+# ----------------------------------------------------------- worker messages
+
+
+class TurnEvent(Message):
+    """Something the turn worker reports to its conversation."""
+
+
+class Waiting(TurnEvent):
+    def __init__(self, ahead: int) -> None:
+        super().__init__()
+        self.ahead = ahead
+
+
+class Started(TurnEvent):
+    pass
+
+
+class PrefillProgress(TurnEvent):
+    def __init__(self, done: int, total: int, label: str) -> None:
+        super().__init__()
+        self.done, self.total, self.label = done, total, label
+
+
+class ReplyChunk(TurnEvent):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class TurnFinished(TurnEvent):
+    def __init__(self, done: TurnDone | None, error: str | None, cancelled: bool = False) -> None:
+        super().__init__()
+        self.done, self.error, self.cancelled = done, error, cancelled
+
+
+class JobFinished(TurnEvent):
+    def __init__(self, label: str, result: Any, error: str | None, then: Callable | None) -> None:
+        super().__init__()
+        self.label, self.result, self.error, self.then = label, result, error, then
+
+
+class Changed(Message):
+    """The conversation's session or state changed: the sidebar should redraw."""
+
+    def __init__(self, conversation: Conversation) -> None:
+        super().__init__()
+        self.conversation = conversation
+
+
+# --------------------------------------------------------------- conversation
+
+
+class Conversation(Vertical):
+    """One tab: a session, its transcript, its input and a status line.
+
+    ``state`` is ``idle``, ``waiting`` (queued behind another tab), ``answering``
+    or a short label of a running job (``rebuilding``...).
+    """
+
+    state: reactive[str] = reactive("idle")
+
+    def __init__(self, session: Session, name: str, scheduler: Scheduler, *, id: str) -> None:
+        super().__init__(id=id, classes="conversation")
+        self.session = session
+        self.session_name = name
+        self.scheduler = scheduler
+        self.saved = False
+        self.autosave = False
+        self._reply: AssistantMessage | None = None
+        self._pending_text: str | None = None
+        self._user_widget: UserMessage | None = None
+
+    @property
+    def owner(self) -> str:
+        return self.id or self.session_name
+
+    @property
+    def busy(self) -> bool:
+        return self.state != "idle"
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(classes="log"):
+            for message in self.session.messages:
+                yield from self._message_widgets(message)
+        yield Static("", classes="status", markup=False)
+        yield ProgressBar(total=100, show_eta=False, classes="progress")
+        yield ChatInput(classes="input", placeholder="Message (Enter sends, Ctrl+J new line)")
+
+    def _message_widgets(self, message: dict):
+        role = message["role"]
+        if role == "user":
+            yield UserMessage(message["content"])
+        elif role == "assistant":
+            yield AssistantMessage(message["content"], stopped=bool(message.get("stopped")))
+        elif role == "system":
+            yield NoticeMessage(f"System prompt: {message['content']}", "system")
+
+    @property
+    def log(self) -> VerticalScroll:
+        return self.query_one(".log", VerticalScroll)
+
+    @property
+    def input(self) -> ChatInput:
+        return self.query_one(ChatInput)
+
+    def focus_input(self) -> None:
+        self.input.focus()
+
+    def watch_state(self, state: str) -> None:
+        status = self.query_one(".status", Static)
+        bar = self.query_one(".progress", ProgressBar)
+        if state == "idle":
+            status.update("")
+            bar.display = False
+        elif state == "waiting":
+            ahead = self.scheduler.running or "another tab"
+            status.update(Text(f"Waiting for the model ({ahead} is using it)… Esc cancels"))
+        elif state == "answering":
+            status.update(Text("Answering… Esc stops"))
+        else:
+            status.update(Text(f"{state.capitalize()}…"))
+        self.post_message(Changed(self))
+
+    async def reload(self) -> None:
+        """Redraw the transcript from the session (after undo, trim or resume)."""
+        log = self.log
+        await log.remove_children()
+        widgets = [w for m in self.session.messages for w in self._message_widgets(m)]
+        if widgets:
+            await log.mount_all(widgets)
+        log.scroll_end(animate=False)
+        self.post_message(Changed(self))
+
+    async def add_notice(self, text: str, kind: str = "info") -> None:
+        await self.log.mount(NoticeMessage(text, kind))
+        self.log.scroll_end(animate=False)
+
+    # ------------------------------------------------------------- sending
+
+    @on(ChatInput.Submitted)
+    async def _submitted(self, event: ChatInput.Submitted) -> None:
+        event.stop()
+        await self.send(event.text)
+
+    async def send(self, text: str) -> bool:
+        """Start a turn with ``text``; False (and a notice) if it cannot start now."""
+        if self.busy:
+            self.notify("This tab is still busy; press Esc to stop it first.", severity="warning")
+            return False
+        try:
+            events = self.session.send(text)
+        except SessionError as error:
+            self.notify(str(error), severity="warning", markup=False)
+            return False
+        self.input.clear()
+        self._pending_text = text
+        self._user_widget = UserMessage(text)
+        self._reply = None
+        await self.log.mount(self._user_widget)
+        self.log.scroll_end(animate=False)
+        self.state = "waiting" if self.scheduler.running else "answering"
+        self._run_turn(events)
+        return True
+
+    def regenerate(self) -> bool:
+        if self.busy:
+            self.notify("This tab is still busy.", severity="warning")
+            return False
+        try:
+            events = self.session.regenerate()
+        except SessionError as error:
+            self.notify(str(error), severity="warning", markup=False)
+            return False
+        replies = self.log.query(AssistantMessage)
+        if replies:
+            replies.last().remove()
+        self._pending_text = None
+        self._user_widget = None
+        self.state = "waiting" if self.scheduler.running else "answering"
+        self._run_turn(events)
+        return True
+
+    def stop(self) -> bool:
+        """Stop the running reply, or withdraw a queued one. True if there was one."""
+        if self.state == "waiting" and self.scheduler.cancel(self.owner):
+            return True
+        if self.state == "answering":
+            self.session.stop()
+            return True
+        return False
+
+    @work(thread=True, group="turn")
+    def _run_turn(self, events) -> None:
+        """Worker thread: wait for the model, stream the turn, report back by messages."""
+        post = self.post_message
+        try:
+            with self.scheduler.turn(self.owner, on_wait=lambda ahead: post(Waiting(ahead))):
+                post(Started())
+                done = None
+                for event in events:
+                    if isinstance(event, Prefill):
+                        post(PrefillProgress(event.done, event.total, "prefill"))
+                    elif isinstance(event, Chunk):
+                        post(ReplyChunk(event.text))
+                    elif isinstance(event, TurnDone):
+                        done = event
+                if done is not None and self.autosave:
+                    self._save_now()
+            post(TurnFinished(done, None))
+        except Cancelled:
+            events.close()
+            post(TurnFinished(None, None, cancelled=True))
+        except Exception as error:  # the session stays consistent; show why
+            post(TurnFinished(None, f"{type(error).__name__}: {error}"))
+
+    def _save_now(self) -> None:
+        from kvchat import store
+
+        store.save(self.session, self.session_name)
+        self.saved = True
+
+    @on(Waiting)
+    def _waiting(self, event: Waiting) -> None:
+        event.stop()
+        self.state = "waiting"
+        self.watch_state("waiting")
+
+    @on(Started)
+    def _started(self, event: Started) -> None:
+        event.stop()
+        self.state = "answering"
+
+    @on(PrefillProgress)
+    def _progress(self, event: PrefillProgress) -> None:
+        event.stop()
+        bar = self.query_one(".progress", ProgressBar)
+        # a prefill of a few tokens is over before the bar could be read
+        bar.display = event.total >= 64 and event.done < event.total
+        bar.update(total=max(1, event.total), progress=event.done)
+        if bar.display:
+            self.query_one(".status", Static).update(
+                Text(f"{event.label.capitalize()}: {event.done:,} of {event.total:,} tokens")
+            )
+
+    @on(ReplyChunk)
+    async def _chunk(self, event: ReplyChunk) -> None:
+        event.stop()
+        if self._reply is None:
+            self._reply = AssistantMessage()
+            await self.log.mount(self._reply)
+        await self._reply.write(event.text)
+        self.log.scroll_end(animate=False)
+
+    @on(TurnFinished)
+    async def _finished(self, event: TurnFinished) -> None:
+        event.stop()
+        if event.cancelled:
+            if self._user_widget is not None:
+                await self._user_widget.remove()
+            if self._pending_text is not None and not self.input.text:
+                self.input.text = self._pending_text
+            self.notify("Cancelled before it started.")
+        elif event.error:
+            await self.add_notice(event.error, "error")
+        elif event.done is not None:
+            if self._reply is None:
+                self._reply = AssistantMessage()
+                await self.log.mount(self._reply)
+            await self._reply.finish(event.done.reply, event.done.stopped)
+            if event.done.stats.rebuilt:
+                await self.add_notice(f"Cache rebuilt: {event.done.stats.rebuilt}.", "rebuild")
+        self._reply = None
+        self._user_widget = None
+        self._pending_text = None
+        self.log.scroll_end(animate=False)
+        self.state = "idle"
+
+    # ---------------------------------------------------------------- jobs
+
+    def run_job(
+        self, label: str, job: Callable[[Progress], Any], then: Callable[[Any], Any] | None = None
+    ) -> bool:
+        """Run ``job(progress)`` (an engine call that uses the model) in a worker thread,
+        in turn with the other tabs; call ``then(result)`` on the UI thread afterwards."""
+        if self.busy:
+            self.notify("This tab is still busy; press Esc to stop it first.", severity="warning")
+            return False
+        self.state = label
+        self._job(label, job, then)
+        return True
+
+    @work(thread=True, group="job")
+    def _job(self, label: str, job: Callable[[Progress], Any], then: Callable | None) -> None:
+        post = self.post_message
+        try:
+            with self.scheduler.turn(self.owner):
+                result = job(lambda done, total: post(PrefillProgress(done, total, label)))
+        except Exception as error:
+            post(JobFinished(label, None, f"{type(error).__name__}: {error}", None))
+        else:
+            post(JobFinished(label, result, None, then))
+
+    @on(JobFinished)
+    async def _job_finished(self, event: JobFinished) -> None:
+        event.stop()
+        self.state = "idle"
+        if event.error:
+            await self.add_notice(f"{event.label.capitalize()} failed: {event.error}", "error")
+        elif event.then is not None:
+            outcome = event.then(event.result)
+            if hasattr(outcome, "__await__"):
+                await outcome
+        self.post_message(Changed(self))

@@ -1,0 +1,69 @@
+"""Helpers for driving the TUI with the demo model in a private home."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvchat.config import Config
+from kvchat.tui.app import KvChatApp
+
+SIZE = (120, 40)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh data and config dir for each test (no saved sessions)."""
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    return tmp_path
+
+
+@pytest.fixture
+def make_app(demo_model, home):
+    def make(max_tokens: int = 8, **kwargs) -> KvChatApp:
+        config = Config(model="demo", max_tokens=max_tokens, autosave=False)
+        kwargs.setdefault("volatile", False)
+        return KvChatApp(config, lm=demo_model, **kwargs)
+
+    return make
+
+
+async def settle(pilot, conversation=None, timeout: float = 30.0) -> None:
+    """Wait until the workers are done and the conversation is idle again."""
+    app = pilot.app
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        await app.workers.wait_for_complete()
+        if not app.conversations() and len(app.screen_stack) == 1 and app.lm is not None:
+            await pilot.pause(0.02)  # the first tab is being mounted
+        await pilot.pause()
+        busy = conversation is not None and conversation.busy
+        if not busy and not any(c.busy for c in app.conversations()):
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("the app did not settle")
+        await pilot.pause(0.02)
+
+
+async def send(pilot, text: str) -> None:
+    """One turn in the active tab (the keys that send are tested on their own)."""
+    conversation = pilot.app.active_conversation()
+    assert await conversation.send(text)
+    await settle(pilot, conversation)
+
+
+@pytest.fixture
+def anyio_backend():
+    """Pilot tests run on asyncio (through anyio's pytest plugin)."""
+    return "asyncio"
+
+
+async def until(pilot, condition, timeout: float = 10.0) -> None:
+    """Pause until ``condition()`` holds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("condition never held")
+        await pilot.pause(0.01)
