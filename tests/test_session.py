@@ -318,3 +318,24 @@ def test_a_second_turn_while_one_runs_is_refused(demo_model):
         next(session.send(MESSAGES[1]))
     finish(running)
     assert_consistent(session)
+
+
+def in_thread(fn):
+    """Run ``fn`` on a new thread (as the TUI's workers do) and return its result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
+
+
+@pytest.mark.parametrize("kind", ["quantized:8", "concatenate"])
+def test_each_operation_may_run_on_its_own_thread(demo_model, kind):
+    """MLX streams belong to threads: nothing lazy may be left in the cache between calls."""
+    session = Session(demo_model, system=SYSTEM, settings=SETTINGS)
+    in_thread(lambda: finish(session.send(MESSAGES[0])))
+    in_thread(lambda: session.set_kind(kind))
+    in_thread(lambda: session.undo())
+    fork = in_thread(lambda: session.fork_prefix())
+    done = in_thread(lambda: finish(session.send(MESSAGES[1])))
+    assert done.reply and done.stats.reused_tokens > 0
+    assert in_thread(lambda: finish(fork.send(MESSAGES[2]))).stats.reused_tokens > 0

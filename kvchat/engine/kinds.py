@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
     ChunkedKVCache,
     ConcatenateKVCache,
@@ -184,6 +186,16 @@ def after_turn(cache: list[Any]) -> None:
     for c in cache:
         if isinstance(c, ChunkedKVCache):
             c.maybe_trim_front()
+    settle(cache)
+
+
+def settle(cache: list[Any]) -> None:
+    """Evaluate what is still lazy in the cache (a slice, a conversion, a copy) now.
+
+    MLX streams belong to threads: an unevaluated array built on one thread
+    fails when the next turn, on another thread, evaluates it.
+    """
+    mx.eval([v for c in cache for _, v in tree_flatten(c.state) if isinstance(v, mx.array)])
 
 
 def _copy_layer(src: Any, dst_kind: CacheKind) -> Any | None:
@@ -211,8 +223,6 @@ def _copy_layer(src: Any, dst_kind: CacheKind) -> Any | None:
 
 
 def _quantize(x, bits: int):
-    import mlx.core as mx
-
     return mx.quantize(x, group_size=QUANT_GROUP_SIZE, bits=bits)
 
 

@@ -35,6 +35,7 @@ from .kinds import (
     held_tokens,
     make_cache,
     parse_kind,
+    settle,
     trim_to,
 )
 from .stats import TurnStats, memory
@@ -159,7 +160,7 @@ class Session:
         n = common_prefix(self.ledger, child.render(messages, False))
         copied = copy_cache(self.cache)
         if n and trim_to(copied, n) and held_tokens(copied) == n:
-            child.cache, child.ledger = copied, self.ledger[:n]
+            child.attach(copied, self.ledger[:n])
         return child
 
     # ----------------------------------------------------------------- views
@@ -399,6 +400,7 @@ class Session:
         if n >= len(self.ledger):
             return None
         if trim_to(self.cache, n):
+            settle(self.cache)
             self._set_ledger(self.ledger[:n])
             return None
         reason = f"the {self.kind.name} cache could not be trimmed back to token {n}"
@@ -425,6 +427,7 @@ class Session:
         """Take back a cache holding exactly ``ledger`` (as loaded from disk)."""
         self.cache, self.ledger = cache, list(ledger)
         self._logits = None
+        settle(cache)
 
     def reset(self) -> None:
         """Empty the cache and keep the transcript: the next turn prefills it all again."""
@@ -504,8 +507,7 @@ class Session:
         old, self.kind = self.kind, new
         converted = convert_cache(self.cache, old, new)
         if converted is not None:
-            self.cache = converted
-            self._logits = None
+            self.attach(converted, self.ledger)
             return None
         return self.rebuild(f"cache kind changed from {old.name} to {new.name}", progress)
 
