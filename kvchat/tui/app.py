@@ -24,6 +24,7 @@ from kvchat import store
 from kvchat.config import Config, ConfigError, load_config, remember
 from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.session import GenerationSettings, Session
+from kvchat.pool import SessionPool
 from kvchat.themes import kvchat_themes
 
 from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
@@ -86,6 +87,7 @@ class KvChatApp(App):
         volatile: bool = True,
         picker: bool = True,
         config_path: Path | None = None,
+        expire_every: float = 15.0,
     ) -> None:
         super().__init__()
         self.config = config or Config()
@@ -95,6 +97,14 @@ class KvChatApp(App):
         self.picker_on_start = picker
         self.config_path = config_path
         self.scheduler = Scheduler()
+        # Every open tab's session, by name: idle caches go to disk after ``ttl`` seconds
+        # or when the caches in memory pass ``memory_budget`` bytes (see expire_idle).
+        self.pool = SessionPool(
+            ttl_s=self.config.ttl or None,
+            memory_budget_bytes=self.config.memory_budget or None,
+        )
+        self.expire_every = expire_every
+        self._maintaining = False
         self._tab_numbers = 0
         self._theme_ready = False
 
@@ -108,6 +118,8 @@ class KvChatApp(App):
 
     def on_mount(self) -> None:
         self._register_themes()
+        if self.expire_every and self.expire_every > 0:
+            self.set_interval(self.expire_every, self.expire_idle, name="expire")
         if self.lm is None:
             self.push_screen(LoadingScreen(f"Loading model {self.config.model}…"))
             self._load_model(self.config.model)
@@ -202,15 +214,35 @@ class KvChatApp(App):
             n += 1
         return f"{base}-{n}"
 
-    def new_session(self) -> Session:
+    def new_session(self, name: str | None = None) -> Session:
+        """A new session (in the pool under ``name`` when given).
+
+        When the model is free, it starts from a copy of the cached system prompt
+        of a live tab with the same model, kind and system prompt
+        (:meth:`SessionPool.new_session`); while another tab uses the model it
+        starts empty rather than wait or copy a cache being written.
+        """
         c = self.config
         settings = GenerationSettings(max_tokens=c.max_tokens, temp=c.temp)
-        return Session(self.lm, kind=c.cache, system=c.system or None, settings=settings)
+        system = c.system or None
+        ticket = self.scheduler.request("new tab")
+        try:
+            self.scheduler.wait(ticket, timeout=0)
+        except TimeoutError:
+            session = Session(self.lm, kind=c.cache, system=system, settings=settings)
+            if name is not None:
+                self.pool.add(name, session)
+            return session
+        try:
+            return self.pool.new_session(self.lm, c.cache, system, settings, name)
+        finally:
+            self.scheduler.done(ticket)
 
     async def new_tab(self) -> Conversation | None:
         if self.lm is None:
             return None
-        return await self.add_conversation(self.new_session(), self._unique_name())
+        name = self._unique_name()
+        return await self.add_conversation(self.new_session(name), name)
 
     async def add_conversation(
         self, session: Session, name: str, *, saved: bool = False, notice: str | None = None
@@ -220,6 +252,9 @@ class KvChatApp(App):
         conversation = Conversation(session, name, self.scheduler, id=f"conv-{n}")
         conversation.saved = saved
         conversation.autosave = self.config.autosave
+        conversation.pool = self.pool
+        if name not in self.pool:
+            self.pool.add(name, session)
         pane = TabPane(name, conversation, id=f"pane-{n}")
         await self.tabs.add_pane(pane)
         self.tabs.active = pane.id
@@ -247,7 +282,7 @@ class KvChatApp(App):
                     ) if isinstance(screen, LoadingScreen) else None
         try:
             with self.scheduler.turn(f"load:{name}"):
-                loaded = store.load(name, self.lm, progress)
+                loaded = self.pool.open(name, self.lm, progress)
         except store.StoreError as error:
             self.call_from_thread(self._load_failed, str(error))
             return
@@ -307,6 +342,7 @@ class KvChatApp(App):
         if conversation is None:
             return
         pane = conversation.parent
+        self.pool.drop(conversation.session_name)
         await self.tabs.remove_pane(pane.id)
         self.refresh_sidebar()
 
@@ -403,15 +439,39 @@ class KvChatApp(App):
             return
         name = conversation.session_name
 
+        async def close() -> None:
+            self.pool.drop(name)
+            if conversation.parent is not None:
+                await self.tabs.remove_pane(conversation.parent.id)
+            self.refresh_sidebar()
+
         async def chosen(where: str | None) -> None:
             if where is None:
                 return
-            if where == "disk" and store.exists(name):
-                store.delete(name)
-            await self.tabs.remove_pane(conversation.parent.id)
-            self.refresh_sidebar()
-            self.notify(f"Dropped {name}" + (" from memory and disk." if where == "disk"
-                                              else " from memory."), markup=False)
+            if where == "disk":
+                self.pool.drop(name, delete_from_disk=True)
+                if store.exists(name):
+                    store.delete(name)
+                await close()
+                self.notify(f"Dropped {name} from memory and disk.", markup=False)
+                return
+
+            def save(progress) -> None:
+                # An offloaded cache is on disk already, as the offload saved it.
+                if name not in self.pool or self.pool.entry(name).in_memory:
+                    store.save(conversation.session, name)
+
+            async def closed() -> None:
+                await close()
+                self.notify(f"Saved as {name} and closed; reopen it with Ctrl+O.",
+                            markup=False)
+
+            def saved(_) -> None:
+                conversation.saved = True
+                # not from inside the tab's own handler: removing it waits for that handler
+                self.call_later(closed)
+
+            conversation.run_job("saving", save, saved, needs_cache=False)
 
         self.push_screen(DropDialog(name, store.exists(name)), chosen)
 
@@ -434,16 +494,69 @@ class KvChatApp(App):
                 self.notify(f"A session named {new!r} already exists.", severity="error",
                             markup=False)
                 return
-            conversation.session_name = new
-            self.tabs.get_tab(conversation.parent.id).label = new
-            if conversation.saved and store.exists(old):
-                def move(progress):
+            saved = conversation.saved and store.exists(old)
+
+            def move(progress):
+                if old in self.pool:
+                    self.pool.get(old, progress)  # back from disk if it was offloaded
+                if saved:
                     store.save(conversation.session, new)
                     store.delete(old)
-                conversation.run_job("renaming", move)
-            self.refresh_sidebar()
+
+            def moved(_) -> None:
+                self.pool.drop(old)
+                self.pool.add(new, conversation.session)
+                conversation.session_name = new
+                if conversation.parent is not None:
+                    self.tabs.get_tab(conversation.parent.id).label = new
+                self.refresh_sidebar()
+
+            conversation.run_job("renaming", move, moved, needs_cache=False)
 
         self.push_screen(RenameDialog(old), chosen)
+
+    # ------------------------------------------------------- time to live
+
+    def expire_idle(self) -> None:
+        """The timer's tick: offload caches idle past ``ttl`` or over ``memory_budget``.
+
+        The offload runs in a worker holding the model (the scheduler), so it never
+        overlaps a reply or a job; tabs that are busy or queued are marked as just
+        used first, so neither rule picks them.
+        """
+        if self.lm is None or self._maintaining or not self.pool.names():
+            return
+        if not (self.pool.ttl_s or self.pool.memory_budget_bytes):
+            return
+        self._maintaining = True
+        tabs = [(c.owner, c.session_name, c.busy) for c in self.conversations()]
+        self._expire_worker(tabs)
+
+    @work(thread=True, group="pool")
+    def _expire_worker(self, tabs: list[tuple[str, str, bool]]) -> None:
+        offloaded: list[str] = []
+        error = None
+        try:
+            with self.scheduler.turn("pool"):
+                for owner, name, busy in tabs:
+                    if (busy or self.scheduler.position(owner) is not None) and name in self.pool:
+                        self.pool.touch(name)
+                offloaded = self.pool.expire() + self.pool.enforce_budget()
+        except Exception as exc:  # a failed save leaves the cache in memory
+            error = f"Could not offload a session: {type(exc).__name__}: {exc}"
+        try:
+            self.call_from_thread(self._expired, offloaded, error)
+        except RuntimeError:  # the app closed meanwhile
+            pass
+
+    def _expired(self, offloaded: list[str], error: str | None) -> None:
+        self._maintaining = False
+        for conversation in self.conversations():
+            if conversation.session_name in offloaded:
+                conversation.saved = True
+        if error:
+            self.notify(error, severity="warning", markup=False)
+        self.refresh_sidebar()
 
     def action_sessions(self) -> None:
         self.push_screen(SessionPicker(store.list_sessions()), self._picked)

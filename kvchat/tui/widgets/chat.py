@@ -27,6 +27,7 @@ from kvchat.safety import printable
 
 if TYPE_CHECKING:
     from kvchat.engine.scheduler import Scheduler
+    from kvchat.pool import SessionPool
 
 Progress = Callable[[int, int], None]
 
@@ -217,6 +218,7 @@ class Conversation(Vertical):
         self.scheduler = scheduler
         self.saved = False
         self.autosave = False
+        self.pool: SessionPool | None = None  # set by the app: where the cache may be offloaded
         self._reply: AssistantMessage | None = None
         self._pending_text: str | None = None
         self._user_widget: UserMessage | None = None
@@ -228,6 +230,23 @@ class Conversation(Vertical):
     @property
     def busy(self) -> bool:
         return self.state != "idle"
+
+    @property
+    def offloaded(self) -> bool:
+        """True while the pool holds this tab's cache on disk only."""
+        pool = self.pool
+        return (pool is not None and self.session_name in pool
+                and not pool.entry(self.session_name).in_memory)
+
+    def ensure_cache(self, progress: Progress | None = None) -> None:
+        """Worker thread, holding the model: load the cache back if it was offloaded."""
+        pool = self.pool
+        if pool is not None and self.session_name in pool:
+            pool.get(self.session_name, progress)
+
+    def touch_pool(self) -> None:
+        if self.pool is not None and self.session_name in self.pool:
+            self.pool.touch(self.session_name)
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="log"):
@@ -347,6 +366,7 @@ class Conversation(Vertical):
         try:
             with self.scheduler.turn(self.owner, on_wait=lambda ahead: post(Waiting(ahead))):
                 post(Started())
+                self.ensure_cache(lambda done, total: post(PrefillProgress(done, total, "loading")))
                 done = None
                 for event in events:
                     if isinstance(event, Prefill):
@@ -367,7 +387,10 @@ class Conversation(Vertical):
     def _save_now(self) -> None:
         from kvchat import store
 
-        store.save(self.session, self.session_name)
+        if self.pool is not None and self.session_name in self.pool:
+            self.pool.save(self.session_name)  # the pool then knows it is clean
+        else:
+            store.save(self.session, self.session_name)
         self.saved = True
 
     @on(Waiting)
@@ -424,27 +447,39 @@ class Conversation(Vertical):
         self._user_widget = None
         self._pending_text = None
         self.log.scroll_end(animate=False)
+        self.touch_pool()
         self.state = "idle"
 
     # ---------------------------------------------------------------- jobs
 
     def run_job(
-        self, label: str, job: Callable[[Progress], Any], then: Callable[[Any], Any] | None = None
+        self,
+        label: str,
+        job: Callable[[Progress], Any],
+        then: Callable[[Any], Any] | None = None,
+        *,
+        needs_cache: bool = True,
     ) -> bool:
         """Run ``job(progress)`` (an engine call that uses the model) in a worker thread,
-        in turn with the other tabs; call ``then(result)`` on the UI thread afterwards."""
+        in turn with the other tabs; call ``then(result)`` on the UI thread afterwards.
+        With ``needs_cache`` an offloaded cache is loaded back from disk first."""
         if self.busy:
             self.notify("This tab is still busy; press Esc to stop it first.", severity="warning")
             return False
         self.state = label
-        self._job(label, job, then)
+        self._job(label, job, then, needs_cache)
         return True
 
     @work(thread=True, group="job")
-    def _job(self, label: str, job: Callable[[Progress], Any], then: Callable | None) -> None:
+    def _job(
+        self, label: str, job: Callable[[Progress], Any], then: Callable | None, needs_cache: bool
+    ) -> None:
         post = self.post_message
         try:
             with self.scheduler.turn(self.owner):
+                if needs_cache:
+                    self.ensure_cache(
+                        lambda done, total: post(PrefillProgress(done, total, "loading")))
                 result = job(lambda done, total: post(PrefillProgress(done, total, label)))
         except Exception as error:
             post(JobFinished(label, None, f"{type(error).__name__}: {error}", None))
@@ -454,6 +489,7 @@ class Conversation(Vertical):
     @on(JobFinished)
     async def _job_finished(self, event: JobFinished) -> None:
         event.stop()
+        self.touch_pool()
         self.state = "idle"
         if event.error:
             await self.add_notice(f"{event.label.capitalize()} failed: {event.error}", "error")

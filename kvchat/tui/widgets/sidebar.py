@@ -45,7 +45,8 @@ class CacheInfo:
             name=conversation.session_name,
             model_id=session.lm.model_id,
             kind=session.kind.name,
-            state=conversation.state,
+            state=("offloaded to disk" if conversation.state == "idle"
+                   and getattr(conversation, "offloaded", False) else conversation.state),
             cache_tokens=session.cache_tokens,
             cache_bytes=session.cache_bytes,
             active_memory=active,
@@ -98,7 +99,7 @@ class CacheSidebar(Vertical):
         rebuilt = self.query_one("#cache-rebuilt", Static)
         spark = self.query_one("#cache-sparkline", Sparkline)
         for button in self.query(Button):
-            button.disabled = info is None or info.state != "idle"
+            button.disabled = info is None or info.state not in ("idle", "offloaded to disk")
         if info is None:
             facts.update("No session open.")
             rebuilt.update("")

@@ -1,0 +1,146 @@
+"""Pilot tests of a session's life in the TUI: drop without loss, offload after a time to
+live or over the memory budget (and the reload on the next turn), and the shared
+system prompt of a new tab. Real files in a private home; the demo model."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvchat import store
+from kvchat.config import Config
+from kvchat.tui.app import KvChatApp
+from kvchat.tui.screens.dialogs import DropDialog
+
+from .conftest import SIZE, send, settle, until
+
+pytestmark = pytest.mark.anyio
+
+SYSTEM = "You are a terse assistant. Answer in one short sentence."
+
+
+def _app(demo_model, **config) -> KvChatApp:
+    expire_every = config.pop("expire_every", 0)
+    values = {"model": "demo", "max_tokens": 8, "autosave": False, **config}
+    return KvChatApp(Config(**values), lm=demo_model, volatile=False, picker=False,
+                     expire_every=expire_every)
+
+
+async def test_drop_memory_only_saves_first_and_disk_deletes(demo_model, home):
+    app = _app(demo_model)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        name = conversation.session_name
+        await send(pilot, "remember me")
+        messages = list(conversation.session.messages)
+        assert not store.exists(name)  # never saved
+        await pilot.press("f8")
+        await pilot.pause()
+        assert isinstance(app.screen, DropDialog)
+        await pilot.click("#drop-memory")
+        await settle(pilot)
+        await until(pilot, lambda: not app.conversations())
+        assert (home / "data" / "sessions" / name / "session.json").is_file()
+        assert store.load(name, demo_model).session.messages == messages
+        assert name not in app.pool
+        assert any(f"Saved as {name} and closed; reopen it with Ctrl+O" in n.message
+                   for n in app._notifications)
+
+        await pilot.press("ctrl+t")
+        await settle(pilot)
+        await send(pilot, "forget me")
+        gone = app.active_conversation().session_name
+        await pilot.click("#btn-save")
+        await settle(pilot)
+        assert store.exists(gone)
+        await pilot.click("#btn-drop")
+        await pilot.pause()
+        await pilot.click("#drop-disk")
+        await settle(pilot)
+        assert app.conversations() == [] and gone not in app.pool
+        assert not (home / "data" / "sessions" / gone).exists()
+        assert store.exists(name)
+
+
+async def test_ttl_offloads_an_idle_cache_and_the_next_turn_reloads_it(demo_model, home):
+    app = _app(demo_model, ttl=0.01)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        session, name = conversation.session, conversation.session_name
+        assert name in app.pool and app.pool.ttl_s == 0.01
+        await send(pilot, "hello")
+        tokens = session.cache_tokens
+        assert tokens > 0
+        await pilot.pause(0.05)
+        app.expire_idle()  # the timer's tick
+        await settle(pilot)
+        assert session.cache_tokens == 0 and not app.pool.entry(name).in_memory
+        assert (home / "data" / "sessions" / name / "cache.safetensors").is_file()
+        assert store.summary(name).cache_tokens == tokens
+        assert conversation.saved and conversation.offloaded
+        info = app.sidebar.info
+        assert info.state == "offloaded to disk" and info.cache_tokens == 0
+
+        await send(pilot, "and again")
+        assert app.pool.entry(name).in_memory
+        assert session.last_stats.reused_tokens > 0
+        assert session.last_stats.reused_tokens >= tokens - 1
+        assert app.sidebar.info.state == "idle"
+
+
+async def test_the_timer_offloads_but_never_a_busy_tab(demo_model, home):
+    app = _app(demo_model, ttl=0.01, expire_every=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        name = conversation.session_name
+        await send(pilot, "hello")
+        await until(pilot, lambda: conversation.offloaded)
+        assert store.exists(name)
+
+        # while another owner holds the model, the tab waits: it is busy, so never offloaded
+        ticket = app.scheduler.request("another tab")
+        app.scheduler.wait(ticket)
+        assert await conversation.send("queued")
+        await pilot.pause(0.3)
+        assert conversation.busy
+        app.scheduler.done(ticket)
+        await settle(pilot, conversation)
+        assert conversation.session.messages[-1]["role"] == "assistant"
+        assert conversation.session.last_stats.reused_tokens > 0  # reloaded from disk
+
+
+async def test_memory_budget_offloads_the_least_recently_used(demo_model, home):
+    app = _app(demo_model, ttl=0, memory_budget=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        first = app.active_conversation()
+        await send(pilot, "first tab")
+        await pilot.press("ctrl+t")
+        await settle(pilot)
+        second = app.active_conversation()
+        await send(pilot, "second tab")
+        app.expire_idle()
+        await settle(pilot)
+        assert first.offloaded and not second.offloaded
+        assert first.session.cache_tokens == 0 and second.session.cache_tokens > 0
+        assert store.exists(first.session_name)
+
+
+async def test_a_new_tab_starts_from_the_shared_system_prompt(demo_model, home):
+    app = _app(demo_model, system=SYSTEM)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        first = app.active_conversation()
+        await send(pilot, "hello")
+        system_tokens = len(first.session.render(first.session.messages[:1], False))
+        assert system_tokens > 0
+        await pilot.press("ctrl+t")
+        await settle(pilot)
+        second = app.active_conversation()
+        assert second is not first and second.session_name in app.pool
+        assert second.session.cache_tokens == system_tokens
+        await send(pilot, "a different question")
+        assert second.session.last_stats.reused_tokens == system_tokens
+        assert first.session.messages[-1]["role"] == "assistant"  # the first is untouched
