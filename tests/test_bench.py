@@ -1,0 +1,155 @@
+"""`kvchat bench --quick --json --model demo`: every figure is there and is a real measurement.
+
+These tests check structure and that numbers were measured (positive, finite),
+never that anything is fast: the machine running them may be busy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
+KINDS = ["standard", "quantized:8", "quantized:4", "rotating:1024", "chunked:1024", "concatenate"]
+
+
+def measured(x) -> bool:
+    """A real measured figure: a finite number above zero."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, kvchat_dirs):
+    out = tmp_path_factory.mktemp("bench") / "report.md"
+    home = os.environ["KVCHAT_HOME"]
+    before = sorted(os.listdir(home)) if os.path.isdir(home) else []
+    proc = subprocess.run(
+        [*CLI, "bench", "--quick", "--json", "--model", "demo", "--out", str(out)],
+        capture_output=True, text=True, timeout=180, env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    after = sorted(os.listdir(home)) if os.path.isdir(home) else []
+    return {"result": json.loads(proc.stdout), "markdown": out.read_text(), "stderr": proc.stderr,
+            "home_before": before, "home_after": after}
+
+
+def test_machine_heads_the_report(run):
+    m = run["result"]["machine"]
+    for key in ("cpu", "cores", "mlx", "mlx_lm", "device", "blas", "platform"):
+        assert m[key], key
+    assert m["device"] in ("cpu", "gpu")
+    model = run["result"]["model"]
+    assert model["id"] == "demo" and measured(model["parameters"]) and "float32" in model["dtype"]
+    md = run["markdown"]
+    assert md.startswith("# kvchat bench")
+    head = md.split("\n## ", 1)[0]
+    assert m["cpu"] in head and m["mlx"] in head and "BLAS" in head
+
+
+def test_classic_turns_with_and_without_cache(run):
+    classic = run["result"]["classic"]
+    assert measured(classic["article_tokens"])
+    assert [t["turn"] for t in classic["turns"]] == [1, 2]
+    for t in classic["turns"]:
+        for side in ("cached", "uncached"):
+            view = t[side]
+            assert measured(view["prompt_eval_s"]) and measured(view["ttft_s"])
+            assert view["reused_tokens"] + view["evaluated_tokens"] == view["prompt_tokens"]
+        assert measured(t["speedup_prompt_eval"]) and measured(t["speedup_ttft"])
+        assert t["same_reply"] is True  # greedy: the cache never changes the answer
+    t2 = classic["turns"][1]
+    # the cached turn 2 evaluates only its new tokens; the uncached one everything
+    assert t2["cached"]["evaluated_tokens"] < t2["uncached"]["evaluated_tokens"]
+    assert t2["uncached"]["evaluated_tokens"] == t2["uncached"]["prompt_tokens"]
+    assert t2["cached"]["reused_tokens"] > classic["article_tokens"]
+
+
+def test_history_sweep_and_profile(run):
+    result = run["result"]
+    points = result["sweep"]["points"]
+    assert [p["target_tokens"] for p in points] == [512, 1024, 2048]  # --quick stops at 2k
+    for p in points:
+        assert abs(p["history_tokens"] - p["target_tokens"]) <= 64
+        for key in ("cached_ttft_s", "uncached_ttft_s", "eval_new_only_s", "speedup_ttft",
+                    "cached_over_new_only", "new_tokens", "gen_tps_cached"):
+            assert measured(p[key]), key
+        assert p["new_tokens"] < p["uncached_prompt_tokens"]
+        assert p["same_reply"] is True
+    profile = result["profile"]
+    parts = ["render_s", "prefix_search_s", "trim_s", "prefill_s", "first_token_s"]
+    for key in parts:
+        assert profile[key] >= 0 and math.isfinite(profile[key])
+    assert measured(profile["render_s"]) and measured(profile["first_token_s"])
+    assert math.isclose(sum(profile["shares"].values()), 1.0, rel_tol=1e-6)
+    assert math.isclose(sum(profile[k] for k in parts), profile["total_s"], rel_tol=1e-6)
+    assert profile["slowest"] in parts
+    assert measured(profile["session_ttft_s"])
+
+
+def test_cache_kinds(run):
+    kinds = run["result"]["kinds"]
+    rows = {r["kind"]: r for r in kinds["rows"]}
+    assert list(rows) == KINDS
+    for name, r in rows.items():
+        for key in ("bytes_per_token", "ttft_s", "gen_tps", "bytes_vs_standard"):
+            assert measured(r[key]), (name, key)
+        assert 0 <= r["agree_with_standard"] <= r["agree_of"] == rows["standard"]["generated_tokens"]
+    assert rows["standard"]["agree_with_standard"] == rows["standard"]["agree_of"] > 0
+    assert rows["quantized:4"]["bytes_per_token"] < rows["quantized:8"]["bytes_per_token"]
+    assert rows["quantized:8"]["bytes_per_token"] < rows["standard"]["bytes_per_token"]
+    assert rows["rotating:1024"]["cache_tokens_after_turn"] <= 1024
+    ratios16 = kinds["at_16_bit"]["ratios"]
+    assert 0 < ratios16["quantized:4"] < ratios16["quantized:8"] < 1
+
+
+def test_persistence_in_a_temporary_home(run):
+    points = run["result"]["persistence"]["points"]
+    assert [p["target_tokens"] for p in points] == [2048]
+    p = points[0]
+    for key in ("save_s", "load_s", "folder_bytes", "cache_file_bytes", "resumed_ttft_s",
+                "reprefill_ttft_s", "speedup_ttft", "load_plus_turn_speedup"):
+        assert measured(p[key]), key
+    assert p["resumed_from_disk"] is True and p["notice"] is None
+    assert p["resumed_reused_tokens"] > 0 and p["same_reply"] is True
+    # the bench saved into a temporary KVCHAT_HOME, never the user's
+    assert run["home_after"] == run["home_before"]
+
+
+def test_blas_probe(run):
+    b = run["result"]["blas"]
+    if sys.platform.startswith("linux"):
+        for label in ("optimised", "reference"):
+            assert "error" not in b[label], b[label]
+            assert measured(b[label]["prefill_tps"]) and measured(b[label]["matmul_gflops"])
+        assert b["reference"]["blas_status"] == "disabled"
+        assert measured(b["speedup"])
+    else:
+        assert "skipped" in b
+
+
+def test_targets_and_markdown(run):
+    result = run["result"]
+    targets = result["targets"]
+    assert len(targets) >= 4
+    for t in targets:
+        assert isinstance(t["met"], bool) and measured(t["value"]) and measured(t["limit"])
+    md = run["markdown"]
+    for title in ("## Classic", "## History sweep", "## Cache kinds", "## Persistence",
+                  "## Profile of one cached turn", "## Targets"):
+        assert title in md
+    assert measured(result["total_s"])
+
+
+def test_make_text_is_deterministic_and_sized(demo_model):
+    from kvchat.bench import make_text
+
+    tok = demo_model.tokenizer
+    a, b = make_text(tok, 300, seed=3), make_text(tok, 300, seed=3)
+    assert a == b and a != make_text(tok, 300, seed=4)
+    n = len(tok.encode(a, add_special_tokens=False))
+    assert 270 <= n <= 310
