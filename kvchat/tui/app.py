@@ -17,6 +17,7 @@ from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, TabbedContent, TabPane, Tabs
 
@@ -187,15 +188,22 @@ class KvChatApp(App):
     # ------------------------------------------------------------- tabs
 
     @property
+    def main_screen(self) -> Screen:
+        """The screen holding the tabs and the sidebar, whatever dialog is on top of it."""
+        return self.screen_stack[0]
+
+    @property
     def tabs(self) -> TabbedContent:
-        return self.query_one("#tabs", TabbedContent)
+        return self.main_screen.query_one("#tabs", TabbedContent)
 
     @property
     def sidebar(self) -> CacheSidebar:
-        return self.query_one("#sidebar", CacheSidebar)
+        return self.main_screen.query_one("#sidebar", CacheSidebar)
 
     def conversations(self) -> list[Conversation]:
-        return list(self.query(Conversation))
+        if not self.screen_stack:  # the app is closing
+            return []
+        return list(self.main_screen.query(Conversation))
 
     def active_conversation(self) -> Conversation | None:
         try:
@@ -313,8 +321,12 @@ class KvChatApp(App):
             self.refresh_sidebar()
 
     def refresh_sidebar(self) -> None:
+        try:
+            sidebar = self.sidebar
+        except (IndexError, NoMatches):  # the app is closing: nothing left to draw
+            return
         conversation = self.active_conversation()
-        self.sidebar.info = CacheInfo.of(conversation) if conversation else None
+        sidebar.info = CacheInfo.of(conversation) if conversation else None
         self.refresh_bindings()
 
     # ------------------------------------------------------------- actions

@@ -144,3 +144,19 @@ async def test_a_new_tab_starts_from_the_shared_system_prompt(demo_model, home):
         await send(pilot, "a different question")
         assert second.session.last_stats.reused_tokens == system_tokens
         assert first.session.messages[-1]["role"] == "assistant"  # the first is untouched
+
+
+async def test_the_timer_fires_safely_under_a_dialog(demo_model, home):
+    """A tick while the help screen is on top still finds the tabs and the sidebar."""
+    app = _app(demo_model, ttl=0.01)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        await send(pilot, "hello")
+        await pilot.press("f1")
+        await pilot.pause(0.05)
+        assert app.screen is not app.main_screen
+        app.expire_idle()
+        await settle(pilot)
+        assert not app.pool.entry(conversation.session_name).in_memory
+        assert app.sidebar.info.state == "offloaded to disk"
