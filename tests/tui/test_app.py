@@ -11,7 +11,7 @@ import pytest
 from kvchat import store
 from kvchat.engine.session import GenerationSettings, Session
 from kvchat.tui.app import KvChatApp
-from kvchat.tui.screens.dialogs import DropDialog, KindDialog, TrimDialog
+from kvchat.tui.screens.dialogs import KindDialog, TrimDialog
 from kvchat.tui.screens.help import HelpScreen, binding_rows
 from kvchat.tui.screens.picker import SessionPicker
 from kvchat.tui.widgets.chat import AssistantMessage, UserMessage
@@ -211,39 +211,6 @@ async def test_cache_kind_switch_and_reset(make_app):
         await pilot.click("#btn-reset")
         await settle(pilot)
         assert session.cache_tokens == 0
-
-
-async def test_drop_from_memory_then_from_disk(make_app, home):
-    app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot)
-        await send(pilot, "hello")
-        kept = app.active_conversation().session_name
-        await pilot.press("ctrl+s")
-        await settle(pilot)
-        await pilot.press("f8")
-        await pilot.pause()
-        assert isinstance(app.screen, DropDialog)
-        await pilot.click("#drop-memory")
-        await settle(pilot)
-        assert app.conversations() == [] and app.sidebar.info is None
-        assert store.exists(kept)
-
-        await pilot.press("ctrl+t")
-        await settle(pilot)
-        await send(pilot, "hello")
-        gone = app.active_conversation().session_name
-        assert gone != kept
-        await pilot.click("#btn-save")
-        await settle(pilot)
-        assert store.exists(gone)
-        await pilot.click("#btn-drop")
-        await pilot.pause()
-        await pilot.click("#drop-disk")
-        await settle(pilot)
-        assert app.conversations() == []
-        assert not (home / "data" / "sessions" / gone).exists()
-        assert store.exists(kept)
 
 
 def _saved_session(demo_model, name: str) -> Session:

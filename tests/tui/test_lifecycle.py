@@ -40,6 +40,7 @@ async def test_drop_memory_only_saves_first_and_disk_deletes(demo_model, home):
         await pilot.click("#drop-memory")
         await settle(pilot)
         await until(pilot, lambda: not app.conversations())
+        assert app.sidebar.info is None
         assert (home / "data" / "sessions" / name / "session.json").is_file()
         assert store.load(name, demo_model).session.messages == messages
         assert name not in app.pool
