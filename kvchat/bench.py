@@ -578,7 +578,7 @@ class Bench:
                 "prepared": "rebuilt from the transcript" if rebuilt else "converted / copied",
                 "prepare_s": prepare_s,
                 "bytes_per_token": bpt_history,
-                "allocated_bytes_after_turn": r["cache_bytes"],
+                "cache_bytes_after_turn": r["cache_bytes"],
                 "cache_tokens_after_turn": r["cache_tokens"],
                 "ttft_s": r["ttft_s"],
                 "prompt_eval_s": r["prompt_eval_s"],

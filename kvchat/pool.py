@@ -44,7 +44,8 @@ class PoolEntry:
 
     @property
     def cache_bytes(self) -> int:
-        return self.session.cache_bytes if self.in_memory else 0
+        """Memory its cache holds (allocated buffers, not only the live tokens)."""
+        return self.session.allocated_bytes if self.in_memory else 0
 
     @property
     def cache_tokens(self) -> int:

@@ -151,9 +151,67 @@ def cache_offset(cache: list[Any]) -> int | None:
 
 
 def cache_bytes(cache: list[Any]) -> int:
-    """Bytes held by the cache's arrays (an empty layer holds none)."""
+    """Bytes that the tokens held now take (what a save writes).
+
+    mlx-lm's caches allocate in steps of 256 tokens and keep their buffers
+    after a trim; :func:`allocated_bytes` counts those. Layers without a token
+    axis (state-space layers) count whole.
+    """
+    total = 0
+    for c in cache:
+        slots = _slots(c)
+        if slots is None:
+            total += _allocated(c)
+        elif slots:
+            total += _allocated(c) * min(_held(c), slots) // slots
+    return total
+
+
+def allocated_bytes(cache: list[Any]) -> int:
+    """Bytes held by the cache's buffers, free slots included."""
+    return sum(_allocated(c) for c in cache)
+
+
+def _allocated(c: Any) -> int:
     # mlx-lm's QuantizedKVCache.nbytes fails before its first update.
-    return sum(c.nbytes for c in cache if getattr(c, "keys", ()) is not None)
+    return c.nbytes if getattr(c, "keys", ()) is not None else 0
+
+
+def _slots(c: Any) -> int | None:
+    """Token slots in a key/value layer's buffer (0 when empty); None for other layers."""
+    if not hasattr(c, "offset") or not hasattr(c, "keys"):
+        return None
+    keys = c.keys
+    if keys is None:
+        return 0
+    if isinstance(keys, (tuple, list)):  # quantized: (data, scales, biases)
+        keys = keys[0]
+    return keys.shape[-2]
+
+
+def compacted(cache: list[Any]) -> list[Any]:
+    """A view of ``cache`` whose buffers hold only the live tokens, for saving.
+
+    Layers whose slots are not in token order (a rotating cache that has
+    wrapped) and layers without a token axis are returned as they are.
+    """
+    out = []
+    for c in cache:
+        slots, held = _slots(c), (_held(c) if hasattr(c, "offset") else None)
+        in_order = not isinstance(c, RotatingKVCache) or c.offset <= c.max_size
+        if not slots or held is None or held >= slots or not in_order:
+            out.append(c)
+            continue
+        state = list(c.state)
+        state[0], state[1] = (_head(state[0], held), _head(state[1], held))
+        out.append(type(c).from_state(tuple(state)))
+    return out
+
+
+def _head(x: Any, n: int) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(a[..., :n, :] for a in x)
+    return x[..., :n, :]
 
 
 def trim_to(cache: list[Any], n: int) -> bool:

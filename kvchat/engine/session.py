@@ -30,6 +30,7 @@ from mlx_lm.sample_utils import make_sampler
 from .kinds import (
     CacheKind,
     after_turn,
+    allocated_bytes,
     cache_bytes,
     convert_cache,
     held_tokens,
@@ -39,6 +40,7 @@ from .kinds import (
     trim_to,
 )
 from .stats import TurnStats, memory
+from .text import ReplyText
 
 if TYPE_CHECKING:
     from .model import LoadedModel
@@ -178,7 +180,13 @@ class Session:
 
     @property
     def cache_bytes(self) -> int:
+        """Bytes the held tokens take (what a save writes)."""
         return cache_bytes(self.cache)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the cache's buffers hold in memory, free slots included."""
+        return allocated_bytes(self.cache)
 
     @property
     def pending_rebuild(self) -> str | None:
@@ -260,10 +268,12 @@ class Session:
         if rebuilt:
             n, zero_prefill = 0, False
         reused, evaluated = n, len(prompt) - n
+        self._keep_turns(messages)
 
         max_new = max(1, min(self.settings.max_tokens, self.lm.context_length - len(prompt)))
         sampler = make_sampler(temp=self.settings.temp, top_p=self._top_p())
         tokens: list[int] = []
+        text = ReplyText(self.lm.tokenizer)
         first_at = prompt_eval_s = None
         stopped = False
 
@@ -280,7 +290,6 @@ class Session:
                 steps = self._continue(prompt[-1:], max_new, sampler, prompt_len=len(prompt))
                 stream = iter(()) if stopped else steps
 
-            detok = self.lm.tokenizer.detokenizer
             eos = self.lm.tokenizer.eos_token_ids
             try:
                 for token in stream:
@@ -290,9 +299,9 @@ class Session:
                     tokens.append(token)
                     if token in eos:
                         break
-                    detok.add_token(token)
-                    if detok.last_segment:
-                        yield Chunk(detok.last_segment)
+                    piece = text.add(token)
+                    if piece:
+                        yield Chunk(piece)
                     if self._stop.is_set():
                         stopped = True
                         break
@@ -300,28 +309,31 @@ class Session:
                         break
             finally:
                 steps.close()
-            detok.finalize()
-            if detok.last_segment:
-                yield Chunk(detok.last_segment)
-            reply = detok.text
+            piece = text.finish()
+            if piece:
+                yield Chunk(piece)
+            reply = text.text
         except GeneratorExit:
             # The consumer walked away mid-reply: keep what was said, as stopped.
-            self._finish(reply_text(self.lm.tokenizer, tokens), stopped=True)
+            text.finish()
+            self._finish(text.text, stopped=True)
             raise
         except BaseException:
             self._discard("the previous turn failed before it finished")
             raise
 
         ended = time.perf_counter()
-        first_at = first_at or ended
-        decode_s = ended - first_at
+        decode_s = ended - first_at if first_at is not None else 0.0
+        # What this turn put in the cache besides its reply: less than the whole
+        # prompt when it was stopped during the prefill.
+        evaluated = len(self.ledger) - len(tokens) - reused
         self._finish(reply, stopped)
         stats = TurnStats(
             prompt_tokens=len(prompt),
             reused_tokens=reused,
             evaluated_tokens=evaluated,
             prompt_eval_s=prompt_eval_s if prompt_eval_s is not None else ended - prefill_started,
-            ttft_s=first_at - started,
+            ttft_s=first_at - started if first_at is not None else 0.0,
             generated_tokens=len(tokens),
             gen_tps=(len(tokens) / decode_s) if decode_s > 0 and tokens else 0.0,
             cache_tokens=self.cache_tokens,
@@ -330,12 +342,18 @@ class Session:
             active_memory_bytes=memory()[0],
             peak_memory_bytes=memory()[1],
             rebuilt=rebuilt or self._pending_rebuild,
+            stopped=stopped,
         )
         self._pending_rebuild = None
         self.turns.append(stats)
         yield TurnDone(reply=reply, stats=stats, stopped=stopped)
 
     _pending_rebuild: str | None = None
+
+    def _keep_turns(self, messages: list[dict]) -> None:
+        """Keep one stats entry per reply in ``messages``: an undone or replaced
+        reply takes its turn's stats with it."""
+        del self.turns[sum(m["role"] == "assistant" for m in messages) :]
 
     def _top_p(self) -> float:
         return self.settings.top_p if 0.0 < self.settings.top_p < 1.0 else 0.0
@@ -429,9 +447,15 @@ class Session:
         self._logits = None
         settle(cache)
 
-    def reset(self) -> None:
-        """Empty the cache and keep the transcript: the next turn prefills it all again."""
+    def reset(self) -> bool:
+        """Empty the cache and keep the transcript: the next turn prefills it all again.
+
+        Returns False (and changes nothing) when the cache was empty already.
+        """
+        if not self.ledger:
+            return False
         self._discard("the cache was reset")
+        return True
 
     def rebuild(self, reason: str, progress: Progress | None = None) -> str:
         """Recompute the cache from the transcript (exact), reporting progress."""
@@ -441,6 +465,7 @@ class Session:
             if progress:
                 progress(event.done, event.total)
         after_turn(self.cache)
+        self._pending_rebuild = None  # whole again: the next turn reuses it
         return reason
 
     def sync(self) -> None:
@@ -458,6 +483,7 @@ class Session:
         if not removed:
             raise SessionError("Nothing to undo: there is no user message yet.")
         self.messages = messages
+        self._keep_turns(messages)
         self.sync()
 
     def trim_history(self, max_tokens: int, progress: Progress | None = None) -> int:
@@ -485,12 +511,14 @@ class Session:
             return 0
         self.archived.extend(dropped)
         self.messages = messages
+        del self.turns[: sum(m["role"] == "assistant" for m in dropped)]
         tokens = self.render(messages, False)
         self._rewind(common_prefix(self.ledger, tokens))
         for event in self._prefill(tokens[len(self.ledger) :], total=len(tokens) - len(self.ledger)):
             if progress:
                 progress(event.done, event.total)
         after_turn(self.cache)
+        self._pending_rebuild = None  # the kept turns are all in the cache again
         return len(dropped)
 
     def set_kind(self, kind: str | CacheKind, progress: Progress | None = None) -> str | None:
@@ -528,14 +556,3 @@ def _copy_state(state: Any) -> Any:
 def _chain(first: list[int], rest: Iterator[int]) -> Iterator[int]:
     yield from first
     yield from rest
-
-
-def reply_text(tokenizer, tokens: list[int]) -> str:
-    """The text of generated ``tokens`` up to any end-of-sequence token."""
-    eos = tokenizer.eos_token_ids
-    kept = []
-    for t in tokens:
-        if t in eos:
-            break
-        kept.append(t)
-    return tokenizer.decode(kept)

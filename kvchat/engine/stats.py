@@ -11,8 +11,10 @@ import mlx.core as mx
 class TurnStats:
     """What one turn cost and what the cache holds after it.
 
-    ``reused_tokens + evaluated_tokens == prompt_tokens`` always;
-    ``rebuilt`` is None, or why the cache had to be recomputed this turn.
+    ``reused_tokens + evaluated_tokens == prompt_tokens``, except for a turn
+    ``stopped`` during its prefill: then ``evaluated_tokens`` counts only what
+    reached the cache, and ``ttft_s`` is 0 as no token came. ``rebuilt`` is
+    None, or why the cache had to be recomputed this turn.
     """
 
     prompt_tokens: int
@@ -28,6 +30,7 @@ class TurnStats:
     active_memory_bytes: int
     peak_memory_bytes: int
     rebuilt: str | None = None
+    stopped: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
