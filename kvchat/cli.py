@@ -159,15 +159,20 @@ def ask(
     max_tokens: Annotated[int | None, typer.Option(help="Longest reply, in tokens.")] = None,
     temp: Annotated[float | None, typer.Option(help="Sampling temperature (0 = greedy).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the reply and stats as JSON.")] = False,
+    stats: Annotated[
+        bool, typer.Option("--stats", help="After the reply, print the turn's figures on stderr.")
+    ] = False,
 ) -> None:
-    """Answer one message from the shell; with --session, resume and save that session."""
+    """Answer one message from the shell, streaming the reply to stdout as it is written.
+
+    With --session, resume that saved session (cache included) and save it back.
+    """
     import contextlib
 
     from kvchat import store
     from kvchat.config import ConfigError, load_config
     from kvchat.engine.kinds import CacheKindError, parse_kind
-    from kvchat.engine.session import Chunk, GenerationSettings, Session, SessionError, TurnDone
-    from kvchat.safety import printable
+    from kvchat.engine.session import GenerationSettings, Session, SessionError
 
     if text == "-":
         text = sys.stdin.read()
@@ -205,23 +210,54 @@ def ask(
                                settings=settings)
             if notice:
                 typer.echo(f"kvchat: {notice}", err=True)
-            done = None
-            for event in chat.send(text):
-                if isinstance(event, Chunk) and not as_json:
-                    sys.stdout.write(printable(event.text))
-                    sys.stdout.flush()
-                elif isinstance(event, TurnDone):
-                    done = event
+            done = _stream_reply(chat.send(text), echo=not as_json)
+            save_error = None
             if session:
-                store.save(chat, session)
+                try:
+                    store.save(chat, session)
+                except store.StoreError as exc:  # the reply is shown all the same
+                    save_error = str(exc)
     except (store.StoreError, SessionError, CacheKindError) as exc:
         raise _fail(str(exc)) from None
     if as_json:
         payload = {"reply": done.reply, **done.stats.to_dict(),
-                   "resumed_from_disk": resumed, "notice": notice, "session": session}
+                   "resumed_from_disk": resumed, "notice": notice, "session": session,
+                   "saved": bool(session) and save_error is None}
         typer.echo(json.dumps(payload, ensure_ascii=False))
-    else:
+    if stats:
+        typer.echo(_stats_line(done), err=True)
+    if save_error:
+        raise _fail(save_error)
+
+
+def _stream_reply(events, echo: bool):
+    """Consume a turn, writing each piece of the reply to stdout as it comes (made safe
+    for the terminal) when ``echo``; return its ``TurnDone``."""
+    from kvchat.engine.session import Chunk, TurnDone
+    from kvchat.safety import printable
+
+    done = None
+    for event in events:
+        if isinstance(event, Chunk) and echo:
+            sys.stdout.write(printable(event.text))
+            sys.stdout.flush()
+        elif isinstance(event, TurnDone):
+            done = event
+    if echo:
         sys.stdout.write("\n")
+        sys.stdout.flush()
+    return done
+
+
+def _stats_line(done) -> str:
+    s = done.stats
+    line = (f"kvchat: {s.prompt_tokens:,} prompt tokens ({s.reused_tokens:,} reused, "
+            f"{s.evaluated_tokens:,} evaluated) in {s.prompt_eval_s:.2f} s, "
+            f"{s.generated_tokens:,} generated at {s.gen_tps:.1f} tok/s, "
+            f"cache {s.cache_tokens:,} tokens")
+    if done.stopped:
+        line += ", stopped"
+    return line + (f"; rebuilt: {s.rebuilt}" if s.rebuilt else "")
 
 
 sessions_app = typer.Typer(help="List, show, export and remove saved sessions.", no_args_is_help=True)
