@@ -19,21 +19,23 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
 from textual.screen import Screen
-from textual.widgets import Footer, TabbedContent, TabPane, Tabs
+from textual.widgets import Footer, TabbedContent, Tabs
 
 from kvchat import store
 from kvchat.config import Config, ConfigError, load_config, remember
 from kvchat.engine.scheduler import Scheduler
-from kvchat.engine.session import GenerationSettings, Session
 from kvchat.pool import SessionPool
 from kvchat.themes import kvchat_themes
 
-from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
+from .actions import ActionsMixin
 from .screens.help import HelpScreen
 from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker
-from .widgets.chat import Changed, ChatInput, Conversation
+from .tabs import TabsMixin
+from .widgets.chat import Conversation
+from .widgets.chat_input import ChatInput
 from .widgets.sidebar import CacheInfo, CacheSidebar
+from .widgets.turn_events import Changed
 
 # Actions that need an open conversation (and no dialog on top).
 _TAB_ACTIONS = {
@@ -44,7 +46,7 @@ _NEEDS_IDLE = {"close_tab", "rename", "save", "trim", "cache_kind", "reset_cache
                "regenerate"}
 
 
-class KvChatApp(App):
+class KvChatApp(TabsMixin, ActionsMixin, App):
     """kvchat's terminal UI.
 
     ``lm`` is a loaded model (tests pass the demo model); without it the app
@@ -222,92 +224,6 @@ class KvChatApp(App):
             n += 1
         return f"{base}-{n}"
 
-    def new_session(self, name: str | None = None) -> Session:
-        """A new session (in the pool under ``name`` when given).
-
-        When the model is free, it starts from a copy of the cached system prompt
-        of a live tab with the same model, kind and system prompt
-        (:meth:`SessionPool.new_session`); while another tab uses the model it
-        starts empty rather than wait or copy a cache being written.
-        """
-        c = self.config
-        settings = GenerationSettings(max_tokens=c.max_tokens, temp=c.temp)
-        system = c.system or None
-        ticket = self.scheduler.request("new tab")
-        try:
-            self.scheduler.wait(ticket, timeout=0)
-        except TimeoutError:
-            session = Session(self.lm, kind=c.cache, system=system, settings=settings)
-            if name is not None:
-                self.pool.add(name, session)
-            return session
-        try:
-            return self.pool.new_session(self.lm, c.cache, system, settings, name)
-        finally:
-            self.scheduler.done(ticket)
-
-    async def new_tab(self) -> Conversation | None:
-        if self.lm is None:
-            return None
-        name = self._unique_name()
-        return await self.add_conversation(self.new_session(name), name)
-
-    async def add_conversation(
-        self, session: Session, name: str, *, saved: bool = False, notice: str | None = None
-    ) -> Conversation:
-        self._tab_numbers += 1
-        n = self._tab_numbers
-        conversation = Conversation(session, name, self.scheduler, id=f"conv-{n}")
-        conversation.saved = saved
-        conversation.autosave = self.config.autosave
-        conversation.pool = self.pool
-        if name not in self.pool:
-            self.pool.add(name, session)
-        pane = TabPane(name, conversation, id=f"pane-{n}")
-        await self.tabs.add_pane(pane)
-        self.tabs.active = pane.id
-        if notice:
-            await conversation.add_notice(notice, "rebuild")
-        conversation.log.scroll_end(animate=False)
-        conversation.focus_input()
-        self.refresh_sidebar()
-        return conversation
-
-    def open_saved(self, name: str) -> None:
-        for conversation in self.conversations():
-            if conversation.session_name == name:
-                pane = conversation.parent
-                self.tabs.active = pane.id
-                conversation.focus_input()
-                return
-        self.push_screen(LoadingScreen(f"Opening session {name}…"))
-        self._load_session(name)
-
-    @work(thread=True, group="load")
-    def _load_session(self, name: str) -> None:
-        screen = self.screen
-        progress = (lambda done, total: self.call_from_thread(screen.set_progress, done, total)
-                    ) if isinstance(screen, LoadingScreen) else None
-        try:
-            with self.scheduler.turn(f"load:{name}"):
-                loaded = self.pool.open(name, self.lm, progress)
-        except store.StoreError as error:
-            self.call_from_thread(self._load_failed, str(error))
-            return
-        self.call_from_thread(self._loaded, name, loaded)
-
-    async def _loaded(self, name: str, loaded: store.Loaded) -> None:
-        if isinstance(self.screen, LoadingScreen):
-            self.pop_screen()
-        await self.add_conversation(loaded.session, name, saved=True, notice=loaded.notice)
-
-    async def _load_failed(self, message: str) -> None:
-        if isinstance(self.screen, LoadingScreen):
-            self.pop_screen()
-        self.notify(message, severity="error", markup=False, timeout=10)
-        if not self.conversations():
-            await self.new_tab()
-
     @on(TabbedContent.TabActivated)
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
         self.refresh_sidebar()
@@ -368,164 +284,6 @@ class KvChatApp(App):
         conversation = self.active_conversation()
         if conversation is not None and conversation.stop():
             self.notify("Stopping…", timeout=2)
-
-    def action_save(self) -> None:
-        conversation = self.active_conversation()
-        if conversation is None:
-            return
-        name = conversation.session_name
-
-        def saved(path) -> None:
-            conversation.saved = True
-            self.notify(f"Saved {name} ({conversation.session.cache_tokens:,} cache tokens).",
-                        markup=False)
-
-        conversation.run_job("saving", lambda progress: store.save(conversation.session, name),
-                             saved)
-
-    def action_trim(self) -> None:
-        conversation = self.active_conversation()
-        if conversation is None:
-            return
-        session = conversation.session
-
-        async def chosen(choice: TrimChoice | None) -> None:
-            if choice is None:
-                return
-            if choice.undo:
-                def undone(_):
-                    self.notify(f"Undid the last turn; the cache holds "
-                                f"{session.cache_tokens:,} tokens.")
-                    return conversation.reload()
-                conversation.run_job("undoing", lambda progress: session.undo(choice.undo),
-                                     undone)
-            else:
-                def trimmed(dropped: int):
-                    self.notify(f"Dropped {dropped} message(s); the cache holds "
-                                f"{session.cache_tokens:,} tokens.")
-                    return conversation.reload()
-                conversation.run_job(
-                    "trimming", lambda progress: session.trim_history(choice.max_tokens, progress),
-                    trimmed,
-                )
-
-        self.push_screen(TrimDialog(session.cache_tokens, len(session.turns)), chosen)
-
-    def action_cache_kind(self) -> None:
-        conversation = self.active_conversation()
-        if conversation is None:
-            return
-        session = conversation.session
-
-        def chosen(kind: str | None) -> None:
-            if kind is None or kind == session.kind.name:
-                return
-
-            def switched(reason: str | None) -> None:
-                how = f"rebuilt ({reason})" if reason else "converted in place"
-                self.notify(f"Cache is now {session.kind.name}: {how}.", markup=False)
-
-            conversation.run_job(
-                "switching cache", lambda progress: session.set_kind(kind, progress), switched
-            )
-
-        self.push_screen(KindDialog(session.kind.name, self.lm.model), chosen)
-
-    def action_reset_cache(self) -> None:
-        conversation = self.active_conversation()
-        if conversation is None:
-            return
-        conversation.run_job(
-            "resetting", lambda progress: conversation.session.reset(),
-            lambda _: self.notify("Cache emptied; the next turn prefills the whole transcript."),
-        )
-
-    def action_regenerate(self) -> None:
-        conversation = self.active_conversation()
-        if conversation is not None:
-            conversation.regenerate()
-
-    def action_drop(self) -> None:
-        conversation = self.active_conversation()
-        if conversation is None:
-            return
-        name = conversation.session_name
-
-        async def close() -> None:
-            self.pool.drop(name)
-            if conversation.parent is not None:
-                await self.tabs.remove_pane(conversation.parent.id)
-            self.refresh_sidebar()
-
-        async def chosen(where: str | None) -> None:
-            if where is None:
-                return
-            if where == "disk":
-                self.pool.drop(name, delete_from_disk=True)
-                if store.exists(name):
-                    store.delete(name)
-                await close()
-                self.notify(f"Dropped {name} from memory and disk.", markup=False)
-                return
-
-            def save(progress) -> None:
-                # An offloaded cache is on disk already, as the offload saved it.
-                if name not in self.pool or self.pool.entry(name).in_memory:
-                    store.save(conversation.session, name)
-
-            async def closed() -> None:
-                await close()
-                self.notify(f"Saved as {name} and closed; reopen it with Ctrl+O.",
-                            markup=False)
-
-            def saved(_) -> None:
-                conversation.saved = True
-                # not from inside the tab's own handler: removing it waits for that handler
-                self.call_later(closed)
-
-            conversation.run_job("saving", save, saved, needs_cache=False)
-
-        self.push_screen(DropDialog(name, store.exists(name)), chosen)
-
-    def action_rename(self) -> None:
-        conversation = self.active_conversation()
-        if conversation is None:
-            return
-        old = conversation.session_name
-
-        def chosen(new: str | None) -> None:
-            if not new or new == old:
-                return
-            try:
-                store.check_name(new)
-            except store.StoreError as error:
-                self.notify(str(error), severity="error", markup=False)
-                return
-            taken = {c.session_name for c in self.conversations()}
-            if new in taken or store.exists(new):
-                self.notify(f"A session named {new!r} already exists.", severity="error",
-                            markup=False)
-                return
-            saved = conversation.saved and store.exists(old)
-
-            def move(progress):
-                if old in self.pool:
-                    self.pool.get(old, progress)  # back from disk if it was offloaded
-                if saved:
-                    store.save(conversation.session, new)
-                    store.delete(old)
-
-            def moved(_) -> None:
-                self.pool.drop(old)
-                self.pool.add(new, conversation.session)
-                conversation.session_name = new
-                if conversation.parent is not None:
-                    self.tabs.get_tab(conversation.parent.id).label = new
-                self.refresh_sidebar()
-
-            conversation.run_job("renaming", move, moved, needs_cache=False)
-
-        self.push_screen(RenameDialog(old), chosen)
 
     # ------------------------------------------------------- time to live
 

@@ -14,7 +14,7 @@ from kvchat.tui.app import KvChatApp
 from kvchat.tui.screens.dialogs import KindDialog, TrimDialog
 from kvchat.tui.screens.help import HelpScreen, binding_rows
 from kvchat.tui.screens.picker import SessionPicker
-from kvchat.tui.widgets.chat import AssistantMessage, UserMessage
+from kvchat.tui.widgets.messages import AssistantMessage, UserMessage
 
 from .conftest import SIZE, send, settle, until
 

@@ -6,7 +6,8 @@ import pytest
 
 from kvchat.engine.session import TurnDone
 from kvchat.engine.stats import TurnStats
-from kvchat.tui.widgets.chat import AssistantMessage, ReplyChunk, TurnFinished
+from kvchat.tui.widgets.messages import AssistantMessage
+from kvchat.tui.widgets.turn_events import ReplyChunk, TurnFinished
 
 from .conftest import SIZE, settle
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvchat import store
 from kvchat.store import SessionSummary
-from kvchat.tui.widgets.chat import ChatInput
+from kvchat.tui.widgets.chat_input import ChatInput
 
 SIZE = (120, 40)
 

@@ -1,10 +1,4 @@
-"""One conversation tab: its transcript view, its input and the worker that runs its turns.
-
-Model output is untrusted: every piece goes through :func:`kvchat.safety.printable`
-(control characters and escape sequences become visible ``\\xNN`` text) and is
-shown either as ``Text`` or through ``Markdown`` with link opening turned off,
-never parsed as Rich/Textual markup.
-"""
+"""One conversation tab: its transcript view, its input and the worker that runs its turns."""
 
 from __future__ import annotations
 
@@ -12,194 +6,32 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
-from textual import events, on, work
+from textual import on, work
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
-from textual.message import Message
 from textual.reactive import reactive
-from textual.timer import Timer
-from textual.widgets import Markdown, ProgressBar, Static, TextArea
+from textual.widgets import ProgressBar, Static
 
 from kvchat.engine.scheduler import Cancelled
 from kvchat.engine.session import Chunk, Prefill, Session, SessionError, TurnDone
-from kvchat.safety import printable
+
+from .chat_input import ChatInput
+from .messages import AssistantMessage, NoticeMessage, UserMessage
+from .turn_events import (
+    Changed,
+    JobFinished,
+    PrefillProgress,
+    ReplyChunk,
+    Started,
+    TurnFinished,
+    Waiting,
+)
 
 if TYPE_CHECKING:
     from kvchat.engine.scheduler import Scheduler
     from kvchat.pool import SessionPool
 
 Progress = Callable[[int, int], None]
-
-
-def safe(text: str) -> str:
-    """Untrusted text made safe for the terminal (markup is a separate matter: see callers)."""
-    return printable(text)
-
-
-# ------------------------------------------------------------------ messages
-
-
-class UserMessage(Static):
-    """What the user sent, shown as plain text."""
-
-    def __init__(self, content: str) -> None:
-        self.text = safe(content)
-        super().__init__(Text(self.text), markup=False, classes="message user")
-        self.border_title = "you"
-
-
-class AssistantMessage(Vertical):
-    """A reply, rendered as Markdown (streamed while it is written)."""
-
-    def __init__(self, content: str = "", stopped: bool = False) -> None:
-        super().__init__(classes="message assistant")
-        self.border_title = "assistant"
-        self._initial = safe(content)
-        self._pending = ""
-        self._flush_timer: Timer | None = None
-        self._done = False
-        self.text = self._initial
-        if stopped:
-            self.add_class("stopped")
-            self.border_subtitle = "stopped"
-
-    def compose(self) -> ComposeResult:
-        yield Markdown(self._initial, open_links=False)
-
-    @property
-    def markdown(self) -> Markdown:
-        return self.query_one(Markdown)
-
-    async def write(self, chunk: str) -> None:
-        """Append a streamed piece of the reply; the Markdown catches up in small batches."""
-        piece = safe(chunk)
-        self.text += piece
-        self._pending += piece
-        if self._flush_timer is None:
-            self._flush_timer = self.set_timer(0.05, self._flush)
-
-    async def _flush(self) -> None:
-        self._flush_timer = None
-        pending, self._pending = self._pending, ""
-        if pending and not self._done:
-            await self.markdown.append(pending)
-
-    async def finish(self, reply: str, stopped: bool) -> None:
-        """The turn is over: show the reply as kept in the transcript."""
-        if self._flush_timer is not None:
-            self._flush_timer.stop()
-            self._flush_timer = None
-        self._pending = ""
-        self._done = True
-        self.text = safe(reply)
-        await self.markdown.update(self.text)
-        if stopped:
-            self.add_class("stopped")
-            self.border_subtitle = "stopped"
-
-    @on(Markdown.LinkClicked)
-    def _link_clicked(self, event: Markdown.LinkClicked) -> None:
-        # Links in model output open nothing; show where they point instead.
-        event.stop()
-        self.notify(f"Link (not opened): {safe(event.href)}", markup=False, timeout=6)
-
-
-class NoticeMessage(Static):
-    """A line from kvchat itself (a rebuild, a load notice, an error)."""
-
-    def __init__(self, content: str, kind: str = "info") -> None:
-        super().__init__(Text(safe(content)), markup=False, classes=f"message notice {kind}")
-
-
-# ---------------------------------------------------------------------- input
-
-
-class ChatInput(TextArea):
-    """A multi-line message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line."""
-
-    BINDINGS = [
-        Binding("enter", "submit", "Send"),
-        Binding("ctrl+j,shift+enter", "newline", "New line", key_display="^j"),
-    ]
-
-    class Submitted(Message):
-        def __init__(self, text: str) -> None:
-            super().__init__()
-            self.text = text
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(soft_wrap=True, show_line_numbers=False, **kwargs)
-
-    async def _on_key(self, event: events.Key) -> None:
-        # TextArea inserts a newline on Enter before bindings are looked at, and a
-        # priority binding would run ahead of keys still queued (typed text), so the
-        # keys of BINDINGS are dispatched here, in order with the typing.
-        for binding in self.BINDINGS:
-            if event.key in [key.strip() for key in binding.key.split(",")]:
-                event.stop()
-                event.prevent_default()
-                await self.run_action(binding.action)
-                return
-        await super()._on_key(event)
-
-    def action_submit(self) -> None:
-        self.post_message(self.Submitted(self.text))
-
-    def action_newline(self) -> None:
-        self.insert("\n")
-
-
-# ----------------------------------------------------------- worker messages
-
-
-class TurnEvent(Message):
-    """Something the turn worker reports to its conversation."""
-
-
-class Waiting(TurnEvent):
-    def __init__(self, ahead: int) -> None:
-        super().__init__()
-        self.ahead = ahead
-
-
-class Started(TurnEvent):
-    pass
-
-
-class PrefillProgress(TurnEvent):
-    def __init__(self, done: int, total: int, label: str) -> None:
-        super().__init__()
-        self.done, self.total, self.label = done, total, label
-
-
-class ReplyChunk(TurnEvent):
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text = text
-
-
-class TurnFinished(TurnEvent):
-    def __init__(self, done: TurnDone | None, error: str | None, cancelled: bool = False) -> None:
-        super().__init__()
-        self.done, self.error, self.cancelled = done, error, cancelled
-
-
-class JobFinished(TurnEvent):
-    def __init__(self, label: str, result: Any, error: str | None, then: Callable | None) -> None:
-        super().__init__()
-        self.label, self.result, self.error, self.then = label, result, error, then
-
-
-class Changed(Message):
-    """The conversation's session or state changed: the sidebar should redraw."""
-
-    def __init__(self, conversation: Conversation) -> None:
-        super().__init__()
-        self.conversation = conversation
-
-
-# --------------------------------------------------------------- conversation
 
 
 class Conversation(Vertical):

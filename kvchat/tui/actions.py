@@ -1,0 +1,173 @@
+"""The actions on the active tab that open a dialog or run one engine call in its worker:
+save, trim or undo, cache kind, reset, regenerate, drop, rename.
+
+A mixin of :class:`~kvchat.tui.app.KvChatApp`.
+"""
+
+from __future__ import annotations
+
+from kvchat import store
+
+from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
+
+
+class ActionsMixin:
+    """``action_*`` handlers for the active conversation (see ``KvChatApp.BINDINGS``)."""
+
+    def action_save(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        name = conversation.session_name
+
+        def saved(path) -> None:
+            conversation.saved = True
+            self.notify(f"Saved {name} ({conversation.session.cache_tokens:,} cache tokens).",
+                        markup=False)
+
+        conversation.run_job("saving", lambda progress: store.save(conversation.session, name),
+                             saved)
+
+    def action_trim(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        session = conversation.session
+
+        async def chosen(choice: TrimChoice | None) -> None:
+            if choice is None:
+                return
+            if choice.undo:
+                def undone(_):
+                    self.notify(f"Undid the last turn; the cache holds "
+                                f"{session.cache_tokens:,} tokens.")
+                    return conversation.reload()
+                conversation.run_job("undoing", lambda progress: session.undo(choice.undo),
+                                     undone)
+            else:
+                def trimmed(dropped: int):
+                    self.notify(f"Dropped {dropped} message(s); the cache holds "
+                                f"{session.cache_tokens:,} tokens.")
+                    return conversation.reload()
+                conversation.run_job(
+                    "trimming", lambda progress: session.trim_history(choice.max_tokens, progress),
+                    trimmed,
+                )
+
+        self.push_screen(TrimDialog(session.cache_tokens, len(session.turns)), chosen)
+
+    def action_cache_kind(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        session = conversation.session
+
+        def chosen(kind: str | None) -> None:
+            if kind is None or kind == session.kind.name:
+                return
+
+            def switched(reason: str | None) -> None:
+                how = f"rebuilt ({reason})" if reason else "converted in place"
+                self.notify(f"Cache is now {session.kind.name}: {how}.", markup=False)
+
+            conversation.run_job(
+                "switching cache", lambda progress: session.set_kind(kind, progress), switched
+            )
+
+        self.push_screen(KindDialog(session.kind.name, self.lm.model), chosen)
+
+    def action_reset_cache(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        conversation.run_job(
+            "resetting", lambda progress: conversation.session.reset(),
+            lambda _: self.notify("Cache emptied; the next turn prefills the whole transcript."),
+        )
+
+    def action_regenerate(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is not None:
+            conversation.regenerate()
+
+    def action_drop(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        name = conversation.session_name
+
+        async def close() -> None:
+            self.pool.drop(name)
+            if conversation.parent is not None:
+                await self.tabs.remove_pane(conversation.parent.id)
+            self.refresh_sidebar()
+
+        async def chosen(where: str | None) -> None:
+            if where is None:
+                return
+            if where == "disk":
+                self.pool.drop(name, delete_from_disk=True)
+                if store.exists(name):
+                    store.delete(name)
+                await close()
+                self.notify(f"Dropped {name} from memory and disk.", markup=False)
+                return
+
+            def save(progress) -> None:
+                # An offloaded cache is on disk already, as the offload saved it.
+                if name not in self.pool or self.pool.entry(name).in_memory:
+                    store.save(conversation.session, name)
+
+            async def closed() -> None:
+                await close()
+                self.notify(f"Saved as {name} and closed; reopen it with Ctrl+O.",
+                            markup=False)
+
+            def saved(_) -> None:
+                conversation.saved = True
+                # not from inside the tab's own handler: removing it waits for that handler
+                self.call_later(closed)
+
+            conversation.run_job("saving", save, saved, needs_cache=False)
+
+        self.push_screen(DropDialog(name, store.exists(name)), chosen)
+
+    def action_rename(self) -> None:
+        conversation = self.active_conversation()
+        if conversation is None:
+            return
+        old = conversation.session_name
+
+        def chosen(new: str | None) -> None:
+            if not new or new == old:
+                return
+            try:
+                store.check_name(new)
+            except store.StoreError as error:
+                self.notify(str(error), severity="error", markup=False)
+                return
+            taken = {c.session_name for c in self.conversations()}
+            if new in taken or store.exists(new):
+                self.notify(f"A session named {new!r} already exists.", severity="error",
+                            markup=False)
+                return
+            saved = conversation.saved and store.exists(old)
+
+            def move(progress):
+                if old in self.pool:
+                    self.pool.get(old, progress)  # back from disk if it was offloaded
+                if saved:
+                    store.save(conversation.session, new)
+                    store.delete(old)
+
+            def moved(_) -> None:
+                self.pool.drop(old)
+                self.pool.add(new, conversation.session)
+                conversation.session_name = new
+                if conversation.parent is not None:
+                    self.tabs.get_tab(conversation.parent.id).label = new
+                self.refresh_sidebar()
+
+            conversation.run_job("renaming", move, moved, needs_cache=False)
+
+        self.push_screen(RenameDialog(old), chosen)

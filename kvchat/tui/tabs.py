@@ -1,0 +1,106 @@
+"""Opening conversations: new tabs, and saved sessions loaded (cache included) in a worker.
+
+A mixin of :class:`~kvchat.tui.app.KvChatApp`; it uses the app's ``tabs``,
+``pool``, ``scheduler`` and ``config``.
+"""
+
+from __future__ import annotations
+
+from textual import work
+from textual.widgets import TabPane
+
+from kvchat import store
+from kvchat.engine.session import GenerationSettings, Session
+
+from .screens.loading import LoadingScreen
+from .widgets.chat import Conversation
+
+
+class TabsMixin:
+    """New tabs and saved sessions opened into tabs."""
+
+    def new_session(self, name: str | None = None) -> Session:
+        """A new session (in the pool under ``name`` when given).
+
+        When the model is free, it starts from a copy of the cached system prompt
+        of a live tab with the same model, kind and system prompt
+        (:meth:`SessionPool.new_session`); while another tab uses the model it
+        starts empty rather than wait or copy a cache being written.
+        """
+        c = self.config
+        settings = GenerationSettings(max_tokens=c.max_tokens, temp=c.temp)
+        system = c.system or None
+        ticket = self.scheduler.request("new tab")
+        try:
+            self.scheduler.wait(ticket, timeout=0)
+        except TimeoutError:
+            session = Session(self.lm, kind=c.cache, system=system, settings=settings)
+            if name is not None:
+                self.pool.add(name, session)
+            return session
+        try:
+            return self.pool.new_session(self.lm, c.cache, system, settings, name)
+        finally:
+            self.scheduler.done(ticket)
+
+    async def new_tab(self) -> Conversation | None:
+        if self.lm is None:
+            return None
+        name = self._unique_name()
+        return await self.add_conversation(self.new_session(name), name)
+
+    async def add_conversation(
+        self, session: Session, name: str, *, saved: bool = False, notice: str | None = None
+    ) -> Conversation:
+        self._tab_numbers += 1
+        n = self._tab_numbers
+        conversation = Conversation(session, name, self.scheduler, id=f"conv-{n}")
+        conversation.saved = saved
+        conversation.autosave = self.config.autosave
+        conversation.pool = self.pool
+        if name not in self.pool:
+            self.pool.add(name, session)
+        pane = TabPane(name, conversation, id=f"pane-{n}")
+        await self.tabs.add_pane(pane)
+        self.tabs.active = pane.id
+        if notice:
+            await conversation.add_notice(notice, "rebuild")
+        conversation.log.scroll_end(animate=False)
+        conversation.focus_input()
+        self.refresh_sidebar()
+        return conversation
+
+    def open_saved(self, name: str) -> None:
+        for conversation in self.conversations():
+            if conversation.session_name == name:
+                pane = conversation.parent
+                self.tabs.active = pane.id
+                conversation.focus_input()
+                return
+        self.push_screen(LoadingScreen(f"Opening session {name}…"))
+        self._load_session(name)
+
+    @work(thread=True, group="load")
+    def _load_session(self, name: str) -> None:
+        screen = self.screen
+        progress = (lambda done, total: self.call_from_thread(screen.set_progress, done, total)
+                    ) if isinstance(screen, LoadingScreen) else None
+        try:
+            with self.scheduler.turn(f"load:{name}"):
+                loaded = self.pool.open(name, self.lm, progress)
+        except store.StoreError as error:
+            self.call_from_thread(self._load_failed, str(error))
+            return
+        self.call_from_thread(self._loaded, name, loaded)
+
+    async def _loaded(self, name: str, loaded: store.Loaded) -> None:
+        if isinstance(self.screen, LoadingScreen):
+            self.pop_screen()
+        await self.add_conversation(loaded.session, name, saved=True, notice=loaded.notice)
+
+    async def _load_failed(self, message: str) -> None:
+        if isinstance(self.screen, LoadingScreen):
+            self.pop_screen()
+        self.notify(message, severity="error", markup=False, timeout=10)
+        if not self.conversations():
+            await self.new_tab()

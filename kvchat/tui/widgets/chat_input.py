@@ -1,0 +1,45 @@
+"""The message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual import events
+from textual.binding import Binding
+from textual.message import Message
+from textual.widgets import TextArea
+
+
+class ChatInput(TextArea):
+    """A multi-line message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line."""
+
+    BINDINGS = [
+        Binding("enter", "submit", "Send"),
+        Binding("ctrl+j,shift+enter", "newline", "New line", key_display="^j"),
+    ]
+
+    class Submitted(Message):
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(soft_wrap=True, show_line_numbers=False, **kwargs)
+
+    async def _on_key(self, event: events.Key) -> None:
+        # TextArea inserts a newline on Enter before bindings are looked at, and a
+        # priority binding would run ahead of keys still queued (typed text), so the
+        # keys of BINDINGS are dispatched here, in order with the typing.
+        for binding in self.BINDINGS:
+            if event.key in [key.strip() for key in binding.key.split(",")]:
+                event.stop()
+                event.prevent_default()
+                await self.run_action(binding.action)
+                return
+        await super()._on_key(event)
+
+    def action_submit(self) -> None:
+        self.post_message(self.Submitted(self.text))
+
+    def action_newline(self) -> None:
+        self.insert("\n")

@@ -1,0 +1,60 @@
+"""Messages a conversation's worker threads post back to the UI thread, and ``Changed``,
+which tells the app to redraw the sidebar."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from textual.message import Message
+
+from kvchat.engine.session import TurnDone
+
+if TYPE_CHECKING:
+    from .chat import Conversation
+
+
+class TurnEvent(Message):
+    """Something the turn worker reports to its conversation."""
+
+
+class Waiting(TurnEvent):
+    def __init__(self, ahead: int) -> None:
+        super().__init__()
+        self.ahead = ahead
+
+
+class Started(TurnEvent):
+    pass
+
+
+class PrefillProgress(TurnEvent):
+    def __init__(self, done: int, total: int, label: str) -> None:
+        super().__init__()
+        self.done, self.total, self.label = done, total, label
+
+
+class ReplyChunk(TurnEvent):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class TurnFinished(TurnEvent):
+    def __init__(self, done: TurnDone | None, error: str | None, cancelled: bool = False) -> None:
+        super().__init__()
+        self.done, self.error, self.cancelled = done, error, cancelled
+
+
+class JobFinished(TurnEvent):
+    def __init__(self, label: str, result: Any, error: str | None, then: Callable | None) -> None:
+        super().__init__()
+        self.label, self.result, self.error, self.then = label, result, error, then
+
+
+class Changed(Message):
+    """The conversation's session or state changed: the sidebar should redraw."""
+
+    def __init__(self, conversation: Conversation) -> None:
+        super().__init__()
+        self.conversation = conversation
