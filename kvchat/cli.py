@@ -75,12 +75,11 @@ def root(
     """Chat with a local model in the terminal (the default when no command is given)."""
     if ctx.invoked_subcommand is not None:
         return
-    from kvchat.tui.app import run_tui
+    from kvchat.tui.app import exit_now, run_tui
 
-    status = run_tui(
+    exit_now(run_tui(
         model=model, cache=cache, system=system, resume=resume, max_tokens=max_tokens, temp=temp
-    )
-    raise typer.Exit(status)
+    ))
 
 
 @app.command()

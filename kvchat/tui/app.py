@@ -9,6 +9,7 @@ palette are built from those lists.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
@@ -108,6 +109,7 @@ class KvChatApp(TabsMixin, ActionsMixin, App):
         )
         self.expire_every = expire_every
         self._maintaining = False
+        self._quitting = False
         self._tab_numbers = 0
         self._theme_ready = False
 
@@ -328,6 +330,25 @@ class KvChatApp(TabsMixin, ActionsMixin, App):
             self.notify(error, severity="warning", markup=False)
         self.refresh_sidebar()
 
+    async def action_quit(self) -> None:
+        """Quit. A reply being written is stopped first (kept, marked stopped, and
+        saved where autosave is on); a second Ctrl+Q quits without waiting."""
+        busy = [c for c in self.conversations() if c.busy]
+        if not busy or self._quitting:
+            self.exit()
+            return
+        self._quitting = True
+        for conversation in busy:
+            conversation.stop()
+        self.notify("Stopping and saving before quitting… (Ctrl+Q again: quit now)",
+                    timeout=30, markup=False)
+        self.run_worker(self._quit_when_idle(), group="quit")
+
+    async def _quit_when_idle(self) -> None:
+        while any(c.busy for c in self.conversations()):
+            await asyncio.sleep(0.05)
+        self.exit()
+
     def action_sessions(self) -> None:
         self.push_screen(SessionPicker(store.list_sessions()), self._picked)
 
@@ -390,3 +411,23 @@ def run_tui(
     app = KvChatApp(config, resume=resume)
     app.run()
     return app.return_code or 0
+
+
+def exit_now(status: int) -> None:
+    """End the process once the TUI has closed, without running native destructors.
+
+    Everything is saved by then: Textual waits for its worker threads before
+    ``run`` returns. MLX arrays used from those threads can make C++ static
+    destruction at interpreter shutdown abort ("terminate called without an
+    active exception", ml-explore/mlx#3126), so the interpreter's own shutdown
+    is skipped after flushing what Python buffered.
+    """
+    import os
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)

@@ -1,0 +1,140 @@
+"""The reply is on screen while it is written, and quitting stops it, keeps it and saves it
+(issue 15, items 1, 3 and 4)."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvchat import store
+from kvchat.config import Config
+from kvchat.engine.session import Chunk
+from kvchat.tui.app import KvChatApp
+from kvchat.tui.widgets.chat import AssistantMessage
+
+from .conftest import SIZE, settle, until
+
+pytestmark = pytest.mark.anyio
+
+
+def gate_after_first_chunk(session):
+    """Wrap ``session.send`` so the real turn pauses after its first text chunk
+    until the test lets it go on (the reply of the tiny demo is over in a blink)."""
+    first, go_on = threading.Event(), threading.Event()
+    real_send = session.send
+
+    def send(text):
+        events = real_send(text)
+
+        def gated():
+            try:
+                for event in events:
+                    yield event
+                    if isinstance(event, Chunk) and not first.is_set():
+                        first.set()
+                        go_on.wait(20)
+            finally:
+                events.close()
+
+        return gated()
+
+    session.send = send
+    return first, go_on
+
+
+async def test_reply_text_is_on_screen_while_it_is_written(make_app):
+    app = make_app(max_tokens=48)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        first, go_on = gate_after_first_chunk(conversation.session)
+        assert await conversation.send("Hello there.")
+        await until(pilot, first.is_set)
+        await until(pilot, lambda: bool(conversation.log.query(AssistantMessage))
+                    and bool(conversation.log.query(AssistantMessage).last().markdown.source))
+        shown = conversation.log.query(AssistantMessage).last().markdown.source
+        assert conversation.state == "answering"
+        go_on.set()
+        await settle(pilot, conversation)
+        reply = conversation.session.messages[-1]["content"]
+        assert reply.startswith(shown) and len(reply) > len(shown)
+        assert conversation.log.query(AssistantMessage).last().markdown.source == reply
+
+
+async def test_quit_mid_reply_stops_keeps_and_saves_it(demo_model, home):
+    config = Config(model="demo", max_tokens=8000, autosave=True)
+    app = KvChatApp(config, lm=demo_model, volatile=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        name = conversation.session_name
+        first, go_on = gate_after_first_chunk(conversation.session)
+        assert await conversation.send("Hello there.")
+        await until(pilot, first.is_set)
+        await pilot.press("ctrl+q")
+        go_on.set()
+        await until(pilot, lambda: app.return_code is not None, timeout=20)
+    saved = store.read(name)
+    last = saved["messages"][-1]
+    assert last["role"] == "assistant" and last.get("stopped") is True and last["content"]
+    turn = saved["turns"][-1]
+    assert turn["stopped"] is True and 0 < turn["generated_tokens"] < 8000
+    assert saved["ledger"] and len(saved["ledger"]) == saved["cache"]["tokens"]
+
+
+def run_tui_and_quit(home: str, wait_s: float, message: str = "hello") -> tuple[int, bytes]:
+    """``kvchat --model demo`` on a real pseudo-terminal: send a message, wait, Ctrl+Q."""
+    env = {**os.environ, "KVCHAT_HOME": home, "KVCHAT_CONFIG_DIR": home + "-config",
+           "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"}
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from kvchat.cli import main; main()", "--model", "demo",
+         "--max-tokens", "64"],
+        stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
+    )
+    os.close(slave)
+    out = bytearray()
+
+    def read_for(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            ready, _, _ = select.select([master], [], [], 0.05)
+            if ready:
+                try:
+                    out.extend(os.read(master, 65536))
+                except OSError:
+                    return
+
+    def wait_for(text: bytes, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while text not in out and time.monotonic() < end:
+            read_for(0.1)
+
+    wait_for(b"Message", 60)  # the input's placeholder: the app is up
+    os.write(master, message.encode() + b"\r")
+    read_for(wait_s)
+    os.write(master, b"\x11")  # Ctrl+Q
+    end = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < end:
+        read_for(0.1)
+    os.close(master)
+    if proc.poll() is None:
+        proc.kill()
+    return proc.wait(), bytes(out)
+
+
+def test_quit_always_exits_cleanly_in_a_real_terminal(tmp_path):
+    """About one quit in five used to abort at interpreter shutdown (exit 134)."""
+    codes = []
+    for i, wait_s in enumerate([0.0, 0.5, 1.5, 3.0, 0.2, 1.0]):
+        code, out = run_tui_and_quit(str(tmp_path / f"home{i}"), wait_s)
+        assert b"terminate called" not in out, out[-400:]
+        codes.append(code)
+    assert codes == [0] * len(codes)
