@@ -1,0 +1,76 @@
+"""Sessions on disk: save, load, list, delete, export, prune. Imports no Textual.
+
+One folder per session under :func:`kvchat.locations.sessions_dir`:
+
+- ``session.json``: the transcript and everything needed to resume it
+  (settings, model id and fingerprint, cache kind, ledger, per-turn stats,
+  archived turns, kvchat version, times, name);
+- ``cache.safetensors``: the prompt cache, written by mlx-lm's
+  ``save_prompt_cache`` (no pickle), with metadata naming the kvchat version,
+  model fingerprint, cache kind and the ledger it holds.
+
+Every write is atomic (temporary file in the same folder, fsync, rename,
+fsync of the folder), the cache first and ``session.json`` last. The JSON
+records the cache file's sha256 and the ledger's hash, so a load can tell
+whether the pair belongs together. Anything wrong with the cache (missing,
+damaged, another model or kvchat version, a ledger that does not match) is
+never fatal: the transcript loads and the cache is rebuilt from it, with a
+one-sentence notice. Only a damaged ``session.json`` is an error, and nothing
+is ever deleted or overwritten because of one.
+
+Modules: ``base`` (names, constants, result types), ``files`` (atomic writes,
+temporary files, checksums), ``lock`` (the per-session lock),
+``session_file`` (reading ``session.json``), ``cache_file`` (reading the
+cache), ``core`` (save and load), ``manage`` (list, delete, export, prune).
+"""
+
+from kvchat.store.base import (
+    CACHE_FILE,
+    FORMAT,
+    LOCK_FILE,
+    LOCK_TIMEOUT_S,
+    NAME_RE,
+    PAUSE_ENV,
+    SESSION_FILE,
+    TMP_PREFIX,
+    Loaded,
+    SessionSummary,
+    StoreError,
+    check_name,
+    exists,
+    ledger_hash,
+    session_dir,
+)
+from kvchat.store.core import Progress, load, save
+from kvchat.store.lock import session_lock
+from kvchat.store.manage import delete, export, list_sessions, parse_duration, prune, summary
+from kvchat.store.session_file import read
+
+__all__ = [
+    "CACHE_FILE",
+    "FORMAT",
+    "LOCK_FILE",
+    "LOCK_TIMEOUT_S",
+    "NAME_RE",
+    "PAUSE_ENV",
+    "SESSION_FILE",
+    "TMP_PREFIX",
+    "Loaded",
+    "Progress",
+    "SessionSummary",
+    "StoreError",
+    "check_name",
+    "delete",
+    "exists",
+    "export",
+    "ledger_hash",
+    "list_sessions",
+    "load",
+    "parse_duration",
+    "prune",
+    "read",
+    "save",
+    "session_dir",
+    "session_lock",
+    "summary",
+]

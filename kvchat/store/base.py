@@ -1,0 +1,94 @@
+"""Names, constants and result types shared by the store modules."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvchat import locations
+
+if TYPE_CHECKING:
+    from kvchat.engine.session import Session
+
+FORMAT = 1
+SESSION_FILE = "session.json"
+CACHE_FILE = "cache.safetensors"
+LOCK_FILE = ".lock"
+TMP_PREFIX = ".tmp-"
+LOCK_TIMEOUT_S = 60.0
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+# Tests set this to a stage name to make a save stop there (and wait to be killed).
+PAUSE_ENV = "KVCHAT_STORE_TEST_PAUSE"
+
+
+class StoreError(Exception):
+    """A session on disk cannot be read or written; one sentence that names the file."""
+
+
+@dataclass
+class SessionSummary:
+    """One line of ``kvchat sessions list``; ``note`` says what is wrong with a damaged one."""
+
+    name: str
+    model_id: str
+    cache_kind: str
+    turns: int
+    cache_tokens: int
+    size_bytes: int
+    last_used: str
+    path: Path
+    note: str | None = None
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["path"] = str(self.path)
+        return data
+
+
+@dataclass
+class Loaded:
+    """What :func:`load` returns: the session, whether its cache came from disk, and why not."""
+
+    session: Session
+    resumed_from_disk: bool
+    notice: str | None
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` if it is a valid session name, else raise :class:`StoreError`."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise StoreError(
+            f"Invalid session name {name!r}: use up to 100 letters, digits, '-', '_' or '.', "
+            "starting with a letter or digit."
+        )
+    return name
+
+
+def session_dir(name: str) -> Path:
+    """The folder of session ``name`` (it may not exist)."""
+    return locations.sessions_dir() / check_name(name)
+
+
+def exists(name: str) -> bool:
+    """Whether a session called ``name`` has been saved."""
+    return (session_dir(name) / SESSION_FILE).is_file()
+
+
+def ledger_hash(ledger: list[int]) -> str:
+    """A short, stable hash of a token ledger."""
+    return hashlib.sha256(",".join(map(str, ledger)).encode()).hexdigest()
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none)."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def now() -> str:
+    """The current UTC time, ISO 8601 to the millisecond."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")

@@ -1,0 +1,154 @@
+"""Save and load a whole session: the cache first, ``session.json`` last."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvchat import __version__
+from kvchat.store.base import (
+    CACHE_FILE,
+    FORMAT,
+    SESSION_FILE,
+    TMP_PREFIX,
+    Loaded,
+    StoreError,
+    ledger_hash,
+    now,
+    one_line,
+    session_dir,
+)
+from kvchat.store.cache_file import read_cache
+from kvchat.store.files import commit, temp_path, write_bytes_atomic
+from kvchat.store.lock import session_lock
+from kvchat.store.session_file import read, read_json
+
+if TYPE_CHECKING:
+    from kvchat.engine.model import LoadedModel
+    from kvchat.engine.session import Session
+
+Progress = Callable[[int, int], None]
+
+
+def save(session: Session, name: str) -> Path:
+    """Write ``session`` under ``name`` (cache first, then ``session.json``); return the folder.
+
+    Takes the session's lock. A crash at any point leaves the previous save
+    loadable: at worst its cache is rebuilt from its transcript.
+    """
+    from mlx_lm.models.cache import save_prompt_cache
+
+    with session_lock(name) as folder:
+        for stale in folder.glob(f"{TMP_PREFIX}*"):
+            stale.unlink(missing_ok=True)
+        json_path = folder / SESSION_FILE
+        created = now()
+        with contextlib.suppress(StoreError):
+            created = read_json(json_path).get("created", created) if json_path.exists() else created
+
+        ledger = list(session.ledger)
+        lm = session.lm
+        cache_info = None
+        if ledger:
+            metadata = {
+                "kvchat_version": __version__,
+                "format": str(FORMAT),
+                "model_fingerprint": lm.fingerprint,
+                "cache_kind": session.kind.name,
+                "ledger_len": str(len(ledger)),
+                "ledger_sha256": ledger_hash(ledger),
+                "ledger": ",".join(map(str, ledger)),
+            }
+            tmp = temp_path(folder, ".safetensors")
+            try:
+                save_prompt_cache(str(tmp), session.cache, metadata)
+                sha = commit(tmp, folder / CACHE_FILE, "cache")
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            cache_info = {
+                "file": CACHE_FILE,
+                "sha256": sha,
+                "bytes": (folder / CACHE_FILE).stat().st_size,
+                "tokens": session.cache_tokens,
+                "ledger_sha256": metadata["ledger_sha256"],
+            }
+
+        data = {
+            "format": FORMAT,
+            "kvchat_version": __version__,
+            "name": name,
+            "created": created,
+            "updated": now(),
+            "model_id": lm.model_id,
+            "model_fingerprint": lm.fingerprint,
+            "cache_kind": session.kind.name,
+            "settings": asdict(session.settings),
+            "messages": session.messages,
+            "archived": session.archived,
+            "ledger": ledger,
+            "turns": [t.to_dict() for t in session.turns],
+            "cache": cache_info,
+        }
+        text = json.dumps(data, ensure_ascii=False, indent=1)
+        write_bytes_atomic(json_path, text.encode(), "json")
+        if cache_info is None:
+            (folder / CACHE_FILE).unlink(missing_ok=True)
+        return folder
+
+
+def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded:
+    """Load session ``name`` for model ``lm``, cache included when it is sound.
+
+    When the cache cannot be used, the transcript still loads, the cache is
+    rebuilt from it (``progress(done, total)`` reports the prefill) and
+    ``notice`` says why in one sentence.
+    """
+    from kvchat.engine.kinds import CacheKindError
+    from kvchat.engine.session import GenerationSettings, Session
+    from kvchat.engine.stats import TurnStats
+
+    folder = session_dir(name)
+    data = read(name)
+    json_path = folder / SESSION_FILE
+    try:
+        settings = _settings(GenerationSettings, data.get("settings", {}))
+        turns = [TurnStats.from_dict(t) for t in data.get("turns", [])]
+    except (TypeError, ValueError) as exc:
+        raise StoreError(f"{json_path} is damaged ({one_line(exc)}); it was left as it is.") from None
+    messages = [dict(m) for m in data["messages"]]
+    archived = list(data.get("archived", []))
+    ledger = list(data.get("ledger", []))
+    kind = data.get("cache_kind", "standard")
+
+    kind_notice = None
+    try:
+        empty = Session(lm, kind=kind, settings=settings, messages=messages)
+    except CacheKindError as exc:
+        kind_notice = f"cache kind {kind!r} cannot be used here ({exc}), so it is now 'standard'"
+        kind = "standard"
+        empty = Session(lm, kind=kind, settings=settings, messages=messages)
+
+    problem = kind_notice
+    cache = None
+    if problem is None:
+        cache, ledger, problem = read_cache(folder, data, lm, ledger, empty)
+    session = Session.restore(
+        lm, messages=messages, kind=empty.kind, settings=settings,
+        ledger=ledger, cache=cache,
+        turns=turns, archived=archived,
+    )
+    if problem is None:
+        return Loaded(session, resumed_from_disk=cache is not None, notice=None)
+    session.rebuild(f"the saved cache was not used: {problem}", progress)
+    notice = f"The saved cache was not used ({problem}); it was rebuilt from the transcript."
+    return Loaded(session, resumed_from_disk=False, notice=notice)
+
+
+def _settings(cls, raw: dict):
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in raw.items() if k in names})
