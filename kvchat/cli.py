@@ -209,7 +209,16 @@ def ask(
                                settings=settings)
             if notice:
                 typer.echo(f"kvchat: {notice}", err=True)
-            done = _stream_reply(chat.send(text), echo=not as_json)
+            events = chat.send(text)
+            try:
+                done = _stream_reply(events, echo=not as_json)
+            except KeyboardInterrupt:
+                events.close()  # between tokens this keeps the reply as stopped
+                if session:  # keep the partial reply (marked stopped) with the transcript
+                    store.save(chat, session)
+                typer.echo("\nkvchat: interrupted" + (f"; saved session {session}."
+                                                       if session else "."), err=True)
+                raise typer.Exit(130) from None
             save_error = None
             if session:
                 try:

@@ -207,3 +207,28 @@ def test_ask_prints_the_reply(demo_model, tmp_path):
     assert reply.strip()
     assert plain.stdout == printable(reply) + "\n"
     assert "prompt tokens" in plain.stderr and "evaluated" in plain.stderr
+
+
+def test_ctrl_c_during_ask_keeps_the_partial_reply(tmp_path):
+    import signal
+
+    env = {**os.environ, "KVCHAT_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-c", "from kvchat.cli import main; main()", "ask", "--session", "s",
+           "--max-tokens", "12000", "Tell me everything."]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.read(40)  # the reply is streaming
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert b"interrupted; saved session s." in err and b"Traceback" not in err
+    saved = json.loads((tmp_path / "home" / "sessions" / "s" / "session.json").read_text())
+    last = saved["messages"][-1]
+    assert last["role"] == "assistant" and last["stopped"] is True
+    assert printable(last["content"]).encode().startswith(first)
+    again = subprocess.run(cmd[:-3] + ["--max-tokens", "4", "--json", "And now?"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["reply"]
+    saved = json.loads((tmp_path / "home" / "sessions" / "s" / "session.json").read_text())
+    assert [m["role"] for m in saved["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert saved["messages"][1] == last

@@ -318,6 +318,13 @@ class Session:
             text.finish()
             self._finish(text.text, stopped=True)
             raise
+        except KeyboardInterrupt:
+            # Ctrl-C may land inside a forward pass, so the cache is not trusted;
+            # the text said so far is kept, as stopped.
+            self._discard("the previous turn was interrupted")
+            text.finish()
+            self._finish(text.text, stopped=True)
+            raise
         except BaseException:
             self._discard("the previous turn failed before it finished")
             raise
