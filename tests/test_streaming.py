@@ -232,3 +232,19 @@ def test_ctrl_c_during_ask_keeps_the_partial_reply(tmp_path):
     saved = json.loads((tmp_path / "home" / "sessions" / "s" / "session.json").read_text())
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant", "user", "assistant"]
     assert saved["messages"][1] == last
+
+
+def test_a_save_writes_only_the_live_tokens(demo_model, tmp_path, monkeypatch):
+    from mlx_lm.models.cache import load_prompt_cache
+
+    from kvchat import store
+
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
+    session = Session(demo_model, system=SYSTEM, settings=GenerationSettings(max_tokens=16))
+    for text in MESSAGES[:3]:
+        events_of(session, text)
+    session.undo()
+    folder = store.save(session, "live")
+    loaded = load_prompt_cache(str(folder / store.CACHE_FILE))
+    assert {c.keys.shape[-2] for c in loaded} == {session.cache_tokens}
+    assert cache_bytes(loaded) == session.cache_bytes < session.allocated_bytes

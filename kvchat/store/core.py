@@ -42,6 +42,8 @@ def save(session: Session, name: str) -> Path:
     """
     from mlx_lm.models.cache import save_prompt_cache
 
+    from kvchat.engine.kinds import compacted
+
     with session_lock(name) as folder:
         for stale in folder.glob(f"{TMP_PREFIX}*"):
             stale.unlink(missing_ok=True)
@@ -65,7 +67,7 @@ def save(session: Session, name: str) -> Path:
             }
             tmp = temp_path(folder, ".safetensors")
             try:
-                save_prompt_cache(str(tmp), session.cache, metadata)
+                save_prompt_cache(str(tmp), compacted(session.cache), metadata)
                 sha = commit(tmp, folder / CACHE_FILE, "cache")
             except BaseException:
                 tmp.unlink(missing_ok=True)
