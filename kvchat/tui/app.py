@@ -29,6 +29,7 @@ from kvchat.pool import SessionPool
 from kvchat.themes import kvchat_themes
 
 from .actions import ActionsMixin
+from .paste import paste_safe
 from .screens.help import HelpScreen
 from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker
@@ -112,6 +113,10 @@ class KvChatApp(TabsMixin, ActionsMixin, App):
         self._quitting = False
         self._tab_numbers = 0
         self._theme_ready = False
+
+    def get_driver_class(self):
+        """Textual's driver, reading bracketed pastes whole (see ``paste.py``)."""
+        return paste_safe(super().get_driver_class())
 
     # ------------------------------------------------------------- layout
 

@@ -9,6 +9,8 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
+from kvchat.safety import printable
+
 
 class ChatInput(TextArea):
     """A multi-line message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line."""
@@ -37,6 +39,18 @@ class ChatInput(TextArea):
                 await self.run_action(binding.action)
                 return
         await super()._on_key(event)
+
+    async def _on_paste(self, event: events.Paste) -> None:
+        # In place of TextArea's paste: control characters (the ESC of a pasted colour
+        # code) would reach the terminal raw, so they are shown as ``\\xNN`` text.
+        event.stop()
+        event.prevent_default()
+        if self.read_only:
+            return
+        text = printable(event.text.replace("\r\n", "\n").replace("\r", "\n"))
+        result = self.replace(text, *self.selection)
+        self.move_cursor(result.end_location)
+        self.focus()
 
     def action_submit(self) -> None:
         self.post_message(self.Submitted(self.text))
