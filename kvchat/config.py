@@ -22,9 +22,12 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from kvchat.engine.kinds import CacheKindError, parse_kind
+from kvchat.safety import ascii_int, read_limited
 
 DEFAULT_MODEL = "demo"
 DEFAULT_THEME = "kvchat-dark"
+MAX_FILE_BYTES = 1 << 20  # a settings file is a few hundred bytes
+MAX_NUMBER = 1 << 60  # no count, size or time kvchat takes comes near this
 
 
 class ConfigError(ValueError):
@@ -57,7 +60,7 @@ class Config:
 
 KEYS: tuple[str, ...] = tuple(f.name for f in fields(Config))
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*((?:[kmgt]i?)?b?)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"\s*([0-9]+)(?:\.([0-9]+))?\s*((?:[kmgt]i?)?b?)\s*", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
@@ -68,22 +71,34 @@ def parse_size(value: int | str) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError("must not be negative")
-        return value
-    match = _SIZE.match(str(value))
+        return _bounded(value)
+    match = _SIZE.fullmatch(str(value))
     if not match:
         raise ValueError("expected a size such as 4GiB, 512MB or a number of bytes")
-    number, unit = float(match.group(1)), match.group(2).lower()
+    whole, fraction, unit = match.group(1), match.group(2) or "0", match.group(3).lower()
     scale = _UNITS[unit[:1]]
     if "i" in unit:
         scale = 1024 ** ("kmgt".index(unit[0]) + 1)
-    return int(number * scale)
+    try:
+        number = ascii_int(whole) + ascii_int(fraction[:9]) / 10 ** len(fraction[:9])
+    except ValueError:
+        raise ValueError("is larger than any memory") from None
+    return _bounded(int(number * scale))
+
+
+def _bounded(value: int) -> int:
+    if value > MAX_NUMBER:
+        raise ValueError("is too large")
+    return value
 
 
 def _check(key: str, value: Any, source: str) -> Any:
     """Validate one setting; raise ConfigError naming ``source`` and the value."""
 
     def fail(reason: str) -> ConfigError:
-        return ConfigError(f"{source} = {_literal(value)}: {reason}")
+        shown = _literal(value)
+        shown = shown if len(shown) <= 40 else shown[:36] + "..."
+        return ConfigError(f"{source} = {shown}: {reason}")
 
     if key not in KEYS:
         raise ConfigError(f"{source}: unknown setting; known settings: {', '.join(KEYS)}.")
@@ -105,7 +120,10 @@ def _check(key: str, value: Any, source: str) -> Any:
             raise fail("expected a whole number.")
         if value < (1 if key == "max_tokens" else 0):
             raise fail("must be at least 1." if key == "max_tokens" else "must not be negative.")
-        return value
+        try:
+            return _bounded(value)
+        except ValueError as error:
+            raise fail(f"{error}.") from None
     if key == "temp":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise fail("expected a number.")
@@ -131,11 +149,19 @@ def load_config(path: Path | None = None) -> Config:
 
         path = config_file()
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = read_limited(path, MAX_FILE_BYTES)
     except FileNotFoundError:
         return Config()
     except OSError as error:
         raise ConfigError(f"{path}: cannot be read ({error.strerror}).") from None
+    except ValueError as error:
+        raise ConfigError(f"{path}: cannot be used as a settings file: {error}.") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not valid UTF-8 (byte {raw[error.start]:#04x} at offset {error.start})."
+        ) from None
     return parse_config(text, name=path.name)
 
 
@@ -143,8 +169,9 @@ def parse_config(text: str, name: str = "config.toml") -> Config:
     """A :class:`Config` from TOML text; ``name`` prefixes error messages."""
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{name}: not valid TOML ({error}).") from None
+    except (ValueError, RecursionError) as error:  # TOMLDecodeError, a 5,000-digit number, [[[[...
+        reason = str(error).splitlines()[0] if str(error) else "nested too deeply"
+        raise ConfigError(f"{name}: not valid TOML ({reason}).") from None
     values = {key: _check(key, value, source=f"{name}: {key}") for key, value in data.items()}
     return replace(Config(), **values)
 

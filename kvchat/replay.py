@@ -13,7 +13,6 @@ and the turn's stats under the engine's field names.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +21,10 @@ from rich.text import Text
 
 from .engine.kinds import CacheKindError, parse_kind
 from .engine.session import GenerationSettings, Session, SessionError, TurnDone
-from .safety import printable
+from .safety import printable, read_limited
 
 OPS = ("regenerate", "undo", "cache", "reset")
+MAX_SCRIPT_BYTES = 16 << 20
 
 
 class ReplayError(ValueError):
@@ -77,12 +77,22 @@ def parse_script(data: object) -> Script:
 
 
 def load_script(path: Path) -> Script:
-    """Read and validate a script file."""
+    """Read and validate a script file.
+
+    pydantic-core's JSON parser stops at 200 levels of nesting, where
+    ``json.loads`` would raise RecursionError.
+    """
+    from pydantic_core import from_json
+
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        raw = read_limited(Path(path), MAX_SCRIPT_BYTES)
     except OSError as e:
         raise ReplayError(f"Cannot read {path}: {e.strerror}.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # not a regular file, or too large
+        raise ReplayError(f"Cannot read {path}: {e}.") from None
+    try:
+        data = from_json(raw)
+    except ValueError as e:  # not UTF-8, not JSON, or nested too deeply
         raise ReplayError(f"{path} is not valid JSON: {e}.") from None
     return parse_script(data)
 

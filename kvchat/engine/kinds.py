@@ -29,6 +29,8 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from kvchat.safety import ascii_int
+
 QUANT_GROUP_SIZE = 64
 
 # family -> (takes a number?, one-line description)
@@ -105,9 +107,12 @@ def parse_kind(name: str | CacheKind) -> CacheKind:
         if arg:
             raise CacheKindError(f"Cache kind {family!r} takes no number (got {name!r}).")
         return CacheKind(family)
-    if not arg.isdigit():
-        raise CacheKindError(f"Cache kind {family!r} needs a number, e.g. {_example(family)}.")
-    size = int(arg)
+    try:
+        size = ascii_int(arg)
+    except ValueError:
+        raise CacheKindError(
+            f"Cache kind {family!r} needs a number written with 0-9, e.g. {_example(family)}."
+        ) from None
     if family == "quantized" and size not in (4, 8):
         raise CacheKindError("Quantized caches take 8 or 4 bits: quantized:8 or quantized:4.")
     if family in ("rotating", "chunked") and size < 64:
