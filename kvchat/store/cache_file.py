@@ -22,6 +22,7 @@ def read_cache(
     """
     from mlx_lm.models.cache import load_prompt_cache
 
+    from kvchat.engine.cache_check import cache_problem
     from kvchat.engine.kinds import cache_offset, trim_to
     from kvchat.engine.session import common_prefix
 
@@ -52,9 +53,9 @@ def read_cache(
         return None, None, f"{path} was made with another model"
     if meta.get("cache_kind") != empty.kind.name:
         return None, None, f"{path} holds a {meta.get('cache_kind')} cache, not {empty.kind.name}"
-    problem = _shape_problem(cache, empty.cache, path)
+    problem = cache_problem(cache, empty.cache, lm.model)
     if problem:
-        return None, None, problem
+        return None, None, f"{path} does not fit the model: {problem}"
 
     if meta.get("ledger_sha256") != ledger_hash(ledger):
         # The cache was replaced but session.json was not (a save cut short): the
@@ -82,15 +83,3 @@ def read_cache(
         return None, None, f"{path} could not be read: {one_line(exc)}"
     return cache, ledger, None
 
-
-def _shape_problem(cache: list, fresh: list, path: Path) -> str | None:
-    if len(cache) != len(fresh):
-        return f"{path} has {len(cache)} layers, the model {len(fresh)}"
-    for saved, new in zip(cache, fresh):
-        if type(saved) is not type(new):
-            return f"{path} holds {type(saved).__name__} layers, expected {type(new).__name__}"
-        for attr in ("bits", "group_size", "max_size", "chunk_size", "keep"):
-            have, want = getattr(saved, attr, None), getattr(new, attr, None)
-            if have != want:
-                return f"{path} has {attr} {have}, expected {want}"
-    return None

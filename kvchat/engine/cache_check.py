@@ -1,0 +1,139 @@
+"""Is a prompt cache read from disk fit for a model? Checked before it is ever used.
+
+A cache file can be rewritten together with the checksum and fingerprint
+beside it, so its arrays are checked against what the model itself makes:
+a fresh cache made for the session that has seen one token. That reference
+carries every layer's class, array structure, ranks, dtypes and sizes (keys
+and values may differ, quantized layers hold packed ``uint32`` data with
+scales and biases, a model may bring its own layer classes), so nothing is
+read from the model's config. Only the token axis of key/value layers may
+differ in length; positions must fit the buffers and agree across layers;
+what the cache holds must be finite.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import CacheList, ChunkedKVCache, RotatingKVCache
+
+from .kinds import held_tokens, settle
+
+# Settings of a layer that must be what this kind makes for this model.
+_FIXED = ("bits", "group_size", "max_size", "chunk_size", "keep")
+_MAX_POSITION = 1 << 40
+TOKEN_AXIS = 2  # of the rank-4 (batch, heads, tokens, dims) arrays of key/value layers
+
+
+def cache_problem(cache: list[Any], fresh: list[Any], model: nn.Module) -> str | None:
+    """None when ``cache`` can stand in for ``fresh``, an unused cache made for this
+    session and ``model`` (by ``make_cache``), else why not, as a clause for a sentence.
+
+    ``fresh`` is not changed: the reference is a copy of it that has seen one token.
+    """
+    expected = copy.deepcopy(fresh)
+    model(mx.array([[0]]), cache=expected)
+    settle(expected)
+    if len(cache) != len(expected):
+        return f"it has {len(cache)} layers, the model {len(expected)}"
+    offsets: list[int] = []
+    live: list[mx.array] = []
+    for i, (saved, ref) in enumerate(zip(cache, expected)):
+        problem = _layer_problem(saved, ref, offsets, live)
+        if problem:
+            return f"layer {i} {problem}"
+    if len(set(offsets)) > 1:
+        return f"its layers disagree on the position (from {min(offsets)} to {max(offsets)})"
+    if live and not mx.stack([mx.isfinite(x).all() for x in live]).all().item():
+        return "it holds values that are not finite (NaN or infinity)"
+    return None
+
+
+def _layer_problem(saved: Any, ref: Any, offsets: list[int], live: list[mx.array]) -> str | None:
+    """Check one layer; collect its position in ``offsets`` and its held float arrays in ``live``."""
+    if type(saved) is not type(ref):
+        return f"is a {type(saved).__name__}, the model makes a {type(ref).__name__}"
+    if isinstance(ref, CacheList):
+        if len(saved.caches) != len(ref.caches):
+            return f"holds {len(saved.caches)} caches, the model {len(ref.caches)}"
+        for j, (s, r) in enumerate(zip(saved.caches, ref.caches)):
+            problem = _layer_problem(s, r, offsets, live)
+            if problem:
+                return f"part {j} {problem}"
+        return None
+
+    kv = hasattr(ref, "offset") and hasattr(ref, "keys")
+    have, want = tree_flatten(saved.state), tree_flatten(ref.state)
+    if [p for p, _ in have] != [p for p, _ in want]:
+        return "does not hold the arrays the model's cache holds"
+    lengths, floats = set(), []
+    for (path, s), (_, r) in zip(have, want):
+        name = _name(path) if kv else f"state {path}"
+        problem = _leaf_problem(name, s, r, kv)
+        if problem:
+            return problem
+        if isinstance(r, mx.array):
+            if kv:
+                lengths.add(s.shape[TOKEN_AXIS])
+            if mx.issubdtype(s.dtype, mx.floating):
+                floats.append(s)
+    for attr in _FIXED:
+        if getattr(saved, attr, None) != getattr(ref, attr, None):
+            return f"has {attr} {getattr(saved, attr, None)}, expected {getattr(ref, attr, None)}"
+    if not kv:
+        live.extend(floats)
+        return None
+
+    if len(lengths) > 1:
+        return f"holds keys and values of different lengths ({sorted(lengths)})"
+    length = lengths.pop() if lengths else 0
+    if isinstance(saved, ChunkedKVCache) and saved.start_position > saved.offset:
+        return f"starts at token {saved.start_position}, after its position {saved.offset}"
+    held = held_tokens([saved])
+    if held > length:
+        return f"claims {held} tokens but its buffer holds {length}"
+    if isinstance(saved, RotatingKVCache) and saved._idx > length:
+        return f"writes at slot {saved._idx} of a {length}-slot buffer"
+    offsets.append(saved.offset)
+    live.extend(x[..., :held, :] for x in floats if held)
+    return None
+
+
+def _leaf_problem(name: str, saved: Any, ref: Any, kv: bool) -> str | None:
+    if isinstance(ref, mx.array):
+        if not isinstance(saved, mx.array):
+            return f"has no array for its {name}"
+        if saved.ndim != ref.ndim:
+            return f"has rank-{saved.ndim} {name}, the model makes rank {ref.ndim}"
+        if saved.dtype != ref.dtype:
+            return f"has {name} of {_dtype(saved.dtype)}, the model makes {_dtype(ref.dtype)}"
+        free = TOKEN_AXIS if kv else None
+        if any(a != b for i, (a, b) in enumerate(zip(saved.shape, ref.shape)) if i != free):
+            return f"has {name} of shape {_shape(saved.shape, free)}, the model makes {_shape(ref.shape, free)}"
+        return None
+    if isinstance(ref, bool) or not isinstance(ref, int):
+        if type(saved) is not type(ref) or (ref is None) != (saved is None):
+            return f"has {type(saved).__name__} for its {name}, expected {type(ref).__name__}"
+        return None
+    if isinstance(saved, bool) or not isinstance(saved, int) or not 0 <= saved < _MAX_POSITION:
+        return f"has {saved!r} for its {name}, expected a whole number"
+    return None
+
+
+def _name(path: str) -> str:
+    """``0`` -> keys, ``1.2`` -> values[2], ``2`` -> offset; later parts by number."""
+    head, _, rest = path.partition(".")
+    base = {"0": "keys", "1": "values", "2": "offset"}.get(head, f"state {head}")
+    return f"{base}[{rest}]" if rest else base
+
+
+def _dtype(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def _shape(shape: tuple[int, ...], free: int | None) -> str:
+    return "(" + ", ".join("n" if i == free else str(n) for i, n in enumerate(shape)) + ")"

@@ -1,0 +1,92 @@
+"""The schema of ``session.json``, checked on every read before anything uses the data.
+
+pydantic v2 rather than msgspec or hand-written checks: it is installed
+already (``pydantic>=2`` is declared), it parses and validates the bytes in
+one pass with a JSON parser that stops at 200 levels of nesting (where
+``json.loads`` raises RecursionError), strict mode refuses ``"hot"`` for a
+number and ``1e400`` for a count, ``allow_inf_nan=False`` refuses infinite
+and NaN floats, and every error carries the path of the field, which the
+message names. Per-turn stats are validated against the engine's own
+``TurnStats`` dataclass, so their fields are defined once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvchat.engine.stats import TurnStats
+from kvchat.store.base import StoreError
+
+Count = Annotated[int, Field(ge=0, lt=1 << 53)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+    stopped: bool = False
+
+
+class Settings(_Strict):
+    """``GenerationSettings`` as stored, with the ranges a session can run with."""
+
+    max_tokens: int = Field(512, ge=1, lt=1 << 31)
+    temp: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
+    prefill_step: int = Field(512, ge=1, lt=1 << 31)
+
+
+class CacheInfo(_Strict):
+    file: str
+    sha256: str
+    bytes: Count = 0
+    tokens: Count = 0
+    ledger_sha256: str = ""
+
+
+class SessionFile(_Strict):
+    format: int = 1
+    kvchat_version: str = ""
+    name: str = ""
+    created: str = ""
+    updated: str = ""
+    model_id: str = ""
+    model_fingerprint: str = ""
+    cache_kind: str = "standard"
+    settings: Settings = Settings()
+    messages: list[Message]
+    archived: list[Message] = []
+    ledger: list[TokenId] = []
+    turns: list[TurnStats] = []
+    cache: CacheInfo | None = None
+
+
+def parse_session(raw: bytes, path: Path) -> dict:
+    """The validated content of ``session.json`` ``path`` as plain data (only the keys
+    the file has); any problem is a :class:`StoreError` naming the file and the field."""
+    try:
+        parsed = SessionFile.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        first = errors[0]
+        where = _location(first["loc"])
+        problem = f"{where}: {first['msg']}" if where else first["msg"]
+        if len(errors) > 1:
+            problem += f", and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''}"
+        raise StoreError(f"{path} is damaged ({problem}); it was left as it is.") from None
+    return parsed.model_dump(exclude_unset=True)
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    """``('turns', 0, 'temp')`` -> ``turns[0].temp``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
