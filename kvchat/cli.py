@@ -14,6 +14,7 @@ import typer
 
 import kvchat
 from kvchat import blas, locations
+from kvchat.safety import dumps_json, printable
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
@@ -33,7 +34,7 @@ def load_or_exit(spec: str) -> LoadedModel:
     try:
         return load_model(spec)
     except ModelLoadError as exc:
-        typer.echo(f"kvchat: {exc}", err=True)
+        typer.echo(f"kvchat: {printable(str(exc))}", err=True)
         raise typer.Exit(2) from None
 
 
@@ -138,9 +139,25 @@ def _matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
-    """Print ``kvchat: message`` on stderr; return the Exit to raise."""
-    typer.echo(f"kvchat: {message}", err=True)
+    """Print ``kvchat: message`` on stderr (made safe: it may quote a file); return the Exit."""
+    typer.echo(f"kvchat: {printable(message)}", err=True)
     return typer.Exit(code)
+
+
+def _as_text(raw: bytes | str, what: str) -> str:
+    """``raw`` (stdin's bytes, or an argument holding bytes Python could not decode) as
+    text: bytes that are not UTF-8 become U+FFFD, and stderr says so."""
+    if isinstance(raw, str):
+        try:
+            raw = raw.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raw = raw.encode("utf-8", "surrogatepass")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        typer.echo(f"kvchat: {what} is not valid UTF-8; the bytes that are not were replaced "
+                   "with U+FFFD.", err=True)
+        return raw.decode("utf-8", "replace")
 
 
 @app.command()
@@ -173,8 +190,8 @@ def ask(
     from kvchat.engine.kinds import CacheKindError, parse_kind
     from kvchat.engine.session import GenerationSettings, Session, SessionError
 
-    if text == "-":
-        text = sys.stdin.read()
+    text = _as_text(sys.stdin.buffer.read() if text == "-" else text, "the message")
+    system = _as_text(system, "--system") if system is not None else None
     if not text.strip():
         raise _fail("Nothing to send: the message is empty.", 2)
     try:
@@ -208,7 +225,7 @@ def ask(
                                system=system if system is not None else config.system or None,
                                settings=settings)
             if notice:
-                typer.echo(f"kvchat: {notice}", err=True)
+                typer.echo(f"kvchat: {printable(notice)}", err=True)
             events = chat.send(text)
             try:
                 done = _stream_reply(events, echo=not as_json)
@@ -231,7 +248,7 @@ def ask(
         payload = {"reply": done.reply, **done.stats.to_dict(),
                    "resumed_from_disk": resumed, "notice": notice, "session": session,
                    "saved": bool(session) and save_error is None}
-        typer.echo(json.dumps(payload, ensure_ascii=False))
+        typer.echo(dumps_json(payload))
     if stats:
         typer.echo(_stats_line(done), err=True)
     if save_error:
@@ -242,7 +259,6 @@ def _stream_reply(events, echo: bool):
     """Consume a turn, writing each piece of the reply to stdout as it comes (made safe
     for the terminal) when ``echo``; return its ``TurnDone``."""
     from kvchat.engine.session import Chunk, TurnDone
-    from kvchat.safety import printable
 
     done = None
     for event in events:
@@ -298,21 +314,22 @@ def sessions_list(
 
     found = store.list_sessions()
     if as_json:
-        typer.echo(json.dumps([s.to_dict() for s in found], indent=2))
+        typer.echo(dumps_json([s.to_dict() for s in found], indent=2))
         return
     if not found:
-        typer.echo(f"No saved sessions in {locations.sessions_dir()}.")
+        typer.echo(f"No saved sessions in {printable(str(locations.sessions_dir()))}.")
         return
     rows = [("NAME", "MODEL", "CACHE", "TURNS", "TOKENS", "SIZE", "LAST USED")]
     for s in found:
         rows.append((s.name, s.model_id, s.cache_kind, str(s.turns), str(s.cache_tokens),
                      _size(s.size_bytes), s.last_used[:19].replace("T", " ")))
+    rows = [tuple(printable(c, one_line=True) for c in r) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     for s in found:
         if s.note:
-            typer.echo(f"note: {s.name}: {s.note}")
+            typer.echo(f"note: {s.name}: {printable(s.note, one_line=True)}")
 
 
 @sessions_app.command("show")
@@ -333,12 +350,12 @@ def sessions_show(
     info["created"] = data.get("created")
     info["last_turn"] = (data.get("turns") or [None])[-1]
     if as_json:
-        typer.echo(json.dumps(info, indent=2))
+        typer.echo(dumps_json(info, indent=2))
         return
     for key, value in info.items():
         if key == "last_turn" and value:
             value = ", ".join(f"{k}={v}" for k, v in value.items())
-        typer.echo(f"{key:<13} {value}")
+        typer.echo(f"{key:<13} {printable(str(value), one_line=True)}")
 
 
 @sessions_app.command("rm")
@@ -358,7 +375,8 @@ def sessions_export(
     """Print a session's transcript as Markdown or JSON."""
     from kvchat import store
 
-    sys.stdout.write(_store_call(store.export, name, fmt))
+    text = _store_call(store.export, name, fmt)
+    sys.stdout.write(text if fmt == "json" else printable(text))  # JSON escapes its own
     sys.stdout.flush()
 
 

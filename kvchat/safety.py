@@ -29,14 +29,16 @@ def _escape(match: re.Match) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
-def printable(text: str) -> str:
+def printable(text: str, one_line: bool = False) -> str:
     """``text`` with every control character except tab and newline shown as ``\\xNN``
-    (``\\uNNNN`` for bidi controls and lone surrogates).
+    (``\\uNNNN`` for bidi controls and lone surrogates); with ``one_line``, tab and
+    newline too, for a table cell or a ``key value`` line.
 
     Escape sequences then print as their letters and do nothing. Rich markup
     is a separate matter: show the result with ``markup=False`` or as ``Text``.
     """
-    return _CONTROL.sub(_escape, text.replace("\r\n", "\n"))
+    text = _CONTROL.sub(_escape, text.replace("\r\n", "\n"))
+    return text.replace("\t", "\\t").replace("\n", "\\n") if one_line else text
 
 
 def dumps_json(data: object, indent: int | None = None) -> str:
