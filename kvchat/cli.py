@@ -110,11 +110,18 @@ def _doctor_report() -> dict[str, Any]:
         "device": _device_name(),
         "blas": blas.describe(),
         "blas_status": blas.info.status,
+        "cpu_fastpath": _fastpath(),
         "matmul_gflops": round(_matmul_gflops(), 1),
         "data_dir": str(locations.data_dir()),
         "config_dir": str(locations.config_dir()),
         "cache_dir": str(locations.cache_dir()),
     }
+
+
+def _fastpath() -> str:
+    from kvchat.engine import cpu
+
+    return cpu.describe()
 
 
 def _device_name() -> str:

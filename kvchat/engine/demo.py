@@ -1,6 +1,7 @@
 """Built-in demo models: random weights, a locally trained tokenizer, real files.
 
-``--model demo`` (and ``demo:<shape>``) needs no download. On first use a
+``--model demo`` (and ``demo:<shape>``, each optionally ``@q4`` or ``@q8`` for
+4- or 8-bit weights made by ``mlx_lm.convert``) needs no download. On first use a
 model folder in mlx-lm's format (config.json, safetensors weights, tokenizer
 files) is built into the cache dir, and from then on it is loaded like any
 other model with ``mlx_lm.load``. The weights are random, so the model speaks
@@ -13,10 +14,12 @@ Builds are deterministic: the same files, byte for byte, on every build.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -108,28 +111,38 @@ def demo_names() -> list[str]:
 
 
 def demo_specs() -> list[str]:
-    """What ``--model`` accepts for each shape: ``demo``, ``demo:<shape>``."""
+    """What ``--model`` accepts for each shape: ``demo``, ``demo:<shape>``; each may end
+    in ``@q4`` or ``@q8`` for a copy with 4- or 8-bit weights (``mlx_lm.convert -q``)."""
     return [PREFIX if name == PREFIX else f"{PREFIX}:{name}" for name in SHAPES]
 
 
 def parse_demo_spec(spec: str) -> str | None:
-    """The shape a ``--model`` value names, or None when it is not a demo spec.
+    """The shape a ``--model`` value names (with its ``@q4``/``@q8``), or None when it
+    is not a demo spec.
 
-    Raises ValueError for ``demo:<unknown>``, naming the valid specs.
+    Raises ValueError for an unknown shape or suffix, naming the valid specs.
     """
-    if spec == PREFIX:
-        return PREFIX
-    if not spec.startswith(PREFIX + ":"):
+    base, _, bits = spec.partition("@")
+    if base == PREFIX:
+        name = PREFIX
+    elif base.startswith(PREFIX + ":"):
+        name = base.removeprefix(PREFIX + ":")
+    else:
         return None
-    name = spec.removeprefix(PREFIX + ":")
-    if name not in SHAPES:
-        raise ValueError(f"Unknown demo model '{spec}'; use one of: {', '.join(demo_specs())}.")
-    return name
+    if name not in SHAPES or bits not in QUANTIZED:
+        raise ValueError(
+            f"Unknown demo model '{spec}'; use one of: {', '.join(demo_specs())}, "
+            "optionally ending in @q4 or @q8."
+        )
+    return f"{name}@{bits}" if bits else name
+
+
+QUANTIZED = {"": None, "q4": 4, "q8": 8}  # suffix -> bits of the weights
 
 
 def demo_path(name: str) -> Path:
     """The folder a shape is built into (it may not exist yet)."""
-    return models_dir() / f"{name}-{BUILD_VERSION}"
+    return models_dir() / f"{name.replace('@', '-')}-{BUILD_VERSION}"
 
 
 def build_demo(name: str) -> Path:
@@ -137,17 +150,23 @@ def build_demo(name: str) -> Path:
 
     The folder appears atomically: it is built beside the target and renamed
     into place, so a crash leaves nothing half-written, and when two processes
-    race the loser throws its copy away.
+    race the loser throws its copy away. ``<shape>@q4`` is ``<shape>`` converted
+    by mlx-lm to 4-bit weights (group size 64), as mlx-community models are.
     """
-    if name not in SHAPES:
+    shape, _, suffix = name.partition("@")
+    if shape not in SHAPES or suffix not in QUANTIZED:
         raise ValueError(f"Unknown demo shape '{name}'; use one of: {', '.join(SHAPES)}.")
     target = demo_path(name)
     if target.is_dir():
         return target
+    source = build_demo(shape) if suffix else None
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        tokenizer = train_tokenizer()
-        write_model(scratch, model_config(name, tokenizer), tokenizer)
+        if source is not None:
+            _quantize(source, scratch, QUANTIZED[suffix])
+        else:
+            tokenizer = train_tokenizer()
+            write_model(scratch, model_config(name, tokenizer), tokenizer)
         try:
             os.rename(scratch, target)
         except OSError:
@@ -156,6 +175,18 @@ def build_demo(name: str) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def _quantize(source: Path, folder: Path, bits: int) -> None:
+    """Write ``source`` with ``bits``-bit weights into ``folder`` through ``mlx_lm.convert``."""
+    from mlx_lm import convert
+
+    out = folder / "model"  # convert insists on creating its output folder itself
+    with contextlib.redirect_stdout(sys.stderr):  # its progress lines are not a reply
+        convert(str(source), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=64)
+    for item in out.iterdir():
+        item.rename(folder / item.name)
+    out.rmdir()
 
 
 def train_tokenizer() -> Tokenizer:

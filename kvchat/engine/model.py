@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,17 +54,19 @@ class LoadedModel:
     path: Path  # the local folder it was loaded from
     fingerprint: str  # changes when the weights' shape or the tokenizer could differ
     context_length: int
+    weights: str = "as stored"  # how the weights are held, e.g. "4-bit, dequantized to float32"
 
 
 class ModelLoadError(Exception):
     """A model could not be loaded; the message is one sentence naming the way out."""
 
 
-def load_model(spec: str) -> LoadedModel:
+def load_model(spec: str, keep_quantized: bool | None = None) -> LoadedModel:
     """Load ``spec``: a demo name, a local mlx-lm model folder or a Hugging Face id.
 
     Demo models are built on first use. On the CPU backend, float16 and
-    bfloat16 weights are cast to float32, which CPU matmul runs far faster.
+    bfloat16 weights are cast to float32, which CPU matmul runs far faster,
+    and the CPU fast path is installed (see :func:`_cpu_weights`).
     """
     path = _resolve(spec)
     source = None if Path(spec).expanduser() == path else path
@@ -75,9 +78,11 @@ def load_model(spec: str) -> LoadedModel:
         raise _load_error(spec, f"a JSON file in it is damaged ({exc})", source) from exc
     except Exception as exc:  # a broken folder fails in many ways; all mean the same here
         raise _load_error(spec, _first_line(exc), source) from exc
+    weights = "as stored"
     if mx.default_device() == mx.cpu:
         # Only floating parameters change: quantized weights stay packed integers.
         model.set_dtype(mx.float32)
+        weights = _cpu_weights(model, keep_quantized)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -85,7 +90,56 @@ def load_model(spec: str) -> LoadedModel:
         path=path,
         fingerprint=fingerprint(spec, path),
         context_length=context_length(config),
+        weights=weights,
     )
+
+
+def _cpu_weights(model: nn.Module, keep_quantized: bool | None) -> str:
+    """Give the model the CPU fast path's layers; dequantize packed weights where they fit.
+
+    mlx's CPU ``quantized_matmul`` is far slower than a float32 BLAS matmul, so a
+    4- or 8-bit model runs dequantized unless ``keep_quantized`` (or
+    ``KVCHAT_KEEP_QUANTIZED=1``) asks otherwise or float32 weights would not fit
+    in half the memory available now. Returns how the weights are held, in words.
+    """
+    from kvchat.engine import cpu
+
+    if not cpu.install():
+        return "as stored (CPU fast path off)"
+    if keep_quantized is None:
+        keep_quantized = os.environ.get("KVCHAT_KEEP_QUANTIZED") == "1"
+    packed = [m for m in model.modules()
+              if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    if not packed:
+        cpu.prepare(model, dequantize=False)
+        return "float32"
+    bits = sorted({m.bits for m in packed})
+    label = "/".join(map(str, bits)) + "-bit"
+    if keep_quantized:
+        cpu.prepare(model, dequantize=False)
+        return f"{label}, kept packed (KVCHAT_KEEP_QUANTIZED)"
+    need = sum(m.weight.size * 32 // m.bits * 4 for m in packed)
+    free = _available_memory()
+    if free is not None and need > free // 2:
+        cpu.prepare(model, dequantize=False)
+        return f"{label}, kept packed (float32 would take {need / 2**30:.1f} GiB)"
+    cpu.prepare(model, dequantize=True)
+    return f"{label}, dequantized to float32 for the CPU"
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available now (Linux: MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def fingerprint(model_id: str, path: Path) -> str:

@@ -1,0 +1,83 @@
+"""The CPU fast path: attention, SwiGLU and linear layers through numpy on the CPU backend.
+
+mlx-lm's models take their attention function from ``mlx_lm.models.base``
+and their SwiGLU from ``mlx_lm.models.activations``, by name at import time.
+:func:`install` puts kvchat's functions in both places once (and in any model
+module imported already); each calls :mod:`.attention` when the fast path is
+active and falls back to mlx-lm's own otherwise, so Metal and CUDA, quantized
+caches, attention sinks and other dtypes keep the stock path.
+:func:`kvchat.engine.cpu.linear.prepare` gives a loaded model numpy-backed
+linear layers. ``KVCHAT_CPU_FASTPATH=0`` turns all of it off.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx_lm.models.activations as activations
+import mlx_lm.models.base as base
+
+from . import attention, state
+from .linear import prepare
+
+__all__ = ["install", "prepare", "describe", "set_active"]
+
+_stock_sdpa = base.scaled_dot_product_attention
+_stock_swiglu = activations.swiglu
+
+
+def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx-lm's attention entry point, through numpy when the fast path is active."""
+    if state.active() and sinks is None and not hasattr(cache, "bits"):
+        out = attention.sdpa(queries, keys, values, scale, mask)
+        if out is not None:
+            return out
+    return _stock_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def swiglu(gate, x):
+    """mlx-lm's SwiGLU, through numpy when the fast path is active."""
+    if state.active():
+        out = attention.swiglu(gate, x)
+        if out is not None:
+            return out
+    return _stock_swiglu(gate, x)
+
+
+def install() -> bool:
+    """Hook kvchat's functions into mlx-lm (once) and turn the fast path on where it
+    applies (the CPU backend, not disabled). Returns whether it is active."""
+    replacements = {
+        "scaled_dot_product_attention": (_stock_sdpa, scaled_dot_product_attention),
+        "swiglu": (_stock_swiglu, swiglu),
+    }
+    base.scaled_dot_product_attention = scaled_dot_product_attention
+    activations.swiglu = swiglu
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("mlx_lm.models.") or module is None:
+            continue
+        for attr, (stock, ours) in replacements.items():
+            if getattr(module, attr, None) is stock:
+                setattr(module, attr, ours)
+    state.set_active(state.wanted())
+    return state.active()
+
+
+def set_active(on: bool) -> None:
+    """Turn the fast path on or off at run time (tests and the bench compare both)."""
+    state.set_active(on and state.wanted())
+
+
+def describe() -> str:
+    """One line for ``kvchat doctor``: whether models run with the fast path, and why not."""
+    import os
+
+    import mlx.core as mx
+
+    if os.environ.get(state.ENV, "1") == "0":
+        return f"off ({state.ENV}=0)"
+    if mx.default_device() != mx.cpu:
+        return "off (MLX runs on the GPU: its own kernels are used)"
+    if state.active() or state.wanted():
+        return "on (numpy attention, SwiGLU and linear layers)"
+    return "off"

@@ -1,0 +1,95 @@
+"""Attention and SwiGLU for the CPU backend, computed with numpy.
+
+On the Linux CPU backend mlx's element-wise ``exp`` is scalar (about 105 M
+values/s on this kind of machine, against about 2 G/s for numpy's SIMD one),
+and ``mx.fast.scaled_dot_product_attention`` repeats keys and values for
+grouped-query attention before a matmul that does not go through BLAS. Here
+the same arithmetic runs as numpy matmuls (numpy's own, current OpenBLAS) and
+numpy's ``exp``:
+
+- queries are grouped per key/value head, ``(B, Hkv, G·L, D)``, so keys and
+  values are never repeated;
+- the softmax subtracts the row maximum, exponentiates in place, and divides
+  the ``(G·L, D)`` output rather than the ``(G·L, S)`` probabilities.
+
+Both functions take and return ``mx.array``; where numpy cannot take the
+input (another dtype, attention sinks, a trace inside ``mx.compile``) they
+return ``None`` and the caller uses mlx-lm's own function.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+_NEG_INF = np.float32(-np.inf)
+
+
+def _numpy(x: mx.array) -> np.ndarray | None:
+    """A float32 numpy view of ``x`` (evaluating it), or None if numpy cannot take it."""
+    if x.dtype != mx.float32:
+        return None
+    try:
+        return np.asarray(x)
+    except (ValueError, RuntimeError, TypeError):  # a tracer inside mx.compile
+        return None
+
+
+def _mask5(mask: np.ndarray, n_kv: int, groups: int) -> np.ndarray:
+    """A ``(b, h, L, S)``-broadcastable mask reshaped to the grouped ``(b, Hkv, G, L, S)``."""
+    while mask.ndim < 4:
+        mask = mask[None]
+    if mask.shape[1] == n_kv * groups and groups > 1:
+        return mask.reshape(mask.shape[0], n_kv, groups, *mask.shape[2:])
+    return mask[:, :, None]
+
+
+def sdpa(queries, keys, values, scale: float, mask) -> mx.array | None:
+    """``softmax(q·kᵀ·scale + mask)·v`` for ``(B, H, L, D)`` inputs, or None (see module doc)."""
+    q, k, v = _numpy(queries), _numpy(keys), _numpy(values)
+    if q is None or k is None or v is None:
+        return None
+    mask_np = None
+    if isinstance(mask, mx.array):
+        if mask.dtype == mx.bool_:
+            mask_np = np.asarray(mask)
+        else:
+            mask_np = np.asarray(mask.astype(mx.float32))
+    elif mask is not None and mask != "causal":
+        return None
+    batch, n_q, length, dim = q.shape
+    n_kv, span = k.shape[1], k.shape[2]
+    groups = n_q // n_kv
+
+    grouped = (q.reshape(batch, n_kv, groups * length, dim) * np.float32(scale))
+    scores = np.matmul(grouped, k.swapaxes(-1, -2))  # (B, Hkv, G·L, S)
+    scores5 = scores.reshape(batch, n_kv, groups, length, span)
+    if mask == "causal" and length > 1:
+        future = np.triu(np.ones((length, span), dtype=bool), k=span - length + 1)
+        np.copyto(scores5, _NEG_INF, where=future)
+    elif mask_np is not None:
+        mask5 = _mask5(mask_np, n_kv, groups)
+        if mask5.dtype == np.bool_:
+            np.copyto(scores5, _NEG_INF, where=~mask5)
+        else:
+            scores5 += mask5
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    total = scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, v)
+    out /= total
+    return mx.array(out.reshape(batch, n_q, length, v.shape[-1]))
+
+
+def swiglu(gate, x) -> mx.array | None:
+    """``silu(gate) * x``, or None (see module doc)."""
+    g, u = _numpy(gate), _numpy(x)
+    if g is None or u is None or g.shape != u.shape:
+        return None
+    out = np.negative(g)
+    with np.errstate(over="ignore"):  # exp(-g) = inf for very negative g: silu is then -0
+        np.exp(out, out=out)
+    out += np.float32(1)
+    np.divide(g, out, out=out)
+    out *= u
+    return mx.array(out)

@@ -1,0 +1,135 @@
+"""Linear layers for the CPU backend: matmuls through numpy's BLAS.
+
+mlx's CPU matmul goes through whatever ``cblas_sgemm`` the process resolves
+(Debian's OpenBLAS 0.3.21 here, see :mod:`kvchat.blas`), which is at its best
+for large products but slow for the few rows of a cached turn and for the one
+row of decoding: a matrix-vector product streams the weights at about 14 GB/s
+against about 45 GB/s through numpy's bundled OpenBLAS. These layers keep
+mlx's parameters (the same names and arrays, so loading, saving and
+``update`` see nothing new) and compute ``x @ Wᵀ + b`` with numpy on a
+zero-copy view of the weight.
+
+Quantized layers can be dequantized to float32 at load (:func:`prepare`),
+since mlx's CPU ``quantized_matmul`` runs at about 3 GFLOP/s whatever the
+row count: a 4-bit model then runs at its float32 twin's speed, in its memory.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_map_with_path
+
+from . import state
+from .attention import _numpy
+
+
+def _weight_view(layer: nn.Module) -> np.ndarray | None:
+    """A numpy view of ``layer.weight``, made once per weight array.
+
+    The view holds the array it was made from, so the ``id`` it is keyed on
+    cannot be reused while it is cached.
+    """
+    weight = layer.weight
+    cached = layer.__dict__.get("_numpy_weight")
+    if cached is None or cached[0] != id(weight):
+        cached = (id(weight), _numpy(weight))
+        object.__setattr__(layer, "_numpy_weight", cached)
+    return cached[1]
+
+
+def _matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None:
+    """``x @ layer.weightᵀ`` through numpy, or None when numpy cannot take it."""
+    if not state.active():
+        return None
+    xn, w = _numpy(x), _weight_view(layer)
+    if xn is None or w is None:
+        return None
+    rows = xn.reshape(-1, xn.shape[-1])
+    if rows.shape[0] == 1:
+        out = (w @ rows[0])[None]  # a matrix-vector product: BLAS gemv
+    else:
+        out = rows @ w.T
+    return mx.array(out.reshape(*xn.shape[:-1], w.shape[0]))
+
+
+class CpuLinear(nn.Linear):
+    """``nn.Linear`` whose product runs through numpy on the CPU backend."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _matmul_t(x, self)
+        if y is None:
+            return super().__call__(x)
+        return y + self.bias if "bias" in self else y
+
+
+class CpuOutput(CpuLinear):
+    """The output projection (``lm_head``): through numpy for one row only.
+
+    A prefill evaluates only the cache, so mlx never computes the logits of its
+    rows as long as they stay lazy; numpy would compute them all (a third of a
+    small model's prefill work). Decoding asks for one row, which numpy runs.
+    """
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _rows(x) != 1:
+            return nn.Linear.__call__(self, x)
+        return super().__call__(x)
+
+
+class CpuEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose tied output projection runs like :class:`CpuOutput`."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = _matmul_t(x, self) if _rows(x) == 1 else None
+        return super().as_linear(x) if y is None else y
+
+
+def _rows(x: mx.array) -> int:
+    return x.size // x.shape[-1] if x.ndim else 0
+
+
+def _dequantized(layer: nn.Module) -> mx.array:
+    return mx.dequantize(
+        layer.weight, layer.scales, layer.get("biases"), group_size=layer.group_size,
+        bits=layer.bits, mode=getattr(layer, "mode", "affine"),
+    ).astype(mx.float32)
+
+
+def _cpu_layer(path: str, layer: nn.Module, dequantize: bool) -> nn.Module:
+    output = path.rsplit(".", 1)[-1] == "lm_head"
+    if type(layer) is nn.Linear:
+        layer.__class__ = CpuOutput if output else CpuLinear
+    elif type(layer) is nn.Embedding:
+        layer.__class__ = CpuEmbedding
+    elif dequantize and type(layer) is nn.QuantizedLinear:
+        out_dims, in_dims = layer.weight.shape[0], layer.scales.shape[-1] * layer.group_size
+        new = (CpuOutput if output else CpuLinear)(in_dims, out_dims, bias="bias" in layer)
+        new.weight = _dequantized(layer)
+        if "bias" in layer:
+            new.bias = layer.bias.astype(mx.float32)
+        return new
+    elif dequantize and type(layer) is nn.QuantizedEmbedding:
+        new = CpuEmbedding(layer.num_embeddings, layer.dims)
+        new.weight = _dequantized(layer)
+        return new
+    return layer
+
+
+def prepare(model: nn.Module, dequantize: bool) -> int:
+    """Give ``model`` CPU linear layers in place (dequantizing packed ones if asked).
+
+    Returns how many quantized layers were dequantized.
+    """
+    before = sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                 for m in model.modules())
+    leaves = tree_map_with_path(
+        lambda path, m: _cpu_layer(path, m, dequantize), model.leaf_modules(),
+        is_leaf=nn.Module.is_module,
+    )
+    model.update_modules(leaves)
+    after = sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                for m in model.modules())
+    mx.eval(model.parameters())
+    return before - after

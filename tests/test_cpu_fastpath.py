@@ -1,0 +1,161 @@
+"""The CPU fast path (issue 14): numpy attention, SwiGLU and linear layers match mlx's
+own within float32 tolerance, caching stays exact with it, it can be switched off, and
+quantized weights are dequantized at load."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.base import create_causal_mask
+
+from kvchat.engine import cpu
+from kvchat.engine.cpu import attention
+from kvchat.engine.cpu.linear import CpuEmbedding, CpuLinear, CpuOutput
+from kvchat.engine.kinds import make_cache, parse_kind
+from kvchat.engine.model import load_model
+from kvchat.engine.session import GenerationSettings, Session, TurnDone
+
+TOL = 2e-5
+
+
+@pytest.fixture
+def fast_path():
+    """The fast path on for a test, whatever the test before left."""
+    cpu.set_active(True)
+    yield
+    cpu.set_active(True)
+
+
+def masks(length: int, span: int, heads: int):
+    keep = mx.random.uniform(shape=(2, 1, length, span)) > 0.3
+    keep[..., 0] = True  # every row keeps one key
+    return {
+        "none": None,
+        "causal": "causal",
+        "causal array": create_causal_mask(length, span - length),
+        "additive per head": mx.random.normal((1, heads, length, span)),
+        "bool": keep,
+    }
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 7])
+@pytest.mark.parametrize("length,span", [(1, 1), (1, 300), (6, 6), (44, 500)])
+def test_attention_matches_mlx(ratio, length, span):
+    mx.random.seed(length * 1000 + span + ratio)
+    kv_heads = 2
+    heads = kv_heads * ratio
+    q = mx.random.normal((2, heads, length, 64))
+    k = mx.random.normal((2, kv_heads, span, 64))
+    v = mx.random.normal((2, kv_heads, span, 64))
+    for name, mask in masks(length, span, heads).items():
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        got = attention.sdpa(q, k, v, 0.125, mask)
+        assert got.shape == want.shape and got.dtype == mx.float32, name
+        assert mx.allclose(got, want, atol=TOL, rtol=TOL).item(), name
+
+
+def test_attention_declines_what_it_cannot_take():
+    q = mx.random.normal((1, 2, 3, 64)).astype(mx.float16)
+    assert attention.sdpa(q, q, q, 0.125, None) is None
+    assert attention.swiglu(q, q) is None
+
+
+def test_swiglu_matches_mlx():
+    gate = mx.random.normal((3, 5, 100)) * 30  # exp overflows for large negative gates
+    x = mx.random.normal((3, 5, 100))
+    assert mx.allclose(attention.swiglu(gate, x), nn.silu(gate) * x, atol=1e-5).item()
+
+
+def test_loaded_model_gets_cpu_layers_and_the_hooks(demo_model, fast_path):
+    kinds = {type(m) for m in demo_model.model.modules()}
+    assert CpuLinear in kinds and CpuEmbedding in kinds and nn.Linear not in kinds
+    from mlx_lm.models import activations, base, qwen2
+
+    assert base.scaled_dot_product_attention is cpu.scaled_dot_product_attention
+    assert qwen2.scaled_dot_product_attention is cpu.scaled_dot_product_attention
+    assert qwen2.swiglu is activations.swiglu is cpu.swiglu
+    assert demo_model.weights == "float32"
+
+
+def logits_of(lm, tokens: list[int]) -> mx.array:
+    cache = make_cache(lm.model, parse_kind("standard"))
+    out = lm.model(mx.array(tokens[:-1])[None], cache=cache)
+    last = lm.model(mx.array(tokens[-1:])[None], cache=cache)
+    return mx.concatenate([out, last], axis=1)
+
+
+def test_on_and_off_compute_the_same_forward_pass(demo_model, fast_path, monkeypatch):
+    tokens = demo_model.tokenizer.encode("The cache keeps keys and values of every token.")
+    calls = []
+    real = attention.sdpa
+    monkeypatch.setattr(attention, "sdpa", lambda *a: calls.append(1) or real(*a))
+    fast = logits_of(demo_model, tokens)
+    assert calls, "the fast path ran"
+    cpu.set_active(False)
+    calls.clear()
+    stock = logits_of(demo_model, tokens)
+    assert not calls, "switched off, mlx-lm's own attention ran"
+    assert mx.allclose(fast, stock, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("kind", ["standard", "concatenate", "quantized:8"])
+def test_cached_replies_equal_uncached_with_the_fast_path(demo_model, fast_path, kind):
+    settings = GenerationSettings(max_tokens=12)
+    session = Session(demo_model, kind=kind, system="Be brief.", settings=settings)
+    for text in ["Hello there.", "What is a cache?", "Why is it fast?"]:
+        history = [dict(m) for m in session.messages]
+        done = [e for e in session.send(text) if isinstance(e, TurnDone)][0]
+        fresh = Session(demo_model, kind=kind, settings=settings, messages=history)
+        want = [e for e in fresh.send(text) if isinstance(e, TurnDone)][0]
+        assert done.reply == want.reply
+        if len(history) > 1:
+            assert done.stats.reused_tokens > 0
+
+
+def test_quantized_weights_are_dequantized_at_load(demo_model, fast_path, monkeypatch):
+    monkeypatch.delenv("KVCHAT_KEEP_QUANTIZED", raising=False)
+    unpacked = load_model("demo@q4")
+    assert unpacked.weights == "4-bit, dequantized to float32 for the CPU"
+    layers = list(unpacked.model.modules())
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in layers)
+    assert all(m.weight.dtype == mx.float32 for m in layers if isinstance(m, nn.Linear))
+
+    monkeypatch.setenv("KVCHAT_KEEP_QUANTIZED", "1")
+    packed = load_model("demo@q4")
+    assert packed.weights == "4-bit, kept packed (KVCHAT_KEEP_QUANTIZED)"
+    assert any(isinstance(m, nn.QuantizedLinear) for m in packed.model.modules())
+    tokens = demo_model.tokenizer.encode("Quantized weights, the same arithmetic.")
+    assert mx.allclose(logits_of(unpacked, tokens), logits_of(packed, tokens),
+                       atol=1e-3, rtol=1e-3).item()
+    config = json.loads((unpacked.path / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4
+
+
+def test_output_projection_stays_lazy_for_a_prefill(demo_model, fast_path):
+    """A prefill evaluates only the cache: numpy must not compute its logits."""
+    embed = demo_model.model.model.embed_tokens
+    assert isinstance(embed, CpuEmbedding)
+    rows = mx.random.normal((1, 5, embed.weight.shape[1]))
+    assert mx.allclose(embed.as_linear(rows), rows @ embed.weight.T, atol=1e-4).item()
+    head = CpuOutput(8, 3)
+    one = mx.random.normal((1, 1, 8))
+    assert mx.allclose(head(one), one @ head.weight.T + head.bias, atol=1e-5).item()
+
+
+def test_environment_switch_turns_it_off(tmp_path):
+    env = {**os.environ, "KVCHAT_CPU_FASTPATH": "0"}
+    script = ("import kvchat; from kvchat.engine.model import load_model; from kvchat.engine "
+              "import cpu; lm = load_model('demo'); print(cpu.state.active(), lm.weights); "
+              "print(cpu.describe())")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "False as stored (CPU fast path off)", "off (KVCHAT_CPU_FASTPATH=0)",
+    ]
