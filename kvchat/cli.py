@@ -231,6 +231,7 @@ def ask(
                 chat = Session(lm, kind=kind or config.cache,
                                system=system if system is not None else config.system or None,
                                settings=settings)
+                notice = store.set_aside(session) if session else None  # a cache left alone
             if notice:
                 typer.echo(f"kvchat: {printable(notice)}", err=True)
             events = chat.send(text)
@@ -390,16 +391,32 @@ def sessions_export(
 @sessions_app.command("prune")
 def sessions_prune(
     older_than: Annotated[str, typer.Option("--older-than", help="e.g. 30d, 12h, 90m.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
 ) -> None:
-    """Delete sessions not used for longer than the given duration."""
+    """Delete sessions not used for longer than the given duration (asks first, on a
+    terminal); sessions in use, damaged ones and symlinks are skipped and named."""
     from kvchat import store
+    from kvchat.safety import printable
 
     try:
         seconds = store.parse_duration(older_than)
     except store.StoreError as exc:
         raise _fail(str(exc), 2) from None
-    removed = _store_call(store.prune, seconds)
+    plan = _store_call(store.prune, seconds, True)
+    result = plan
+    if plan.removed:
+        names = ", ".join(plan.removed)
+        if not yes:
+            if not sys.stdin.isatty():
+                raise _fail(f"Would delete {len(plan.removed)} session(s) ({names}); run it again "
+                            "with --yes to confirm, as standard input is not a terminal.", 2)
+            if not typer.confirm(f"Delete {len(plan.removed)} session(s): {names}?", default=False):
+                raise _fail("Nothing was deleted.")
+        result = _store_call(store.prune, seconds, False, plan.removed)
+    removed = result.removed
     typer.echo(f"Removed {len(removed)} session(s)" + (f": {', '.join(removed)}." if removed else "."))
+    for name, why in plan.skipped + (result.skipped if result is not plan else []):
+        typer.echo(f"Skipped {name}: {printable(why)}")
 
 
 @app.command()

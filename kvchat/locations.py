@@ -16,7 +16,16 @@ APP = "kvchat"
 
 
 def _private_dir(path: Path) -> Path:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create ``path`` and whichever of its parents are missing, each readable by the
+    user only whatever the umask; folders that exist are left as they are."""
+    for folder in [*reversed(path.parents), path]:
+        if os.path.lexists(folder):
+            continue
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:  # made meanwhile by another process
+            continue
+        os.chmod(folder, 0o700)
     return path
 
 

@@ -246,7 +246,7 @@ def test_list_export_delete_prune(demo_model, home):
     with pytest.raises(store.StoreError):
         store.export("new", "html")
 
-    assert store.prune(3600) == ["old"]
+    assert store.prune(3600) == store.Pruned(removed=["old"], skipped=[])
     assert not store.exists("old") and store.exists("new")
     store.delete("new")
     assert not store.exists("new") and store.list_sessions() == []

@@ -26,8 +26,8 @@ cache), ``core`` (save and load), ``manage`` (list, delete, export, prune).
 
 from kvchat.store.base import (
     CACHE_FILE,
+    CACHE_SUM_FILE,
     FORMAT,
-    LOCK_FILE,
     LOCK_TIMEOUT_S,
     NAME_RE,
     PAUSE_ENV,
@@ -41,15 +41,23 @@ from kvchat.store.base import (
     ledger_hash,
     session_dir,
 )
-from kvchat.store.core import Progress, load, save
+from kvchat.store.core import Progress, load, save, set_aside
 from kvchat.store.lock import session_lock
-from kvchat.store.manage import delete, export, list_sessions, parse_duration, prune, summary
+from kvchat.store.manage import (
+    Pruned,
+    delete,
+    export,
+    list_sessions,
+    parse_duration,
+    prune,
+    summary,
+)
 from kvchat.store.session_file import read
 
 __all__ = [
     "CACHE_FILE",
     "FORMAT",
-    "LOCK_FILE",
+    "CACHE_SUM_FILE",
     "LOCK_TIMEOUT_S",
     "NAME_RE",
     "PAUSE_ENV",
@@ -57,6 +65,7 @@ __all__ = [
     "TMP_PREFIX",
     "Loaded",
     "Progress",
+    "Pruned",
     "SessionSummary",
     "StoreError",
     "check_name",
@@ -72,5 +81,6 @@ __all__ = [
     "save",
     "session_dir",
     "session_lock",
+    "set_aside",
     "summary",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 FORMAT = 1
 SESSION_FILE = "session.json"
 CACHE_FILE = "cache.safetensors"
-LOCK_FILE = ".lock"
+CACHE_SUM_FILE = "cache.sha256"  # the newest cache's checksum, written before the cache
 TMP_PREFIX = ".tmp-"
 LOCK_TIMEOUT_S = 60.0
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -74,8 +75,12 @@ def session_dir(name: str) -> Path:
 
 
 def exists(name: str) -> bool:
-    """Whether a session called ``name`` has been saved."""
-    return (session_dir(name) / SESSION_FILE).is_file()
+    """Whether something is saved under ``name``: a ``session.json`` (whatever it is)
+    or a symlink or file in place of the folder. Reading it then says what is wrong."""
+    folder = session_dir(name)
+    if not os.path.lexists(folder):
+        return False
+    return not folder.is_dir() or folder.is_symlink() or os.path.lexists(folder / SESSION_FILE)
 
 
 def ledger_hash(ledger: list[int]) -> str:

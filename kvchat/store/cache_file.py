@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat import __version__
-from kvchat.store.base import CACHE_FILE, ledger_hash, one_line
-from kvchat.store.files import file_sha256
+from kvchat.store.base import CACHE_FILE, CACHE_SUM_FILE, StoreError, ledger_hash, one_line
+from kvchat.store.files import open_regular, read_regular, sha256_of
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
@@ -20,6 +22,7 @@ def read_cache(
     """(cache, its ledger, None) if the saved cache is sound for ``lm`` and ``ledger``,
     else (None, None, why not); (None, None, None) when an empty cache was saved.
     """
+    import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
 
     from kvchat.engine.cache_check import cache_problem
@@ -37,11 +40,15 @@ def read_cache(
         return None, None, None if not info else "session.json lists no tokens for it"
     if not isinstance(info, dict):
         return None, None, f"session.json names no cache file for its {len(ledger)} tokens"
-    if not path.exists():
+    if not os.path.lexists(path):
         return None, None, f"{path} is missing"
-    sha = file_sha256(path)
-    try:
-        cache, meta = load_prompt_cache(str(path), return_metadata=True)
+    try:  # a regular file only (no symlink, FIFO, device), no bigger than a cache can be
+        with open_regular(path, _size_cap(lm)) as f:
+            sha = sha256_of(f)
+            cache, meta = load_prompt_cache(f, return_metadata=True)
+            mx.eval([c.state for c in cache])
+    except StoreError as exc:
+        return None, None, str(exc).rstrip(".")
     except Exception as exc:  # truncated or garbage files fail in many ways
         return None, None, f"{path} could not be read: {one_line(exc)}"
     if meta.get("kvchat_version") != __version__:
@@ -66,6 +73,11 @@ def read_cache(
         except ValueError:
             cached = []
         n = common_prefix(cached, ledger)
+        if not _verified(folder, sha, meta.get("ledger_sha256")):
+            return None, None, (
+                f"{path} does not belong with session.json and its checksum cannot be "
+                f"verified against {CACHE_SUM_FILE}"
+            )
         if ledger_hash(cached) == meta.get("ledger_sha256") and n and trim_to(cache, n):
             return cache, ledger[:n], None
         return None, None, f"{path} does not belong with session.json (a save was cut short?)"
@@ -75,11 +87,26 @@ def read_cache(
         return None, None, (
             f"{path} holds {cache_offset(cache)} tokens but session.json lists {len(ledger)}"
         )
-    try:
-        import mlx.core as mx
-
-        mx.eval([c.state for c in cache])
-    except Exception as exc:
-        return None, None, f"{path} could not be read: {one_line(exc)}"
     return cache, ledger, None
+
+
+def _verified(folder: Path, sha: str, ledger_sha: str | None) -> bool:
+    """Whether ``cache.sha256`` (written by the save before it renamed the cache into
+    place) vouches for a cache file with checksum ``sha`` holding ledger ``ledger_sha``."""
+    try:
+        record = json.loads(read_regular(folder / CACHE_SUM_FILE, 4096))
+    except (OSError, StoreError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("sha256") == sha and bool(ledger_sha) and (
+        record.get("ledger_sha256") == ledger_sha
+    )
+
+
+def _size_cap(lm: LoadedModel) -> int:
+    """The most bytes a cache file of ``lm`` is read for: four times the model's weights
+    (a KV cache of the whole context stays well under that) plus 64 MiB."""
+    from mlx.utils import tree_flatten
+
+    weights = sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))
+    return 4 * weights + (64 << 20)
 

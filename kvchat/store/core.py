@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict, fields
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat import __version__
 from kvchat.store.base import (
     CACHE_FILE,
+    CACHE_SUM_FILE,
     FORMAT,
     SESSION_FILE,
-    TMP_PREFIX,
     Loaded,
     StoreError,
     ledger_hash,
@@ -23,7 +25,16 @@ from kvchat.store.base import (
     session_dir,
 )
 from kvchat.store.cache_file import read_cache
-from kvchat.store.files import commit, temp_path, write_bytes_atomic
+from kvchat.store.files import (
+    NO_SPACE,
+    check_folder,
+    finish_temp,
+    make_dir,
+    new_temp,
+    remove_stale_temps,
+    rename_into_place,
+    write_bytes_atomic,
+)
 from kvchat.store.lock import session_lock
 from kvchat.store.session_file import read, read_json
 
@@ -45,62 +56,125 @@ def save(session: Session, name: str) -> Path:
     from kvchat.engine.kinds import compacted
 
     with session_lock(name) as folder:
-        for stale in folder.glob(f"{TMP_PREFIX}*"):
-            stale.unlink(missing_ok=True)
-        json_path = folder / SESSION_FILE
-        created = now()
-        with contextlib.suppress(StoreError):
-            created = read_json(json_path).get("created", created) if json_path.exists() else created
-
-        ledger = list(session.ledger)
-        lm = session.lm
-        cache_info = None
-        if ledger:
-            metadata = {
-                "kvchat_version": __version__,
-                "format": str(FORMAT),
-                "model_fingerprint": lm.fingerprint,
-                "cache_kind": session.kind.name,
-                "ledger_len": str(len(ledger)),
-                "ledger_sha256": ledger_hash(ledger),
-                "ledger": ",".join(map(str, ledger)),
-            }
-            tmp = temp_path(folder, ".safetensors")
-            try:
-                save_prompt_cache(str(tmp), compacted(session.cache), metadata)
-                sha = commit(tmp, folder / CACHE_FILE, "cache")
-            except BaseException:
-                tmp.unlink(missing_ok=True)
+        try:
+            return _save_locked(session, name, folder, save_prompt_cache, compacted)
+        except OSError as exc:
+            reason = "no space left on device" if exc.errno in NO_SPACE else one_line(exc)
+        except RuntimeError as exc:  # mlx: "[write] Unable to write N bytes to file"
+            if "write" not in str(exc).lower():
                 raise
-            cache_info = {
-                "file": CACHE_FILE,
-                "sha256": sha,
-                "bytes": (folder / CACHE_FILE).stat().st_size,
-                "tokens": session.cache_tokens,
-                "ledger_sha256": metadata["ledger_sha256"],
-            }
+            reason = _write_failure(folder)
+        raise StoreError(f"Could not save session {name}: {reason}; the previous save is intact.")
 
-        data = {
-            "format": FORMAT,
+
+def _save_locked(session: Session, name: str, folder: Path, save_prompt_cache, compacted) -> Path:
+    """:func:`save` once the lock is held (a failure leaves no temporary file behind)."""
+    make_dir(folder)
+    remove_stale_temps(folder)
+    json_path = folder / SESSION_FILE
+    cache_path = folder / CACHE_FILE
+    created = now()
+    if os.path.lexists(json_path):
+        with contextlib.suppress(StoreError):
+            created = read_json(json_path).get("created", created)
+    else:
+        set_aside(name)
+
+    ledger = list(session.ledger)
+    lm = session.lm
+    cache_info = None
+    if ledger:
+        metadata = {
             "kvchat_version": __version__,
-            "name": name,
-            "created": created,
-            "updated": now(),
-            "model_id": lm.model_id,
+            "format": str(FORMAT),
             "model_fingerprint": lm.fingerprint,
             "cache_kind": session.kind.name,
-            "settings": asdict(session.settings),
-            "messages": session.messages,
-            "archived": session.archived,
-            "ledger": ledger,
-            "turns": [t.to_dict() for t in session.turns],
-            "cache": cache_info,
+            "ledger_len": str(len(ledger)),
+            "ledger_sha256": ledger_hash(ledger),
+            "ledger": ",".join(map(str, ledger)),
         }
-        text = json.dumps(data, ensure_ascii=False, indent=1)
-        write_bytes_atomic(json_path, text.encode(), "json")
-        if cache_info is None:
-            (folder / CACHE_FILE).unlink(missing_ok=True)
-        return folder
+        if os.path.isdir(cache_path) and not os.path.islink(cache_path):
+            _keep_aside(cache_path)  # a folder in the way: a file cannot replace it
+        tmp, f = new_temp(folder, ".safetensors")
+        try:
+            with f:
+                save_prompt_cache(f, compacted(session.cache), metadata)
+                sha, size = finish_temp(f)
+            # The cache's checksum goes to disk before the cache does, so a load
+            # after a save cut short before session.json can verify the new cache.
+            record = {"sha256": sha, "bytes": size, "ledger_sha256": metadata["ledger_sha256"]}
+            write_bytes_atomic(folder / CACHE_SUM_FILE, json.dumps(record).encode(), "sum")
+            rename_into_place(tmp, cache_path, "cache")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        cache_info = {
+            "file": CACHE_FILE,
+            "sha256": sha,
+            "bytes": size,
+            "tokens": session.cache_tokens,
+            "ledger_sha256": metadata["ledger_sha256"],
+        }
+
+    data = {
+        "format": FORMAT,
+        "kvchat_version": __version__,
+        "name": name,
+        "created": created,
+        "updated": now(),
+        "model_id": lm.model_id,
+        "model_fingerprint": lm.fingerprint,
+        "cache_kind": session.kind.name,
+        "settings": asdict(session.settings),
+        "messages": session.messages,
+        "archived": session.archived,
+        "ledger": ledger,
+        "turns": [t.to_dict() for t in session.turns],
+        "cache": cache_info,
+    }
+    text = json.dumps(data, ensure_ascii=False, indent=1)
+    write_bytes_atomic(json_path, text.encode(), "json")
+    if cache_info is None:
+        cache_path.unlink(missing_ok=True)
+        (folder / CACHE_SUM_FILE).unlink(missing_ok=True)
+    return folder
+
+
+def _write_failure(folder: Path) -> str:
+    """Why mlx could not write the cache: a full disk when the folder's file system
+    has under 64 MiB free, else mlx's own words are too vague to repeat."""
+    with contextlib.suppress(OSError):
+        fs = os.statvfs(folder)
+        if fs.f_bavail * fs.f_frsize < 64 << 20:
+            return "no space left on device"
+    return "the cache file could not be written (no space left, or a file size limit?)"
+
+
+def set_aside(name: str) -> str | None:
+    """Move a cache that has no ``session.json`` beside it (a session whose transcript
+    was lost) to ``cache.safetensors.orphan-<time>``, so a new session started under
+    its name does not overwrite it; return a one-sentence notice, None if none was there.
+    Call it with the session's lock held."""
+    folder = session_dir(name)
+    if not check_folder(folder):
+        return None
+    cache_path = folder / CACHE_FILE
+    if os.path.lexists(folder / SESSION_FILE) or not os.path.lexists(cache_path):
+        return None
+    kept = _keep_aside(cache_path)
+    (folder / CACHE_SUM_FILE).unlink(missing_ok=True)
+    return (
+        f"{folder} held a cache without session.json; it was kept as {kept.name} "
+        "and a new session was started."
+    )
+
+
+def _keep_aside(path: Path) -> Path:
+    """Rename ``path`` to ``<name>.orphan-<time>`` beside it; return the new path."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    kept = path.with_name(f"{path.name}.orphan-{stamp}")
+    os.rename(path, kept)
+    return kept
 
 
 def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded:

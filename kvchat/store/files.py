@@ -1,27 +1,110 @@
-"""Files in a session folder: atomic writes, fsync, temporary files, checksums."""
+"""Files in a session folder: opened only when they are what they claim to be.
+
+Every file kvchat opens in a session folder is opened with ``O_NOFOLLOW`` and
+checked with ``fstat`` to be a regular file (never a symlink, FIFO, device or
+folder), and reads are capped; a session folder that is a symlink or not a
+folder is refused. Writes are atomic: a new temporary file (``O_EXCL``), fsync,
+rename, fsync of the folder.
+"""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import sys
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from kvchat import locations
-from kvchat.store.base import PAUSE_ENV, TMP_PREFIX
+from kvchat.store.base import PAUSE_ENV, TMP_PREFIX, StoreError, one_line
+
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+JSON_LIMIT = 64 << 20  # session.json and other small files: more is not a session
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT}  # a full disk or quota
+
+
+def check_folder(folder: Path) -> bool:
+    """Whether ``folder`` exists as a real folder; :class:`StoreError` if something
+    else (a symlink, a file) is in its place, which kvchat leaves alone."""
+    try:
+        mode = os.lstat(folder).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(mode):
+        raise StoreError(
+            f"{folder} is a symbolic link, not a session folder; kvchat does not follow it "
+            "(remove it yourself if it should go)."
+        )
+    if not stat.S_ISDIR(mode):
+        raise StoreError(f"{folder} is not a folder; kvchat leaves it alone.")
+    return True
 
 
 def make_dir(folder: Path) -> None:
-    """Create a session folder (and the sessions folder), readable by the user only."""
+    """Create ``folder`` (and the sessions folder) readable by the user only; refuse
+    a symlink or a file in its place."""
     locations.sessions_dir()
-    folder.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(folder, 0o700)
+    if not check_folder(folder):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        check_folder(folder)
+    os.chmod(folder, 0o700, follow_symlinks=False)
+
+
+def open_regular(path: Path, limit: int, write: bool = False) -> BinaryIO:
+    """Open ``path`` (for reading, or read-write creating it when ``write``) only if it
+    is a regular file of at most ``limit`` bytes; else :class:`StoreError`.
+
+    A symlink is refused without being followed; a FIFO, device or folder is
+    refused without blocking. FileNotFoundError passes through for reads.
+    """
+    extra = _NOFOLLOW | (os.O_CREAT if write else 0)
+    try:  # open() rather than os.fdopen: mlx reads and writes through the file's name
+        f = open(path, "r+b" if write else "rb", opener=lambda p, fl: os.open(p, fl | extra, 0o600))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreError(f"{path} is a symbolic link; kvchat does not follow it.") from None
+        if exc.errno == errno.EISDIR:
+            raise StoreError(f"{path} is a folder, not a file; kvchat leaves it alone.") from None
+        raise StoreError(f"{path} cannot be opened ({one_line(exc)}).") from None
+    info = os.fstat(f.fileno())
+    if not stat.S_ISREG(info.st_mode):
+        f.close()
+        raise StoreError(f"{path} is not a regular file; kvchat leaves it alone.")
+    if info.st_size > limit:
+        f.close()
+        raise StoreError(f"{path} is {info.st_size:,} bytes, more than the {limit:,} kvchat reads.")
+    os.set_blocking(f.fileno(), True)
+    return f
+
+
+def read_regular(path: Path, limit: int = JSON_LIMIT) -> bytes:
+    """The bytes of regular file ``path``, refused as :func:`open_regular` says; at most
+    ``limit`` even if it grows while read."""
+    with open_regular(path, limit) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise StoreError(f"{path} is more than the {limit:,} bytes kvchat reads.")
+    return data
+
+
+def sha256_of(f: BinaryIO) -> str:
+    """The sha256 of an open file's bytes, read from the start."""
+    f.seek(0)
+    digest = hashlib.sha256()
+    for block in iter(lambda: f.read(1 << 20), b""):
+        digest.update(block)
+    f.seek(0)
+    return digest.hexdigest()
 
 
 def fsync_dir(folder: Path) -> None:
     """Make a rename in ``folder`` durable."""
-    fd = os.open(folder, os.O_RDONLY)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
@@ -35,44 +118,47 @@ def pause(stage: str) -> None:
         time.sleep(3600)
 
 
-def temp_path(folder: Path, suffix: str) -> Path:
-    """Create a new, empty temporary file in ``folder`` and return its path."""
-    path = folder / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}{suffix}"
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    return path
+def remove_stale_temps(folder: Path) -> None:
+    """Delete temporary files that a killed save left in ``folder`` (regular files only;
+    a symlink or folder with a temporary name is left alone)."""
+    for entry in os.scandir(folder):
+        if entry.name.startswith(TMP_PREFIX) and entry.is_file(follow_symlinks=False):
+            Path(entry.path).unlink(missing_ok=True)
 
 
-def commit(tmp: Path, final: Path, stage: str) -> str:
-    """fsync ``tmp``, rename it over ``final``, fsync the folder; return its sha256."""
-    digest = hashlib.sha256()
-    with open(tmp, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o600)
+def new_temp(folder: Path, suffix: str) -> tuple[Path, BinaryIO]:
+    """A new temporary file in ``folder`` (``O_EXCL``: never an existing file or link),
+    open for writing."""
+    path = folder / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}{suffix}"
+    flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return path, open(path, "w+b", opener=lambda p, fl: os.open(p, fl | flags, 0o600))
+
+
+def finish_temp(f: BinaryIO) -> tuple[str, int]:
+    """fsync a written temporary file; return its sha256 and size."""
+    f.flush()
+    os.fsync(f.fileno())
+    size = os.fstat(f.fileno()).st_size
+    return sha256_of(f), size
+
+
+def rename_into_place(tmp: Path, final: Path, stage: str) -> None:
+    """Rename ``tmp`` over ``final`` (a symlink there is replaced, never followed) and
+    fsync the folder."""
     pause(stage)
     os.replace(tmp, final)
     fsync_dir(final.parent)
-    return digest.hexdigest()
 
 
 def write_bytes_atomic(path: Path, data: bytes, stage: str) -> str:
     """Replace ``path`` with ``data`` atomically; return its sha256."""
-    tmp = temp_path(path.parent, ".json")
+    tmp, f = new_temp(path.parent, ".json")
     try:
-        with open(tmp, "wb") as f:
+        with f:
             f.write(data)
-            f.flush()
-        return commit(tmp, path, stage)
+            sha, _ = finish_temp(f)
+        rename_into_place(tmp, path, stage)
+        return sha
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

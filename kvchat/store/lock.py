@@ -1,17 +1,31 @@
-"""The per-session lock: one kvchat at a time works on a session."""
+"""The per-session lock: one kvchat at a time works on a session.
+
+Lock files live in ``<sessions>/.locks/<name>.lock``, outside the session
+folder, and are never deleted: a lock that lived in the folder would be
+deleted with it by ``sessions rm``, leaving a waiter holding a lock on a
+removed file while a newcomer locks a fresh one (two holders at once). A
+holder must therefore re-check after getting the lock whether its session
+still exists (:func:`kvchat.store.exists`): ``rm`` and ``prune`` take the same
+lock, so a session can vanish while someone waits for it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvchat.store.base import LOCK_FILE, LOCK_TIMEOUT_S, StoreError, session_dir
-from kvchat.store.files import make_dir
+from kvchat import locations
+from kvchat.store.base import LOCK_TIMEOUT_S, StoreError, check_name, session_dir
+from kvchat.store.files import check_folder, open_regular
+
+LOCKS_DIR = ".locks"  # not a valid session name, so never listed as one
+TIMEOUT_ENV = "KVCHAT_LOCK_TIMEOUT"
 
 _held: dict[str, tuple[int, int, int]] = {}  # name -> (fd, depth, thread id)
 _held_guard = threading.Lock()
@@ -19,7 +33,7 @@ _held_guard = threading.Lock()
 
 @contextlib.contextmanager
 def session_lock(name: str, timeout: float | None = None) -> Iterator[Path]:
-    """Hold the exclusive lock of session ``name`` (``fcntl.flock`` on ``.lock`` in its folder).
+    """Hold the exclusive lock of session ``name`` (``fcntl.flock`` on its lock file).
 
     Two processes (or threads) never work on one session at once: the second
     waits up to ``timeout`` seconds (``KVCHAT_LOCK_TIMEOUT`` or 60 by default),
@@ -46,10 +60,10 @@ def session_lock(name: str, timeout: float | None = None) -> Iterator[Path]:
         return
 
     if timeout is None:
-        timeout = float(os.environ.get("KVCHAT_LOCK_TIMEOUT", LOCK_TIMEOUT_S))
-    make_dir(folder)
-    lock_path = folder / LOCK_FILE
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        timeout = lock_timeout()
+    lock_path = lock_file(name)
+    handle = open_regular(lock_path, limit=4096, write=True)
+    fd = handle.fileno()
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -64,7 +78,7 @@ def session_lock(name: str, timeout: float | None = None) -> Iterator[Path]:
                     ) from None
                 time.sleep(0.05)
     except BaseException:
-        os.close(fd)
+        handle.close()
         raise
     with _held_guard:
         _held[key] = (fd, 1, me)
@@ -74,4 +88,25 @@ def session_lock(name: str, timeout: float | None = None) -> Iterator[Path]:
         with _held_guard:
             _held.pop(key, None)
         fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        handle.close()
+
+
+def lock_file(name: str) -> Path:
+    """The lock file of session ``name`` (its folder ``.locks`` is created, never followed)."""
+    folder = locations.sessions_dir() / LOCKS_DIR
+    if not check_folder(folder):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        check_folder(folder)
+    return folder / f"{check_name(name)}.lock"
+
+
+def lock_timeout() -> float:
+    """Seconds to wait for a session's lock: ``KVCHAT_LOCK_TIMEOUT`` or 60."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return LOCK_TIMEOUT_S
+    if not re.fullmatch(r"[0-9]{1,7}(\.[0-9]{1,6})?", raw.strip()):
+        raise StoreError(
+            f"{TIMEOUT_ENV} must be a number of seconds such as 30 or 2.5 (it is {raw!r})."
+        )
+    return float(raw)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -17,29 +20,41 @@ from kvchat.store.base import (
     SESSION_FILE,
     SessionSummary,
     StoreError,
+    one_line,
     session_dir,
 )
+from kvchat.store.files import check_folder
 from kvchat.store.lock import session_lock
 from kvchat.store.session_file import read, read_json
+
+REMOVING_PREFIX = ".removing-"  # not a valid session name, so never listed
 
 
 def _folder_size(folder: Path) -> int:
     total = 0
-    for p in folder.iterdir():
-        with contextlib.suppress(OSError):
-            if p.is_file():
-                total += p.stat().st_size
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
     return total
 
 
 def _summary(folder: Path) -> SessionSummary | None:
+    """The summary of ``folder``; None when it holds no session (yet, or any more)."""
+    try:
+        info = os.lstat(folder)
+        check_folder(folder)
+    except FileNotFoundError:
+        return None
+    except StoreError as exc:  # a symlink or a file: listed with a note, never followed
+        mtime = datetime.fromtimestamp(info.st_mtime, timezone.utc).isoformat(timespec="seconds")
+        return SessionSummary(folder.name, "?", "?", 0, 0, 0, mtime, folder, note=str(exc))
     json_path = folder / SESSION_FILE
-    if not json_path.exists() and not (folder / CACHE_FILE).exists():
-        return None  # being created (only a lock or temporary files so far)
+    if not os.path.lexists(json_path) and not os.path.lexists(folder / CACHE_FILE):
+        return None  # being created (only temporary files so far) or being removed
     size = _folder_size(folder)
-    mtime = datetime.fromtimestamp(folder.stat().st_mtime, timezone.utc).isoformat(
-        timespec="seconds"
-    )
+    mtime = datetime.fromtimestamp(info.st_mtime, timezone.utc).isoformat(timespec="seconds")
     try:
         data = read_json(json_path)
     except StoreError as exc:
@@ -58,11 +73,12 @@ def _summary(folder: Path) -> SessionSummary | None:
 
 
 def list_sessions() -> list[SessionSummary]:
-    """Every saved session, newest first; a damaged one appears with a ``note``."""
+    """Every saved session, newest first; a damaged one, or a symlink or file where a
+    session folder should be, appears with a ``note``."""
     out = []
     for folder in locations.sessions_dir().iterdir():
-        if not folder.is_dir() or not NAME_RE.fullmatch(folder.name):
-            continue
+        if not NAME_RE.fullmatch(folder.name):
+            continue  # .locks, folders being removed
         summary = _summary(folder)
         if summary is not None:
             out.append(summary)
@@ -72,19 +88,33 @@ def list_sessions() -> list[SessionSummary]:
 def summary(name: str) -> SessionSummary:
     """The summary of one saved session (``kvchat sessions show``)."""
     folder = session_dir(name)
-    found = _summary(folder) if folder.is_dir() else None
+    found = _summary(folder)
     if found is None:
         raise StoreError(f"No saved session named {name!r} (no {folder / SESSION_FILE}).")
     return found
 
 
 def delete(name: str) -> None:
-    """Remove session ``name`` and its files (waits for its lock)."""
+    """Remove session ``name`` and its files, under its lock (waits up to 5 s for it).
+
+    A symlink in place of the folder is refused, never followed. Whoever waited
+    for the lock meanwhile finds no session afterwards and starts a new one.
+    """
     folder = session_dir(name)
-    if not folder.is_dir():
+    if not check_folder(folder):
         raise StoreError(f"No saved session named {name!r} (no {folder}).")
     with session_lock(name, timeout=5.0):
-        shutil.rmtree(folder)
+        if not check_folder(folder):  # removed while this waited
+            raise StoreError(f"No saved session named {name!r} (no {folder}).")
+        _remove(folder)
+
+
+def _remove(folder: Path) -> None:
+    """Rename ``folder`` out of sight in one step, then delete it: nobody ever sees a
+    half-deleted session (a crash leaves a ``.removing-*`` folder that :func:`prune` clears)."""
+    gone = folder.with_name(f"{REMOVING_PREFIX}{folder.name}-{os.urandom(4).hex()}")
+    os.rename(folder, gone)
+    shutil.rmtree(gone)  # fd-based: symlinks inside are removed, never followed
 
 
 def export(name: str, fmt: str = "md") -> str:
@@ -119,28 +149,66 @@ def _md_messages(messages: list[dict], level: int) -> list[str]:
     return out
 
 
-def prune(older_than_seconds: float) -> list[str]:
-    """Delete sessions last used more than ``older_than_seconds`` ago; return their names.
+@dataclass
+class Pruned:
+    """What :func:`prune` removed (or would remove) and what it left alone, and why."""
 
-    Damaged sessions and sessions in use are left alone.
+    removed: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def prune(
+    older_than_seconds: float, dry_run: bool = False, only: Collection[str] | None = None
+) -> Pruned:
+    """Delete sessions last used more than ``older_than_seconds`` ago (of ``only``, when
+    given: the ones a person confirmed from a ``dry_run``).
+
+    Damaged sessions, symlinks and sessions in use (their lock held) are left
+    alone and reported in ``skipped``. With ``dry_run`` nothing is deleted and
+    ``removed`` names what would be.
     """
     cutoff = time.time() - older_than_seconds
-    removed = []
+    result = Pruned()
     for s in list_sessions():
+        if only is not None and s.name not in only:
+            continue
         if s.note:
-            continue
-        try:
-            used = datetime.fromisoformat(s.last_used).timestamp()
-        except ValueError:
-            continue
-        if used < cutoff:
+            result.skipped.append((s.name, s.note))
+        elif _last_used(s) < cutoff:
+            if dry_run:
+                result.removed.append(s.name)
+                continue
             try:
                 with session_lock(s.name, timeout=0):
-                    shutil.rmtree(s.path)
+                    current = _summary(s.path)  # it may have been used or removed meanwhile
+                    if current is None or current.note or _last_used(current) >= cutoff:
+                        continue
+                    _remove(s.path)
             except StoreError:
+                result.skipped.append((s.name, "it is in use by another kvchat"))
                 continue
-            removed.append(s.name)
-    return removed
+            except OSError as exc:
+                result.skipped.append((s.name, f"it could not be removed ({one_line(exc)})"))
+                continue
+            result.removed.append(s.name)
+    if not dry_run:
+        _clear_leftovers()
+    return result
+
+
+def _last_used(s: SessionSummary) -> float:
+    """When ``s`` was last used (from its ``updated`` time, else its folder's)."""
+    try:
+        return datetime.fromisoformat(s.last_used).timestamp()
+    except ValueError:
+        return s.path.lstat().st_mtime
+
+
+def _clear_leftovers() -> None:
+    """Delete folders a removal left half-deleted (the process died during it)."""
+    for entry in os.scandir(locations.sessions_dir()):
+        if entry.name.startswith(REMOVING_PREFIX) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def parse_duration(text: str) -> float:

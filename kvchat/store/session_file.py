@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kvchat.store.base import SESSION_FILE, StoreError, one_line, session_dir
+from kvchat.store.files import JSON_LIMIT, check_folder, read_regular
 from kvchat.store.schema import parse_session
 
 
 def read_json(path: Path) -> dict:
     """Parse a ``session.json``; any problem is a :class:`StoreError` naming the file."""
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path, JSON_LIMIT)  # never a symlink, FIFO or device; capped
     except FileNotFoundError:
         raise StoreError(f"{path} is missing.") from None
     except OSError as exc:
@@ -21,7 +23,8 @@ def read_json(path: Path) -> dict:
 
 def read(name: str) -> dict:
     """The parsed ``session.json`` of ``name`` (no model needed)."""
-    path = session_dir(name) / SESSION_FILE
-    if not path.exists():
+    folder = session_dir(name)
+    path = folder / SESSION_FILE
+    if not check_folder(folder) or not os.path.lexists(path):
         raise StoreError(f"No saved session named {name!r} (no {path}).")
     return read_json(path)
