@@ -132,6 +132,29 @@ def test_blas_probe(run):
         assert "skipped" in b
 
 
+def test_cpu_fast_path_on_and_off(run):
+    rows = run["result"]["cpu"]["rows"]
+    assert [r["what"] for r in rows] == [
+        "prefill 512 tokens from empty", "decode at 512 tokens of context",
+        rows[2]["what"], rows[3]["what"],
+    ]
+    assert rows[2]["what"].startswith("follow-up of ") and rows[2]["unit"] == "s TTFT"
+    for r in rows:
+        assert measured(r["on"]) and measured(r["off"]) and measured(r["speedup"]), r
+
+
+def test_quantized_weights_dequantized_and_packed(run):
+    rows = run["result"]["quantized_weights"]["rows"]
+    assert [r["weights"] for r in rows] == [
+        "float32", "4-bit, dequantized to float32 for the CPU",
+        "4-bit, kept packed (KVCHAT_KEEP_QUANTIZED)",
+    ]
+    for r in rows:
+        assert measured(r["prefill_tps"]) and measured(r["decode_tps"]), r
+    assert "## Quantized weights on the CPU" in run["markdown"]
+    assert "## CPU fast path" in run["markdown"]
+
+
 def test_targets_and_markdown(run):
     result = run["result"]
     targets = result["targets"]

@@ -1,0 +1,116 @@
+"""``kvchat bench``: what the live prompt cache buys, measured side by side in one run.
+
+Every figure is measured with the cache and without it in the same process and
+the same run, so the ratios hold on a noisy machine even where the absolute
+seconds do not. Sections:
+
+1. **classic**: turn 1 hands over a long article, turn 2 asks for a summary;
+   each turn's prompt evaluation with the cache and from an empty cache.
+2. **sweep**: a ~30-token follow-up after histories of 512 … 8k tokens: time to
+   first token with the cache, without it, and the cost of evaluating only the
+   new tokens; plus a **profile** of the cached turn (render, prefix search,
+   prefill, first token) and its share of the time to first token.
+3. **kinds**: every cache kind at 2k history: bytes per token, TTFT, generation
+   speed and how many of 64 greedy tokens agree with ``standard``.
+4. **persistence**: save and load seconds, file size, and the first turn after
+   a resume against a full re-prefill.
+5. **blas**: prefill speed with the optimised BLAS and without it (one
+   subprocess each, since the BLAS is chosen when mlx is first imported).
+6. **cpu**: prefill, decode and a cached follow-up with the CPU fast path on and
+   off, and **quantized weights**: the model's 4- and 8-bit copies, dequantized
+   at load and kept packed (see ``bench/cpu.py``).
+
+:func:`run_bench` returns a plain dict (what ``--json`` prints);
+:func:`to_markdown` and :func:`print_tables` render it. No Textual here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import cpu as cpu_bench
+from .common import DEFAULT_MODEL, Log, machine, make_text
+from .experiments import Bench
+from .report import print_tables, targets, to_markdown
+
+__all__ = ["DEFAULT_MODEL", "make_text", "print_tables", "run_bench", "to_markdown"]
+
+if TYPE_CHECKING:
+    from kvchat.engine.model import LoadedModel
+
+
+def run_bench(
+    spec: str = DEFAULT_MODEL,
+    quick: bool = False,
+    log: Log | None = None,
+    lm: LoadedModel | None = None,
+    load_s: float | None = None,
+) -> dict[str, Any]:
+    """Run every section on model ``spec``; return all figures as a plain dict.
+
+    Pass ``lm`` (and the seconds it took to load, ``load_s``) to reuse a loaded model.
+    """
+    from kvchat.engine.model import load_model
+
+    say = log or (lambda _m: None)
+    started = time.perf_counter()
+    head = machine()
+    if lm is None:
+        t0 = time.perf_counter()
+        lm = load_model(spec)
+        load_s = time.perf_counter() - t0
+    say(f"model {spec} ready" + (f", loaded in {load_s:.1f}s" if load_s else ""))
+    bench = Bench(lm, quick, log)
+    result: dict[str, Any] = {
+        "machine": head,
+        "model": {
+            "id": lm.model_id,
+            "fingerprint": lm.fingerprint,
+            "context_length": lm.context_length,
+            "dtype": _model_dtype(lm),
+            "parameters": _parameters(lm),
+            "load_s": load_s,
+        },
+        "quick": quick,
+        "plan": bench.plan,
+    }
+    result["classic"] = bench.classic()
+    sweep, persistence = bench.sweep()
+    result["sweep"] = sweep
+    result["persistence"] = persistence
+    result["kinds"] = bench.kinds()
+    bench.sessions.clear()
+    result["blas"] = bench.blas()
+    say("cpu: the fast path on and off")
+    result["cpu"] = cpu_bench.fast_path(lm, bench.plan, say)
+    float32 = {}
+    if "rows" in result["cpu"]:
+        first = result["cpu"]["rows"]
+        float32 = {"prefill_tokens": bench.plan["cpu_prefill"][0],
+                   "prefill_tps": first[0]["on"], "decode_tps": first[1]["on"]}
+    result["quantized_weights"] = cpu_bench.quantized_weights(lm, bench.plan, say, float32)
+    result["profile"] = sweep["points"][-1]["profile"] | {
+        "history_tokens": sweep["points"][-1]["history_tokens"],
+        "session_ttft_s": sweep["points"][-1]["cached_ttft_s"],
+    }
+    result["targets"] = targets(result)
+    result["total_s"] = time.perf_counter() - started
+    with contextlib.suppress(OSError, AttributeError):
+        head["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    return result
+
+
+def _model_dtype(lm: LoadedModel) -> str:
+    from mlx.utils import tree_flatten
+
+    dtypes = {str(v.dtype) for _, v in tree_flatten(lm.model.parameters())}
+    return ", ".join(sorted(d.replace("mlx.core.", "") for d in dtypes))
+
+
+def _parameters(lm: LoadedModel) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.size for _, v in tree_flatten(lm.model.parameters()))

@@ -1,0 +1,136 @@
+"""The CPU fast path in the bench: the same work with it on and off, and quantized weights.
+
+Each pair is measured in one process, interleaved (on, off, on, off; the best
+of each is kept), so the ratio holds on a busy machine. The follow-up rows
+reuse one history: it is prefilled once (fast path on) and every measured
+turn runs on a copy of its cache (:meth:`Session.fork_prefix`). Quantized
+weights are the same shape converted by ``mlx_lm.convert -q`` (``@q4``,
+``@q8``), loaded dequantized to float32 (kvchat's default on the CPU) and
+kept packed (``KVCHAT_KEEP_QUANTIZED=1``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from .common import FOLLOW_UP, Log, _ratio, make_text
+
+if TYPE_CHECKING:
+    from kvchat.engine.model import LoadedModel
+    from kvchat.engine.session import Session
+
+
+def _turn(session: Session, text: str):
+    from kvchat.engine.session import TurnDone
+
+    return [e for e in session.send(text) if isinstance(e, TurnDone)][0].stats
+
+
+def _prefill_and_decode(lm: LoadedModel, tokens: int, decode: int) -> dict[str, float]:
+    """A fresh session answering a ``tokens``-token message: prefill tok/s, decode tok/s."""
+    from kvchat.engine.session import GenerationSettings, Session
+
+    session = Session(lm, settings=GenerationSettings(max_tokens=decode))
+    stats = _turn(session, make_text(lm.tokenizer, tokens, seed=11))
+    return {
+        "prefill_tokens": stats.evaluated_tokens,
+        "prefill_tps": stats.evaluated_tokens / stats.prompt_eval_s,
+        "decode_tps": stats.gen_tps,
+    }
+
+
+def _follow_up(history: Session, decode: int) -> dict[str, float]:
+    """A follow-up on a copy of ``history``'s cache: its TTFT and decode speed."""
+    child = history.fork_prefix(history.messages)
+    child.settings.max_tokens = decode
+    stats = _turn(child, FOLLOW_UP)
+    return {"new_tokens": stats.evaluated_tokens, "history_tokens": stats.reused_tokens,
+            "ttft_s": stats.ttft_s, "decode_tps": stats.gen_tps}
+
+
+def _best(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per figure, the best of the runs (highest rate, lowest time)."""
+    out = dict(runs[0])
+    for key in out:
+        values = [r[key] for r in runs]
+        out[key] = min(values) if key.endswith("_s") else max(values)
+    return out
+
+
+def _pair(measure, log: Log, label: str, repeats: int = 2) -> dict[str, Any]:
+    from kvchat.engine import cpu
+
+    runs: dict[bool, list] = {True: [], False: []}
+    try:
+        for _ in range(repeats):
+            for on in (True, False):
+                log(f"cpu: {label}, fast path {'on' if on else 'off'}")
+                cpu.set_active(on)
+                runs[on].append(measure())
+    finally:
+        cpu.set_active(True)
+    return {"on": _best(runs[True]), "off": _best(runs[False])}
+
+
+def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]:
+    """Prefill, decode and cached follow-ups with the CPU fast path on and off."""
+    from kvchat.engine import cpu
+    from kvchat.engine.session import GenerationSettings, Session
+
+    if not cpu.state.wanted():
+        return {"skipped": cpu.describe()}
+    rows = []
+    for tokens in plan["cpu_prefill"]:
+        pair = _pair(lambda t=tokens: _prefill_and_decode(lm, t, plan["cpu_decode"]), log,
+                     f"prefill {tokens}")
+        rows.append({"what": f"prefill {tokens} tokens from empty", "unit": "tok/s",
+                     "on": pair["on"]["prefill_tps"], "off": pair["off"]["prefill_tps"]})
+        if tokens == plan["cpu_prefill"][0]:
+            rows.append({"what": f"decode at {tokens} tokens of context", "unit": "tok/s",
+                         "on": pair["on"]["decode_tps"], "off": pair["off"]["decode_tps"]})
+    history = Session(lm, settings=GenerationSettings(max_tokens=plan["cpu_decode"]))
+    log(f"cpu: prefilling a {plan['cpu_history']}-token history")
+    _turn(history, make_text(lm.tokenizer, plan["cpu_history"], seed=12))
+    pair = _pair(lambda: _follow_up(history, plan["cpu_decode"]), log, "follow-up")
+    n = pair["on"]["history_tokens"]
+    rows.append({"what": f"follow-up of {pair['on']['new_tokens']} tokens after {n:,} cached",
+                 "unit": "s TTFT", "on": pair["on"]["ttft_s"], "off": pair["off"]["ttft_s"]})
+    rows.append({"what": f"decode at {n:,} tokens of context", "unit": "tok/s",
+                 "on": pair["on"]["decode_tps"], "off": pair["off"]["decode_tps"]})
+    for row in rows:
+        faster = (_ratio(row["off"], row["on"]) if row["unit"].startswith("s")
+                  else _ratio(row["on"], row["off"]))
+        row["speedup"] = faster
+    return {"rows": rows}
+
+
+def quantized_weights(lm: LoadedModel, plan: dict[str, Any], log: Log,
+                      float32: dict[str, float]) -> dict[str, Any]:
+    """Prefill and decode of ``@q4``/``@q8`` copies of the model, dequantized and packed."""
+    from kvchat.engine import cpu
+    from kvchat.engine.demo import parse_demo_spec
+    from kvchat.engine.model import load_model
+
+    try:
+        is_demo = parse_demo_spec(lm.model_id) is not None and "@" not in lm.model_id
+    except ValueError:
+        is_demo = False
+    if not is_demo:
+        return {"skipped": "only for demo models (their @q4/@q8 copies are built here)"}
+    if not cpu.state.wanted():
+        return {"skipped": cpu.describe()}
+    rows = [{"weights": "float32", **float32}]
+    for bits in plan["cpu_quant_bits"]:
+        for keep in (False, True):
+            spec = f"{lm.model_id}@q{bits}"
+            log(f"cpu: {spec}, {'packed' if keep else 'dequantized'}")
+            started = time.perf_counter()
+            quant = load_model(spec, keep_quantized=keep)
+            load_s = time.perf_counter() - started
+            tokens = plan["cpu_packed_prefill"] if keep else plan["cpu_prefill"][0]
+            figures = _prefill_and_decode(quant, tokens, plan["cpu_decode"])
+            rows.append({"weights": quant.weights, "load_s": load_s, **figures})
+            del quant
+    return {"rows": rows, "threads": os.cpu_count()}
