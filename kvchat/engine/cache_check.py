@@ -8,7 +8,9 @@ and values may differ, quantized layers hold packed ``uint32`` data with
 scales and biases, a model may bring its own layer classes), so nothing is
 read from the model's config. Only the token axis of key/value layers may
 differ in length; positions must fit the buffers and agree across layers;
-what the cache holds must be finite.
+what the cache holds must be finite, and keys and values no larger than
+attention ever makes them (a flipped exponent bit makes a finite 1e36 that
+overflows the next turn into NaN).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .kinds import held_tokens, settle
 # Settings of a layer that must be what this kind makes for this model.
 _FIXED = ("bits", "group_size", "max_size", "chunk_size", "keep")
 _MAX_POSITION = 1 << 40
+MAX_KV_MAGNITUDE = 1e6  # keys and values of real models stay far below (fp16 tops out at 65504)
 TOKEN_AXIS = 2  # of the rank-4 (batch, heads, tokens, dims) arrays of key/value layers
 
 
@@ -41,19 +44,26 @@ def cache_problem(cache: list[Any], fresh: list[Any], model: nn.Module) -> str |
     if len(cache) != len(expected):
         return f"it has {len(cache)} layers, the model {len(expected)}"
     offsets: list[int] = []
-    live: list[mx.array] = []
+    live: list[tuple[mx.array, float]] = []  # (held part of an array, largest magnitude allowed)
     for i, (saved, ref) in enumerate(zip(cache, expected)):
         problem = _layer_problem(saved, ref, offsets, live)
         if problem:
             return f"layer {i} {problem}"
     if len(set(offsets)) > 1:
         return f"its layers disagree on the position (from {min(offsets)} to {max(offsets)})"
-    if live and not mx.stack([mx.isfinite(x).all() for x in live]).all().item():
-        return "it holds values that are not finite (NaN or infinity)"
+    if live and not mx.stack([_sound(x, limit) for x, limit in live]).all().item():
+        return (f"it holds values that are not finite or implausibly large (NaN, infinity or "
+                f"keys and values beyond {MAX_KV_MAGNITUDE:g})")
     return None
 
 
-def _layer_problem(saved: Any, ref: Any, offsets: list[int], live: list[mx.array]) -> str | None:
+def _sound(x: mx.array, limit: float) -> mx.array:
+    return (mx.abs(x) <= limit).all() if limit < mx.inf else mx.isfinite(x).all()
+
+
+def _layer_problem(
+    saved: Any, ref: Any, offsets: list[int], live: list[tuple[mx.array, float]]
+) -> str | None:
     """Check one layer; collect its position in ``offsets`` and its held float arrays in ``live``."""
     if type(saved) is not type(ref):
         return f"is a {type(saved).__name__}, the model makes a {type(ref).__name__}"
@@ -85,7 +95,7 @@ def _layer_problem(saved: Any, ref: Any, offsets: list[int], live: list[mx.array
         if getattr(saved, attr, None) != getattr(ref, attr, None):
             return f"has {attr} {getattr(saved, attr, None)}, expected {getattr(ref, attr, None)}"
     if not kv:
-        live.extend(floats)
+        live.extend((x, mx.inf) for x in floats)
         return None
 
     if len(lengths) > 1:
@@ -99,7 +109,7 @@ def _layer_problem(saved: Any, ref: Any, offsets: list[int], live: list[mx.array
     if isinstance(saved, RotatingKVCache) and saved._idx > length:
         return f"writes at slot {saved._idx} of a {length}-slot buffer"
     offsets.append(saved.offset)
-    live.extend(x[..., :held, :] for x in floats if held)
+    live.extend((x[..., :held, :], MAX_KV_MAGNITUDE) for x in floats if held)
     return None
 
 
