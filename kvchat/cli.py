@@ -451,7 +451,7 @@ def replay(
     except CacheKindError as exc:
         raise _fail(str(exc), 2) from None
     if as_json:
-        typer.echo(json.dumps(result, indent=2, ensure_ascii=False))
+        typer.echo(dumps_json(result, indent=2))  # replies are model output
     else:
         Console().print(result_table(result))
 
