@@ -371,7 +371,7 @@ def sessions_rm(name: str) -> None:
     """Delete a saved session and its cache."""
     from kvchat import store
 
-    _store_call(store.delete, name)
+    _store_call(store.delete, name, None)  # waits as long as `ask` would
     typer.echo(f"Removed session {name}.")
 
 

@@ -94,8 +94,9 @@ def summary(name: str) -> SessionSummary:
     return found
 
 
-def delete(name: str) -> None:
-    """Remove session ``name`` and its files, under its lock (waits up to 5 s for it).
+def delete(name: str, timeout: float | None = 5.0) -> None:
+    """Remove session ``name`` and its files, under its lock (waits up to ``timeout``
+    seconds for it; None: ``KVCHAT_LOCK_TIMEOUT`` or 60, as ``kvchat sessions rm`` does).
 
     A symlink in place of the folder is refused, never followed. Whoever waited
     for the lock meanwhile finds no session afterwards and starts a new one.
@@ -103,7 +104,7 @@ def delete(name: str) -> None:
     folder = session_dir(name)
     if not check_folder(folder):
         raise StoreError(f"No saved session named {name!r} (no {folder}).")
-    with session_lock(name, timeout=5.0):
+    with session_lock(name, timeout=timeout):
         if not check_folder(folder):  # removed while this waited
             raise StoreError(f"No saved session named {name!r} (no {folder}).")
         _remove(folder)
