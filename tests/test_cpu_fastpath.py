@@ -44,9 +44,12 @@ def masks(length: int, span: int, heads: int):
     }
 
 
+@pytest.mark.parametrize("block", [attention.BLOCK_FLOATS, 3000])
 @pytest.mark.parametrize("ratio", [1, 2, 7])
 @pytest.mark.parametrize("length,span", [(1, 1), (1, 300), (6, 6), (44, 500)])
-def test_attention_matches_mlx(ratio, length, span):
+def test_attention_matches_mlx(ratio, length, span, block, monkeypatch):
+    """Also in small blocks of query positions (several per call), as long prefills run."""
+    monkeypatch.setattr(attention, "BLOCK_FLOATS", block)
     mx.random.seed(length * 1000 + span + ratio)
     kv_heads = 2
     heads = kv_heads * ratio

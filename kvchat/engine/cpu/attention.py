@@ -10,7 +10,10 @@ numpy's ``exp``:
 - queries are grouped per key/value head, ``(B, Hkv, G·L, D)``, so keys and
   values are never repeated;
 - the softmax subtracts the row maximum, exponentiates in place, and divides
-  the ``(G·L, D)`` output rather than the ``(G·L, S)`` probabilities.
+  the ``(G·L, D)`` output rather than the ``(G·L, S)`` probabilities;
+- query positions go in blocks of about 8 MiB of scores, so the softmax's
+  passes stay in the processor's cache, and under a causal mask a block skips
+  the keys none of its positions can see (half of a prefill from empty).
 
 Both functions take and return ``mx.array``; where numpy cannot take the
 input (another dtype, attention sinks, a trace inside ``mx.compile``) they
@@ -44,40 +47,54 @@ def _mask5(mask: np.ndarray, n_kv: int, groups: int) -> np.ndarray:
     return mask[:, :, None]
 
 
+BLOCK_FLOATS = 1 << 21  # scores computed at once: 8 MiB, so a block's passes stay in cache
+
+
 def sdpa(queries, keys, values, scale: float, mask) -> mx.array | None:
-    """``softmax(q·kᵀ·scale + mask)·v`` for ``(B, H, L, D)`` inputs, or None (see module doc)."""
+    """``softmax(q·kᵀ·scale + mask)·v`` for ``(B, H, L, D)`` inputs, or None (see module doc).
+
+    Query positions go in blocks whose scores fit in the processor's cache, and
+    with a causal mask each block reads only the keys its last position can see.
+    """
     q, k, v = _numpy(queries), _numpy(keys), _numpy(values)
     if q is None or k is None or v is None:
         return None
     mask_np = None
     if isinstance(mask, mx.array):
-        if mask.dtype == mx.bool_:
-            mask_np = np.asarray(mask)
-        else:
-            mask_np = np.asarray(mask.astype(mx.float32))
+        mask_np = np.asarray(mask if mask.dtype == mx.bool_ else mask.astype(mx.float32))
     elif mask is not None and mask != "causal":
         return None
     batch, n_q, length, dim = q.shape
     n_kv, span = k.shape[1], k.shape[2]
     groups = n_q // n_kv
+    causal = mask == "causal" and length > 1
+    mask5 = None if mask_np is None else _mask5(mask_np, n_kv, groups)
 
-    grouped = (q.reshape(batch, n_kv, groups * length, dim) * np.float32(scale))
-    scores = np.matmul(grouped, k.swapaxes(-1, -2))  # (B, Hkv, G·L, S)
-    scores5 = scores.reshape(batch, n_kv, groups, length, span)
-    if mask == "causal" and length > 1:
-        future = np.triu(np.ones((length, span), dtype=bool), k=span - length + 1)
-        np.copyto(scores5, _NEG_INF, where=future)
-    elif mask_np is not None:
-        mask5 = _mask5(mask_np, n_kv, groups)
-        if mask5.dtype == np.bool_:
-            np.copyto(scores5, _NEG_INF, where=~mask5)
-        else:
-            scores5 += mask5
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    total = scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores, v)
-    out /= total
+    q5 = q.reshape(batch, n_kv, groups, length, dim)
+    out = np.empty((batch, n_kv, groups, length, v.shape[-1]), dtype=np.float32)
+    step = max(1, BLOCK_FLOATS // max(1, batch * n_q * span))
+    for l0 in range(0, length, step):
+        l1 = min(length, l0 + step)
+        rows = l1 - l0
+        seen = span - length + l1 if causal else span  # keys the block's last position sees
+        grouped = q5[:, :, :, l0:l1].reshape(batch, n_kv, groups * rows, dim) * np.float32(scale)
+        scores = np.matmul(grouped, k[:, :, :seen].swapaxes(-1, -2))  # (B, Hkv, G·rows, seen)
+        scores5 = scores.reshape(batch, n_kv, groups, rows, seen)
+        if causal:
+            future = np.triu(np.ones((rows, seen), dtype=bool), k=span - length + l0 + 1)
+            np.copyto(scores5, _NEG_INF, where=future)
+        elif mask5 is not None:
+            block = mask5[..., l0:l1, :] if mask5.shape[-2] == length else mask5
+            if block.dtype == np.bool_:
+                np.copyto(scores5, _NEG_INF, where=~block)
+            else:
+                scores5 += block
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        total = scores.sum(axis=-1, keepdims=True)
+        part = np.matmul(scores, v[:, :, :seen])
+        part /= total
+        out[:, :, :, l0:l1] = part.reshape(batch, n_kv, groups, rows, -1)
     return mx.array(out.reshape(batch, n_q, length, v.shape[-1]))
 
 
