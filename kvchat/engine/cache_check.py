@@ -126,11 +126,13 @@ def _leaf_problem(name: str, saved: Any, ref: Any, kv: bool) -> str | None:
             return f"has {name} of shape {_shape(saved.shape, free)}, the model makes {_shape(ref.shape, free)}"
         return None
     if isinstance(ref, bool) or not isinstance(ref, int):
-        if type(saved) is not type(ref) or (ref is None) != (saved is None):
+        if type(saved) is not type(ref):
             return f"has {type(saved).__name__} for its {name}, expected {type(ref).__name__}"
         return None
     if isinstance(saved, bool) or not isinstance(saved, int) or not 0 <= saved < _MAX_POSITION:
-        return f"has {saved!r} for its {name}, expected a whole number"
+        shown = repr(saved)
+        shown = shown if len(shown) <= 24 else shown[:20] + "..."
+        return f"has {shown} for its {name}, expected a whole number"
     return None
 
 
