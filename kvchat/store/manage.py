@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -14,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvchat import locations
+from kvchat.safety import dumps_json
 from kvchat.store.base import (
     CACHE_FILE,
     NAME_RE,
@@ -124,7 +124,7 @@ def export(name: str, fmt: str = "md") -> str:
     if fmt == "json":
         keep = ("name", "model_id", "cache_kind", "created", "updated", "settings",
                 "messages", "archived", "turns")
-        return json.dumps({k: data.get(k) for k in keep}, ensure_ascii=False, indent=2)
+        return dumps_json({k: data.get(k) for k in keep}, indent=2)
     if fmt != "md":
         raise StoreError(f"Unknown export format {fmt!r}; use md or json.")
     lines = [
