@@ -36,7 +36,7 @@ QUANT_GROUP_SIZE = 64
 # family -> (takes a number?, one-line description)
 _FAMILIES: dict[str, tuple[bool, str]] = {
     "standard": (False, "full precision, grows with the conversation (the default)"),
-    "quantized": (True, "quantized:8 or quantized:4 bits: about 1/2 or 1/4 the memory"),
+    "quantized": (True, "quantized:8 or quantized:4: 8 or 4 bits a value plus a scale and bias per 64"),
     "rotating": (True, "rotating:N keeps the system prompt and the last tokens, N in all"),
     "chunked": (True, "chunked:N keeps about the last N tokens between turns"),
     "concatenate": (False, "full precision, no preallocation"),
@@ -327,3 +327,16 @@ def _held(c: Any) -> int:
     if isinstance(c, RotatingKVCache):
         return min(c.offset, c.max_size)
     return c.offset
+
+
+def copy_cache(cache: list[Any]) -> list[Any]:
+    """An independent copy of a prompt cache (slices are new arrays; state is shared by none)."""
+    return [type(c).from_state(_copy_state(c.state)) for c in cache]
+
+
+def _copy_state(state: Any) -> Any:
+    if isinstance(state, mx.array):
+        return mx.array(state)
+    if isinstance(state, (tuple, list)):
+        return type(state)(_copy_state(x) for x in state)
+    return state

@@ -20,25 +20,34 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import make_sampler
 
+from .events import (
+    Chunk,
+    Event,
+    GenerationSettings,
+    Prefill,
+    SessionBusy,
+    SessionError,
+    TurnDone,
+)
 from .kinds import (
     CacheKind,
     after_turn,
     allocated_bytes,
     cache_bytes,
-    convert_cache,
+    copy_cache,
     held_tokens,
     make_cache,
     parse_kind,
-    settle,
     trim_to,
 )
+from .maintenance import CacheMaintenance, common_prefix
 from .stats import TurnStats, memory
 from .text import ReplyText
 
@@ -48,61 +57,7 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 
 
-@dataclass
-class GenerationSettings:
-    """How replies are sampled. ``temp`` 0 is greedy, so runs are reproducible."""
-
-    max_tokens: int = 512
-    temp: float = 0.0
-    top_p: float = 1.0
-    prefill_step: int = 512
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """Prompt evaluation progress: ``done`` of ``total`` new tokens are in the cache."""
-
-    done: int
-    total: int
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A piece of the streamed reply (untrusted model output)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class TurnDone:
-    """The turn is over: the reply as kept in the transcript, and what it cost."""
-
-    reply: str
-    stats: TurnStats
-    stopped: bool
-
-
-Event = Prefill | Chunk | TurnDone
-
-
-class SessionError(Exception):
-    """A request the session cannot carry out; the message says why, in one sentence."""
-
-
-class SessionBusy(SessionError):
-    """Another turn of this session is still running."""
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-class Session:
+class Session(CacheMaintenance):
     """One conversation with its own prompt cache (one cache object per model layer)."""
 
     def __init__(
@@ -416,149 +371,6 @@ class Session:
         after_turn(self.cache)
 
     # ----------------------------------------------------- cache maintenance
-
-    def _rewind(self, n: int) -> str | None:
-        """Make the cache hold exactly ``ledger[:n]``; rebuild (empty it) if it cannot.
-
-        Returns None, or the reason the cache had to be emptied.
-        """
-        if n >= len(self.ledger):
-            return None
-        if trim_to(self.cache, n):
-            settle(self.cache)
-            self._set_ledger(self.ledger[:n])
-            return None
-        reason = f"the {self.kind.name} cache could not be trimmed back to token {n}"
-        self._discard(reason)
-        return reason
-
-    def _set_ledger(self, ledger: list[int]) -> None:
-        self.ledger = ledger
-        if self._logits is not None and self._logits[0] > len(ledger):
-            self._logits = None
-
-    def _discard(self, reason: str) -> None:
-        """Replace the cache with an empty one; the next turn evaluates everything."""
-        self.unload()
-        self._pending_rebuild = reason
-
-    def unload(self) -> None:
-        """Let go of the cache's memory (it was saved elsewhere); the transcript stays."""
-        self.cache = make_cache(self.lm.model, self.kind, keep=self._system_tokens())
-        self.ledger = []
-        self._logits = None
-
-    def attach(self, cache: list[Any], ledger: list[int]) -> None:
-        """Take back a cache holding exactly ``ledger`` (as loaded from disk)."""
-        self.cache, self.ledger = cache, list(ledger)
-        self._logits = None
-        settle(cache)
-
-    def reset(self) -> bool:
-        """Empty the cache and keep the transcript: the next turn prefills it all again.
-
-        Returns False (and changes nothing) when the cache was empty already.
-        """
-        if not self.ledger:
-            return False
-        self._discard("the cache was reset")
-        return True
-
-    def rebuild(self, reason: str, progress: Progress | None = None) -> str:
-        """Recompute the cache from the transcript (exact), reporting progress."""
-        self._discard(reason)
-        tokens = self.render(self.messages, False)
-        for event in self._prefill(tokens, total=len(tokens)):
-            if progress:
-                progress(event.done, event.total)
-        after_turn(self.cache)
-        self._pending_rebuild = None  # whole again: the next turn reuses it
-        return reason
-
-    def sync(self) -> None:
-        """Trim the cache to what the transcript renders to now (after undo or an edit)."""
-        tokens = self.render(self.messages, False)
-        self._rewind(common_prefix(self.ledger, tokens))
-
-    def undo(self, turns: int = 1) -> None:
-        """Remove the last ``turns`` exchanges (user message and reply) and trim the cache exactly."""
-        messages = list(self.messages)
-        removed = 0
-        while removed < turns and any(m["role"] == "user" for m in messages):
-            if messages.pop()["role"] == "user":
-                removed += 1
-        if not removed:
-            raise SessionError("Nothing to undo: there is no user message yet.")
-        self.messages = messages
-        self._keep_turns(messages)
-        self.sync()
-
-    def trim_history(self, max_tokens: int, progress: Progress | None = None) -> int:
-        """Drop the oldest exchanges, keeping the system prompt, until the transcript fits ``max_tokens``.
-
-        Exact semantics: the cache is trimmed back to the system prompt and the
-        kept turns are evaluated again, so it equals a fresh run of the
-        shortened transcript. Dropped turns move to ``archived``. Returns the
-        number of messages dropped.
-        """
-        keep_system = 1 if self.system else 0
-        messages = list(self.messages)
-        dropped: list[dict] = []
-        while len(self.render(messages, False)) > max_tokens:
-            if len(messages) <= keep_system:
-                raise SessionError(
-                    f"The system prompt alone is over {max_tokens:,} tokens; nothing to trim to."
-                )
-            first = messages.pop(keep_system)
-            dropped.append(first)
-            # an exchange goes whole: drop the replies that answered this message too
-            while len(messages) > keep_system and messages[keep_system]["role"] != "user":
-                dropped.append(messages.pop(keep_system))
-        if not dropped:
-            return 0
-        self.archived.extend(dropped)
-        self.messages = messages
-        del self.turns[: sum(m["role"] == "assistant" for m in dropped)]
-        tokens = self.render(messages, False)
-        self._rewind(common_prefix(self.ledger, tokens))
-        for event in self._prefill(tokens[len(self.ledger) :], total=len(tokens) - len(self.ledger)):
-            if progress:
-                progress(event.done, event.total)
-        after_turn(self.cache)
-        self._pending_rebuild = None  # the kept turns are all in the cache again
-        return len(dropped)
-
-    def set_kind(self, kind: str | CacheKind, progress: Progress | None = None) -> str | None:
-        """Switch the cache kind, converting the live cache where the data allows.
-
-        Returns None when the cache was converted in place, else the reason it
-        was rebuilt from the transcript. Raises ``CacheKindError`` for a kind
-        that cannot apply to this model, before anything changes.
-        """
-        new = parse_kind(kind)
-        if new == self.kind:
-            return None
-        make_cache(self.lm.model, new)  # raises if the kind cannot apply to this model
-        old, self.kind = self.kind, new
-        converted = convert_cache(self.cache, old, new)
-        if converted is not None:
-            self.attach(converted, self.ledger)
-            return None
-        return self.rebuild(f"cache kind changed from {old.name} to {new.name}", progress)
-
-
-def copy_cache(cache: list[Any]) -> list[Any]:
-    """An independent copy of a prompt cache (slices are new arrays; state is shared by none)."""
-    return [type(c).from_state(_copy_state(c.state)) for c in cache]
-
-
-def _copy_state(state: Any) -> Any:
-    if isinstance(state, mx.array):
-        return mx.array(state)
-    if isinstance(state, (tuple, list)):
-        return type(state)(_copy_state(x) for x in state)
-    return state
-
 
 def _chain(first: list[int], rest: Iterator[int]) -> Iterator[int]:
     yield from first

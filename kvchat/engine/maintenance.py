@@ -1,0 +1,168 @@
+"""Cache maintenance for a Session: rewind, rebuild, undo, trim, switch kind.
+
+Kept apart from the turn itself (:mod:`kvchat.engine.session`); every method
+here leaves the ledger equal to what the cache holds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .events import SessionError
+from .kinds import (
+    CacheKind,
+    after_turn,
+    convert_cache,
+    make_cache,
+    parse_kind,
+    settle,
+    trim_to,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    Progress = Callable[[int, int], None]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class CacheMaintenance:
+    """The cache-changing operations of :class:`~kvchat.engine.session.Session` (a mixin:
+    it uses the session's ``cache``, ``ledger``, ``messages``, ``kind`` and ``_prefill``)."""
+
+    def _rewind(self, n: int) -> str | None:
+        """Make the cache hold exactly ``ledger[:n]``; rebuild (empty it) if it cannot.
+
+        Returns None, or the reason the cache had to be emptied.
+        """
+        if n >= len(self.ledger):
+            return None
+        if trim_to(self.cache, n):
+            settle(self.cache)
+            self._set_ledger(self.ledger[:n])
+            return None
+        reason = f"the {self.kind.name} cache could not be trimmed back to token {n}"
+        self._discard(reason)
+        return reason
+
+    def _set_ledger(self, ledger: list[int]) -> None:
+        self.ledger = ledger
+        if self._logits is not None and self._logits[0] > len(ledger):
+            self._logits = None
+
+    def _discard(self, reason: str) -> None:
+        """Replace the cache with an empty one; the next turn evaluates everything."""
+        self.unload()
+        self._pending_rebuild = reason
+
+    def unload(self) -> None:
+        """Let go of the cache's memory (it was saved elsewhere); the transcript stays."""
+        self.cache = make_cache(self.lm.model, self.kind, keep=self._system_tokens())
+        self.ledger = []
+        self._logits = None
+
+    def attach(self, cache: list[Any], ledger: list[int]) -> None:
+        """Take back a cache holding exactly ``ledger`` (as loaded from disk)."""
+        self.cache, self.ledger = cache, list(ledger)
+        self._logits = None
+        settle(cache)
+
+    def reset(self) -> bool:
+        """Empty the cache and keep the transcript: the next turn prefills it all again.
+
+        Returns False (and changes nothing) when the cache was empty already.
+        """
+        if not self.ledger:
+            return False
+        self._discard("the cache was reset")
+        return True
+
+    def rebuild(self, reason: str, progress: Progress | None = None) -> str:
+        """Recompute the cache from the transcript (exact), reporting progress."""
+        self._discard(reason)
+        tokens = self.render(self.messages, False)
+        for event in self._prefill(tokens, total=len(tokens)):
+            if progress:
+                progress(event.done, event.total)
+        after_turn(self.cache)
+        self._pending_rebuild = None  # whole again: the next turn reuses it
+        return reason
+
+    def sync(self) -> None:
+        """Trim the cache to what the transcript renders to now (after undo or an edit)."""
+        tokens = self.render(self.messages, False)
+        self._rewind(common_prefix(self.ledger, tokens))
+
+    def undo(self, turns: int = 1) -> None:
+        """Remove the last ``turns`` exchanges (user message and reply) and trim the cache exactly."""
+        messages = list(self.messages)
+        removed = 0
+        while removed < turns and any(m["role"] == "user" for m in messages):
+            if messages.pop()["role"] == "user":
+                removed += 1
+        if not removed:
+            raise SessionError("Nothing to undo: there is no user message yet.")
+        self.messages = messages
+        self._keep_turns(messages)
+        self.sync()
+
+    def trim_history(self, max_tokens: int, progress: Progress | None = None) -> int:
+        """Drop the oldest exchanges, keeping the system prompt, until the transcript fits ``max_tokens``.
+
+        Exact semantics: the cache is trimmed back to the system prompt and the
+        kept turns are evaluated again, so it equals a fresh run of the
+        shortened transcript. Dropped turns move to ``archived``. Returns the
+        number of messages dropped.
+        """
+        keep_system = 1 if self.system else 0
+        messages = list(self.messages)
+        dropped: list[dict] = []
+        while len(self.render(messages, False)) > max_tokens:
+            if len(messages) <= keep_system:
+                raise SessionError(
+                    f"The system prompt alone is over {max_tokens:,} tokens; nothing to trim to."
+                )
+            first = messages.pop(keep_system)
+            dropped.append(first)
+            # an exchange goes whole: drop the replies that answered this message too
+            while len(messages) > keep_system and messages[keep_system]["role"] != "user":
+                dropped.append(messages.pop(keep_system))
+        if not dropped:
+            return 0
+        self.archived.extend(dropped)
+        self.messages = messages
+        del self.turns[: sum(m["role"] == "assistant" for m in dropped)]
+        tokens = self.render(messages, False)
+        self._rewind(common_prefix(self.ledger, tokens))
+        for event in self._prefill(tokens[len(self.ledger) :], total=len(tokens) - len(self.ledger)):
+            if progress:
+                progress(event.done, event.total)
+        after_turn(self.cache)
+        self._pending_rebuild = None  # the kept turns are all in the cache again
+        return len(dropped)
+
+    def set_kind(self, kind: str | CacheKind, progress: Progress | None = None) -> str | None:
+        """Switch the cache kind, converting the live cache where the data allows.
+
+        Returns None when the cache was converted in place, else the reason it
+        was rebuilt from the transcript. Raises ``CacheKindError`` for a kind
+        that cannot apply to this model, before anything changes.
+        """
+        new = parse_kind(kind)
+        if new == self.kind:
+            return None
+        make_cache(self.lm.model, new)  # raises if the kind cannot apply to this model
+        old, self.kind = self.kind, new
+        converted = convert_cache(self.cache, old, new)
+        if converted is not None:
+            self.attach(converted, self.ledger)
+            return None
+        return self.rebuild(f"cache kind changed from {old.name} to {new.name}", progress)
