@@ -170,7 +170,7 @@ def prune(
     """
     cutoff = time.time() - older_than_seconds
     result = Pruned()
-    for s in list_sessions():
+    for s in sorted(list_sessions(), key=lambda s: s.name):  # reported in name order
         if only is not None and s.name not in only:
             continue
         if s.note:
