@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -168,6 +169,8 @@ def _round(launcher: Launcher, base: Session, names: list[str], home: Path, figu
         assert code == 0, f"{who} failed: {err}"
     for name in names:
         figures["rounds"] += 1
+        lock = home / "sessions" / ".locks" / f"{name}.lock"
+        assert lock.exists() == store.exists(name)  # rm takes its lock file with it
         assert outs[f"rm of {name}"][1] == f"Removed session {name}.\n"
         asks = {who: json.loads(outs[f"{who} of {name}"][1]) for who in ("ask1", "ask2")}
         after = {f"{who} of {name}" for who in asks
@@ -186,3 +189,34 @@ def _round(launcher: Launcher, base: Session, names: list[str], home: Path, figu
         for text in after:
             reply = json.loads(outs[text][1])
             assert kept[text] == reply["reply"] and reply["saved"] is True
+
+
+def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(home):
+    """A waits for `x` while `rm` holds it; rm deletes the session and its lock file;
+    C then locks the new lock file. When rm lets go, A must wait for C, not hold the
+    removed file's lock beside C (two holders at once)."""
+    store.session_dir("x").mkdir(parents=True)
+    events = {e: threading.Event() for e in ("a_got", "c_got", "c_release")}
+
+    def waiter():
+        with store.session_lock("x", timeout=30):
+            events["a_got"].set()
+
+    def newcomer():
+        with store.session_lock("x", timeout=30):
+            events["c_got"].set()
+            events["c_release"].wait(30)
+
+    with store.session_lock("x"):
+        a = threading.Thread(target=waiter)
+        a.start()
+        time.sleep(0.2)  # A now waits on the lock file that is about to go
+        store.delete("x")  # re-entrant: removes the folder, then the lock file
+        c = threading.Thread(target=newcomer)
+        c.start()
+        assert events["c_got"].wait(10)  # C locked a new lock file at once
+    assert not events["a_got"].wait(0.5)  # rm let go; A still waits, for C
+    events["c_release"].set()
+    assert events["a_got"].wait(10)
+    a.join()
+    c.join()

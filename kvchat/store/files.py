@@ -50,7 +50,11 @@ def make_dir(folder: Path) -> None:
     if not check_folder(folder):
         folder.mkdir(mode=0o700, exist_ok=True)
         check_folder(folder)
-    os.chmod(folder, 0o700, follow_symlinks=False)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
 
 
 def open_regular(path: Path, limit: int, write: bool = False) -> BinaryIO:

@@ -1,12 +1,13 @@
 """The per-session lock: one kvchat at a time works on a session.
 
 Lock files live in ``<sessions>/.locks/<name>.lock``, outside the session
-folder, and are never deleted: a lock that lived in the folder would be
-deleted with it by ``sessions rm``, leaving a waiter holding a lock on a
-removed file while a newcomer locks a fresh one (two holders at once). A
-holder must therefore re-check after getting the lock whether its session
-still exists (:func:`kvchat.store.exists`): ``rm`` and ``prune`` take the same
-lock, so a session can vanish while someone waits for it.
+folder: a lock inside it was deleted with it by ``sessions rm``, leaving a
+waiter holding a lock on a removed file while a newcomer locked a fresh one
+(two holders at once). ``rm`` and ``prune`` take the lock, remove the folder,
+then the lock file; whoever got the lock on a file that is no longer at its
+path starts again on the new one. A holder must re-check after getting the
+lock whether its session still exists (:func:`kvchat.store.exists`): a
+session can vanish while someone waits for it, who then starts a new one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from kvchat import locations
 from kvchat.store.base import LOCK_TIMEOUT_S, StoreError, check_name, session_dir
@@ -61,25 +63,8 @@ def session_lock(name: str, timeout: float | None = None) -> Iterator[Path]:
 
     if timeout is None:
         timeout = lock_timeout()
-    lock_path = lock_file(name)
-    handle = open_regular(lock_path, limit=4096, write=True)
+    handle = _acquire(name, lock_file(name), timeout)
     fd = handle.fileno()
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise StoreError(
-                        f"Session {name!r} is in use by another kvchat (lock {lock_path} held "
-                        f"for over {timeout:g} s); try again when it finishes."
-                    ) from None
-                time.sleep(0.05)
-    except BaseException:
-        handle.close()
-        raise
     with _held_guard:
         _held[key] = (fd, 1, me)
     try:
@@ -89,6 +74,47 @@ def session_lock(name: str, timeout: float | None = None) -> Iterator[Path]:
             _held.pop(key, None)
         fcntl.flock(fd, fcntl.LOCK_UN)
         handle.close()
+
+
+def _acquire(name: str, lock_path: Path, timeout: float) -> BinaryIO:
+    """Open ``lock_path`` and flock it, waiting up to ``timeout`` seconds; if the file was
+    removed meanwhile (its session deleted), lock the one now at that path instead."""
+    deadline = time.monotonic() + timeout
+    while True:
+        handle = open_regular(lock_path, limit=4096, write=True)
+        try:
+            while True:
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise StoreError(
+                            f"Session {name!r} is in use by another kvchat (lock {lock_path} "
+                            f"held for over {timeout:g} s); try again when it finishes."
+                        ) from None
+                    time.sleep(0.05)
+            if _still_there(handle, lock_path):
+                return handle
+        except BaseException:
+            handle.close()
+            raise
+        handle.close()
+
+
+def _still_there(handle: BinaryIO, path: Path) -> bool:
+    """Whether the open file ``handle`` is still the file at ``path``."""
+    try:
+        there = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(handle.fileno())
+    return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def remove_lock_file(name: str) -> None:
+    """Delete the lock file of ``name``, whose session is gone; call it holding the lock."""
+    lock_file(name).unlink(missing_ok=True)
 
 
 def lock_file(name: str) -> Path:

@@ -24,7 +24,7 @@ from kvchat.store.base import (
     session_dir,
 )
 from kvchat.store.files import check_folder
-from kvchat.store.lock import session_lock
+from kvchat.store.lock import remove_lock_file, session_lock
 from kvchat.store.session_file import read, read_json
 
 REMOVING_PREFIX = ".removing-"  # not a valid session name, so never listed
@@ -108,6 +108,7 @@ def delete(name: str, timeout: float | None = 5.0) -> None:
         if not check_folder(folder):  # removed while this waited
             raise StoreError(f"No saved session named {name!r} (no {folder}).")
         _remove(folder)
+        remove_lock_file(name)
 
 
 def _remove(folder: Path) -> None:
@@ -185,6 +186,7 @@ def prune(
                     if current is None or current.note or _last_used(current) >= cutoff:
                         continue
                     _remove(s.path)
+                    remove_lock_file(s.name)
             except StoreError:
                 result.skipped.append((s.name, "it is in use by another kvchat"))
                 continue
