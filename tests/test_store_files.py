@@ -84,7 +84,13 @@ def test_symlinks_in_the_sessions_folder_change_nothing_outside(demo_model, home
     (sessions / ".locks").mkdir(mode=0o700, exist_ok=True)
     (sessions / ".locks" / "lk.lock").symlink_to(outside / "created-through-lock")
     saved(demo_model, "good")
+    temp_link = store.session_dir("good") / ".tmp-evil"  # the stale-temp cleanup's bait
+    temp_link.symlink_to(outside / ".tmp-precious")
     before = tree_digest(outside)
+
+    out = cli("ask", "--session", "good", "--max-tokens", "4", "--json", "Again.")
+    assert out.exit_code == 0 and json.loads(out.stdout)["saved"] is True
+    assert temp_link.is_symlink()  # a temp name that is not a regular file is left alone
 
     for name, why in (("evil", "is a symbolic link, not a session folder"),
                       ("links", "session.json is a symbolic link"),
@@ -100,7 +106,7 @@ def test_symlinks_in_the_sessions_folder_change_nothing_outside(demo_model, home
         assert "symbolic link" in shown["note"] and shown["messages"] == 0
 
     listed = {s["name"]: s for s in json.loads(cli("sessions", "list", "--json").output)}
-    assert listed["good"]["note"] is None and listed["good"]["turns"] == 1
+    assert listed["good"]["note"] is None and listed["good"]["turns"] == 2
     assert "symbolic link" in listed["evil"]["note"] and "symbolic link" in listed["links"]["note"]
 
     pruned = cli("sessions", "prune", "--older-than", "0s", "--yes")
@@ -149,6 +155,16 @@ def _folder(path):
 
 SPECIAL = {"fifo": _fifo, "dev-zero-node": _zero_device, "dev-zero-link": _zero_link,
            "folder": _folder}
+
+
+def test_a_cache_bigger_than_the_model_could_make_is_not_read(demo_model, home):
+    saved(demo_model, "chat")
+    cache = store.session_dir("chat") / "cache.safetensors"
+    with open(cache, "r+b") as f:
+        f.truncate(1 << 30)  # sparse: 1 GiB on paper, nothing on disk
+    loaded = store.load("chat", demo_model)
+    assert not loaded.resumed_from_disk
+    assert f"{cache} is 1,073,741,824 bytes, more than the " in loaded.notice
 
 
 @pytest.mark.parametrize("kind", sorted(SPECIAL))
