@@ -49,15 +49,13 @@ def save(session: Session, name: str) -> Path:
     """Write ``session`` under ``name`` (cache first, then ``session.json``); return the folder.
 
     Takes the session's lock. A crash at any point leaves the previous save
-    loadable: at worst its cache is rebuilt from its transcript.
+    loadable: at worst its cache is rebuilt from its transcript. A write that
+    fails (a full disk, a file size limit) is a :class:`StoreError` in one
+    sentence, with the previous save as it was and no temporary file left.
     """
-    from mlx_lm.models.cache import save_prompt_cache
-
-    from kvchat.engine.kinds import compacted
-
     with session_lock(name) as folder:
         try:
-            return _save_locked(session, name, folder, save_prompt_cache, compacted)
+            return _save_locked(session, name, folder)
         except OSError as exc:
             reason = "no space left on device" if exc.errno in NO_SPACE else one_line(exc)
         except RuntimeError as exc:  # mlx: "[write] Unable to write N bytes to file"
@@ -67,8 +65,12 @@ def save(session: Session, name: str) -> Path:
         raise StoreError(f"Could not save session {name}: {reason}; the previous save is intact.")
 
 
-def _save_locked(session: Session, name: str, folder: Path, save_prompt_cache, compacted) -> Path:
+def _save_locked(session: Session, name: str, folder: Path) -> Path:
     """:func:`save` once the lock is held (a failure leaves no temporary file behind)."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from kvchat.engine.kinds import compacted
+
     make_dir(folder)
     remove_stale_temps(folder)
     json_path = folder / SESSION_FILE
