@@ -9,14 +9,18 @@ from __future__ import annotations
 from kvchat import store
 
 from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
+from .widgets.sidebar import user_turns
 
 
 class ActionsMixin:
     """``action_*`` handlers for the active conversation (see ``KvChatApp.BINDINGS``)."""
 
     def action_save(self) -> None:
-        conversation = self.active_conversation()
+        conversation = self.idle_conversation()
         if conversation is None:
+            return
+        if not user_turns(conversation.session):
+            self.notify("Nothing to save yet: send a message first.", severity="warning")
             return
         name = conversation.session_name
 
@@ -29,7 +33,7 @@ class ActionsMixin:
                              saved)
 
     def action_trim(self) -> None:
-        conversation = self.active_conversation()
+        conversation = self.idle_conversation()
         if conversation is None:
             return
         session = conversation.session
@@ -54,10 +58,10 @@ class ActionsMixin:
                     trimmed,
                 )
 
-        self.push_screen(TrimDialog(session.cache_tokens, len(session.turns)), chosen)
+        self.push_screen(TrimDialog(session.cache_tokens, user_turns(session)), chosen)
 
     def action_cache_kind(self) -> None:
-        conversation = self.active_conversation()
+        conversation = self.idle_conversation()
         if conversation is None:
             return
         session = conversation.session
@@ -77,21 +81,25 @@ class ActionsMixin:
         self.push_screen(KindDialog(session.kind.name, self.lm.model), chosen)
 
     def action_reset_cache(self) -> None:
-        conversation = self.active_conversation()
+        conversation = self.idle_conversation()
         if conversation is None:
             return
-        conversation.run_job(
-            "resetting", lambda progress: conversation.session.reset(),
-            lambda _: self.notify("Cache emptied; the next turn prefills the whole transcript."),
-        )
+
+        def done(emptied: bool) -> None:
+            self.notify("Cache emptied; the next turn prefills the whole transcript."
+                        if emptied else "The cache is empty already.")
+
+        conversation.run_job("resetting", lambda progress: conversation.session.reset(), done)
 
     def action_regenerate(self) -> None:
-        conversation = self.active_conversation()
-        if conversation is not None:
-            conversation.regenerate()
+        conversation = self.idle_conversation()
+        if conversation is not None and conversation.regenerate():
+            if conversation.session.settings.temp <= 0:
+                self.notify("Temperature is 0 (greedy): the same reply comes again; "
+                            "raise it with --temp or temp in the config file.", timeout=8)
 
     def action_drop(self) -> None:
-        conversation = self.active_conversation()
+        conversation = self.idle_conversation()
         if conversation is None:
             return
         name = conversation.session_name
@@ -133,7 +141,7 @@ class ActionsMixin:
         self.push_screen(DropDialog(name, store.exists(name)), chosen)
 
     def action_rename(self) -> None:
-        conversation = self.active_conversation()
+        conversation = self.idle_conversation()
         if conversation is None:
             return
         old = conversation.session_name

@@ -44,8 +44,6 @@ _TAB_ACTIONS = {
     "close_tab", "next_tab", "previous_tab", "rename", "save", "trim", "cache_kind",
     "reset_cache", "drop", "regenerate", "stop",
 }
-_NEEDS_IDLE = {"close_tab", "rename", "save", "trim", "cache_kind", "reset_cache", "drop",
-               "regenerate"}
 
 
 class KvChatApp(TabsMixin, ActionsMixin, App):
@@ -58,8 +56,14 @@ class KvChatApp(TabsMixin, ActionsMixin, App):
 
     CSS_PATH = "kvchat.tcss"
     TITLE = "kvchat"
+    # Screen classes by terminal size: the sidebar narrows and hides, dialogs tighten.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (70, "-medium"), (100, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
 
+    # The footer shows them in this order, as far as the width goes: help first.
     BINDINGS = [
+        # F1 only: "?" is a character the message box needs.
+        Binding("f1", "help", "Help", tooltip="List every key."),
         Binding("ctrl+t", "new_tab", "New tab", tooltip="Start a new conversation in a new tab."),
         Binding("ctrl+w", "close_tab", "Close tab", priority=True, show=False,
                 tooltip="Close the active tab (a saved session stays on disk)."),
@@ -68,9 +72,9 @@ class KvChatApp(TabsMixin, ActionsMixin, App):
         Binding("f2", "rename", "Rename", show=False, tooltip="Rename the active session."),
         Binding("escape", "stop", "Stop", tooltip="Stop the reply being written."),
         Binding("ctrl+s", "save", "Save", tooltip="Save the session, cache included."),
-        Binding("ctrl+l", "trim", "Trim", tooltip="Undo the last turn or trim the history."),
+        Binding("ctrl+l", "trim", "Undo/trim", tooltip="Undo the last turn or trim the history."),
         Binding("f4", "cache_kind", "Cache type", tooltip="Switch the cache kind of this tab."),
-        Binding("ctrl+r", "reset_cache", "Reset cache",
+        Binding("ctrl+r", "reset_cache", "Reset cache", show=False,
                 tooltip="Empty the cache; the next turn prefills the whole transcript."),
         Binding("f5", "regenerate", "Regenerate", show=False,
                 tooltip="Replace the last reply with a new one."),
@@ -79,8 +83,6 @@ class KvChatApp(TabsMixin, ActionsMixin, App):
         Binding("ctrl+o,f3", "sessions", "Sessions", tooltip="Open a saved session."),
         Binding("ctrl+b", "toggle_sidebar", "Sidebar", show=False,
                 tooltip="Show or hide the cache panel."),
-        Binding("f1,question_mark", "help", "Help", key_display="F1",
-                tooltip="List every key."),
     ]
 
     def __init__(
@@ -124,7 +126,7 @@ class KvChatApp(TabsMixin, ActionsMixin, App):
         with Horizontal(id="main"):
             yield TabbedContent(id="tabs")
             yield CacheSidebar(volatile=self.volatile, id="sidebar")
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self._register_themes()
@@ -263,8 +265,8 @@ class KvChatApp(TabsMixin, ActionsMixin, App):
             conversation = self.active_conversation()
             if conversation is None:
                 return None
-            if action in _NEEDS_IDLE and conversation.busy:
-                return None
+            if action == "stop" and not conversation.busy:
+                return False  # in the footer only while there is something to stop
         if action == "new_tab" and (self.lm is None or len(self.screen_stack) > 1):
             return False
         return True
@@ -272,8 +274,16 @@ class KvChatApp(TabsMixin, ActionsMixin, App):
     async def action_new_tab(self) -> None:
         await self.new_tab()
 
-    async def action_close_tab(self) -> None:
+    def idle_conversation(self):
+        """The active conversation, or None (saying why) when it is busy or there is none;
+        for the actions that must not run during a reply or a job."""
         conversation = self.active_conversation()
+        if conversation is None or conversation.refuse_if_busy():
+            return None
+        return conversation
+
+    async def action_close_tab(self) -> None:
+        conversation = self.idle_conversation()
         if conversation is None:
             return
         pane = conversation.parent
@@ -358,7 +368,9 @@ class KvChatApp(TabsMixin, ActionsMixin, App):
         self.push_screen(SessionPicker(store.list_sessions()), self._picked)
 
     def action_toggle_sidebar(self) -> None:
-        self.sidebar.display = not self.sidebar.display
+        shown = self.sidebar.display
+        self.main_screen.set_class(shown, "-hide-sidebar")
+        self.main_screen.set_class(not shown, "-show-sidebar")
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

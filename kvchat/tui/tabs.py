@@ -50,7 +50,8 @@ class TabsMixin:
         return await self.add_conversation(self.new_session(name), name)
 
     async def add_conversation(
-        self, session: Session, name: str, *, saved: bool = False, notice: str | None = None
+        self, session: Session, name: str, *, saved: bool = False, notice: str | None = None,
+        notice_kind: str = "rebuild",
     ) -> Conversation:
         self._tab_numbers += 1
         n = self._tab_numbers
@@ -64,7 +65,7 @@ class TabsMixin:
         await self.tabs.add_pane(pane)
         self.tabs.active = pane.id
         if notice:
-            await conversation.add_notice(notice, "rebuild")
+            await conversation.add_notice(notice, notice_kind)
         conversation.log.scroll_end(animate=False)
         conversation.focus_input()
         self.refresh_sidebar()
@@ -77,6 +78,9 @@ class TabsMixin:
                 self.tabs.active = pane.id
                 conversation.focus_input()
                 return
+        # Nothing keeps the focus: when the loading screen goes, Textual would focus the old
+        # tab's input again, and a focused pane makes its tab the active one (TabPane.Focused).
+        self.main_screen.set_focus(None)
         self.push_screen(LoadingScreen(f"Opening session {name}…"))
         self._load_session(name)
 
@@ -96,7 +100,14 @@ class TabsMixin:
     async def _loaded(self, name: str, loaded: store.Loaded) -> None:
         if isinstance(self.screen, LoadingScreen):
             self.pop_screen()
-        await self.add_conversation(loaded.session, name, saved=True, notice=loaded.notice)
+        if loaded.resumed_from_disk:
+            await self.add_conversation(
+                loaded.session, name, saved=True, notice_kind="info",
+                notice=f"Resumed with its cache from disk ({loaded.session.cache_tokens:,} "
+                       "tokens): the next turn evaluates only the new message.",
+            )
+        else:
+            await self.add_conversation(loaded.session, name, saved=True, notice=loaded.notice)
 
     async def _load_failed(self, message: str) -> None:
         if isinstance(self.screen, LoadingScreen):

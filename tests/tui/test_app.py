@@ -198,7 +198,9 @@ async def test_cache_kind_switch_and_reset(make_app):
         await settle(pilot)
         assert session.kind.name == "rotating:4096"
         assert session.cache_tokens == len(session.render(session.messages, False))
-        assert "cache kind changed" in (app.sidebar.info.rebuilt or "")
+        assert ("Cache is now rotating:4096: rebuilt (cache kind changed from quantized:8 to "
+                "rotating:4096).") in [n.message for n in app._notifications]
+        assert app.sidebar.info.rebuilt is None  # whole again: the next turn rebuilds nothing
 
         await pilot.press("ctrl+r")
         await settle(pilot)

@@ -11,12 +11,12 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from kvchat.engine.kinds import EXAMPLE_KINDS, QUANT_GROUP_SIZE, parse_kind
+from kvchat.engine.kinds import EXAMPLE_KINDS, QUANT_GROUP_SIZE, CacheKindError, parse_kind
 
 from ..widgets.sidebar import human_bytes
 
@@ -50,20 +50,26 @@ class TrimDialog(Dialog):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="trim-dialog") as box:
-            box.border_title = "Trim the conversation"
-            yield Static(
-                f"The cache holds {self.cache_tokens:,} tokens over {self.turns} turn(s).",
-                markup=False,
-            )
-            yield Button("Undo last turn", id="trim-undo", variant="primary")
-            yield Label("…or keep the system prompt and the newest turns, at most:")
-            with Horizontal(classes="row"):
-                yield Input(
-                    placeholder="tokens", id="trim-tokens", type="integer",
-                    value=str(max(1, self.cache_tokens // 2)),
-                )
-                yield Button("Trim to tokens", id="trim-to", variant="warning")
-            yield Button("Cancel", id="trim-cancel")
+            box.border_title = "Undo or trim"
+            with VerticalScroll(classes="body"):
+                if self.turns:
+                    yield Static(
+                        f"The cache holds {self.cache_tokens:,} tokens over {self.turns} "
+                        "turn(s).", markup=False,
+                    )
+                else:
+                    yield Static("Nothing to undo yet: this session has no turn.", markup=False)
+                yield Button("Undo last turn", id="trim-undo", variant="primary",
+                             disabled=not self.turns)
+                yield Label("…or keep the system prompt and the newest turns, at most:")
+                with Horizontal(classes="row"):
+                    yield Input(
+                        placeholder="tokens", id="trim-tokens", type="integer",
+                        value=str(max(1, self.cache_tokens // 2)),
+                    )
+                    yield Button("Trim to tokens", id="trim-to", variant="warning")
+            with Horizontal(classes="row buttons"):
+                yield Button("Cancel", id="trim-cancel")
 
     @on(Button.Pressed, "#trim-undo")
     def _undo(self) -> None:
@@ -114,47 +120,78 @@ def kind_bytes_per_token(model, kind_name: str) -> float:
     return float(elements * size)
 
 
+def kind_choices(current: str) -> list[str]:
+    """The kinds the dialog lists: the examples, plus the current kind after its family's
+    example when its number differs (``rotating:1024``)."""
+    names = list(EXAMPLE_KINDS)
+    if current not in names:
+        family = parse_kind(current).family
+        at = max((i for i, n in enumerate(names) if n.split(":")[0] == family), default=-1)
+        names.insert(at + 1, current)
+    return names
+
+
 class KindDialog(Dialog):
-    """Pick a cache kind; each line shows its bytes per token for this model."""
+    """Pick a cache kind, or type one (``rotating:1024``); each line shows its bytes per
+    token for this model, and quantized kinds their share of a standard cache's."""
 
     def __init__(self, current: str, model) -> None:
         super().__init__()
         self.current = current
         self.model = model
+        self.names = kind_choices(current)
+
+    def _label(self, name: str) -> Text:
+        kind = parse_kind(name)
+        per_token = kind_bytes_per_token(self.model, name)
+        if kind.family in ("rotating", "chunked"):
+            extra = f", at most {human_bytes(int(per_token * kind.size))}"
+        elif kind.family == "quantized":
+            share = per_token / kind_bytes_per_token(self.model, "standard")
+            extra = f" ({share:.2f} × standard)"
+        else:
+            extra = ""
+        mark = "● " if name == self.current else "  "
+        return Text.assemble(
+            (f"{mark}{name:<14}", "bold"),
+            f"{human_bytes(int(per_token)):>10}/token{extra}\n",
+            ("    " + kind.description, "dim"),
+        )
 
     def compose(self) -> ComposeResult:
-        options = []
-        for name in EXAMPLE_KINDS:
-            kind = parse_kind(name)
-            per_token = kind_bytes_per_token(self.model, name)
-            bound = f", at most {human_bytes(int(per_token * kind.size))}" if kind.family in (
-                "rotating", "chunked") else ""
-            mark = "● " if name == self.current else "  "
-            label = Text.assemble(
-                (f"{mark}{name:<14}", "bold"),
-                f"{human_bytes(int(per_token)):>10}/token{bound}\n",
-                ("    " + kind.description, "dim"),
-            )
-            options.append(Option(label, id=name))
         with Vertical(classes="dialog", id="kind-dialog") as box:
-            box.border_title = "Cache type"
-            yield Static(
-                "Bytes per token computed from the model: layers × kv heads × head dim × 2 × "
-                "bytes per element (quantized: bits/8 plus a scale and bias per 64).",
-                classes="hint", markup=False,
-            )
-            yield OptionList(*options, id="kind-options")
-            yield Button("Cancel", id="kind-cancel")
+            box.border_title = f"Cache type (now {self.current})"
+            yield OptionList(*(Option(self._label(n), id=n) for n in self.names),
+                             id="kind-options", classes="body")
+            with Vertical(classes="buttons"):
+                yield Static(
+                    "Bytes per token from the model: layers × kv heads × head dim × 2 × "
+                    "bytes per element (quantized: bits/8 plus a scale and bias per 64).",
+                    classes="hint", markup=False,
+                )
+                with Horizontal(classes="row"):
+                    yield Input(placeholder="or type: rotating:1024", id="kind-input")
+                    yield Button("Use", id="kind-use", variant="primary")
+                    yield Button("Cancel", id="kind-cancel")
 
     def on_mount(self) -> None:
         options = self.query_one(OptionList)
-        if self.current in EXAMPLE_KINDS:
-            options.highlighted = EXAMPLE_KINDS.index(self.current)
+        options.highlighted = self.names.index(self.current)
         options.focus()
 
     @on(OptionList.OptionSelected)
     def _picked(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)
+
+    @on(Button.Pressed, "#kind-use")
+    @on(Input.Submitted, "#kind-input")
+    def _typed(self) -> None:
+        try:
+            kind = parse_kind(self.query_one("#kind-input", Input).value)
+        except CacheKindError as error:
+            self.notify(str(error), severity="warning", markup=False)
+            return
+        self.dismiss(kind.name)
 
     @on(Button.Pressed, "#kind-cancel")
     def _cancel(self) -> None:
@@ -179,7 +216,7 @@ class DropDialog(Dialog):
             yield Static(
                 f"Drop {self.session_name!r} and close its tab? {where}", markup=False
             )
-            with Horizontal(classes="row"):
+            with Horizontal(classes="row buttons"):
                 yield Button("Memory only", id="drop-memory", variant="warning")
                 yield Button("Memory and disk", id="drop-disk", variant="error")
                 yield Button("Cancel", id="drop-cancel")
@@ -211,7 +248,7 @@ class RenameDialog(Dialog):
         with Vertical(classes="dialog", id="rename-dialog") as box:
             box.border_title = "Rename session"
             yield Input(value=self.session_name, id="rename-input")
-            with Horizontal(classes="row"):
+            with Horizontal(classes="row buttons"):
                 yield Button("Rename", id="rename-ok", variant="primary")
                 yield Button("Cancel", id="rename-cancel")
 

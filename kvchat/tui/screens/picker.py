@@ -36,7 +36,8 @@ class SessionPicker(ModalScreen):
                              classes="hint", markup=False)
             else:
                 yield Static("No saved sessions yet.", classes="hint", markup=False)
-            table = DataTable(id="picker-table", cursor_type="row", zebra_stripes=True)
+            table = DataTable(id="picker-table", cursor_type="row", zebra_stripes=True,
+                              classes="body")
             table.add_columns("name", "model", "cache", "turns", "tokens", "size", "last used")
             for s in self.sessions:
                 name = Text(s.name + (" (damaged)" if s.note else ""))
@@ -46,7 +47,7 @@ class SessionPicker(ModalScreen):
                     Text(s.last_used.replace("T", " ")[:16]), key=s.name,
                 )
             yield table
-            with Horizontal(classes="row"):
+            with Horizontal(classes="row buttons"):
                 yield Button("Open", id="picker-open", variant="primary",
                              disabled=not self.sessions)
                 yield Button("New session", id="picker-new", variant="success")

@@ -16,7 +16,7 @@ from kvchat.engine.scheduler import Cancelled
 from kvchat.engine.session import Chunk, Prefill, Session, SessionError, TurnDone
 
 from .chat_input import ChatInput
-from .messages import AssistantMessage, NoticeMessage, UserMessage
+from .messages import AssistantMessage, NoticeMessage, UserMessage, Welcome, rebuild_note
 from .turn_events import (
     Changed,
     JobFinished,
@@ -82,20 +82,30 @@ class Conversation(Vertical):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="log"):
-            for message in self.session.messages:
-                yield from self._message_widgets(message)
+            yield from self._transcript_widgets()
         yield Static("", classes="status", markup=False)
         yield ProgressBar(total=100, show_eta=False, classes="progress")
         yield ChatInput(classes="input", placeholder="Message (Enter sends, Ctrl+J new line)")
 
-    def _message_widgets(self, message: dict):
-        role = message["role"]
-        if role == "user":
-            yield UserMessage(message["content"])
-        elif role == "assistant":
-            yield AssistantMessage(message["content"], stopped=bool(message.get("stopped")))
-        elif role == "system":
-            yield NoticeMessage(f"System prompt: {message['content']}", "system")
+    def _transcript_widgets(self) -> list:
+        """The log's widgets for the transcript: a welcome until the first message, and
+        each reply with the note of its turn's rebuild (turns pair with the last replies)."""
+        messages = self.session.messages
+        replies = sum(1 for m in messages if m["role"] == "assistant")
+        turns = self.session.turns[-replies:] if replies else []
+        notes = [None] * (replies - len(turns)) + [rebuild_note(t.rebuilt) for t in turns]
+        widgets: list = [] if any(m["role"] == "user" for m in messages) else [Welcome()]
+        for message in messages:
+            role = message["role"]
+            if role == "user":
+                widgets.append(UserMessage(message["content"]))
+            elif role == "assistant":
+                widgets.append(AssistantMessage(message["content"],
+                                                stopped=bool(message.get("stopped")),
+                                                note=notes.pop(0)))
+            elif role == "system":
+                widgets.append(NoticeMessage(f"System prompt: {message['content']}", "system"))
+        return widgets
 
     @property
     def log(self) -> VerticalScroll:
@@ -115,19 +125,41 @@ class Conversation(Vertical):
             status.update("")
             bar.display = False
         elif state == "waiting":
-            ahead = self.scheduler.running or "another tab"
-            status.update(Text(f"Waiting for the model ({ahead} is using it)… Esc cancels"))
+            status.update(Text(f"Waiting for the model ({self._holder()} is using it)… "
+                               "Esc cancels"))
         elif state == "answering":
             status.update(Text("Answering… Esc stops"))
         else:
             status.update(Text(f"{state.capitalize()}…"))
         self.post_message(Changed(self))
 
+    def _holder(self) -> str:
+        """Who holds the model, as the user knows it: a tab's name rather than its widget id."""
+        owner = self.scheduler.running
+        if owner is None:
+            return "another tab"
+        for tab in self.screen.query(Conversation):
+            if tab.owner == owner:
+                return tab.session_name
+        if owner.startswith("load:"):
+            return f"opening {owner.removeprefix('load:')}"
+        return owner
+
+    def refuse_if_busy(self) -> bool:
+        """True, with a notice saying what to do, when a reply or a job is running here."""
+        if not self.busy:
+            return False
+        if self.state in ("answering", "waiting"):
+            self.notify("Busy: press Esc to stop the reply first.", severity="warning")
+        else:
+            self.notify(f"Busy {self.state}; try again when it is done.", severity="warning")
+        return True
+
     async def reload(self) -> None:
         """Redraw the transcript from the session (after undo, trim or resume)."""
         log = self.log
         await log.remove_children()
-        widgets = [w for m in self.session.messages for w in self._message_widgets(m)]
+        widgets = self._transcript_widgets()
         if widgets:
             await log.mount_all(widgets)
         log.scroll_end(animate=False)
@@ -146,8 +178,7 @@ class Conversation(Vertical):
 
     async def send(self, text: str) -> bool:
         """Start a turn with ``text``; False (and a notice) if it cannot start now."""
-        if self.busy:
-            self.notify("This tab is still busy; press Esc to stop it first.", severity="warning")
+        if self.refuse_if_busy():
             return False
         try:
             events = self.session.send(text)
@@ -158,6 +189,7 @@ class Conversation(Vertical):
         self._pending_text = text
         self._user_widget = UserMessage(text)
         self._reply = None
+        await self.log.query(Welcome).remove()
         await self.log.mount(self._user_widget)
         self.log.scroll_end(animate=False)
         self.state = "waiting" if self.scheduler.running else "answering"
@@ -165,8 +197,7 @@ class Conversation(Vertical):
         return True
 
     def regenerate(self) -> bool:
-        if self.busy:
-            self.notify("This tab is still busy.", severity="warning")
+        if self.refuse_if_busy():
             return False
         try:
             events = self.session.regenerate()
@@ -263,6 +294,8 @@ class Conversation(Vertical):
         if event.cancelled:
             if self._user_widget is not None:
                 await self._user_widget.remove()
+            if not any(m["role"] == "user" for m in self.session.messages):
+                await self.log.mount(Welcome(), before=0)
             if self._pending_text is not None and not self.input.text:
                 self.input.text = self._pending_text
             self.notify("Cancelled before it started.")
@@ -272,9 +305,8 @@ class Conversation(Vertical):
             if self._reply is None:
                 self._reply = AssistantMessage()
                 await self.log.mount(self._reply)
-            await self._reply.finish(event.done.reply, event.done.stopped)
-            if event.done.stats.rebuilt:
-                await self.add_notice(f"Cache rebuilt: {event.done.stats.rebuilt}.", "rebuild")
+            await self._reply.finish(event.done.reply, event.done.stopped,
+                                     rebuild_note(event.done.stats.rebuilt))
         self._reply = None
         self._user_widget = None
         self._pending_text = None
@@ -295,8 +327,7 @@ class Conversation(Vertical):
         """Run ``job(progress)`` (an engine call that uses the model) in a worker thread,
         in turn with the other tabs; call ``then(result)`` on the UI thread afterwards.
         With ``needs_cache`` an offloaded cache is loaded back from disk first."""
-        if self.busy:
-            self.notify("This tab is still busy; press Esc to stop it first.", severity="warning")
+        if self.refuse_if_busy():
             return False
         self.state = label
         self._job(label, job, then, needs_cache)

@@ -16,8 +16,9 @@ class ChatInput(TextArea):
     """A multi-line message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line."""
 
     BINDINGS = [
-        Binding("enter", "submit", "Send"),
-        Binding("ctrl+j,shift+enter", "newline", "New line", key_display="^j"),
+        # Not in the footer: the box's placeholder says so, and the footer is short of room.
+        Binding("enter", "submit", "Send", show=False),
+        Binding("ctrl+j,shift+enter", "newline", "New line", key_display="^j", show=False),
     ]
 
     class Submitted(Message):

@@ -38,8 +38,9 @@ class UserMessage(Static):
 class AssistantMessage(Vertical):
     """A reply, rendered as Markdown (streamed while it is written)."""
 
-    def __init__(self, content: str = "", stopped: bool = False) -> None:
+    def __init__(self, content: str = "", stopped: bool = False, note: str | None = None) -> None:
         super().__init__(classes="message assistant")
+        self._note = note
         self.border_title = "assistant"
         self._initial = safe(content)
         self._pending = ""
@@ -52,6 +53,8 @@ class AssistantMessage(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Markdown(self._initial, open_links=False)
+        if self._note:
+            yield Static(Text(self._note), classes="note", markup=False)
 
     @property
     def markdown(self) -> Markdown:
@@ -71,8 +74,9 @@ class AssistantMessage(Vertical):
         if pending and not self._done:
             await self.markdown.append(pending)
 
-    async def finish(self, reply: str, stopped: bool) -> None:
-        """The turn is over: show the reply as kept in the transcript."""
+    async def finish(self, reply: str, stopped: bool, note: str | None = None) -> None:
+        """The turn is over: show the reply as kept in the transcript, and the turn's note
+        (it goes with this reply: a regenerate removes both)."""
         if self._flush_timer is not None:
             self._flush_timer.stop()
             self._flush_timer = None
@@ -80,6 +84,8 @@ class AssistantMessage(Vertical):
         self._done = True
         self.text = safe(reply)
         await self.markdown.update(self.text)
+        if note:
+            await self.mount(Static(Text(note), classes="note", markup=False))
         if stopped:
             self.add_class("stopped")
             self.border_subtitle = "stopped"
@@ -96,3 +102,24 @@ class NoticeMessage(Static):
 
     def __init__(self, content: str, kind: str = "info") -> None:
         super().__init__(Text(safe(content)), markup=False, classes=f"message notice {kind}")
+
+
+def rebuild_note(reason: str | None) -> str | None:
+    """The line shown under a reply whose turn had to rebuild the cache."""
+    return f"The cache was rebuilt for this turn: {reason}." if reason else None
+
+
+class Welcome(Static):
+    """The empty tab's hint: what the panel shows and the keys to start with."""
+
+    TEXT = (
+        "Type a message below: Enter sends it, Ctrl+J starts a new line.\n\n"
+        "Each tab keeps its own KV cache, so a follow-up evaluates only the new message. "
+        "The KV cache panel (Ctrl+B shows or hides it) says what the cache holds and what "
+        "the last turn reused, evaluated and cost.\n\n"
+        "F1 lists every key; Ctrl+P finds any action; Ctrl+O opens a saved session."
+    )
+
+    def __init__(self) -> None:
+        super().__init__(self.TEXT, classes="message welcome", markup=False)
+        self.border_title = "kvchat"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -16,6 +17,12 @@ from textual.reactive import reactive
 from textual.widgets import Button, Sparkline, Static
 
 from kvchat.engine.stats import TurnStats, memory
+
+
+def user_turns(session) -> int:
+    """A session's turns as every view counts them (sidebar, trim dialog, session picker):
+    the user messages in its transcript."""
+    return sum(1 for m in session.messages if m["role"] == "user")
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class CacheInfo:
     last: TurnStats | None
     prompt_eval_history: tuple[float, ...]
     rebuilt: str | None
+    rebuild_pending: bool
     saved: bool
 
     @classmethod
@@ -51,10 +59,11 @@ class CacheInfo:
             cache_bytes=session.cache_bytes,
             active_memory=active,
             peak_memory=max(peak, last.peak_memory_bytes if last else 0),
-            turns=len(session.turns),
+            turns=user_turns(session),
             last=last,
             prompt_eval_history=tuple(t.prompt_eval_s for t in session.turns),
             rebuilt=session.pending_rebuild or (last.rebuilt if last else None),
+            rebuild_pending=session.pending_rebuild is not None,
             saved=conversation.saved,
         )
 
@@ -86,13 +95,20 @@ class CacheSidebar(Vertical):
         yield Static("No session open.", id="cache-facts", markup=False)
         yield Static("prompt eval per turn", classes="caption", markup=False)
         yield Sparkline([], id="cache-sparkline")
-        yield Static("", id="cache-rebuilt", markup=False)
         with Vertical(id="cache-buttons"):
             yield Button("Save", id="btn-save", compact=True, action="app.save")
-            yield Button("Trim…", id="btn-trim", compact=True, action="app.trim")
+            yield Button("Undo/trim…", id="btn-trim", compact=True, action="app.trim")
             yield Button("Cache type…", id="btn-kind", compact=True, action="app.cache_kind")
             yield Button("Reset", id="btn-reset", compact=True, action="app.reset_cache", variant="warning")
             yield Button("Drop…", id="btn-drop", compact=True, action="app.drop", variant="error")
+        # below the buttons, so they stay put when it appears
+        yield Static("", id="cache-rebuilt", markup=False)
+
+    def on_mount(self) -> None:
+        # The buttons are the mouse's way to the same actions as Ctrl+S, Ctrl+L...: a click
+        # leaves the focus in the message box.
+        for button in self.query(Button):
+            button.can_focus = False
 
     def watch_info(self, info: CacheInfo | None) -> None:
         facts = self.query_one("#cache-facts", Static)
@@ -106,41 +122,54 @@ class CacheSidebar(Vertical):
             spark.data = []
             return
         facts.update(self._table(info))
-        history = list(info.prompt_eval_history) if self.volatile else [0.0] * info.turns
+        history = list(info.prompt_eval_history)
+        if not self.volatile:
+            history = [0.0] * len(history)
         spark.data = history[-40:]
-        rebuilt.update(Text(f"Rebuilt: {info.rebuilt}") if info.rebuilt else "")
+        when = "The next turn rebuilds the cache" if info.rebuild_pending else "Last turn rebuilt"
+        rebuilt.update(Text(f"{when}: {info.rebuilt}.") if info.rebuilt else "")
         rebuilt.display = bool(info.rebuilt)
 
-    def _table(self, info: CacheInfo) -> Table:
+    def _table(self, info: CacheInfo) -> Group:
         def vol(text: str) -> str:
             return text if self.volatile else "–"
 
         last = info.last
-        table = Table.grid(padding=(0, 1))
-        table.add_column(style="dim", no_wrap=True)
-        table.add_column(overflow="fold")
-        rows = [
+        cache = [
             ("session", info.name + ("" if info.saved else " (unsaved)")),
             ("model", info.model_id),
             ("kind", info.kind),
             ("state", info.state),
             ("tokens", f"{info.cache_tokens:,}"),
             ("bytes", human_bytes(info.cache_bytes)),
-            ("memory", vol(human_bytes(info.active_memory))),
-            ("peak mem", vol(human_bytes(info.peak_memory))),
             ("turns", str(info.turns)),
         ]
-        if last is None:
-            rows.append(("last turn", "–"))
-        else:
-            rows += [
-                ("prompt eval", vol(seconds(last.prompt_eval_s))),
-                ("TTFT", vol(seconds(last.ttft_s))),
-                ("reused", f"{last.reused_tokens:,} of {last.prompt_tokens:,}"),
-                ("evaluated", f"{last.evaluated_tokens:,}"),
-                ("generated", f"{last.generated_tokens:,}"),
-                ("gen speed", vol(f"{last.gen_tps:,.1f} tok/s")),
-            ]
-        for label, value in rows:
-            table.add_row(label, Text(value))
-        return table
+        turn = [] if last is None else [
+            ("prompt eval", vol(seconds(last.prompt_eval_s))),
+            ("TTFT", vol(seconds(last.ttft_s))),
+            ("reused", f"{last.reused_tokens:,} of {last.prompt_tokens:,}"),
+            ("evaluated", f"{last.evaluated_tokens:,}"),
+            ("generated", f"{last.generated_tokens:,}" + (" (stopped)" if last.stopped else "")),
+            ("gen speed", vol(f"{last.gen_tps:,.1f} tok/s")),
+        ]
+        # mlx's figures are the whole process's (every tab, the model), not this cache's
+        process = [
+            ("memory", vol(human_bytes(info.active_memory))),
+            ("peak", vol(human_bytes(info.peak_memory))),
+        ]
+        return Group(
+            _grid(cache),
+            Text("last turn" + ("" if turn else "  –"), style="bold"),
+            _grid(turn),
+            Text("mlx, whole process", style="bold"),
+            _grid(process),
+        )
+
+
+def _grid(rows: list[tuple[str, str]]) -> Table:
+    table = Table.grid(padding=(0, 1))
+    table.add_column(style="dim", no_wrap=True, min_width=11)  # the longest label
+    table.add_column(overflow="fold")
+    for label, value in rows:
+        table.add_row(label, Text(value))
+    return table

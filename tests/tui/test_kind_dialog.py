@@ -1,0 +1,61 @@
+"""The cache-type dialog: any N typed and validated, the active kind marked whatever its N,
+and the quantized lines' figures matching what they say."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvchat.tui.screens.dialogs import KindDialog, kind_bytes_per_token
+
+from .conftest import SIZE, send, settle, until, widget_text
+
+pytestmark = pytest.mark.anyio
+
+
+async def _open(pilot) -> KindDialog:
+    app = pilot.app
+    await pilot.press("f4")
+    await until(pilot, lambda: isinstance(app.screen, KindDialog))
+    await pilot.pause()
+    return app.screen
+
+
+async def test_typed_kind_is_validated_used_and_marked(make_app, demo_model):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        session = app.active_conversation().session
+        await send(pilot, "hello")
+
+        dialog = await _open(pilot)
+        shown = " ".join(widget_text(dialog.query_one("#kind-dialog")).split())
+        standard = kind_bytes_per_token(demo_model.model, "standard")
+        for name in ("quantized:8", "quantized:4"):
+            share = kind_bytes_per_token(demo_model.model, name) / standard
+            assert f"{name}" in shown and f"({share:.2f} × standard)" in shown
+        assert "1/2" not in shown and "1/4" not in shown
+        assert "● standard" in shown
+
+        typed = dialog.query_one("#kind-input")
+        typed.value = "rotating:12"
+        await pilot.click("#kind-use")
+        await pilot.pause()
+        assert isinstance(app.screen, KindDialog) and typed.value == "rotating:12"  # kept
+        assert "rotating:N needs N of at least 64 tokens (got 12)." in [
+            n.message for n in app._notifications]
+        typed.value = "rotating:1024"
+        typed.focus()
+        await pilot.press("enter")
+        await settle(pilot)
+        assert session.kind.name == "rotating:1024"
+        assert session.cache_tokens == len(session.render(session.messages, False))
+        await send(pilot, "and on")
+        assert session.last_stats.reused_tokens > 0
+
+        dialog = await _open(pilot)
+        assert dialog.names.index("rotating:1024") == dialog.names.index("rotating:4096") + 1
+        options = dialog.query_one("#kind-options")
+        assert options.highlighted == dialog.names.index("rotating:1024")
+        shown = widget_text(dialog.query_one("#kind-dialog"))
+        assert "● rotating:1024" in shown and "● rotating:4096" not in shown
+        assert "(now rotating:1024)" in shown

@@ -1,0 +1,121 @@
+"""The cache panel's figures as shown on screen: turns and the last turn after undo, the
+rebuild note (cleared, never stacked), memory labelled as the process's, and the buttons
+(which stay put and leave the focus in the message box)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvchat import store
+from kvchat.tui.widgets.messages import AssistantMessage
+
+from .conftest import SIZE, send, settle, widget_text
+
+pytestmark = pytest.mark.anyio
+
+
+def flat(text: str) -> str:
+    """Drawn text without the panel's border, its words joined by single spaces."""
+    return " ".join(" ".join(line.strip(" │╭╮╰╯─").split()) for line in text.splitlines())
+
+
+def row(text: str, label: str) -> str | None:
+    """The value beside ``label`` in the sidebar's drawn text."""
+    for line in text.splitlines():
+        cells = line.strip(" │╭╮╰╯─")
+        if cells.startswith(label + " ") or cells == label:
+            return cells[len(label):].strip()
+    return None
+
+
+async def test_undo_takes_its_turn_off_the_panel_and_every_view_counts_turns_alike(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        session = conversation.session
+        for text in ("one", "two", "three"):
+            await send(pilot, text)
+        second = session.turns[1]
+        assert row(widget_text(app.sidebar), "turns") == "3"
+
+        await pilot.press("ctrl+l")
+        await pilot.pause()
+        assert "over 3 turn(s)" in widget_text(app.screen.query_one("#trim-dialog"))
+        await pilot.click("#trim-undo")
+        await settle(pilot, conversation)
+        panel = widget_text(app.sidebar)
+        assert row(panel, "turns") == "2"
+        assert row(panel, "reused") == f"{second.reused_tokens:,} of {second.prompt_tokens:,}"
+        assert row(panel, "evaluated") == f"{second.evaluated_tokens:,}"
+        assert row(panel, "generated") == f"{second.generated_tokens:,}"
+        assert row(panel, "tokens") == f"{session.cache_tokens:,}"
+
+        await pilot.press("ctrl+s")
+        await settle(pilot)
+        assert store.summary(conversation.session_name).turns == 2  # the picker's figure
+        await pilot.press("ctrl+l")
+        await pilot.pause()
+        assert "over 2 turn(s)" in widget_text(app.screen.query_one("#trim-dialog"))
+        await pilot.press("escape")
+
+        for _ in range(2):
+            await pilot.press("ctrl+l")
+            await pilot.pause()
+            await pilot.click("#trim-undo")
+            await settle(pilot, conversation)
+        panel = widget_text(app.sidebar)
+        assert row(panel, "turns") == "0" and row(panel, "last turn") == "–"
+        assert row(panel, "reused") is None
+        # mlx's memory figures are labelled as the whole process's
+        assert "mlx, whole process" in panel and row(panel, "memory") == "–"  # snapshot mode
+
+
+async def test_a_rebuild_note_goes_with_its_turn_and_never_stacks(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        session = conversation.session
+        await send(pilot, "hello")
+        save_button = app.sidebar.query_one("#btn-save").region
+
+        await pilot.click("#btn-reset")
+        await settle(pilot, conversation)
+        assert app.focused is conversation.input  # the click left the focus in the box
+        assert session.cache_tokens == 0
+        assert ("The next turn rebuilds the cache: the cache was reset."
+                in flat(widget_text(app.sidebar)))
+        assert app.sidebar.query_one("#btn-save").region == save_button  # no jump
+
+        await send(pilot, "again")
+        assert session.last_stats.rebuilt == "the cache was reset"
+        notes = [str(n.render()) for n in conversation.log.query(".note")]
+        assert notes == ["The cache was rebuilt for this turn: the cache was reset."]
+        assert "Last turn rebuilt: the cache was reset." in flat(widget_text(app.sidebar))
+
+        for _ in range(2):  # regenerate twice: the note left with the reply it belonged to
+            await pilot.press("f5")
+            await settle(pilot, conversation)
+            assert session.last_stats.rebuilt is None
+            assert not conversation.log.query(".note")
+            assert "rebuil" not in widget_text(app.sidebar)
+        replies = conversation.log.query(AssistantMessage)
+        assert [r.text for r in replies] == [m["content"] for m in session.messages
+                                            if m["role"] == "assistant"]
+
+
+async def test_a_notice_after_a_rebuild_shows_on_the_reloaded_transcript(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        await send(pilot, "one")
+        await pilot.press("ctrl+r")
+        await settle(pilot, conversation)
+        await send(pilot, "two")
+        await send(pilot, "three")
+        await conversation.reload()  # as after an undo or a trim
+        replies = list(conversation.log.query(AssistantMessage))
+        noted = [bool(r.query(".note")) for r in replies]
+        assert noted == [False, True, False]

@@ -1,0 +1,72 @@
+"""Small terminals: the sidebar narrows or hides, and every dialog, buttons included, lies
+inside the screen at 60×20 and 80×24."""
+
+from __future__ import annotations
+
+import pytest
+from textual.geometry import Region
+from textual.widgets import Button, Footer
+
+from kvchat import store
+from kvchat.engine.session import GenerationSettings, Session
+
+from .conftest import send, settle, widget_text
+
+pytestmark = pytest.mark.anyio
+
+DIALOG_KEYS = ("f4", "ctrl+l", "ctrl+o", "f1", "f8", "f2")
+
+
+def _inside(app, widget) -> bool:
+    screen = Region(0, 0, *app.size)
+    region = widget.region
+    return region.width > 0 and region.height > 0 and screen.contains_region(region)
+
+
+@pytest.mark.parametrize(("size", "sidebar_width"), [((60, 20), 0), ((80, 24), 28),
+                                                     ((120, 40), 34)])
+async def test_sidebar_and_dialogs_fit_the_screen(make_app, demo_model, size, sidebar_width):
+    session = Session(demo_model, settings=GenerationSettings(max_tokens=4))
+    for _ in session.send("saved"):
+        pass
+    store.save(session, "kept")  # so the session picker has a row
+    app = make_app(picker=False)
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        await send(pilot, "hello")
+        width = app.sidebar.region.width if app.sidebar.display else 0
+        assert width == sidebar_width
+        assert conversation.region.width == size[0] - sidebar_width
+        footer = widget_text(app.query_one(Footer))
+        if size[0] >= 80:
+            assert "f1 Help" in footer and "^p palette" in footer
+
+        for key in DIALOG_KEYS:
+            await pilot.press(key)
+            await pilot.pause()
+            assert len(app.screen_stack) == 2, key
+            dialog = app.screen.query_one(".dialog")
+            assert _inside(app, dialog), (key, dialog.region)
+            buttons = list(app.screen.query(Button))
+            assert buttons or key == "f1"
+            for button in buttons:
+                assert _inside(app, button), (key, button.label, button.region)
+                assert dialog.region.contains_region(button.region), (key, button.label)
+            await pilot.press("escape")
+            await pilot.pause()
+            assert len(app.screen_stack) == 1, key
+
+
+async def test_ctrl_b_shows_the_hidden_sidebar_on_a_narrow_screen(make_app):
+    app = make_app()
+    async with app.run_test(size=(60, 20)) as pilot:
+        await settle(pilot)
+        assert not app.sidebar.display
+        await pilot.press("ctrl+b")
+        await pilot.pause()
+        assert app.sidebar.display and app.sidebar.region.width == 28
+        assert "KV cache" in widget_text(app.sidebar)
+        await pilot.press("ctrl+b")
+        await pilot.pause()
+        assert not app.sidebar.display
