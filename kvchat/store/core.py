@@ -56,12 +56,8 @@ def save(session: Session, name: str) -> Path:
     with session_lock(name) as folder:
         try:
             return _save_locked(session, name, folder)
-        except OSError as exc:
+        except OSError as exc:  # mlx writes the cache through the file object: OSError too
             reason = "no space left on device" if exc.errno in NO_SPACE else one_line(exc)
-        except RuntimeError as exc:  # mlx: "[write] Unable to write N bytes to file"
-            if "write" not in str(exc).lower():
-                raise
-            reason = _write_failure(folder)
         raise StoreError(f"Could not save session {name}: {reason}; the previous save is intact.")
 
 
@@ -140,16 +136,6 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
         cache_path.unlink(missing_ok=True)
         (folder / CACHE_SUM_FILE).unlink(missing_ok=True)
     return folder
-
-
-def _write_failure(folder: Path) -> str:
-    """Why mlx could not write the cache: a full disk when the folder's file system
-    has under 64 MiB free, else mlx's own words are too vague to repeat."""
-    with contextlib.suppress(OSError):
-        fs = os.statvfs(folder)
-        if fs.f_bavail * fs.f_frsize < 64 << 20:
-            return "no space left on device"
-    return "the cache file could not be written (no space left, or a file size limit?)"
 
 
 def set_aside(name: str) -> str | None:
