@@ -78,6 +78,8 @@ def root(
         return
     from kvchat.tui.app import exit_now, run_tui
 
+    if system is not None:
+        system = _as_text(system, "--system")
     exit_now(run_tui(
         model=model, cache=cache, system=system, resume=resume, max_tokens=max_tokens, temp=temp
     ))

@@ -123,3 +123,21 @@ def test_printable_escapes_every_terminal_control():
     assert printable(text) == "a\\x1b[2Jb\\x9b31mc\\x0dd\\u202ee\\u2066f\\x7fg\\ud8ffh\ti\nj\nk"
     assert printable("a\tb\nc", one_line=True) == "a\\tb\\nc"
     assert printable("Grüße, 世界 🙂") == "Grüße, 世界 🙂"
+
+
+def test_durations_take_ascii_digits_only():
+    from kvchat import store
+
+    assert store.parse_duration("3d") == 3 * 86400
+    for text in ("٣d", "３h", "²m"):
+        with pytest.raises(store.StoreError, match="Invalid duration"):
+            store.parse_duration(text)
+
+
+def test_a_model_name_that_is_not_utf8_is_one_sentence():
+    from kvchat.engine.model import ModelLoadError, load_model
+
+    name = b"/tmp/mod\xffel".decode("utf-8", "surrogateescape")
+    with pytest.raises(ModelLoadError, match="not valid UTF-8") as caught:
+        load_model(name)
+    str(caught.value).encode("utf-8")  # the message itself prints anywhere

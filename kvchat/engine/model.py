@@ -68,6 +68,13 @@ def load_model(spec: str, keep_quantized: bool | None = None) -> LoadedModel:
     bfloat16 weights are cast to float32, which CPU matmul runs far faster,
     and the CPU fast path is installed (see :func:`_cpu_weights`).
     """
+    try:
+        spec.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ModelLoadError(
+            f"Could not load model {spec.encode('utf-8', 'replace').decode()!r}: its name is "
+            f"not valid UTF-8. Rename the folder, or {WAY_OUT[0].lower()}{WAY_OUT[1:]}"
+        ) from None
     path = _resolve(spec)
     source = None if Path(spec).expanduser() == path else path
     if not (path / "config.json").is_file():

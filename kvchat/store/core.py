@@ -178,12 +178,9 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
 
     folder = session_dir(name)
     data = read(name)
-    json_path = folder / SESSION_FILE
-    try:
-        settings = _settings(GenerationSettings, data.get("settings", {}))
-        turns = [TurnStats.from_dict(t) for t in data.get("turns", [])]
-    except (TypeError, ValueError) as exc:
-        raise StoreError(f"{json_path} is damaged ({one_line(exc)}); it was left as it is.") from None
+    # the schema (store/schema.py) has checked every field's type and range by now
+    settings = _settings(GenerationSettings, data.get("settings", {}))
+    turns = [TurnStats.from_dict(t) for t in data.get("turns", [])]
     messages = [dict(m) for m in data["messages"]]
     archived = list(data.get("archived", []))
     ledger = list(data.get("ledger", []))

@@ -216,7 +216,7 @@ def _clear_leftovers() -> None:
 
 def parse_duration(text: str) -> float:
     """Seconds in a duration such as ``30d``, ``12h``, ``90m``, ``45s`` or ``2w``."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text or "")
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text or "", flags=re.ASCII)
     if not match:
         raise StoreError(f"Invalid duration {text!r}; use a number and a unit, e.g. 30d, 12h, 90m.")
     unit = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match.group(2)]
