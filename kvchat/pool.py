@@ -20,7 +20,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from kvchat import store
@@ -60,7 +60,7 @@ def _signature(session: Session) -> str:
     """A digest of everything :func:`store.save` writes that can change."""
     body = json.dumps(
         [session.kind.name, session.messages, session.archived, session.ledger,
-         len(session.turns)],
+         [t.to_dict() for t in session.turns], asdict(session.settings)],
         ensure_ascii=False,
     )
     return hashlib.sha256(body.encode()).hexdigest()

@@ -85,6 +85,20 @@ def test_offload_saves_only_when_changed(demo_model, home):
     assert store.load("a", demo_model).session.messages[-2]["content"] == NEXT
 
 
+def test_a_greedy_regenerate_is_a_change_to_save(demo_model, home):
+    """At temperature 0 a regenerate gives the same text and ledger; its figures are new."""
+    pool = SessionPool()
+    session = pool.add("g", chat(demo_model))
+    pool.save("g")
+    before = session.turns[-1].to_dict()
+    list(session.regenerate())
+    assert session.messages[-1]["content"] and session.turns[-1].to_dict() != before
+    assert pool.entry("g").dirty
+    pool.save("g")
+    assert store.read("g")["turns"][-1] == session.turns[-1].to_dict()
+    assert store.read("g")["turns"][-1]["evaluated_tokens"] == 0
+
+
 def test_budget_offloads_least_recently_used_first(demo_model, home):
     clock = Clock()
     pool = SessionPool(ttl_s=0, memory_budget_bytes=1, clock=clock)
