@@ -56,6 +56,12 @@ def sdpa(queries, keys, values, scale: float, mask) -> mx.array | None:
     Query positions go in blocks whose scores fit in the processor's cache, and
     with a causal mask each block reads only the keys its last position can see.
     """
+    if any(a.dtype != mx.float32 for a in (queries, keys, values)):
+        return None
+    try:
+        mx.eval(queries, keys, values)  # one evaluation for the three (each costs a sync)
+    except (ValueError, RuntimeError):  # a tracer inside mx.compile
+        return None
     q, k, v = _numpy(queries), _numpy(keys), _numpy(values)
     if q is None or k is None or v is None:
         return None
