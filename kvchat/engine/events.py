@@ -40,11 +40,13 @@ class Chunk:
 
 @dataclass(frozen=True)
 class TurnDone:
-    """The turn is over: the reply as kept in the transcript, and what it cost."""
+    """The turn is over: the reply as kept in the transcript, what it cost, and the
+    token ids that were generated (an end-of-sequence token included)."""
 
     reply: str
     stats: TurnStats
     stopped: bool
+    tokens: tuple[int, ...] = ()
 
 
 Event = Prefill | Chunk | TurnDone

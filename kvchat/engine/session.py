@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import make_sampler
 
+from .cpu import state as cpu_state
 from .events import (
     Chunk,
     Event,
@@ -288,7 +289,7 @@ class Session(CacheMaintenance):
         decode_s = ended - first_at if first_at is not None else 0.0
         # What this turn put in the cache besides its reply: less than the whole
         # prompt when it was stopped during the prefill.
-        evaluated = len(self.ledger) - len(tokens) - reused
+        evaluated = min(len(self.ledger), len(prompt)) - reused
         self._finish(reply, stopped)
         stats = TurnStats(
             prompt_tokens=len(prompt),
@@ -308,7 +309,7 @@ class Session(CacheMaintenance):
         )
         self._pending_rebuild = None
         self.turns.append(stats)
-        yield TurnDone(reply=reply, stats=stats, stopped=stopped)
+        yield TurnDone(reply=reply, stats=stats, stopped=stopped, tokens=tuple(tokens))
 
     _pending_rebuild: str | None = None
 
@@ -326,11 +327,19 @@ class Session(CacheMaintenance):
         """Feed ``prompt`` (a token or two) and yield sampled tokens, keeping the ledger exact.
 
         mlx-lm's ``generate_step`` feeds every token it yields into the cache
-        before yielding it, so each yielded token joins the ledger. The log
+        before yielding it (it computes the next step while the caller reads
+        this one), so each yielded token joins the ledger. The log
         probabilities that come with the first token belong to the last prompt
         position: they are kept, so a regenerate needs no prefill.
+
+        On the CPU fast path the model runs eagerly, so that look-ahead would
+        put a whole second step before the first token; there
+        :meth:`_continue_eager` yields each token before feeding it.
         """
         if max_tokens <= 0:
+            return
+        if cpu_state.active():
+            yield from self._continue_eager(prompt, max_tokens, sampler, prompt_len)
             return
         self.ledger.extend(prompt)
         gen = generate_step(
@@ -345,6 +354,26 @@ class Session(CacheMaintenance):
                 yield token
         finally:
             gen.close()
+
+    def _continue_eager(
+        self, prompt: list[int], max_tokens: int, sampler, prompt_len: int | None
+    ) -> Iterator[int]:
+        """:meth:`_continue` without look-ahead: a token joins the ledger when it is fed,
+        so the last one sampled (at a stop, an end token or the length limit) is not in
+        the cache, and the next turn's prefix match evaluates it with the new message."""
+        feed = list(prompt)
+        with mx.stream(generation_stream):
+            for i in range(max_tokens):
+                self.ledger.extend(feed)
+                logits = self.lm.model(mx.array(feed)[None], cache=self.cache)[:, -1, :]
+                logprobs = logits - mx.logsumexp(logits, keepdims=True)
+                sampled, kept = sampler(logprobs), logprobs.squeeze(0)
+                mx.eval(sampled, kept)  # nothing lazy survives into another thread's turn
+                if i == 0 and prompt_len is not None:
+                    self._logits = (prompt_len, kept)
+                token = int(sampled.item())
+                yield token
+                feed = [token]
 
     def _prefill(self, tokens: list[int], total: int) -> Iterator[Prefill]:
         """Evaluate ``tokens`` into the cache in chunks, yielding progress; stops early on stop()."""
