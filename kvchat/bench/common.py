@@ -232,7 +232,6 @@ def profile_cached_turn(session: Session, text: str) -> dict[str, float]:
     last one and sample the first reply token. Leaves the session as it found it.
     """
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
     from kvchat.engine.kinds import trim_to
@@ -252,17 +251,12 @@ def profile_cached_turn(session: Session, text: str) -> dict[str, float]:
     for _ in session._prefill(prompt[n:-1], total=len(prompt) - n):
         pass
     t4 = time.perf_counter()
-    sampler = make_sampler(temp=0.0)
-    gen = generate_step(
-        mx.array(prompt[-1:]), session.lm.model, prompt_cache=session.cache,
-        sampler=sampler, max_tokens=2,
-    )
-    first, _ = next(gen)
+    steps = session._continue(prompt[-1:], 2, make_sampler(temp=0.0), prompt_len=len(prompt))
+    next(steps)
     t5 = time.perf_counter()
-    gen.close()
+    steps.close()
     mx.eval([c.state for c in session.cache])
-    # the cache now holds the prompt and the first token; put the session back
-    session.ledger = [*prompt, int(first)]
+    # the ledger says what the cache holds now; put the session back
     session.messages = history
     session.sync()
     return {
