@@ -36,3 +36,10 @@ def demo_model(kvchat_dirs):
     from kvchat.engine.model import load_model
 
     return load_model("demo")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A private KVCHAT_HOME per test (subprocesses inherit it)."""
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"

@@ -17,12 +17,6 @@ from kvchat.engine.session import GenerationSettings, Session, TurnDone
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
 def kvchat(*args, input=None, env=None):
     return subprocess.run(
         [*CLI, *args], capture_output=True, text=True, input=input,

@@ -11,27 +11,18 @@ import tempfile
 
 import mlx.core as mx
 import pytest
+from helpers import turn
 from mlx_lm.models import gemma3_text, mamba
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from kvchat import store
 from kvchat.engine.cache_check import cache_problem
 from kvchat.engine.kinds import compacted, make_cache, parse_kind
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.session import GenerationSettings, Session
 
 SYSTEM = "You are terse."
 FIRST = ["Hello there.", "What is a cache?"]
 NEXT = "And why is it fast?"
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
-def turn(session: Session, text: str) -> TurnDone:
-    return [e for e in session.send(text) if isinstance(e, TurnDone)][0]
 
 
 def conversation(lm, kind: str) -> Session:

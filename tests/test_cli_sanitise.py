@@ -23,12 +23,6 @@ EVIL = ("\x1b]52;c;cHduZWQ=\x07 \x1b]0;title\x07 \x1b]8;;http://x\x1b\\link\x1b]
 RAW_CONTROL = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]|\xc2[\x80-\x9f]|\xe2\x80[\xaa-\xae]|\xe2\x81[\xa6-\xa9]")
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
 def kvchat(*args, input: bytes | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, input=input, timeout=120,
                           env=os.environ.copy())

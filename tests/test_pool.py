@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+from helpers import turn
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.session import GenerationSettings, Session
 from kvchat.pool import SessionPool
 
 SYSTEM = "You are terse."
 TEXTS = ["Hello there.", "What is a cache?"]
 NEXT = "And why is it fast?"
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
 
 
 class Clock:
@@ -25,10 +19,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def turn(session: Session, text: str) -> TurnDone:
-    return [e for e in session.send(text) if isinstance(e, TurnDone)][0]
 
 
 def settings() -> GenerationSettings:

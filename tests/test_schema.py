@@ -14,12 +14,6 @@ from kvchat.store.schema import Settings
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
-@pytest.fixture
 def saved(demo_model, home):
     """Two saved sessions, "good" and "bad"; returns the parsed session.json of "bad"."""
     session = Session(demo_model, system="Be brief.", settings=GenerationSettings(max_tokens=6))

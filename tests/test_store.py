@@ -11,27 +11,17 @@ import sys
 import threading
 
 import pytest
+from helpers import turn
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.session import GenerationSettings, Session
 
 SETTINGS = GenerationSettings(max_tokens=10)
 SYSTEM = "You are terse."
 FIRST = ["Hello there.", "What is a cache?"]
 NEXT = "And why is it fast?"
 KINDS = ["standard", "quantized:8", "quantized:4", "rotating:256", "chunked:256", "concatenate"]
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    """A private KVCHAT_HOME per test (subprocesses inherit it)."""
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
-def turn(session: Session, text: str) -> TurnDone:
-    return [e for e in session.send(text) if isinstance(e, TurnDone)][0]
 
 
 def conversation(lm, kind: str = "standard", texts=FIRST) -> Session:

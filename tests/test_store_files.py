@@ -21,12 +21,6 @@ from kvchat.engine.session import GenerationSettings, Session, TurnDone
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
 def saved(lm, name: str, text: str = "Hello there.") -> Session:
     session = Session(lm, system="Be brief.", settings=GenerationSettings(max_tokens=6))
     [e for e in session.send(text) if isinstance(e, TurnDone)]

@@ -17,12 +17,6 @@ PRUNE = [*CLI, "sessions", "prune", "--older-than", "0s"]
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
-@pytest.fixture
 def three(demo_model, home) -> list[str]:
     session = Session(demo_model, settings=GenerationSettings(max_tokens=4))
     [e for e in session.send("Hi.") if isinstance(e, TurnDone)]

@@ -73,12 +73,6 @@ SYSTEM_SKIPPED = "--system only applies to a new session"
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
 class Launcher:
     """Starts kvchat commands as forked processes; collects their exit codes and output."""
 

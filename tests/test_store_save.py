@@ -12,23 +12,14 @@ import subprocess
 import sys
 
 import pytest
+from helpers import turn
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.session import GenerationSettings, Session
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 FIRST = ["Hello there.", "What is a cache?"]
 NEXT = "And why is it fast?"
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
-def turn(session: Session, text: str) -> TurnDone:
-    return [e for e in session.send(text) if isinstance(e, TurnDone)][0]
 
 
 def conversation(lm) -> Session:
