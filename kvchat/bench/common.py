@@ -56,7 +56,7 @@ def _plan(quick: bool) -> dict[str, Any]:
         "profile_repeats": 3,
         # the CPU fast path on and off (bench/cpu.py)
         "cpu_prefill": [512] if quick else [512, 2048],
-        "cpu_decode": 16,
+        "cpu_decode": 32,
         "cpu_history": 1024 if quick else 4096,
         "cpu_quant_bits": [4] if quick else [4, 8],
         "cpu_packed_prefill": 32 if quick else 64,
