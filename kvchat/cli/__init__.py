@@ -1,0 +1,15 @@
+"""The ``kvchat`` command: the TUI by default, and sub-commands added to one Typer ``app``.
+
+``common`` holds the app and what every command shares; ``main`` the TUI,
+``doctor``, ``replay`` and ``bench``; ``ask`` and ``sessions`` their commands.
+Importing this package registers them all.
+"""
+
+from __future__ import annotations
+
+from . import ask, sessions  # noqa: F401  (they register their commands on ``app``)
+from .ask import _stream_reply
+from .common import app
+from .main import main
+
+__all__ = ["app", "main", "_stream_reply"]

@@ -1,0 +1,52 @@
+"""What every kvchat command shares: the Typer app, errors in one sentence, model loading, text repair."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import typer
+
+from kvchat.safety import printable
+
+if TYPE_CHECKING:
+    from kvchat.engine.model import LoadedModel
+
+app = typer.Typer(
+    name="kvchat",
+    help="A terminal chat for local LLMs on MLX with a live KV cache per conversation.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def load_or_exit(spec: str) -> LoadedModel:
+    """Load a model, or print the one-line reason to stderr and exit with status 2."""
+    from kvchat.engine.model import ModelLoadError, load_model
+
+    try:
+        return load_model(spec)
+    except ModelLoadError as exc:
+        typer.echo(f"kvchat: {printable(str(exc))}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    """Print ``kvchat: message`` on stderr (made safe: it may quote a file); return the Exit."""
+    typer.echo(f"kvchat: {printable(message)}", err=True)
+    return typer.Exit(code)
+
+
+def _as_text(raw: bytes | str, what: str) -> str:
+    """``raw`` (stdin's bytes, or an argument holding bytes Python could not decode) as
+    text: bytes that are not UTF-8 become U+FFFD, and stderr says so."""
+    if isinstance(raw, str):
+        try:
+            raw = raw.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raw = raw.encode("utf-8", "surrogatepass")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        typer.echo(f"kvchat: {what} is not valid UTF-8; the bytes that are not were replaced "
+                   "with U+FFFD.", err=True)
+        return raw.decode("utf-8", "replace")

@@ -1,0 +1,204 @@
+"""The ``kvchat`` command itself: the TUI, ``--version``, ``doctor``, ``replay`` and ``bench``."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from importlib.metadata import version as package_version
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+import kvchat
+from kvchat import blas, locations
+from kvchat.safety import dumps_json
+
+if TYPE_CHECKING:
+    pass
+
+from .common import _as_text, _fail, app, load_or_exit
+
+
+def _print_version(value: bool) -> None:
+    if not value:
+        return
+    import mlx.core as mx
+
+    typer.echo(f"kvchat {kvchat.__version__}")
+    typer.echo(f"mlx {mx.__version__}, device {_device_name()}")
+    typer.echo(f"BLAS: {blas.describe()}")
+    raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def root(
+    ctx: typer.Context,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", "-m",
+            help="demo, demo:<shape> (either may end in @q4 or @q8), a Hugging Face id or a "
+            "folder (default: the config's).",
+        ),
+    ] = None,
+    cache: Annotated[
+        str | None, typer.Option(help="Cache kind, e.g. standard, quantized:8, rotating:4096.")
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="System prompt for new sessions.")] = None,
+    resume: Annotated[str | None, typer.Option(help="Open this saved session.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Longest reply, in tokens.")] = None,
+    temp: Annotated[float | None, typer.Option(help="Sampling temperature (0 = greedy).")] = None,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Show versions and exit."
+        ),
+    ] = False,
+) -> None:
+    """Chat with a local model in the terminal (the default when no command is given)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from kvchat.tui.app import exit_now, run_tui
+
+    if system is not None:
+        system = _as_text(system, "--system")
+    exit_now(run_tui(
+        model=model, cache=cache, system=system, resume=resume, max_tokens=max_tokens, temp=temp
+    ))
+
+
+@app.command()
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show versions, the MLX device, the BLAS and CPU fast path in use, and kvchat's directories."""
+    report = _doctor_report()
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    width = max(map(len, report))
+    for key, value in report.items():
+        typer.echo(f"{key:<{width}}  {value}")
+
+
+def _doctor_report() -> dict[str, Any]:
+    import mlx.core as mx
+
+    return {
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "platform": platform.platform(),
+        "kvchat": kvchat.__version__,
+        "mlx": mx.__version__,
+        "mlx-lm": package_version("mlx-lm"),
+        "textual": package_version("textual"),
+        "device": _device_name(),
+        "blas": blas.describe(),
+        "blas_status": blas.info.status,
+        "cpu_fastpath": _fastpath(),
+        "matmul_gflops": round(_matmul_gflops(), 1),
+        "data_dir": str(locations.data_dir()),
+        "config_dir": str(locations.config_dir()),
+        "cache_dir": str(locations.cache_dir()),
+    }
+
+
+def _fastpath() -> str:
+    from kvchat.engine import cpu
+
+    return cpu.describe()
+
+
+def _device_name() -> str:
+    import mlx.core as mx
+
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+
+def _matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """Measured float32 matmul speed on the default device, n×n by n×n."""
+    import mlx.core as mx
+
+    a = mx.random.normal((n, n))
+    mx.eval(a @ a)  # warm up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(a @ a)
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+
+
+@app.command()
+def replay(
+    script: Annotated[Path, typer.Argument(help="A JSON script: {\"system\": ..., \"turns\": [...]}.")],
+    model: Annotated[str, typer.Option("--model", "-m", help="Model to run it on.")] = "demo",
+    cache: Annotated[str, typer.Option(help="Cache kind to start with.")] = "standard",
+    max_tokens: Annotated[int, typer.Option(help="Longest reply, in tokens.")] = 64,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Baseline: every turn from an empty cache.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Run a scripted conversation through one session and show what each turn cost."""
+    from rich.console import Console
+
+    from kvchat.engine.kinds import CacheKindError, parse_kind
+    from kvchat.engine.session import GenerationSettings
+    from kvchat.replay import ReplayError, load_script, result_table, run_script
+
+    try:
+        parsed = load_script(script)
+        kind = parse_kind(cache)
+    except (ReplayError, CacheKindError) as exc:
+        raise _fail(str(exc), 2) from None
+    if max_tokens < 1:
+        raise _fail("--max-tokens must be at least 1.", 2)
+    lm = load_or_exit(model)
+    try:
+        result = run_script(lm, parsed, kind=kind, no_cache=no_cache,
+                            settings=GenerationSettings(max_tokens=max_tokens))
+    except CacheKindError as exc:
+        raise _fail(str(exc), 2) from None
+    if as_json:
+        typer.echo(dumps_json(result, indent=2))  # replies are model output
+    else:
+        Console().print(result_table(result))
+
+
+@app.command()
+def bench(
+    model: Annotated[
+        str, typer.Option("--model", "-m", help="Model to measure (default: a shape-true Qwen2.5-0.5B).")
+    ] = "demo:qwen2.5-0.5b",
+    quick: Annotated[
+        bool, typer.Option("--quick", help="A short run: history sweep up to 2k tokens, smaller article.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every figure as JSON.")] = False,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Also write a Markdown report to this file.")
+    ] = None,
+) -> None:
+    """Measure the prompt cache: turns with and without it, history sweep, cache kinds, save/load, BLAS."""
+    from kvchat.bench import print_tables, run_bench, to_markdown
+
+    started = time.perf_counter()
+    lm = load_or_exit(model)
+    result = run_bench(
+        model, quick=quick, lm=lm, load_s=time.perf_counter() - started,
+        log=lambda msg: typer.echo(msg, err=True),
+    )
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(to_markdown(result), encoding="utf-8")
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, ensure_ascii=False))
+    else:
+        print_tables(result)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
