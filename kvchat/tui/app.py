@@ -30,7 +30,6 @@ from kvchat.themes import kvchat_themes
 
 from .actions import ActionsMixin
 from .expiry import ExpiryMixin
-from .paste import paste_safe
 from .screens.help import HelpScreen
 from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker
@@ -118,8 +117,18 @@ class KvChatApp(TabsMixin, ActionsMixin, ExpiryMixin, App):
         self._theme_ready = False
 
     def get_driver_class(self):
-        """Textual's driver, reading bracketed pastes whole (see ``paste.py``)."""
-        return paste_safe(super().get_driver_class())
+        """Textual's driver, reading bracketed pastes whole (see ``paste.py``).
+
+        ``paste.py`` builds on Textual's private parser modules; if a Textual
+        release moves them, Textual's own driver is used (pastes then lose their
+        escape characters' order again, but the app runs).
+        """
+        driver = super().get_driver_class()
+        try:
+            from .paste import paste_safe
+        except ImportError:
+            return driver
+        return paste_safe(driver)
 
     # ------------------------------------------------------------- layout
 
