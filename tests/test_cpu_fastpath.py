@@ -162,3 +162,47 @@ def test_environment_switch_turns_it_off(tmp_path):
     assert out.stdout.splitlines() == [
         "False as stored (CPU fast path off)", "off (KVCHAT_CPU_FASTPATH=0)",
     ]
+
+
+TINY = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, head_dim=32,
+            max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
+ARCHITECTURES = {
+    "llama": {},
+    "qwen3": {},
+    "gemma2": {"query_pre_attn_scalar": 32, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "sliding_window": 8},
+    "gemma3_text": {"sliding_window": 8, "sliding_window_pattern": 2, "query_pre_attn_scalar": 32},
+    "phi3": {"rope_scaling": None},
+    "starcoder2": {"norm_epsilon": 1e-5},
+    "gpt_neox": {"layer_norm_eps": 1e-5, "rotary_pct": 0.25, "rotary_emb_base": 10000,
+                 "use_parallel_residual": True},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+}
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_every_architecture_computes_the_same_with_the_fast_path(architecture, fast_path):
+    """Tiny random models of mlx-lm's own classes (sliding windows, soft-capping, partial
+    rotary, experts): a chunked prefill and a decode step give the stock logits."""
+    import importlib
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    module = importlib.import_module(f"mlx_lm.models.{architecture}")
+    config = {**TINY, **ARCHITECTURES[architecture], "model_type": architecture}
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(mx.float32)
+    cpu.install()
+    cpu.prepare(model, dequantize=False)
+    tokens = mx.array([[(i * 37) % 500 + 3 for i in range(24)]])
+    logits = {}
+    for on in (True, False):
+        cpu.set_active(on)
+        cache = make_prompt_cache(model)
+        parts = [model(tokens[:, :16], cache=cache), model(tokens[:, 16:], cache=cache),
+                 model(mx.array([[7]]), cache=cache)]
+        logits[on] = mx.concatenate(parts, axis=1)
+    assert mx.allclose(logits[True], logits[False], atol=5e-5, rtol=5e-5).item()
