@@ -88,3 +88,10 @@ def widget_text(widget) -> str:
     region = widget.region
     rows = screen_text(widget.app).splitlines()[region.y : region.bottom]
     return "\n".join(row[region.x : region.right] for row in rows)
+
+
+async def new_tab(pilot):
+    """Ctrl+T; return the new tab's conversation (now the active one)."""
+    await pilot.press("ctrl+t")
+    await settle(pilot)
+    return pilot.app.active_conversation()

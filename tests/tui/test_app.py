@@ -16,7 +16,7 @@ from kvchat.tui.screens.help import HelpScreen, binding_rows
 from kvchat.tui.screens.picker import SessionPicker
 from kvchat.tui.widgets.messages import AssistantMessage, UserMessage
 
-from .conftest import SIZE, send, settle, until
+from .conftest import SIZE, new_tab, send, settle, until
 
 pytestmark = pytest.mark.anyio
 
@@ -58,9 +58,7 @@ async def test_tabs_help_palette_and_sidebar_toggle(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         first = app.active_conversation()
-        await pilot.press("ctrl+t")
-        await settle(pilot)
-        second = app.active_conversation()
+        second = await new_tab(pilot)
         assert len(app.conversations()) == 2 and second is not first
         await send(pilot, "only in the second tab")
         assert first.session.cache_tokens == 0 and second.session.cache_tokens > 0

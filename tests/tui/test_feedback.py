@@ -14,7 +14,7 @@ from kvchat.tui.screens.dialogs import TrimDialog
 from kvchat.tui.screens.help import HelpScreen
 from kvchat.tui.widgets.messages import AssistantMessage, NoticeMessage, Welcome
 
-from .conftest import SIZE, screen_text, send, settle, until
+from .conftest import SIZE, new_tab, screen_text, send, settle, until
 
 pytestmark = pytest.mark.anyio
 
@@ -111,9 +111,7 @@ async def test_waiting_names_the_tab_that_holds_the_model(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         first = app.active_conversation()
-        await pilot.press("ctrl+t")
-        await settle(pilot)
-        second = app.active_conversation()
+        second = await new_tab(pilot)
         assert (first.owner, first.session_name) == ("conv-1", "chat-1")
         ticket = app.scheduler.request(first.owner)  # as if chat-1 were answering
         app.scheduler.wait(ticket)

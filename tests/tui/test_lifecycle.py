@@ -11,7 +11,7 @@ from kvchat.config import Config
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.screens.dialogs import DropDialog
 
-from .conftest import SIZE, send, settle, until
+from .conftest import SIZE, new_tab, send, settle, until
 
 pytestmark = pytest.mark.anyio
 
@@ -118,9 +118,7 @@ async def test_memory_budget_offloads_the_least_recently_used(demo_model, home):
         await settle(pilot)
         first = app.active_conversation()
         await send(pilot, "first tab")
-        await pilot.press("ctrl+t")
-        await settle(pilot)
-        second = app.active_conversation()
+        second = await new_tab(pilot)
         await send(pilot, "second tab")
         app.expire_idle()
         await settle(pilot)
@@ -137,9 +135,7 @@ async def test_a_new_tab_starts_from_the_shared_system_prompt(demo_model, home):
         await send(pilot, "hello")
         system_tokens = len(first.session.render(first.session.messages[:1], False))
         assert system_tokens > 0
-        await pilot.press("ctrl+t")
-        await settle(pilot)
-        second = app.active_conversation()
+        second = await new_tab(pilot)
         assert second is not first and second.session_name in app.pool
         assert second.session.cache_tokens == system_tokens
         await send(pilot, "a different question")
