@@ -12,8 +12,11 @@ from textual.containers import Vertical, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import ProgressBar, Static
 
+from kvchat import history, store
 from kvchat.engine.scheduler import Cancelled
 from kvchat.engine.session import Chunk, Prefill, Session, SessionError, TurnDone
+from kvchat.prompt_tools import PromptToolError, file_request, read_text_file
+from kvchat.safety import printable
 
 from .chat_input import ChatInput
 from .messages import AssistantMessage, NoticeMessage, UserMessage, Welcome, rebuild_note
@@ -85,7 +88,23 @@ class Conversation(Vertical):
             yield from self._transcript_widgets()
         yield Static("", classes="status", markup=False)
         yield ProgressBar(total=100, show_eta=False, classes="progress")
-        yield ChatInput(classes="input", placeholder="Message (Enter sends, Ctrl+J new line)")
+        yield ChatInput(self.prompt_history, classes="input",
+                        placeholder="Message (Enter sends, Ctrl+J new line)")
+
+    def prompt_history(self) -> list[str]:
+        """What Up walks: this tab's messages, newest first, then the saved prompt history."""
+        own = [m["content"] for m in reversed(self.session.messages) if m["role"] == "user"]
+        return history.merged(own, history.load())
+
+    @property
+    def unsaved(self) -> bool:
+        """True when the tab has messages that its saved copy lacks (or it has none)."""
+        if not any(m["role"] == "user" for m in self.session.messages):
+            return False
+        pool = self.pool
+        if pool is not None and self.session_name in pool:
+            return pool.entry(self.session_name).dirty or not store.exists(self.session_name)
+        return not self.saved
 
     def _transcript_widgets(self) -> list:
         """The log's widgets for the transcript: a welcome until the first message, and
@@ -174,7 +193,25 @@ class Conversation(Vertical):
     @on(ChatInput.Submitted)
     async def _submitted(self, event: ChatInput.Submitted) -> None:
         event.stop()
-        await self.send(event.text)
+        request = file_request(event.text)
+        if request is not None:
+            self.insert_file(*request)
+        else:
+            await self.send(event.text)
+
+    def insert_file(self, before: str, path: str) -> None:
+        """Put the text of the file at ``path`` in the box after ``before`` (not sent), and
+        say how many tokens it is; a file that cannot be used leaves the box as it was."""
+        try:
+            text = read_text_file(path)
+        except PromptToolError as error:
+            self.notify(str(error), severity="warning", markup=False)
+            return
+        tokens = len(self.session.lm.tokenizer.encode(text, add_special_tokens=False))
+        self.input.text = before + printable(text)
+        self.input.move_cursor(self.input.document.end)
+        self.notify(f"Inserted {printable(path, one_line=True)}: {tokens:,} tokens "
+                    f"({len(text.encode()):,} bytes); Enter sends.", markup=False, timeout=8)
 
     async def send(self, text: str) -> bool:
         """Start a turn with ``text``; False (and a notice) if it cannot start now."""
@@ -186,6 +223,11 @@ class Conversation(Vertical):
             self.notify(str(error), severity="warning", markup=False)
             return False
         self.input.clear()
+        try:
+            history.remember(text)
+        except (OSError, store.StoreError) as error:
+            self.notify(f"The prompt history was not saved: {error}", severity="warning",
+                        markup=False)
         self._pending_text = text
         self._user_widget = UserMessage(text)
         self._reply = None
@@ -239,7 +281,7 @@ class Conversation(Vertical):
                     elif isinstance(event, TurnDone):
                         done = event
                 if done is not None and self.autosave:
-                    self._save_now()
+                    self.save_now()
             post(TurnFinished(done, None))
         except Cancelled:
             events.close()
@@ -247,9 +289,9 @@ class Conversation(Vertical):
         except Exception as error:  # the session stays consistent; show why
             post(TurnFinished(None, f"{type(error).__name__}: {error}"))
 
-    def _save_now(self) -> None:
-        from kvchat import store
-
+    def save_now(self) -> None:
+        """Worker thread, holding the model: save the session (through the pool, which
+        then knows it is clean)."""
         if self.pool is not None and self.session_name in self.pool:
             self.pool.save(self.session_name)  # the pool then knows it is clean
         else:

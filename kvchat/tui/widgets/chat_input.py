@@ -1,24 +1,46 @@
-"""The message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line."""
+"""The message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line, Up/Down walk
+the prompt history, Ctrl+G opens the message in ``$EDITOR``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from textual import events
+from textual.actions import SkipAction
+from textual.app import SuspendNotSupported
 from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
+from kvchat.prompt_tools import PromptToolError, edit_in_editor, editor_command
 from kvchat.safety import printable
 
 
 class ChatInput(TextArea):
-    """A multi-line message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line."""
+    """A multi-line message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line.
+
+    History works as in zsh or fish: Up in an empty box recalls the newest prompt;
+    while the box holds a recalled prompt unchanged, Up on its first line goes
+    further back and Down on its last line comes forward (past the newest: the
+    empty box again), and Esc empties the box. Typed text is never replaced by
+    Up/Down, which then move the cursor as usual; editing a recalled prompt makes it
+    a new message and leaves the history as it was.
+    """
 
     BINDINGS = [
         # Not in the footer: the box's placeholder says so, and the footer is short of room.
         Binding("enter", "submit", "Send", show=False),
         Binding("ctrl+j,shift+enter", "newline", "New line", key_display="^j", show=False),
+        Binding("up", "history(1)", "Earlier prompt", show=False,
+                tooltip="In an empty box (or on a recalled prompt): the prompt sent before."),
+        Binding("down", "history(-1)", "Later prompt", show=False,
+                tooltip="On a recalled prompt: the prompt sent after it."),
+        Binding("escape", "leave_history", "Leave history", show=False,
+                tooltip="On a recalled prompt: empty the box again."),
+        # Ctrl+E stays the end of the line, as in the shells and TextArea.
+        Binding("ctrl+g", "editor", "Edit in $EDITOR", key_display="^g", show=False,
+                tooltip="Open the message in $VISUAL or $EDITOR; saving there puts it back."),
     ]
 
     class Submitted(Message):
@@ -26,20 +48,60 @@ class ChatInput(TextArea):
             super().__init__()
             self.text = text
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, prompts: Callable[[], list[str]] = list, **kwargs: Any) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, **kwargs)
+        self.prompts = prompts  # the prompts Up walks, newest first (TextArea.history is undo)
+        self._walk: list[str] = []  # the history as it was when the walk began
+        self._at = -1  # index into _walk of the prompt shown; -1: not walking
+
+    @property
+    def recalled(self) -> bool:
+        """True while the box shows a prompt from the history, unchanged."""
+        return 0 <= self._at < len(self._walk) and self.text == self._walk[self._at]
 
     async def _on_key(self, event: events.Key) -> None:
         # TextArea inserts a newline on Enter before bindings are looked at, and a
-        # priority binding would run ahead of keys still queued (typed text), so the
-        # keys of BINDINGS are dispatched here, in order with the typing.
+        # priority binding would run ahead of keys still queued (typed text), so these
+        # two are dispatched here, in order with the typing. The others go the usual way.
         for binding in self.BINDINGS:
-            if event.key in [key.strip() for key in binding.key.split(",")]:
+            if binding.action in ("submit", "newline") and event.key in [
+                    key.strip() for key in binding.key.split(",")]:
                 event.stop()
                 event.prevent_default()
                 await self.run_action(binding.action)
                 return
         await super()._on_key(event)
+
+    def _walks(self, step: int) -> bool:
+        """Whether Up (``step`` 1) or Down (-1) walks the history now, else moves the cursor."""
+        if not self.recalled:
+            return step == 1 and not self.text
+        row = self.cursor_location[0]
+        return row == 0 if step == 1 else row == self.document.line_count - 1
+
+    def action_history(self, step: int) -> None:
+        if not self._walks(step):
+            (self.action_cursor_up if step == 1 else self.action_cursor_down)()
+            return
+        if not self.recalled:
+            self._walk = self.prompts()
+            self._at = -1
+        at = self._at + step
+        if at >= len(self._walk):
+            self.app.bell()
+            return
+        self._at = at
+        self._show(self._walk[at] if at >= 0 else "")
+
+    def action_leave_history(self) -> None:
+        if not self.recalled:
+            raise SkipAction()  # Esc is then the app's: stop the reply
+        self._at = -1
+        self._show("")
+
+    def _show(self, text: str) -> None:
+        self.text = text
+        self.move_cursor(self.document.end)
 
     async def _on_paste(self, event: events.Paste) -> None:
         # In place of TextArea's paste: control characters (the ESC of a pasted colour
@@ -58,3 +120,19 @@ class ChatInput(TextArea):
 
     def action_newline(self) -> None:
         self.insert("\n")
+
+    def action_editor(self) -> None:
+        """Hand the terminal to ``$VISUAL``/``$EDITOR`` on the message; its saved text
+        comes back into the box. Any failure keeps the text as it was, with a notice."""
+        try:
+            command = editor_command()
+            with self.app.suspend():
+                text = edit_in_editor(self.text, command)
+        except SuspendNotSupported:
+            self.notify("This terminal cannot hand over to an editor.", severity="warning")
+            return
+        except PromptToolError as error:
+            self.notify(str(error), severity="warning", markup=False)
+            return
+        self._show(printable(text))
+        self.focus()

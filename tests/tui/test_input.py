@@ -1,0 +1,149 @@
+"""The message box: prompt history, $EDITOR and /file, driven through the real app."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import sys
+
+import pytest
+
+from kvchat import history
+from kvchat.tui.widgets.messages import UserMessage
+
+from .conftest import SIZE, send, settle
+
+pytestmark = pytest.mark.anyio
+
+
+def _notices(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+async def test_up_and_down_walk_this_tabs_prompts_then_the_saved_ones(make_app):
+    history.remember("from another session")
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        box = conversation.input
+        await send(pilot, "first question")
+        await send(pilot, "second\nline two")
+
+        await pilot.press("up")
+        assert box.text == "second\nline two" and box.cursor_location == (1, 8)
+        await pilot.press("up")  # on the last line of a two-line prompt: the cursor moves
+        assert box.text == "second\nline two" and box.cursor_location[0] == 0
+        await pilot.press("up")
+        assert box.text == "first question"
+        await pilot.press("up")
+        assert box.text == "from another session"
+        await pilot.press("up")  # the oldest: stays
+        assert box.text == "from another session"
+        await pilot.press("down", "down")
+        assert box.text == "second\nline two"
+        await pilot.press("down")  # past the newest: the empty box
+        assert box.text == ""
+
+        await pilot.press("up", "up", "up")
+        assert box.text == "first question"
+        await pilot.press("escape")  # leaves the history
+        assert box.text == ""
+
+        await pilot.press("up", "up", "up", *" again")  # edit a recalled prompt
+        assert box.text == "first question again"
+        await pilot.press("up")  # typed text: Up moves the cursor, nothing is replaced
+        assert box.text == "first question again"
+        await pilot.press("enter")
+        await settle(pilot, conversation)
+        sent = [m["content"] for m in conversation.session.messages if m["role"] == "user"]
+        assert sent == ["first question", "second\nline two", "first question again"]
+        assert str(list(conversation.query(UserMessage))[-1].text) == "first question again"
+        assert history.load()[:3] == ["first question again", "second\nline two",
+                                      "first question"]
+        assert "first question" in history.load()  # the edit changed no entry
+
+        await pilot.press("up", "up", "up", "enter")  # a recalled prompt sent as it is
+        await settle(pilot, conversation)
+        assert conversation.session.messages[-2] == {"role": "user",
+                                                     "content": "second\nline two"}
+
+    path = history.history_file()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    app = make_app()  # a new app, a new tab: the saved history comes first
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("up")
+        assert app.active_conversation().input.text == "second\nline two"
+        assert json.loads(path.read_text())[-1] == "from another session"
+
+
+async def test_ctrl_g_runs_the_editor_and_a_missing_editor_loses_nothing(
+        make_app, tmp_path, monkeypatch):
+    script = tmp_path / "editor.py"
+    script.write_text("import sys\np = sys.argv[1]\nopen(p, 'a').write(' edited\\n')\n")
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        box = app.active_conversation().input
+        await pilot.press(*"draft")
+
+        monkeypatch.delenv("VISUAL", raising=False)
+        monkeypatch.delenv("EDITOR", raising=False)
+        await pilot.press("ctrl+g")
+        assert box.text == "draft"
+        assert _notices(app)[-1] == "Set $EDITOR to edit messages in an editor."
+
+        monkeypatch.setenv("EDITOR", f"{sys.executable} {script}")
+        await pilot.press("ctrl+g")  # the test driver cannot hand the terminal over
+        assert box.text == "draft"
+        assert _notices(app)[-1] == "This terminal cannot hand over to an editor."
+
+        # In a real terminal App.suspend() hands it over; here it does nothing, and the
+        # editor (a real subprocess) runs as it would.
+        monkeypatch.setattr(app, "suspend", contextlib.nullcontext)
+        await pilot.press("ctrl+g")
+        assert box.text == "draft edited"
+        monkeypatch.setenv("EDITOR", f"{sys.executable} -c 'import sys; sys.exit(1)'")
+        await pilot.press("ctrl+g")
+        assert box.text == "draft edited"
+        assert "exited with status 1" in _notices(app)[-1]
+
+
+async def test_slash_file_inserts_the_text_with_its_token_count(make_app, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The cache keeps\nevery token.\n")
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02")
+    (tmp_path / "huge.txt").write_bytes(b"a" * ((1 << 20) + 1))
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        box = conversation.input
+        for bad, says in [("missing.txt", "No file at "), ("blob.bin", "is not a text file"),
+                          ("huge.txt", "more than the 1,048,576 kvchat reads"),
+                          (".", "is a folder")]:
+            command = f"Intro\n/file {tmp_path / bad}"
+            box.text = command
+            await pilot.press("enter")
+            await pilot.pause()
+            assert box.text == command, bad  # nothing lost, nothing sent
+            assert says in _notices(app)[-1] and "\n" not in _notices(app)[-1], bad
+        assert conversation.session.messages == []
+
+        box.text = f"Intro\n/file {notes}"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert box.text == "Intro\nThe cache keeps\nevery token.\n"
+        tokens = conversation.session.lm.tokenizer.encode(
+            "The cache keeps\nevery token.\n", add_special_tokens=False)
+        assert 3 < len(tokens) < 40
+        assert _notices(app)[-1] == (f"Inserted {notes}: {len(tokens)} tokens (29 bytes); "
+                                     "Enter sends.")
+        assert conversation.session.messages == []  # not sent until Enter
+        await pilot.press("enter")
+        await settle(pilot, conversation)
+        assert conversation.session.messages[0]["content"] == (
+            "Intro\nThe cache keeps\nevery token.\n")
