@@ -29,8 +29,8 @@ class ActionsMixin:
             self.notify(f"Saved {name} ({conversation.session.cache_tokens:,} cache tokens).",
                         markup=False)
 
-        conversation.run_job("saving", lambda progress: store.save(conversation.session, name),
-                             saved)
+        # through the pool, so that it knows the tab is clean (Ctrl+W then closes at once)
+        conversation.run_job("saving", lambda progress: conversation.save_now(), saved)
 
     def action_trim(self) -> None:
         conversation = self.idle_conversation()

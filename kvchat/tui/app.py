@@ -66,7 +66,8 @@ class KvChatApp(TabsMixin, ActionsMixin, ExpiryMixin, App):
         Binding("f1", "help", "Help", tooltip="List every key."),
         Binding("ctrl+t", "new_tab", "New tab", tooltip="Start a new conversation in a new tab."),
         Binding("ctrl+w", "close_tab", "Close tab", priority=True, show=False,
-                tooltip="Close the active tab (a saved session stays on disk)."),
+                tooltip="Close the active tab; unsaved messages are saved first (autosave) "
+                        "or a dialog asks."),
         Binding("ctrl+pagedown,alt+right", "next_tab", "Next tab", show=False),
         Binding("ctrl+pageup,alt+left", "previous_tab", "Previous tab", show=False),
         Binding("f2", "rename", "Rename", show=False, tooltip="Rename the active session."),
@@ -291,15 +292,6 @@ class KvChatApp(TabsMixin, ActionsMixin, ExpiryMixin, App):
         if conversation is None or conversation.refuse_if_busy():
             return None
         return conversation
-
-    async def action_close_tab(self) -> None:
-        conversation = self.idle_conversation()
-        if conversation is None:
-            return
-        pane = conversation.parent
-        self.pool.drop(conversation.session_name)
-        await self.tabs.remove_pane(pane.id)
-        self.refresh_sidebar()
 
     def action_next_tab(self) -> None:
         self.tabs.query_one(Tabs).action_next_tab()

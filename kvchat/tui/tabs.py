@@ -1,4 +1,5 @@
-"""Opening conversations: new tabs, and saved sessions loaded (cache included) in a worker.
+"""Opening and closing conversations: new tabs, saved sessions loaded (cache included) in
+a worker, and closing a tab without losing unsaved messages.
 
 A mixin of :class:`~kvchat.tui.app.KvChatApp`; it uses the app's ``tabs``,
 ``pool``, ``scheduler`` and ``config``.
@@ -12,12 +13,13 @@ from textual.widgets import TabPane
 from kvchat import store
 from kvchat.engine.session import GenerationSettings, Session
 
+from .screens.dialogs import CloseDialog
 from .screens.loading import LoadingScreen
 from .widgets.chat import Conversation
 
 
 class TabsMixin:
-    """New tabs and saved sessions opened into tabs."""
+    """New tabs, saved sessions opened into tabs, and tabs closed."""
 
     def new_session(self, name: str | None = None) -> Session:
         """A new session (in the pool under ``name`` when given).
@@ -115,3 +117,47 @@ class TabsMixin:
         self.notify(message, severity="error", markup=False, timeout=10)
         if not self.conversations():
             await self.new_tab()
+
+    async def action_close_tab(self) -> None:
+        """Close the active tab. Unsaved messages are saved first with ``autosave`` on
+        (the default); with it off a dialog asks: Save, Discard or Cancel."""
+        conversation = self.idle_conversation()
+        if conversation is None:
+            return
+        name = conversation.session_name
+        if not conversation.unsaved:
+            saved = any(m["role"] == "user" for m in conversation.session.messages)
+            await self.close_conversation(conversation)
+            if saved:
+                self.notify(f"Closed {name}; it is saved (Ctrl+O reopens it).", markup=False)
+            return
+        if self.config.autosave:
+            self._save_and_close(conversation)
+            return
+
+        async def chosen(choice: str | None) -> None:
+            if choice == "save":
+                self._save_and_close(conversation)
+            elif choice == "discard":
+                await self.close_conversation(conversation)
+                self.notify(f"Closed {name} without saving.", markup=False)
+
+        self.push_screen(CloseDialog(name, store.exists(name)), chosen)
+
+    def _save_and_close(self, conversation: Conversation) -> None:
+        name = conversation.session_name
+
+        async def closed() -> None:
+            await self.close_conversation(conversation)
+            self.notify(f"Saved {name} and closed it; Ctrl+O reopens it.", markup=False)
+
+        # then: not from inside the tab's own handler, as removing the tab waits for it
+        conversation.run_job("saving", lambda progress: conversation.save_now(),
+                             lambda _: self.call_later(closed), needs_cache=False)
+
+    async def close_conversation(self, conversation: Conversation) -> None:
+        """Remove a tab and its session from memory (a saved copy stays on disk)."""
+        self.pool.drop(conversation.session_name)
+        if conversation.parent is not None:
+            await self.tabs.remove_pane(conversation.parent.id)
+        self.refresh_sidebar()

@@ -57,6 +57,18 @@ async def test_sidebar_and_dialogs_fit_the_screen(make_app, demo_model, size, si
             await pilot.pause()
             assert len(app.screen_stack) == 1, key
 
+        app.config = app.config.override(autosave=False)  # Ctrl+W then asks
+        await pilot.press("ctrl+w")
+        await pilot.pause()
+        dialog = app.screen.query_one("#close-dialog")
+        assert _inside(app, dialog), dialog.region
+        assert "Save it before closing?" in widget_text(dialog)
+        for button in app.screen.query(Button):
+            assert dialog.region.contains_region(button.region), button.label
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.active_conversation() is conversation
+
 
 async def test_ctrl_b_shows_the_hidden_sidebar_on_a_narrow_screen(make_app):
     app = make_app()

@@ -260,3 +260,41 @@ class RenameDialog(Dialog):
     @on(Button.Pressed, "#rename-cancel")
     def _cancel(self) -> None:
         self.dismiss(None)
+
+
+# ---------------------------------------------------------------------- close
+
+
+class CloseDialog(Dialog):
+    """Closing a tab with unsaved messages: save first, discard them, or keep the tab."""
+
+    def __init__(self, name: str, saved_before: bool) -> None:
+        super().__init__()
+        self.session_name = name
+        self.saved_before = saved_before
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="close-dialog") as box:
+            box.border_title = "Close tab"
+            what = ("has changes since it was last saved" if self.saved_before
+                    else "has not been saved")
+            yield Static(f"{self.session_name!r} {what}. Save it before closing?", markup=False)
+            with Horizontal(classes="row buttons"):
+                yield Button("Save", id="close-save", variant="primary")
+                yield Button("Discard", id="close-discard", variant="error")
+                yield Button("Cancel", id="close-cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#close-save", Button).focus()
+
+    @on(Button.Pressed, "#close-save")
+    def _save(self) -> None:
+        self.dismiss("save")
+
+    @on(Button.Pressed, "#close-discard")
+    def _discard(self) -> None:
+        self.dismiss("discard")
+
+    @on(Button.Pressed, "#close-cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
