@@ -355,6 +355,11 @@ class KvChatApp(TabsMixin, ActionsMixin, ExpiryMixin, App):
                 help_text = f"{binding.tooltip or binding.description} ({key})"
                 yield SystemCommand(binding.description, help_text,
                                     partial(self.run_action, binding.action))
+        conversation = self.active_conversation()
+        if conversation is not None:  # the message box's one action that is not typing
+            editor = next(b for b in ChatInput.BINDINGS if b.action == "editor")
+            yield SystemCommand(editor.description, f"{editor.tooltip} ({editor.key})",
+                                partial(conversation.input.run_action, "editor"))
         yield from super().get_system_commands(screen)
 
 

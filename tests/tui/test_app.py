@@ -76,7 +76,9 @@ async def test_tabs_help_palette_and_sidebar_toggle(make_app):
         assert second.session_name == "renamed"
         assert str(app.tabs.get_tab(second.parent.id).label) == "renamed"
 
-        await pilot.press("ctrl+w")
+        await pilot.press("ctrl+w")  # unsaved, autosave off: it asks (test_close_tab.py)
+        await pilot.pause()
+        await pilot.click("#close-discard")
         await settle(pilot)
         assert app.conversations() == [first]
         assert app.sidebar.info.name == first.session_name

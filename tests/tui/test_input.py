@@ -106,9 +106,13 @@ async def test_ctrl_g_runs_the_editor_and_a_missing_editor_loses_nothing(
         monkeypatch.setattr(app, "suspend", contextlib.nullcontext)
         await pilot.press("ctrl+g")
         assert box.text == "draft edited"
+        command = next(c for c in app.get_system_commands(app.screen)
+                       if c.title == "Edit in $EDITOR")  # the palette's entry
+        await command.callback()
+        assert box.text == "draft edited edited"
         monkeypatch.setenv("EDITOR", f"{sys.executable} -c 'import sys; sys.exit(1)'")
         await pilot.press("ctrl+g")
-        assert box.text == "draft edited"
+        assert box.text == "draft edited edited"
         assert "exited with status 1" in _notices(app)[-1]
 
 
