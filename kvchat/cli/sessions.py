@@ -1,4 +1,4 @@
-"""``kvchat sessions``: list, show, export, remove and prune saved sessions."""
+"""``kvchat sessions``: list, show, search, export, remove and prune saved sessions."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 from .common import _fail, app
 
-sessions_app = typer.Typer(help="List, show, export and remove saved sessions.", no_args_is_help=True)
+sessions_app = typer.Typer(help="List, show, search, export and remove saved sessions.", no_args_is_help=True)
 app.add_typer(sessions_app, name="sessions")
 
 
@@ -87,6 +87,30 @@ def sessions_show(
         if key == "last_turn" and value:
             value = ", ".join(f"{k}={v}" for k, v in value.items())
         typer.echo(f"{key:<13} {printable(str(value), one_line=True)}")
+
+
+@sessions_app.command("search")
+def sessions_search(
+    text: str,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many.")] = 20,
+) -> None:
+    """Messages of saved sessions holding every word of TEXT (or words starting with
+    them), newest session first; the match is shown in [brackets]."""
+    from kvchat import store
+
+    found = _store_call(store.search_sessions, text, limit)
+    for note in found.notes:
+        typer.echo(f"note: {printable(note, one_line=True)}", err=True)
+    if as_json:
+        typer.echo(dumps_json([h.to_dict() for h in found.hits], indent=2))
+        return
+    if not found.hits:
+        typer.echo(f"No saved session mentions {printable(text, one_line=True)}.")
+        return
+    for h in found.hits:
+        where = f"{h.name} #{h.index} {h.role} ({h.last_used[:16].replace('T', ' ')})"
+        typer.echo(f"{printable(where, one_line=True)}: {printable(h.snippet, one_line=True)}")
 
 
 @sessions_app.command("rm")

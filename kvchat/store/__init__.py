@@ -21,7 +21,8 @@ is ever deleted or overwritten because of one.
 Modules: ``base`` (names, constants, result types), ``files`` (atomic writes,
 temporary files, checksums), ``lock`` (the per-session lock),
 ``session_file`` (reading ``session.json``), ``cache_file`` (reading the
-cache), ``core`` (save and load), ``manage`` (list, delete, export, prune).
+cache), ``core`` (save and load), ``manage`` (list, delete, export, prune),
+``search`` (the full-text index of every transcript).
 """
 
 from kvchat.store.base import (
@@ -52,6 +53,7 @@ from kvchat.store.manage import (
     prune,
     summary,
 )
+from kvchat.store.search import Found, Hit, matching_sessions, reindex, search_sessions
 from kvchat.store.session_file import read
 
 __all__ = [
@@ -63,6 +65,8 @@ __all__ = [
     "PAUSE_ENV",
     "SESSION_FILE",
     "TMP_PREFIX",
+    "Found",
+    "Hit",
     "Loaded",
     "Progress",
     "Pruned",
@@ -75,10 +79,13 @@ __all__ = [
     "ledger_hash",
     "list_sessions",
     "load",
+    "matching_sessions",
     "parse_duration",
     "prune",
     "read",
+    "reindex",
     "save",
+    "search_sessions",
     "session_dir",
     "session_lock",
     "set_aside",

@@ -36,6 +36,7 @@ from kvchat.store.files import (
     write_bytes_atomic,
 )
 from kvchat.store.lock import session_lock
+from kvchat.store.search import index_session
 from kvchat.store.session_file import read, read_json
 
 if TYPE_CHECKING:
@@ -132,6 +133,7 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
     }
     text = json.dumps(data, ensure_ascii=False, indent=1)
     write_bytes_atomic(json_path, text.encode(), "json")
+    index_session(name, data, json_path)  # never raises: the index catches up on a search
     if cache_info is None:
         cache_path.unlink(missing_ok=True)
         (folder / CACHE_SUM_FILE).unlink(missing_ok=True)

@@ -25,6 +25,7 @@ from kvchat.store.base import (
 )
 from kvchat.store.files import check_folder
 from kvchat.store.lock import remove_lock_file, session_lock
+from kvchat.store.search import drop_session
 from kvchat.store.session_file import read, read_json
 
 REMOVING_PREFIX = ".removing-"  # not a valid session name, so never listed
@@ -109,6 +110,7 @@ def delete(name: str, timeout: float | None = 5.0) -> None:
             raise StoreError(f"No saved session named {name!r} (no {folder}).")
         _remove(folder)
         remove_lock_file(name)
+    drop_session(name)
 
 
 def _remove(folder: Path) -> None:
@@ -187,6 +189,7 @@ def prune(
                         continue
                     _remove(s.path)
                     remove_lock_file(s.name)
+                drop_session(s.name)
             except StoreError:
                 result.skipped.append((s.name, "it is in use by another kvchat"))
                 continue
