@@ -356,10 +356,12 @@ class KvChatApp(TabsMixin, ActionsMixin, ExpiryMixin, App):
                 yield SystemCommand(binding.description, help_text,
                                     partial(self.run_action, binding.action))
         conversation = self.active_conversation()
-        if conversation is not None:  # the message box's one action that is not typing
-            editor = next(b for b in ChatInput.BINDINGS if b.action == "editor")
-            yield SystemCommand(editor.description, f"{editor.tooltip} ({editor.key})",
-                                partial(conversation.input.run_action, "editor"))
+        if conversation is not None:  # the message box's actions that are not typing
+            for binding in ChatInput.BINDINGS:
+                if binding.action in ("editor", "insert_file"):
+                    yield SystemCommand(binding.description,
+                                        f"{binding.tooltip} ({binding.key})",
+                                        partial(conversation.input.run_action, binding.action))
         yield from super().get_system_commands(screen)
 
 

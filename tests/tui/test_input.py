@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from kvchat import history
+from kvchat.tui.screens.dialogs import FileDialog
 from kvchat.tui.widgets.messages import UserMessage
 
 from .conftest import SIZE, send, settle
@@ -151,3 +152,20 @@ async def test_slash_file_inserts_the_text_with_its_token_count(make_app, tmp_pa
         await settle(pilot, conversation)
         assert conversation.session.messages[0]["content"] == (
             "Intro\nThe cache keeps\nevery token.\n")
+
+        # Ctrl+F: a path dialog; the text goes in at the cursor
+        (tmp_path / "esc.txt").write_text("red \x1b[31m!")
+        await pilot.press(*"ab", "left", "ctrl+f")
+        await pilot.pause()
+        assert isinstance(app.screen, FileDialog)
+        app.screen.query_one("#file-input").value = str(tmp_path / "esc.txt")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert box.text == "ared \\x1b[31m!b"  # the ESC shown as text, never sent raw
+        assert _notices(app)[-1].startswith(f"Inserted {tmp_path / 'esc.txt'}: ")
+        await pilot.press("ctrl+f")
+        await pilot.pause()
+        app.screen.query_one("#file-input").value = str(tmp_path / "blob.bin")
+        await pilot.click("#file-ok")
+        await pilot.pause()
+        assert box.text == "ared \\x1b[31m!b" and "is not a text file" in _notices(app)[-1]

@@ -200,18 +200,32 @@ class Conversation(Vertical):
             await self.send(event.text)
 
     def insert_file(self, before: str, path: str) -> None:
-        """Put the text of the file at ``path`` in the box after ``before`` (not sent), and
-        say how many tokens it is; a file that cannot be used leaves the box as it was."""
+        """``/file PATH``: the box becomes ``before`` and the file's text (not sent)."""
+        text = self.file_text(path)
+        if text is not None:
+            self.input.text = before + text
+            self.input.move_cursor(self.input.document.end)
+
+    @on(ChatInput.FileChosen)
+    def _file_chosen(self, event: ChatInput.FileChosen) -> None:
+        event.stop()
+        text = self.file_text(event.path)
+        if text is not None:
+            self.input.insert(text)
+
+    def file_text(self, path: str) -> str | None:
+        """The text of the file at ``path`` for the box (control characters shown as
+        ``\\xNN``), with a notice of its token count; None, with a one-line notice saying
+        why, when it cannot be used (the box is then left as it was)."""
         try:
             text = read_text_file(path)
         except PromptToolError as error:
             self.notify(str(error), severity="warning", markup=False)
-            return
+            return None
         tokens = len(self.session.lm.tokenizer.encode(text, add_special_tokens=False))
-        self.input.text = before + printable(text)
-        self.input.move_cursor(self.input.document.end)
         self.notify(f"Inserted {printable(path, one_line=True)}: {tokens:,} tokens "
                     f"({len(text.encode()):,} bytes); Enter sends.", markup=False, timeout=8)
+        return printable(text)
 
     async def send(self, text: str) -> bool:
         """Start a turn with ``text``; False (and a notice) if it cannot start now."""

@@ -16,6 +16,8 @@ from textual.widgets import TextArea
 from kvchat.prompt_tools import PromptToolError, edit_in_editor, editor_command
 from kvchat.safety import printable
 
+from ..screens.dialogs import FileDialog
+
 
 class ChatInput(TextArea):
     """A multi-line message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line.
@@ -41,12 +43,21 @@ class ChatInput(TextArea):
         # Ctrl+E stays the end of the line, as in the shells and TextArea.
         Binding("ctrl+g", "editor", "Edit in $EDITOR", key_display="^g", show=False,
                 tooltip="Open the message in $VISUAL or $EDITOR; saving there puts it back."),
+        Binding("ctrl+f", "insert_file", "Insert file", key_display="^f", show=False,
+                tooltip="Put a text file's text in the message at the cursor (also: /file PATH)."),
     ]
 
     class Submitted(Message):
         def __init__(self, text: str) -> None:
             super().__init__()
             self.text = text
+
+    class FileChosen(Message):
+        """A path given in the file dialog; the conversation reads it (it has the tokenizer)."""
+
+        def __init__(self, path: str) -> None:
+            super().__init__()
+            self.path = path
 
     def __init__(self, prompts: Callable[[], list[str]] = list, **kwargs: Any) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, **kwargs)
@@ -136,3 +147,10 @@ class ChatInput(TextArea):
             return
         self._show(printable(text))
         self.focus()
+
+    def action_insert_file(self) -> None:
+        def chosen(path: str | None) -> None:
+            if path:
+                self.post_message(self.FileChosen(path))
+
+        self.app.push_screen(FileDialog(), chosen)
