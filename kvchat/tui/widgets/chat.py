@@ -15,8 +15,6 @@ from textual.widgets import ProgressBar, Static
 from kvchat import history, store
 from kvchat.engine.scheduler import Cancelled
 from kvchat.engine.session import Chunk, Prefill, Session, SessionError, TurnDone
-from kvchat.prompt_tools import PromptToolError, file_request, read_text_file
-from kvchat.safety import printable
 
 from .chat_input import ChatInput
 from .messages import AssistantMessage, NoticeMessage, UserMessage, Welcome, rebuild_note
@@ -88,8 +86,12 @@ class Conversation(Vertical):
             yield from self._transcript_widgets()
         yield Static("", classes="status", markup=False)
         yield ProgressBar(total=100, show_eta=False, classes="progress")
-        yield ChatInput(self.prompt_history, classes="input",
+        yield ChatInput(self.prompt_history, self.count_tokens, classes="input",
                         placeholder="Message (Enter sends, Ctrl+J new line)")
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` adds to a message, by this tab's tokenizer."""
+        return len(self.session.lm.tokenizer.encode(text, add_special_tokens=False))
 
     def prompt_history(self) -> list[str]:
         """What Up walks: this tab's messages, newest first, then the saved prompt history."""
@@ -193,39 +195,7 @@ class Conversation(Vertical):
     @on(ChatInput.Submitted)
     async def _submitted(self, event: ChatInput.Submitted) -> None:
         event.stop()
-        request = file_request(event.text)
-        if request is not None:
-            self.insert_file(*request)
-        else:
-            await self.send(event.text)
-
-    def insert_file(self, before: str, path: str) -> None:
-        """``/file PATH``: the box becomes ``before`` and the file's text (not sent)."""
-        text = self.file_text(path)
-        if text is not None:
-            self.input.text = before + text
-            self.input.move_cursor(self.input.document.end)
-
-    @on(ChatInput.FileChosen)
-    def _file_chosen(self, event: ChatInput.FileChosen) -> None:
-        event.stop()
-        text = self.file_text(event.path)
-        if text is not None:
-            self.input.insert(text)
-
-    def file_text(self, path: str) -> str | None:
-        """The text of the file at ``path`` for the box (control characters shown as
-        ``\\xNN``), with a notice of its token count; None, with a one-line notice saying
-        why, when it cannot be used (the box is then left as it was)."""
-        try:
-            text = read_text_file(path)
-        except PromptToolError as error:
-            self.notify(str(error), severity="warning", markup=False)
-            return None
-        tokens = len(self.session.lm.tokenizer.encode(text, add_special_tokens=False))
-        self.notify(f"Inserted {printable(path, one_line=True)}: {tokens:,} tokens "
-                    f"({len(text.encode()):,} bytes); Enter sends.", markup=False, timeout=8)
-        return printable(text)
+        await self.send(event.text)
 
     async def send(self, text: str) -> bool:
         """Start a turn with ``text``; False (and a notice) if it cannot start now."""

@@ -1,5 +1,6 @@
 """The message box: Enter sends, Ctrl+J (or Shift+Enter) starts a new line, Up/Down walk
-the prompt history, Ctrl+G opens the message in ``$EDITOR``."""
+the prompt history, Ctrl+G opens the message in ``$EDITOR``, ``/file PATH`` and Ctrl+F
+insert a file's text."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
-from kvchat.prompt_tools import PromptToolError, edit_in_editor, editor_command
+from kvchat.prompt_tools import (
+    PromptToolError,
+    edit_in_editor,
+    editor_command,
+    file_request,
+    read_text_file,
+)
 from kvchat.safety import printable
 
 from ..screens.dialogs import FileDialog
@@ -52,16 +59,15 @@ class ChatInput(TextArea):
             super().__init__()
             self.text = text
 
-    class FileChosen(Message):
-        """A path given in the file dialog; the conversation reads it (it has the tokenizer)."""
-
-        def __init__(self, path: str) -> None:
-            super().__init__()
-            self.path = path
-
-    def __init__(self, prompts: Callable[[], list[str]] = list, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        prompts: Callable[[], list[str]] = list,
+        count_tokens: Callable[[str], int] = len,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, **kwargs)
         self.prompts = prompts  # the prompts Up walks, newest first (TextArea.history is undo)
+        self.count_tokens = count_tokens  # by the tab's tokenizer, for an inserted file
         self._walk: list[str] = []  # the history as it was when the walk began
         self._at = -1  # index into _walk of the prompt shown; -1: not walking
 
@@ -127,7 +133,16 @@ class ChatInput(TextArea):
         self.focus()
 
     def action_submit(self) -> None:
-        self.post_message(self.Submitted(self.text))
+        """Send the message; a last line ``/file PATH`` is replaced by the file's text
+        instead, and nothing is sent."""
+        request = file_request(self.text)
+        if request is None:
+            self.post_message(self.Submitted(self.text))
+            return
+        before, path = request
+        text = self._file_text(path)
+        if text is not None:
+            self._show(before + text)
 
     def action_newline(self) -> None:
         self.insert("\n")
@@ -150,7 +165,22 @@ class ChatInput(TextArea):
 
     def action_insert_file(self) -> None:
         def chosen(path: str | None) -> None:
-            if path:
-                self.post_message(self.FileChosen(path))
+            text = self._file_text(path) if path else None
+            if text is not None:
+                self.insert(text)
 
         self.app.push_screen(FileDialog(), chosen)
+
+    def _file_text(self, path: str) -> str | None:
+        """The text of the file at ``path`` for the box (control characters shown as
+        ``\\xNN``), with a notice of its token count; None, with a one-line notice saying
+        why, when it cannot be used (the box is then left as it was)."""
+        try:
+            text = read_text_file(path)
+        except PromptToolError as error:
+            self.notify(str(error), severity="warning", markup=False)
+            return None
+        self.notify(f"Inserted {printable(path, one_line=True)}: {self.count_tokens(text):,} "
+                    f"tokens ({len(text.encode()):,} bytes); Enter sends.", markup=False,
+                    timeout=8)
+        return printable(text)
