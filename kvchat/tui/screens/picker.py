@@ -1,16 +1,20 @@
-"""The session picker: saved sessions (model, turns, tokens, size, last used) or a new one."""
+"""The session picker: saved sessions (model, turns, tokens, size, last used) or a new one,
+filtered by name and by the words of their transcripts (the store's search index)."""
 
 from __future__ import annotations
 
+import contextlib
+
 from rich.text import Text
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, DataTable, Static
+from textual.widgets import Button, DataTable, Input, Static
 
-from kvchat.store import SessionSummary
+from kvchat.store import SessionSummary, StoreError, matching_sessions
+from kvchat.store.search import sync
 
 from ..widgets.sidebar import human_bytes
 
@@ -21,7 +25,11 @@ class SessionPicker(ModalScreen):
     BINDINGS = [
         Binding("n", "new", "New session"),
         Binding("escape", "cancel", "Cancel"),
+        Binding("slash", "filter", show=False),  # named in the hint line
+        Binding("down", "move(1)", show=False),
+        Binding("up", "move(-1)", show=False),
     ]
+    HINT = "Enter opens the highlighted session; n starts a new one; / filters."
 
     def __init__(self, sessions: list[SessionSummary], cancellable: bool = True) -> None:
         super().__init__()
@@ -31,21 +39,14 @@ class SessionPicker(ModalScreen):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="picker") as box:
             box.border_title = "Sessions"
-            if self.sessions:
-                yield Static("Enter opens the highlighted session; n starts a new one.",
-                             classes="hint", markup=False)
-            else:
-                yield Static("No saved sessions yet.", classes="hint", markup=False)
+            hint = self.HINT if self.sessions else "No saved sessions yet."
+            yield Static(hint, id="picker-hint", classes="hint", markup=False)
+            yield Input(placeholder="filter: a name or words said in the chat",
+                        id="picker-filter", disabled=not self.sessions)
             table = DataTable(id="picker-table", cursor_type="row", zebra_stripes=True,
                               classes="body")
             table.add_columns("name", "model", "cache", "turns", "tokens", "size", "last used")
-            for s in self.sessions:
-                name = Text(s.name + (" (damaged)" if s.note else ""))
-                table.add_row(
-                    name, Text(s.model_id), Text(s.cache_kind), str(s.turns),
-                    f"{s.cache_tokens:,}", human_bytes(s.size_bytes),
-                    Text(s.last_used.replace("T", " ")[:16]), key=s.name,
-                )
+            self._fill(table, self.sessions)
             yield table
             with Horizontal(classes="row buttons"):
                 yield Button("Open", id="picker-open", variant="primary",
@@ -54,18 +55,85 @@ class SessionPicker(ModalScreen):
                 if self.cancellable:
                     yield Button("Cancel", id="picker-cancel")
 
+    @staticmethod
+    def _fill(table: DataTable, sessions: list[SessionSummary]) -> None:
+        table.clear()
+        for s in sessions:
+            name = Text(s.name + (" (damaged)" if s.note else ""))
+            table.add_row(
+                name, Text(s.model_id), Text(s.cache_kind), str(s.turns),
+                f"{s.cache_tokens:,}", human_bytes(s.size_bytes),
+                Text(s.last_used.replace("T", " ")[:16]), key=s.name,
+            )
+
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
         if self.sessions:
             table.focus()
+            self._sync_index()
         else:
             self.query_one("#picker-new", Button).focus()
+
+    @work(thread=True, exclusive=True, group="picker-index")
+    def _sync_index(self) -> None:
+        """Catch the search index up with the sessions on disk (usually nothing to do),
+        then filter again with what it knows."""
+        try:
+            sync()
+            problem = None
+        except StoreError as exc:
+            problem = str(exc)
+        with contextlib.suppress(RuntimeError):  # the app is gone
+            self.app.call_from_thread(self._synced, problem)
+
+    def _synced(self, problem: str | None) -> None:
+        if not self.is_attached:  # the picker closed meanwhile
+            return
+        if problem:
+            self._show_hint(problem)
+        elif self.query_one("#picker-filter", Input).value.strip():
+            self._apply_filter()  # the index may know more now
+
+    def _show_hint(self, text: str) -> None:
+        self.query_one("#picker-hint", Static).update(Text(text))
+
+    @on(Input.Changed, "#picker-filter")
+    def _apply_filter(self) -> None:
+        """List the sessions whose name holds every word of the filter, or whose
+        transcript matches it in the index."""
+        text = self.query_one("#picker-filter", Input).value
+        shown = self.sessions
+        hint = self.HINT
+        if text.strip():
+            words = text.lower().split()
+            try:
+                said = matching_sessions(text)
+            except StoreError as exc:
+                said, hint = set(), str(exc)
+            shown = [s for s in self.sessions
+                     if s.name in said or all(w in s.name.lower() for w in words)]
+            if hint == self.HINT:
+                hint = f"{len(shown)} of {len(self.sessions)} sessions match; Enter opens one."
+        table = self.query_one(DataTable)
+        self._fill(table, shown)
+        self.query_one("#picker-open", Button).disabled = not shown
+        self._show_hint(hint)
+
+    def action_filter(self) -> None:
+        self.query_one("#picker-filter", Input).focus()
+
+    def action_move(self, step: int) -> None:
+        """Up and Down in the filter move the highlighted row."""
+        table = self.query_one(DataTable)
+        if table.row_count:
+            table.move_cursor(row=max(0, min(table.row_count - 1, table.cursor_row + step)))
 
     @on(DataTable.RowSelected)
     def _selected(self, event: DataTable.RowSelected) -> None:
         self.dismiss(event.row_key.value)
 
     @on(Button.Pressed, "#picker-open")
+    @on(Input.Submitted, "#picker-filter")
     def _open(self) -> None:
         table = self.query_one(DataTable)
         if table.row_count:
