@@ -96,7 +96,7 @@ def sessions_search(
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many.")] = 20,
 ) -> None:
     """Messages of saved sessions holding every word of TEXT (or words starting with
-    them), newest session first; the match is shown in [brackets]."""
+    them), newest session first; each match is shown between square brackets."""
     from kvchat import store
 
     found = _store_call(store.search_sessions, text, limit)
