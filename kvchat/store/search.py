@@ -34,6 +34,7 @@ INDEX_FILE = "search.sqlite3"
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 2.0
 SNIPPET_TOKENS = 12
+REBUILT = "The search index was unusable"  # how the notice of a rebuild begins
 _SEPARATORS = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -152,8 +153,7 @@ def _open(notes: list[str] | None = None) -> Iterator[sqlite3.Connection]:
     except sqlite3.DatabaseError as exc:
         if notes is None:
             raise
-        notes.append(f"The search index was unusable ({one_line(exc)}); it was rebuilt "
-                     "from the saved sessions.")
+        notes.append(f"{REBUILT} ({one_line(exc)}); it was rebuilt from the saved sessions.")
         _create(path)
         conn = _connect(path)
     try:

@@ -10,7 +10,7 @@ from kvchat import store
 from kvchat.engine.session import GenerationSettings, Session
 from kvchat.tui.screens.picker import SessionPicker
 
-from .conftest import SIZE, settle, widget_text
+from .conftest import SIZE, settle, until, widget_text
 
 pytestmark = pytest.mark.anyio
 
@@ -67,3 +67,18 @@ async def test_typing_in_the_filter_lists_only_the_matching_sessions(make_app, d
         conversation = app.active_conversation()
         assert conversation.session_name == "zoo"
         assert conversation.session.messages[0]["content"] == "tell me about the zebras"
+
+
+async def test_a_damaged_index_is_rebuilt_when_the_picker_opens(make_app, demo_model):
+    _save(demo_model, "zoo", "tell me about the zebras")
+    _save(demo_model, "farm", "the aardvark eats ants")
+    store.search.index_path().write_bytes(b"this is no database" * 50)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        hint = app.screen.query_one("#picker-hint")
+        await until(pilot, lambda: "rebuilt" in widget_text(hint))
+        assert "The search index was unusable (file is not a database)" in widget_text(hint)
+        app.screen.query_one("#picker-filter", Input).value = "aardvark"
+        await pilot.pause()
+        assert _listed(app) == ["farm"]

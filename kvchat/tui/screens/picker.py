@@ -14,7 +14,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Static
 
 from kvchat.store import SessionSummary, StoreError, matching_sessions
-from kvchat.store.search import sync
+from kvchat.store.search import REBUILT, sync
 
 from ..widgets.sidebar import human_bytes
 
@@ -79,20 +79,21 @@ class SessionPicker(ModalScreen):
         """Catch the search index up with the sessions on disk (usually nothing to do),
         then filter again with what it knows."""
         try:
-            sync()
-            problem = None
+            problem = next((n for n in sync() if n.startswith(REBUILT)), None)
         except StoreError as exc:
             problem = str(exc)
         with contextlib.suppress(RuntimeError):  # the app is gone
             self.app.call_from_thread(self._synced, problem)
 
     def _synced(self, problem: str | None) -> None:
+        """Show a rebuild or an unusable index in the hint; filter again, as the index
+        may know more now."""
         if not self.is_attached:  # the picker closed meanwhile
             return
+        if self.query_one("#picker-filter", Input).value.strip():
+            self._apply_filter()
         if problem:
             self._show_hint(problem)
-        elif self.query_one("#picker-filter", Input).value.strip():
-            self._apply_filter()  # the index may know more now
 
     def _show_hint(self, text: str) -> None:
         self.query_one("#picker-hint", Static).update(Text(text))
