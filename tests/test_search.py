@@ -152,11 +152,14 @@ def test_a_locked_index_does_not_break_a_save_and_catches_up(two, demo_model, mo
     holder.execute("BEGIN EXCLUSIVE")
     try:
         _saved(demo_model, "late", "a question about okapis")
+        with pytest.raises(StoreError, match=r"search index .* cannot be used \(database is locked\)"):
+            store.search_sessions("zebras")  # a lock is no damage: nothing is rebuilt
     finally:
         holder.execute("ROLLBACK")
         holder.close()
     assert store.read("late")["messages"][0]["content"] == "a question about okapis"
     assert store.matching_sessions("okapis") == set()  # the save's update was refused
+    assert store.matching_sessions("zebras") == {"zoo"}  # the index was not replaced
     assert [h.name for h in store.search_sessions("okapis").hits] == ["late"]  # caught up
 
 

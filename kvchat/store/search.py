@@ -35,6 +35,9 @@ SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 2.0
 SNIPPET_TOKENS = 12
 REBUILT = "The search index was unusable"  # how the notice of a rebuild begins
+# Errors that say nothing against the file (another kvchat writing, a full disk): no rebuild.
+_PASSING = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_FULL", "SQLITE_IOERR", "SQLITE_READONLY",
+            "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_NOMEM")
 _SEPARATORS = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -117,6 +120,8 @@ def _create(path: Path) -> None:
             conn.commit()
         finally:
             conn.close()
+        with contextlib.suppress(FileNotFoundError):  # the old file's, never to be replayed
+            os.unlink(path.with_name(path.name + "-journal"))
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -141,6 +146,12 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
+def _passing(exc: sqlite3.DatabaseError) -> bool:
+    """Whether ``exc`` says nothing against the file (``sqlite_errorname`` is 3.11+)."""
+    name = getattr(exc, "sqlite_errorname", "")
+    return name.startswith(_PASSING) or "is locked" in str(exc)
+
+
 @contextlib.contextmanager
 def _open(notes: list[str] | None = None) -> Iterator[sqlite3.Connection]:
     """The index, built when missing and rebuilt (with a note in ``notes``) when damaged
@@ -151,7 +162,7 @@ def _open(notes: list[str] | None = None) -> Iterator[sqlite3.Connection]:
     try:
         conn = _connect(path)
     except sqlite3.DatabaseError as exc:
-        if notes is None:
+        if notes is None or _passing(exc):
             raise
         notes.append(f"{REBUILT} ({one_line(exc)}); it was rebuilt from the saved sessions.")
         _create(path)
