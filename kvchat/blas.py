@@ -34,10 +34,20 @@ class BlasInfo:
 info = BlasInfo()
 
 
+# OpenBLAS worker threads spin for about 2^28 cycles after each call before they
+# sleep. On the CPU fast path two OpenBLAS libraries (mlx's and numpy's) and mlx's own
+# stream thread take turns on the same cores many times a token, and the spinning
+# threads delay the next one's work; 2^4 lets them sleep at once. Read by each OpenBLAS
+# when it loads, so it is set before mlx and numpy are; a value the user set is kept.
+THREAD_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
+THREAD_TIMEOUT = "4"
+
+
 def preload() -> BlasInfo:
     """Load an optimised BLAS globally, once; return what happened."""
     if info.status != "pending":
         return info
+    os.environ.setdefault(THREAD_TIMEOUT_ENV, THREAD_TIMEOUT)
     if not sys.platform.startswith("linux"):
         info.status = "not-linux"
     elif os.environ.get("KVCHAT_NO_BLAS") == "1":

@@ -79,3 +79,15 @@ def test_blas_module_does_not_import_mlx():
 
 def test_describe_is_one_line():
     assert "\n" not in blas.describe()
+
+
+@linux_only
+def test_openblas_threads_sleep_between_calls_unless_the_user_says_otherwise():
+    """Set before mlx and numpy load their OpenBLAS; a value the user gave is kept."""
+    script = "import os, kvchat, numpy; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    base = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    for env, want in ((base, blas.THREAD_TIMEOUT), ({**base, "OPENBLAS_THREAD_TIMEOUT": "20"}, "20")):
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == want
