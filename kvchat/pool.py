@@ -92,6 +92,14 @@ class SessionPool:
         self._entries[name] = PoolEntry(name, session, self.clock())
         return session
 
+    def rename(self, old: str, new: str) -> None:
+        """File ``old``'s entry under ``new``, keeping what it knows of its last save
+        (the caller has saved it under the new name, if it was saved at all)."""
+        store.check_name(new)
+        entry = self._entries.pop(old)
+        entry.name = new
+        self._entries[new] = entry
+
     def open(self, name: str, lm: LoadedModel, progress=None) -> store.Loaded:
         """Load saved session ``name`` (cache included) into the pool; see :func:`store.load`."""
         if name in self._entries:

@@ -89,6 +89,19 @@ def test_a_greedy_regenerate_is_a_change_to_save(demo_model, home):
     assert store.read("g")["turns"][-1]["evaluated_tokens"] == 0
 
 
+def test_rename_keeps_what_the_pool_knows_of_the_last_save(demo_model, home):
+    pool = SessionPool()
+    session = pool.add("old", chat(demo_model))
+    pool.save("old")
+    store.save(session, "new")
+    store.delete("old")
+    pool.rename("old", "new")
+    assert "old" not in pool and pool.entry("new").session is session
+    assert not pool.entry("new").dirty  # a tab renamed after a save needs no second save
+    turn(session, NEXT)
+    assert pool.entry("new").dirty
+
+
 def test_budget_offloads_least_recently_used_first(demo_model, home):
     clock = Clock()
     pool = SessionPool(ttl_s=0, memory_budget_bytes=1, clock=clock)

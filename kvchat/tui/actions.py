@@ -169,8 +169,10 @@ class ActionsMixin:
                     store.delete(old)
 
             def moved(_) -> None:
-                self.pool.drop(old)
-                self.pool.add(new, conversation.session)
+                if old in self.pool:
+                    self.pool.rename(old, new)
+                else:
+                    self.pool.add(new, conversation.session)
                 conversation.session_name = new
                 if conversation.parent is not None:
                     self.tabs.get_tab(conversation.parent.id).label = new

@@ -99,3 +99,23 @@ async def test_ctrl_w_with_autosave_saves_without_asking(demo_model, home):
         assert store.load(name, demo_model).session.messages[0]["content"] == "autosaved"
         assert list(app._notifications)[-1].message == (
             f"Saved {name} and closed it; Ctrl+O reopens it.")
+
+
+async def test_a_saved_tab_renamed_closes_without_asking(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        tab = app.active_conversation()
+        await send(pilot, "keep me")
+        await pilot.press("ctrl+s")
+        await settle(pilot, tab)
+        await pilot.press("f2")
+        await pilot.pause()
+        app.screen.query_one("#rename-input").value = "renamed"
+        await pilot.press("enter")
+        await settle(pilot, tab)
+        assert tab.session_name == "renamed" and store.exists("renamed")
+        await pilot.press("ctrl+w")
+        await settle(pilot)
+        assert not isinstance(app.screen, CloseDialog) and not app.conversations()
+        assert store.load("renamed", app.lm).session.messages[0]["content"] == "keep me"
