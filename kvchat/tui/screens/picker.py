@@ -25,7 +25,7 @@ class SessionPicker(ModalScreen):
     BINDINGS = [
         Binding("n", "new", "New session"),
         Binding("escape", "cancel", "Cancel"),
-        Binding("slash", "filter", show=False),  # named in the hint line
+        Binding("slash", "filter", "Filter", key_display="/"),
         Binding("down", "move(1)", show=False),
         Binding("up", "move(-1)", show=False),
     ]
