@@ -202,9 +202,10 @@ def compacted(cache: list[Any]) -> list[Any]:
     """
     out = []
     for c in cache:
-        slots, held = _slots(c), (_held(c) if hasattr(c, "offset") else None)
-        in_order = not isinstance(c, RotatingKVCache) or c.offset <= c.max_size
-        if not slots or held is None or held >= slots or not in_order:
+        slots = _slots(c)  # None and 0 mean nothing to cut
+        wrapped = isinstance(c, RotatingKVCache) and c.offset > c.max_size
+        held = _held(c) if slots else 0
+        if not slots or wrapped or held >= slots:
             out.append(c)
             continue
         state = list(c.state)
