@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from textual.widgets import Markdown
 
 from kvchat import store
 from kvchat.config import Config
@@ -49,6 +50,13 @@ def gate_after_first_chunk(session):
     return first, go_on
 
 
+def shown_text(conversation) -> str:
+    """The Markdown source of the last reply on screen ('' until it is mounted and composed)."""
+    replies = conversation.log.query(AssistantMessage)
+    markdown = replies.last().query(Markdown) if replies else []
+    return markdown.first().source if markdown else ""
+
+
 async def test_reply_text_is_on_screen_while_it_is_written(make_app):
     app = make_app(max_tokens=48)
     async with app.run_test(size=SIZE) as pilot:
@@ -57,9 +65,8 @@ async def test_reply_text_is_on_screen_while_it_is_written(make_app):
         first, go_on = gate_after_first_chunk(conversation.session)
         assert await conversation.send("Hello there.")
         await until(pilot, first.is_set)
-        await until(pilot, lambda: bool(conversation.log.query(AssistantMessage))
-                    and bool(conversation.log.query(AssistantMessage).last().markdown.source))
-        shown = conversation.log.query(AssistantMessage).last().markdown.source
+        await until(pilot, lambda: bool(shown_text(conversation)))
+        shown = shown_text(conversation)
         assert conversation.state == "answering"
         go_on.set()
         await settle(pilot, conversation)
