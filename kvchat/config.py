@@ -48,8 +48,8 @@ class Config:
     ttl: int = 1800
     """Seconds an idle session stays in memory before it is offloaded to disk (0: forever)."""
     memory_budget: int = 0
-    """Bytes of prompt caches kept in memory before the least recently used are offloaded
-    (0: no limit). The file may say ``"4GiB"``, ``"512MB"`` or a plain number of bytes."""
+    """Bytes of prompt caches (and loaded models' weights) kept in memory before the least
+    recently used caches are offloaded (0: no limit). The file may say ``"4GiB"``, ``"512MB"`` or a plain number of bytes."""
 
     def override(self, **values: Any) -> Config:
         """A copy with the given values set, skipping ``None`` (flags the user did not pass)."""

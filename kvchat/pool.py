@@ -5,8 +5,11 @@ may be **offloaded**: saved to disk (if it changed since the last save) and
 dropped from memory. The next :meth:`SessionPool.get` loads it back, so the
 caller never sees the difference except in time. Caches are offloaded when
 idle longer than ``ttl_s`` (:meth:`SessionPool.expire`) and, least recently
-used first, when the caches in memory pass ``memory_budget_bytes``
-(:meth:`SessionPool.enforce_budget`). A new session starts from a copy of a
+used first, when the caches in memory, and the weights of the models the
+pool's :class:`~kvchat.engine.registry.ModelRegistry` holds, pass
+``memory_budget_bytes`` (:meth:`SessionPool.enforce_budget`). Each open
+session holds its model in that registry: the model is unloaded when the last
+session using it is dropped. A new session starts from a copy of a
 live session's cache cut to the shared prefix (the system prompt) when one
 with the same model, cache kind and system prompt is open.
 
@@ -28,6 +31,7 @@ from kvchat.engine.kinds import parse_kind
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
+    from kvchat.engine.registry import ModelRegistry
     from kvchat.engine.session import GenerationSettings, Session
 
 
@@ -71,6 +75,7 @@ class SessionPool:
 
     ``ttl_s`` (0 or None: never) and ``memory_budget_bytes`` (0 or None: no
     limit) come from the config; ``clock`` returns seconds (tests pass their own).
+    With ``models``, every open session holds its model there (see the module's doc).
     """
 
     def __init__(
@@ -78,18 +83,28 @@ class SessionPool:
         ttl_s: float | None = 1800,
         memory_budget_bytes: int | None = 0,
         clock: Callable[[], float] = time.time,
+        models: ModelRegistry | None = None,
     ):
         self.ttl_s = ttl_s
         self.memory_budget_bytes = memory_budget_bytes
         self.clock = clock
+        self.models = models
         self._entries: dict[str, PoolEntry] = {}
+
+    def _put(self, entry: PoolEntry) -> None:
+        if self.models is not None:
+            self.models.retain(entry.session.lm)
+        old = self._entries.pop(entry.name, None)
+        self._entries[entry.name] = entry
+        if old is not None and self.models is not None:
+            self.models.release(old.session.lm)
 
     # ------------------------------------------------------------- opening
 
     def add(self, name: str, session: Session) -> Session:
         """Put a live session in the pool under ``name`` (a valid store name)."""
         store.check_name(name)
-        self._entries[name] = PoolEntry(name, session, self.clock())
+        self._put(PoolEntry(name, session, self.clock()))
         return session
 
     def rename(self, old: str, new: str) -> None:
@@ -107,7 +122,7 @@ class SessionPool:
         loaded = store.load(name, lm, progress)
         entry = PoolEntry(name, loaded.session, self.clock(), notice=loaded.notice)
         entry.saved_state = _signature(loaded.session) if loaded.notice is None else None
-        self._entries[name] = entry
+        self._put(entry)
         return loaded
 
     def new_session(
@@ -207,8 +222,11 @@ class SessionPool:
         return True
 
     def drop(self, name: str, delete_from_disk: bool = False) -> None:
-        """Close ``name`` without saving; with ``delete_from_disk`` its saved copy goes too."""
-        self._entries.pop(name, None)
+        """Close ``name`` without saving; with ``delete_from_disk`` its saved copy goes too.
+        Its model is unloaded if no other open session uses it."""
+        entry = self._entries.pop(name, None)
+        if entry is not None and self.models is not None:
+            self.models.release(entry.session.lm)
         if delete_from_disk and store.exists(name):
             store.delete(name)
 
@@ -223,13 +241,15 @@ class SessionPool:
         return idle
 
     def memory_bytes(self) -> int:
-        """Bytes of the prompt caches held in memory now."""
-        return sum(e.cache_bytes for e in self._entries.values())
+        """Bytes of the prompt caches held in memory now, and of the registry's models."""
+        weights = self.models.weight_bytes() if self.models is not None else 0
+        return weights + sum(e.cache_bytes for e in self._entries.values())
 
     def enforce_budget(self) -> list[str]:
-        """Offload least recently used caches until the rest fit ``memory_budget_bytes``.
+        """Offload least recently used caches until the rest (and the models) fit
+        ``memory_budget_bytes``.
 
-        The most recently used session always stays. Returns the names offloaded.
+        The most recently used session always stays, and models in use stay loaded. Returns the names offloaded.
         """
         budget = self.memory_budget_bytes
         if not budget or budget <= 0:

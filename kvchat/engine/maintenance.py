@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
+
 from .events import SessionError
 from .kinds import (
     CacheKind,
@@ -69,6 +71,14 @@ class CacheMaintenance:
         self.ledger = []
         self._logits = None
 
+    def close(self) -> None:
+        """Let go of the cache and the model for good (its tab was closed), so a stale
+        reference to the session (a finished worker's, say) holds neither in memory.
+        The session cannot run again; its transcript stays readable."""
+        self.cache, self.ledger, self._logits = [], [], None
+        del self.lm
+        mx.clear_cache()
+
     def attach(self, cache: list[Any], ledger: list[int]) -> None:
         """Take back a cache holding exactly ``ledger`` (as loaded from disk)."""
         self.cache, self.ledger = cache, list(ledger)
@@ -100,6 +110,15 @@ class CacheMaintenance:
         """Trim the cache to what the transcript renders to now (after undo or an edit)."""
         tokens = self.render(self.messages, False)
         self._rewind(common_prefix(self.ledger, tokens))
+
+    def set_system(self, text: str | None) -> int:
+        """Replace the system prompt (``""`` or None: none) and trim the cache to the tokens
+        that still match; return how many it keeps. The next turn evaluates only the rest."""
+        has_system = bool(self.messages) and self.messages[0]["role"] == "system"
+        rest = self.messages[1:] if has_system else list(self.messages)
+        self.messages = ([{"role": "system", "content": text}] if text else []) + rest
+        self.sync()
+        return len(self.ledger)
 
     def undo(self, turns: int = 1) -> None:
         """Remove the last ``turns`` exchanges (user message and reply) and trim the cache exactly."""

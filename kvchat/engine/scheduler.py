@@ -1,7 +1,8 @@
 """Which session uses the model next: the one place that decides.
 
-All tabs share one loaded model, and one reply (or one prefill: a rebuild, a
-trim, a kind switch) runs at a time. A caller asks for a turn with
+One reply (or one prefill: a rebuild, a trim, a kind switch; or a model load)
+runs at a time, whichever model each tab uses: two forward passes at once would
+share one device and the memory budget, and mlx's CPU fast path is process-wide. A caller asks for a turn with
 :meth:`Scheduler.turn`; requests are served first come, first served. The
 scheduler knows nothing about terminals: the TUI's worker threads call it
 and show "waiting" while :meth:`Scheduler.position` says they are queued.

@@ -78,7 +78,7 @@ class ActionsMixin:
                 "switching cache", lambda progress: session.set_kind(kind, progress), switched
             )
 
-        self.push_screen(KindDialog(session.kind.name, self.lm.model), chosen)
+        self.push_screen(KindDialog(session.kind.name, session.lm.model), chosen)
 
     def action_reset_cache(self) -> None:
         conversation = self.idle_conversation()
@@ -105,19 +105,15 @@ class ActionsMixin:
         name = conversation.session_name
 
         async def close() -> None:
-            self.pool.drop(name)
-            if conversation.parent is not None:
-                await self.tabs.remove_pane(conversation.parent.id)
-            self.refresh_sidebar()
+            await self.close_conversation(conversation)
 
         async def chosen(where: str | None) -> None:
             if where is None:
                 return
             if where == "disk":
-                self.pool.drop(name, delete_from_disk=True)
+                await close()
                 if store.exists(name):
                     store.delete(name)
-                await close()
                 self.notify(f"Dropped {name} from memory and disk.", markup=False)
                 return
 

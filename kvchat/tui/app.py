@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
-from textual import on, work
+from textual import on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
@@ -24,12 +24,14 @@ from textual.widgets import Footer, TabbedContent, Tabs
 
 from kvchat import store
 from kvchat.config import Config, ConfigError, load_config, remember
+from kvchat.engine.registry import ModelRegistry
 from kvchat.engine.scheduler import Scheduler
 from kvchat.pool import SessionPool
 from kvchat.themes import kvchat_themes
 
 from .actions import ActionsMixin
 from .expiry import ExpiryMixin
+from .models import ModelsMixin
 from .screens.help import HelpScreen
 from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker
@@ -42,11 +44,11 @@ from .widgets.turn_events import Changed
 # Actions that need an open conversation (and no dialog on top).
 _TAB_ACTIONS = {
     "close_tab", "next_tab", "previous_tab", "rename", "save", "trim", "cache_kind",
-    "reset_cache", "drop", "regenerate", "stop",
+    "reset_cache", "drop", "regenerate", "stop", "settings",
 }
 
 
-class KvChatApp(TabsMixin, ActionsMixin, ExpiryMixin, App):
+class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
     """kvchat's terminal UI.
 
     ``lm`` is a loaded model (tests pass the demo model); without it the app
@@ -75,6 +77,10 @@ class KvChatApp(TabsMixin, ActionsMixin, ExpiryMixin, App):
         Binding("ctrl+s", "save", "Save", tooltip="Save the session, cache included."),
         Binding("ctrl+l", "trim", "Undo/trim", tooltip="Undo the last turn or trim the history."),
         Binding("f4", "cache_kind", "Cache type", tooltip="Switch the cache kind of this tab."),
+        Binding("f9", "settings", "Settings", show=False,
+                tooltip="This tab's system prompt, temperature, top-p and max tokens."),
+        Binding("ctrl+n", "new_tab_model", "New tab, model…", show=False,
+                tooltip="Open a new tab on another model (loaded on demand)."),
         Binding("ctrl+r", "reset_cache", "Reset cache", show=False,
                 tooltip="Empty the cache; the next turn prefills the whole transcript."),
         Binding("f5", "regenerate", "Regenerate", show=False,
@@ -105,11 +111,17 @@ class KvChatApp(TabsMixin, ActionsMixin, ExpiryMixin, App):
         self.picker_on_start = picker
         self.config_path = config_path
         self.scheduler = Scheduler()
+        # The loaded models: each open session holds its own; the app holds its default
+        # model (for new tabs). A model no one holds is unloaded.
+        self.models = ModelRegistry()
+        if lm is not None:
+            self.models.retain(lm)
         # Every open tab's session, by name: idle caches go to disk after ``ttl`` seconds
-        # or when the caches in memory pass ``memory_budget`` bytes (see expire_idle).
+        # or when the caches and models in memory pass ``memory_budget`` bytes.
         self.pool = SessionPool(
             ttl_s=self.config.ttl or None,
             memory_budget_bytes=self.config.memory_budget or None,
+            models=self.models,
         )
         self.expire_every = expire_every
         self._maintaining = False
@@ -171,23 +183,6 @@ class KvChatApp(TabsMixin, ActionsMixin, ExpiryMixin, App):
                 remember(self.config_path, theme=theme.name)
             except OSError as error:
                 self.notify(f"Could not remember the theme: {error}", severity="warning")
-
-    @work(thread=True, exclusive=True, group="model")
-    def _load_model(self, spec: str) -> None:
-        from kvchat.engine.model import ModelLoadError, load_model
-
-        try:
-            lm = load_model(spec)
-        except ModelLoadError as error:
-            self.call_from_thread(self.exit, return_code=2, message=f"kvchat: {error}")
-            return
-        self.call_from_thread(self._model_ready, lm)
-
-    def _model_ready(self, lm) -> None:
-        self.lm = lm
-        if isinstance(self.screen, LoadingScreen):
-            self.pop_screen()
-        self._start()
 
     def _start(self) -> None:
         if self.resume:
@@ -278,7 +273,8 @@ class KvChatApp(TabsMixin, ActionsMixin, ExpiryMixin, App):
                 return None
             if action == "stop" and not conversation.busy:
                 return False  # in the footer only while there is something to stop
-        if action == "new_tab" and (self.lm is None or len(self.screen_stack) > 1):
+        if action in ("new_tab", "new_tab_model") and (
+                self.lm is None or len(self.screen_stack) > 1):
             return False
         return True
 

@@ -46,9 +46,13 @@ class ExpiryMixin:
 
     def _expired(self, offloaded: list[str], error: str | None) -> None:
         self._maintaining = False
+        if error:
+            self.notify(error, severity="warning", markup=False)
+        self.mark_offloaded(offloaded)
+
+    def mark_offloaded(self, offloaded: list[str]) -> None:
+        """The tabs whose caches went to disk are saved; the sidebar says offloaded."""
         for conversation in self.conversations():
             if conversation.session_name in offloaded:
                 conversation.saved = True
-        if error:
-            self.notify(error, severity="warning", markup=False)
         self.refresh_sidebar()

@@ -11,6 +11,7 @@ from textual import work
 from textual.widgets import TabPane
 
 from kvchat import store
+from kvchat.engine.model import LoadedModel, ModelLoadError
 from kvchat.engine.session import GenerationSettings, Session
 
 from .screens.dialogs import CloseDialog
@@ -21,8 +22,9 @@ from .widgets.chat import Conversation
 class TabsMixin:
     """New tabs, saved sessions opened into tabs, and tabs closed."""
 
-    def new_session(self, name: str | None = None) -> Session:
-        """A new session (in the pool under ``name`` when given).
+    def new_session(self, name: str | None = None, lm: LoadedModel | None = None) -> Session:
+        """A new session on ``lm`` (default: the app's model), in the pool under ``name``
+        when given.
 
         When the model is free, it starts from a copy of the cached system prompt
         of a live tab with the same model, kind and system prompt
@@ -30,18 +32,19 @@ class TabsMixin:
         starts empty rather than wait or copy a cache being written.
         """
         c = self.config
+        lm = lm or self.lm
         settings = GenerationSettings(max_tokens=c.max_tokens, temp=c.temp)
         system = c.system or None
         ticket = self.scheduler.request("new tab")
         try:
             self.scheduler.wait(ticket, timeout=0)
         except TimeoutError:
-            session = Session(self.lm, kind=c.cache, system=system, settings=settings)
+            session = Session(lm, kind=c.cache, system=system, settings=settings)
             if name is not None:
                 self.pool.add(name, session)
             return session
         try:
-            return self.pool.new_session(self.lm, c.cache, system, settings, name)
+            return self.pool.new_session(lm, c.cache, system, settings, name)
         finally:
             self.scheduler.done(ticket)
 
@@ -88,20 +91,32 @@ class TabsMixin:
 
     @work(thread=True, group="load")
     def _load_session(self, name: str) -> None:
+        """Worker: load the session's own model if no tab has it, then the session."""
         screen = self.screen
+        shown = isinstance(screen, LoadingScreen)
         progress = (lambda done, total: self.call_from_thread(screen.set_progress, done, total)
-                    ) if isinstance(screen, LoadingScreen) else None
+                    ) if shown else None
         try:
+            model_id = store.summary(name).model_id or self.lm.model_id
+            if shown and self.models.get(model_id) is None:
+                self.call_from_thread(screen.set_message,
+                                      f"Loading model {model_id} for session {name}…")
             with self.scheduler.turn(f"load:{name}"):
-                loaded = self.pool.open(name, self.lm, progress)
-        except store.StoreError as error:
+                lm = self.models.acquire(model_id)
+                try:
+                    loaded = self.pool.open(name, lm, progress)
+                finally:
+                    self.models.release(lm)  # the pool holds it for the open session
+                offloaded = self.pool.enforce_budget()
+        except (store.StoreError, ModelLoadError) as error:
             self.call_from_thread(self._load_failed, str(error))
             return
-        self.call_from_thread(self._loaded, name, loaded)
+        self.call_from_thread(self._loaded, name, loaded, offloaded)
 
-    async def _loaded(self, name: str, loaded: store.Loaded) -> None:
+    async def _loaded(self, name: str, loaded: store.Loaded, offloaded: list[str]) -> None:
         if isinstance(self.screen, LoadingScreen):
             self.pop_screen()
+        self.mark_offloaded(offloaded)
         if loaded.resumed_from_disk:
             await self.add_conversation(
                 loaded.session, name, saved=True, notice_kind="info",
@@ -156,8 +171,18 @@ class TabsMixin:
                              lambda _: self.call_later(closed), needs_cache=False)
 
     async def close_conversation(self, conversation: Conversation) -> None:
-        """Remove a tab and its session from memory (a saved copy stays on disk)."""
-        self.pool.drop(conversation.session_name)
+        """Remove a tab and its session from memory (a saved copy stays on disk); its model
+        is unloaded when no other tab uses it."""
         if conversation.parent is not None:
             await self.tabs.remove_pane(conversation.parent.id)
+        self.pool.drop(conversation.session_name)
+        self._let_go(conversation.session)
         self.refresh_sidebar()
+
+    @work(thread=True, group="close")
+    def _let_go(self, session: Session) -> None:
+        """Worker: free a closed tab's cache and its hold on the model, in turn with the
+        other tabs. (Textual keeps the last worker each thread ran, and with it the tab,
+        for a while: the session must not keep them in memory meanwhile.)"""
+        with self.scheduler.turn("closing a tab"):
+            session.close()

@@ -95,3 +95,19 @@ async def new_tab(pilot):
     await pilot.press("ctrl+t")
     await settle(pilot)
     return pilot.app.active_conversation()
+
+
+async def palette_pick(pilot, query: str) -> str:
+    """Ctrl+P, type ``query``, Enter on the first match; return that match's title."""
+    from textual.command import CommandPalette
+    from textual.widgets import OptionList
+
+    app = pilot.app
+    await pilot.press("ctrl+p")
+    await until(pilot, lambda: isinstance(app.screen, CommandPalette))
+    await pilot.press(*query)
+    options = app.screen.query_one(OptionList)
+    await until(pilot, lambda: options.option_count > 0)
+    first = str(options.get_option_at_index(0).prompt)
+    await pilot.press("enter")
+    return first

@@ -5,8 +5,6 @@ palette's "undo", the tab a session opens in, and a greedy regenerate."""
 from __future__ import annotations
 
 import pytest
-from textual.command import CommandPalette
-from textual.widgets import OptionList
 
 from kvchat import store
 from kvchat.engine.session import GenerationSettings, Session
@@ -14,7 +12,7 @@ from kvchat.tui.screens.dialogs import TrimDialog
 from kvchat.tui.screens.help import HelpScreen
 from kvchat.tui.widgets.messages import AssistantMessage, NoticeMessage, Welcome
 
-from .conftest import SIZE, new_tab, screen_text, send, settle, until
+from .conftest import SIZE, new_tab, palette_pick, screen_text, send, settle, until
 
 pytestmark = pytest.mark.anyio
 
@@ -72,13 +70,7 @@ async def test_the_palette_finds_undo(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         await send(pilot, "something to undo")
-        await pilot.press("ctrl+p")
-        await until(pilot, lambda: isinstance(app.screen, CommandPalette))
-        await pilot.press(*"undo")
-        options = app.screen.query_one(OptionList)
-        await until(pilot, lambda: options.option_count > 0)
-        assert "Undo/trim" in str(options.get_option_at_index(0).prompt)
-        await pilot.press("enter")
+        assert "Undo/trim" in await palette_pick(pilot, "undo")
         await until(pilot, lambda: isinstance(app.screen, TrimDialog))
 
 

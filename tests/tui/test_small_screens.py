@@ -14,7 +14,7 @@ from .conftest import send, settle, widget_text
 
 pytestmark = pytest.mark.anyio
 
-DIALOG_KEYS = ("f4", "ctrl+l", "ctrl+o", "f1", "f8", "f2", "ctrl+f")
+DIALOG_KEYS = ("f4", "ctrl+l", "ctrl+o", "f1", "f8", "f2", "ctrl+f", "f9", "ctrl+n")
 
 
 def _inside(app, widget) -> bool:
