@@ -155,14 +155,7 @@ class Session(CacheMaintenance):
 
     def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         """Token ids of ``messages`` through the model's chat template."""
-        if not messages:
-            return []
-        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-        tokenizer = self.lm.tokenizer
-        text = tokenizer.apply_chat_template(
-            plain, tokenize=False, add_generation_prompt=generation_prompt
-        )
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return render(self.lm, messages, generation_prompt)
 
     def _system_tokens(self) -> int:
         return len(self.render(self.messages[:1], False)) if self.system else 0
@@ -400,6 +393,17 @@ class Session(CacheMaintenance):
         after_turn(self.cache)
 
     # ----------------------------------------------------- cache maintenance
+
+def render(lm: LoadedModel, messages: list[dict], generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` (role and content only) through ``lm``'s chat template."""
+    if not messages:
+        return []
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = lm.tokenizer.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=generation_prompt
+    )
+    return list(lm.tokenizer.encode(text, add_special_tokens=False))
+
 
 def _chain(first: list[int], rest: Iterator[int]) -> Iterator[int]:
     yield from first

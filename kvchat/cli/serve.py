@@ -1,0 +1,80 @@
+"""``kvchat serve``: the OpenAI-compatible server (routes in :mod:`kvchat.serve`)."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Annotated
+
+import typer
+
+from .common import _fail, app, load_or_exit
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only reaches this machine (``localhost`` or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@app.command()
+def serve(
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="Model to serve (default: the config's).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")]
+    = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=0, max=65535)] = 8000,
+    cache: Annotated[str | None, typer.Option(help="Cache kind for new sessions.")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(help="Require 'Authorization: Bearer KEY' (needed off loopback).",
+                     envvar="KVCHAT_API_KEY"),
+    ] = None,
+    max_queue: Annotated[
+        int, typer.Option(help="Requests that may wait for the model; more get 429.", min=0)
+    ] = 16,
+    max_body: Annotated[
+        str, typer.Option(help="Largest request body, e.g. 8MiB; larger ones get 413.")
+    ] = "8MiB",
+) -> None:
+    """Serve the model over OpenAI's chat completions API; every conversation keeps its cache.
+
+    Sessions are matched by name (X-Session-Id or 'user') or by the longest shared
+    prefix, saved after each reply in the same sessions folder as the TUI.
+    """
+    import uvicorn
+
+    from kvchat.config import ConfigError, load_config, parse_size
+    from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
+    from kvchat.pool import SessionPool
+    from kvchat.serve import Engine, create_app
+
+    if not is_loopback(host) and not api_key:
+        raise _fail(f"--host {host} is reachable from other machines: give --api-key too "
+                    "(or KVCHAT_API_KEY).", 2)
+    try:
+        config = load_config()
+        kind = parse_kind(cache).name if cache else config.cache
+        body_limit = parse_size(max_body)
+    except (ConfigError, CacheKindError) as exc:
+        raise _fail(str(exc), 2) from None
+    except ValueError as exc:
+        raise _fail(f"--max-body {max_body}: {exc}.", 2) from None
+    lm = load_or_exit(model or config.model)
+    try:
+        make_cache(lm.model, parse_kind(kind))  # a kind this model cannot use: say so now
+    except CacheKindError as exc:
+        raise _fail(str(exc), 2) from None
+    pool = SessionPool(ttl_s=config.ttl or None, memory_budget_bytes=config.memory_budget or None)
+    engine = Engine(lm, pool, kind=kind, max_tokens=config.max_tokens, temp=config.temp,
+                    max_queue=max_queue)
+    typer.echo(f"kvchat: serving {lm.model_id} on http://{host}:{port}/v1", err=True)
+    try:
+        uvicorn.run(create_app(engine, api_key=api_key, max_body_bytes=body_limit),
+                    host=host, port=port, log_level="warning")
+    finally:
+        engine.shutdown()
