@@ -193,6 +193,23 @@ def test_stop_during_prefill(demo_model):
     assert nxt.reply == fresh_reply(demo_model, session.messages[:-1], session.settings)
 
 
+def test_stop_before_the_first_event_is_read_stops_that_turn(demo_model):
+    """A stop that comes between send() and the worker reading its first event (Ctrl+Q
+    right after Enter) stops the turn; a stale stop does not stop the next one."""
+    session = Session(demo_model, system=SYSTEM, settings=GenerationSettings(max_tokens=40))
+    events = session.send(MESSAGES[0])
+    session.stop()
+    done = finish(events)
+    assert done.stopped and done.reply == "" and done.stats.generated_tokens == 0
+    assert session.messages[-2]["content"] == MESSAGES[0]
+    assert session.messages[-1] == {"role": "assistant", "content": "", "stopped": True}
+    assert_consistent(session)
+    session.stop()  # nothing running: forgotten by the next send
+    nxt = finish(session.send(MESSAGES[1]))
+    assert not nxt.stopped and nxt.stats.generated_tokens == 40
+    assert nxt.reply == fresh_reply(demo_model, session.messages[:-1], session.settings)
+
+
 def test_reset_then_continue(demo_model):
     session = Session(demo_model, system=SYSTEM, settings=SETTINGS)
     converse(session, MESSAGES[:2])

@@ -194,6 +194,13 @@ class Session(CacheMaintenance):
         return prompt
 
     def _turn(self, messages: list[dict], prompt: list[int]) -> Iterator[Event]:
+        """The turn's events, run as they are read. A :meth:`stop` from now on stops this
+        turn, even one that comes before its first event is read."""
+        if not self._busy.locked():  # a running turn keeps its own stop request
+            self._stop.clear()
+        return self._events(messages, prompt)
+
+    def _events(self, messages: list[dict], prompt: list[int]) -> Iterator[Event]:
         if not self._busy.acquire(blocking=False):
             raise SessionBusy("This session is already answering; wait or stop it first.")
         try:
@@ -203,7 +210,6 @@ class Session(CacheMaintenance):
 
     def _run_turn(self, messages: list[dict], prompt: list[int]) -> Iterator[Event]:
         started = time.perf_counter()
-        self._stop.clear()
         mx.reset_peak_memory()
         self.messages = messages
 

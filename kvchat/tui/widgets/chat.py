@@ -206,6 +206,9 @@ class Conversation(Vertical):
         except SessionError as error:
             self.notify(str(error), severity="warning", markup=False)
             return False
+        # Busy from here on, before the first await: a Ctrl+Q or Esc that comes while the
+        # message is being mounted stops this turn instead of quitting past it.
+        self.state = "waiting" if self.scheduler.running else "answering"
         self.input.clear()
         try:
             history.remember(text)
@@ -218,7 +221,6 @@ class Conversation(Vertical):
         await self.log.query(Welcome).remove()
         await self.log.mount(self._user_widget)
         self.log.scroll_end(animate=False)
-        self.state = "waiting" if self.scheduler.running else "answering"
         self._run_turn(events)
         return True
 
@@ -243,8 +245,8 @@ class Conversation(Vertical):
         """Stop the running reply, or withdraw a queued one. True if there was one."""
         if self.state == "waiting" and self.scheduler.cancel(self.owner):
             return True
-        if self.state == "answering":
-            self.session.stop()
+        if self.state in ("waiting", "answering"):  # waiting, but not queued yet: stop it
+            self.session.stop()                       # as soon as it starts
             return True
         return False
 
