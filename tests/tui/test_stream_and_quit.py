@@ -163,7 +163,7 @@ def run_tui_and_quit(home: str, wait_s: float, message: str = "hello") -> tuple[
 
 def test_quit_always_exits_cleanly_in_a_real_terminal(tmp_path):
     """About one quit in five used to abort at interpreter shutdown (exit 134)."""
-    for i, wait_s in enumerate([0.0, 0.5, 1.5, 3.0, 0.2, 1.0]):
+    for i, wait_s in enumerate([0.0, 0.3, 1.0, 2.5]):
         code, out = run_tui_and_quit(str(tmp_path / f"home{i}"), wait_s)
         assert b"terminate called" not in out, out[-400:]
         assert code == 0, (wait_s, out[-2000:].decode(errors="replace"))
