@@ -232,3 +232,16 @@ def test_a_damaged_branch_record_is_refused_and_left_alone(demo_model, home):
         store.load("bad", demo_model)
     assert "\n" not in str(error.value)
     assert path.read_bytes() == raw
+
+
+def test_messages_set_from_outside_are_saved_as_a_branch_without_changing_the_tree(demo_model):
+    session = three_turns(demo_model)
+    old = list(session.messages)
+    session.messages = [*old[:3], {"role": "user", "content": "set by a server"}]
+    before = session.branches.to_record()
+    record = session.branch_record()
+    assert session.branches.to_record() == before  # a read changes nothing
+    assert record["nodes"][-1]["content"] == "set by a server" and len(record["path"]) == 3
+    assert session.branch_position(3) == (1, 1)  # the tree catches up at the next turn
+    finish(session.send("and then"))
+    assert session.branch_position(3) == (2, 2)

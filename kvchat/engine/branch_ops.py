@@ -10,6 +10,7 @@ the cache hold the new path at once, reusing it up to where the paths part.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -43,16 +44,21 @@ class BranchOps:
         self.branches.record(self.talk())
 
     def branch_record(self) -> dict | None:
-        """The branches as saved in ``session.json``; None while there is only one path."""
-        self._record()
-        return self.branches.to_record() if self.branches.forked else None
+        """The branches as saved in ``session.json``; None while there is only one path.
+        Changes nothing (a save may read it while another thread holds the session)."""
+        tree, talk = self.branches, self.talk()
+        if not tree.holds(talk):  # messages set from outside (the server) since the last turn
+            tree = copy.deepcopy(tree)
+            tree.record(talk)
+        return tree.to_record() if tree.forked else None
 
     def branch_position(self, index: int) -> tuple[int, int]:
-        """(k, n): the message at ``index`` of ``messages`` is version k of n."""
-        self._record()
-        if index < self._offset() or index >= len(self.messages):
+        """(k, n): the message at ``index`` of ``messages`` is version k of n (1 of 1 while
+        the tree has not caught up with the messages)."""
+        at = index - self._offset()
+        if at < 0 or not self.branches.holds(self.talk()):
             return 1, 1
-        return self.branches.position(index - self._offset())
+        return self.branches.position(at)
 
     def _message(self, index: int, role: str, what: str) -> None:
         if not self._offset() <= index < len(self.messages) \

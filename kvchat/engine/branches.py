@@ -76,6 +76,11 @@ class Branches:
         siblings = self.children(self.nodes[node].parent)
         return siblings.index(node) + 1, len(siblings)
 
+    def holds(self, messages: list[dict]) -> bool:
+        """True when ``messages`` are the current path."""
+        return len(messages) == len(self.path) and all(
+            _key(self.nodes[i].message) == _key(m) for i, m in zip(self.path, messages))
+
     def messages(self) -> list[dict]:
         return [dict(self.nodes[i].message) for i in self.path]
 

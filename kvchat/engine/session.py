@@ -205,6 +205,7 @@ class Session(CacheMaintenance, BranchOps):
         self._stop.clear()
         mx.reset_peak_memory()
         self.messages = messages
+        self._record()
 
         n = common_prefix(self.ledger, prompt)
         zero_prefill = (
