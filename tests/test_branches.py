@@ -245,3 +245,20 @@ def test_messages_set_from_outside_are_saved_as_a_branch_without_changing_the_tr
     assert session.branch_position(3) == (1, 1)  # the tree catches up at the next turn
     finish(session.send("and then"))
     assert session.branch_position(3) == (2, 2)
+
+
+def test_undo_and_trim_keep_the_tree_in_step(demo_model):
+    session = three_turns(demo_model)
+    finish(session.edit(5, "third, edited"))
+    session.undo()  # the edited exchange goes, with its versions; the original stays
+    assert [m["content"] for m in session.talk()][::2] == ["first question", "second question"]
+    assert session.branches.holds(session.talk())
+    assert [n.message["content"] for n in session.branches.nodes][4] == "third question"
+    finish(session.send("a new third"))
+    assert session.branch_position(5) == (2, 2)  # the original is the other version
+    dropped = session.trim_history(len(session.render(session.messages, False)) - 1)
+    assert dropped == 2 and session.branches.holds(session.talk())
+    assert session.branch_position(3) == (2, 2)  # forked after the trimmed turn: kept
+    assert session.ledger == session.render(session.messages, False)
+    switched = session.switch_branch(3, -1)
+    assert session.talk()[2]["content"] == "third question" and switched.evaluated > 0

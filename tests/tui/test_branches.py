@@ -133,7 +133,8 @@ async def test_copy_a_message_and_a_code_block(make_app, monkeypatch):
         monkeypatch.setattr(app._driver, "write", written.append)
         text = "Two blocks:\n\n```py\nprint('one')\n```\n\n```\nx = 2\n```\n"
         await send(pilot, text)
-        await select(pilot, conversation, 0)
+        await pilot.click(UserMessage)  # the mouse selects a message too
+        assert app.focused is conversation.log.query_one(UserMessage)
         await pilot.press("c")
         osc = f"\x1b]52;c;{base64.b64encode(text.encode()).decode()}\a"
         assert osc in written
