@@ -64,7 +64,8 @@ def _signature(session: Session) -> str:
     """A digest of everything :func:`store.save` writes that can change."""
     body = json.dumps(
         [session.kind.name, session.messages, session.archived, session.ledger,
-         [t.to_dict() for t in session.turns], asdict(session.settings)],
+         [t.to_dict() for t in session.turns], asdict(session.settings),
+         session.branch_record()],
         ensure_ascii=False,
     )
     return hashlib.sha256(body.encode()).hexdigest()

@@ -122,6 +122,7 @@ class CacheMaintenance:
 
     def undo(self, turns: int = 1) -> None:
         """Remove the last ``turns`` exchanges (user message and reply) and trim the cache exactly."""
+        self._record()
         messages = list(self.messages)
         removed = 0
         while removed < turns and any(m["role"] == "user" for m in messages):
@@ -131,6 +132,7 @@ class CacheMaintenance:
             raise SessionError("Nothing to undo: there is no user message yet.")
         self.messages = messages
         self._keep_turns(messages)
+        self.branches.truncate(len(self.talk()))
         self.sync()
 
     def trim_history(self, max_tokens: int, progress: Progress | None = None) -> int:
@@ -141,6 +143,7 @@ class CacheMaintenance:
         shortened transcript. Dropped turns move to ``archived``. Returns the
         number of messages dropped.
         """
+        self._record()
         keep_system = 1 if self.system else 0
         messages = list(self.messages)
         dropped: list[dict] = []
@@ -159,14 +162,23 @@ class CacheMaintenance:
         self.archived.extend(dropped)
         self.messages = messages
         del self.turns[: sum(m["role"] == "assistant" for m in dropped)]
-        tokens = self.render(messages, False)
+        self.branches.drop_first(len(dropped))
+        self._refill(progress)
+        return len(dropped)
+
+    def _refill(self, progress: Progress | None = None) -> tuple[int, int]:
+        """Make the cache hold exactly what the transcript renders to now: trim it to the
+        common prefix with the ledger and evaluate the rest. Returns (reused, evaluated)."""
+        self._stop.clear()
+        tokens = self.render(self.messages, False)
         self._rewind(common_prefix(self.ledger, tokens))
-        for event in self._prefill(tokens[len(self.ledger) :], total=len(tokens) - len(self.ledger)):
+        reused = len(self.ledger)
+        for event in self._prefill(tokens[reused:], total=len(tokens) - reused):
             if progress:
                 progress(event.done, event.total)
         after_turn(self.cache)
-        self._pending_rebuild = None  # the kept turns are all in the cache again
-        return len(dropped)
+        self._pending_rebuild = None  # the whole transcript is in the cache again
+        return reused, len(tokens) - reused
 
     def set_kind(self, kind: str | CacheKind, progress: Progress | None = None) -> str | None:
         """Switch the cache kind, converting the live cache where the data allows.

@@ -27,6 +27,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import make_sampler
 
+from .branch_ops import BranchOps
+from .branches import Branches
 from .cpu import state as cpu_state
 from .events import (
     Chunk,
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 
 
-class Session(CacheMaintenance):
+class Session(CacheMaintenance, BranchOps):
     """One conversation with its own prompt cache (one cache object per model layer)."""
 
     def __init__(
@@ -78,6 +80,7 @@ class Session(CacheMaintenance):
             self.messages.insert(0, {"role": "system", "content": system})
         self.turns: list[TurnStats] = []
         self.archived: list[dict] = []  # turns dropped by trim_history, kept for the record
+        self.branches = Branches.linear(self.talk())  # every path the messages have taken
         self.ledger: list[int] = []
         self.cache: list[Any] = make_cache(lm.model, self.kind, keep=self._system_tokens())
         self._logits: tuple[int, mx.array] | None = None
@@ -96,12 +99,15 @@ class Session(CacheMaintenance):
         cache: list[Any] | None = None,
         turns: list[TurnStats] | None = None,
         archived: list[dict] | None = None,
+        branches: Branches | None = None,
     ) -> "Session":
         """A session from saved parts. Without a ``cache`` (or ledger) it starts empty;
-        the caller decides whether to :meth:`rebuild` it now."""
+        the caller decides whether to :meth:`rebuild` it now. ``branches`` must hold
+        ``messages`` as its path (:meth:`Branches.from_record` checks that)."""
         session = cls(lm, kind=kind, settings=settings, messages=messages)
         session.turns = list(turns or [])
         session.archived = list(archived or [])
+        session.branches = branches or Branches.linear(session.talk(), session.turns)
         if cache is not None and ledger is not None:
             session.attach(cache, ledger)
         return session
@@ -172,13 +178,6 @@ class Session(CacheMaintenance):
         messages = [*self.messages, {"role": "user", "content": text}]
         return self._turn(messages, self._fitting_prompt(messages))
 
-    def regenerate(self) -> Iterator[Event]:
-        """Replace the last reply with a new one; the prompt is already in the cache."""
-        if not self.messages or self.messages[-1]["role"] != "assistant":
-            raise SessionError("Nothing to regenerate: the last message is not a reply.")
-        messages = self.messages[:-1]
-        return self._turn(messages, self._fitting_prompt(messages))
-
     def stop(self) -> None:
         """Ask the running turn to stop after its current token (thread-safe)."""
         self._stop.set()
@@ -212,6 +211,7 @@ class Session(CacheMaintenance):
         started = time.perf_counter()
         mx.reset_peak_memory()
         self.messages = messages
+        self._record()
 
         n = common_prefix(self.ledger, prompt)
         zero_prefill = (
@@ -308,6 +308,7 @@ class Session(CacheMaintenance):
         )
         self._pending_rebuild = None
         self.turns.append(stats)
+        self.branches.set_turn(stats)
         yield TurnDone(reply=reply, stats=stats, stopped=stopped, tokens=tuple(tokens))
 
     _pending_rebuild: str | None = None
@@ -396,6 +397,7 @@ class Session(CacheMaintenance):
         if stopped:
             message["stopped"] = True
         self.messages.append(message)
+        self._record()
         after_turn(self.cache)
 
     # ----------------------------------------------------- cache maintenance

@@ -131,6 +131,9 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
         "turns": [t.to_dict() for t in session.turns],
         "cache": cache_info,
     }
+    branches = session.branch_record()
+    if branches is not None:  # only then: a session without branches reads as before
+        data["branches"] = branches
     text = json.dumps(data, ensure_ascii=False, indent=1)
     write_bytes_atomic(json_path, text.encode(), "json")
     index_session(name, data, json_path)  # never raises: the index catches up on a search
@@ -174,6 +177,7 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
     rebuilt from it (``progress(done, total)`` reports the prefill) and
     ``notice`` says why in one sentence.
     """
+    from kvchat.engine.branches import Branches
     from kvchat.engine.kinds import CacheKindError
     from kvchat.engine.session import GenerationSettings, Session
     from kvchat.engine.stats import TurnStats
@@ -186,6 +190,9 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
     messages = [dict(m) for m in data["messages"]]
     archived = list(data.get("archived", []))
     ledger = list(data.get("ledger", []))
+    talk = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    # checked against the messages by the schema already
+    branches = Branches.from_record(data["branches"], talk) if "branches" in data else None
     kind = data.get("cache_kind", "standard")
 
     kind_notice = None
@@ -203,7 +210,7 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
     session = Session.restore(
         lm, messages=messages, kind=empty.kind, settings=settings,
         ledger=ledger, cache=cache,
-        turns=turns, archived=archived,
+        turns=turns, archived=archived, branches=branches,
     )
     if problem is None:
         return Loaded(session, resumed_from_disk=cache is not None, notice=None)

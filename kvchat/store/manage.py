@@ -126,7 +126,7 @@ def export(name: str, fmt: str = "md") -> str:
     data = read(name)
     if fmt == "json":
         keep = ("name", "model_id", "cache_kind", "created", "updated", "settings",
-                "messages", "archived", "turns")
+                "messages", "archived", "turns", "branches")
         return dumps_json({k: data.get(k) for k in keep}, indent=2)
     if fmt != "md":
         raise StoreError(f"Unknown export format {fmt!r}; use md or json.")
@@ -142,6 +142,10 @@ def export(name: str, fmt: str = "md") -> str:
         lines += ["## Archived (trimmed from the history)", ""]
         lines += _md_messages(data["archived"], level=3)
     lines += _md_messages(data["messages"], level=2)
+    if data.get("branches"):
+        others = len(data["branches"]["nodes"]) - len(data["branches"]["path"])
+        lines += [f"*This is the current branch; {others} message(s) on other branches "
+                  "are in the JSON export (`--format json`).*", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

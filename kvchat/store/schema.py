@@ -15,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvchat.engine.branches import BranchError, Branches
 from kvchat.engine.stats import TurnStats
 from kvchat.store.base import StoreError
 
@@ -32,6 +33,20 @@ class Message(_Strict):
     role: Literal["system", "user", "assistant"]
     content: str
     stopped: bool = False
+
+
+class BranchNode(Message):
+    """A message of the branch tree: its parent is an earlier node, or -1 for a first message."""
+
+    parent: int = Field(ge=-1, lt=1 << 53)
+    turn: TurnStats | None = None
+
+
+class BranchTree(_Strict):
+    """Every path the conversation took; ``path`` (node indices) is ``messages``."""
+
+    nodes: list[BranchNode]
+    path: list[Count]
 
 
 class Settings(_Strict):
@@ -66,6 +81,25 @@ class SessionFile(_Strict):
     ledger: list[TokenId] = []
     turns: list[TurnStats] = []
     cache: CacheInfo | None = None
+    branches: BranchTree | None = None  # absent while there is only one path (and before 0.x)
+
+    @model_validator(mode="after")
+    def _branches_fit(self) -> SessionFile:
+        if self.branches is not None:
+            try:
+                self.tree()
+            except BranchError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    def tree(self) -> Branches:
+        """The branch tree, checked against ``messages`` (linear when none was saved)."""
+        talk = [m.model_dump(exclude_unset=True) for m in self.messages]
+        if talk and talk[0]["role"] == "system":
+            talk = talk[1:]
+        if self.branches is None:
+            return Branches.linear(talk)
+        return Branches.from_record(self.branches.model_dump(exclude_unset=True), talk)
 
 
 def parse_session(raw: bytes, path: Path) -> dict:

@@ -91,9 +91,9 @@ class ActionsMixin:
 
         conversation.run_job("resetting", lambda progress: conversation.session.reset(), done)
 
-    def action_regenerate(self) -> None:
+    async def action_regenerate(self) -> None:
         conversation = self.idle_conversation()
-        if conversation is not None and conversation.regenerate():
+        if conversation is not None and await conversation.regenerate():
             if conversation.session.settings.temp <= 0:
                 self.notify("Temperature is 0 (greedy): the same reply comes again; "
                             "raise it with --temp or temp in the config file.", timeout=8)

@@ -38,6 +38,7 @@ from .screens.picker import SessionPicker
 from .tabs import TabsMixin
 from .widgets.chat import Conversation
 from .widgets.chat_input import ChatInput
+from .widgets.messages import SELECTED_BINDINGS
 from .widgets.sidebar import CacheInfo, CacheSidebar
 from .widgets.turn_events import Changed
 
@@ -339,6 +340,8 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
         return [
             ("anywhere", cls.BINDINGS),
             ("message box", ChatInput.BINDINGS),
+            ("conversation", Conversation.BINDINGS),
+            ("selected message", SELECTED_BINDINGS),
             ("session picker", SessionPicker.BINDINGS),
             ("anywhere", [Binding("ctrl+p", "command_palette", "Command palette"),
                           Binding("ctrl+q", "quit", "Quit")]),

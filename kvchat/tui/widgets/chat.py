@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import ProgressBar, Static
@@ -16,8 +17,16 @@ from kvchat import history, store
 from kvchat.engine.scheduler import Cancelled
 from kvchat.engine.session import Chunk, Prefill, Session, SessionError, TurnDone
 
+from .branching import BranchingMixin
 from .chat_input import ChatInput
-from .messages import AssistantMessage, NoticeMessage, UserMessage, Welcome, rebuild_note
+from .messages import (
+    AssistantMessage,
+    BranchBar,
+    NoticeMessage,
+    UserMessage,
+    Welcome,
+    rebuild_note,
+)
 from .turn_events import (
     Changed,
     JobFinished,
@@ -35,12 +44,18 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 
 
-class Conversation(Vertical):
+class Conversation(BranchingMixin, Vertical):
     """One tab: a session, its transcript, its input and a status line.
 
     ``state`` is ``idle``, ``waiting`` (queued behind another tab), ``answering``
     or a short label of a running job (``rebuilding``...).
     """
+
+    BINDINGS = [
+        Binding("ctrl+up,alt+up", "select_last", "Select message", show=False,
+                tooltip="Select the newest message; Up/Down move, then Enter edits, r "
+                        "regenerates, ←/→ switch branch, c/y copy, d deletes."),
+    ]
 
     state: reactive[str] = reactive("idle")
 
@@ -55,6 +70,9 @@ class Conversation(Vertical):
         self._reply: AssistantMessage | None = None
         self._pending_text: str | None = None
         self._user_widget: UserMessage | None = None
+        self._reply_index = -1  # where the reply being written goes in the transcript
+        self._redraw = False  # draw the transcript again when the turn ends
+        self._code_copies: dict[int, int] = {}
 
     @property
     def owner(self) -> str:
@@ -107,26 +125,6 @@ class Conversation(Vertical):
         if pool is not None and self.session_name in pool:
             return pool.entry(self.session_name).dirty or not store.exists(self.session_name)
         return not self.saved
-
-    def _transcript_widgets(self) -> list:
-        """The log's widgets for the transcript: a welcome until the first message, and
-        each reply with the note of its turn's rebuild (turns pair with the last replies)."""
-        messages = self.session.messages
-        replies = sum(1 for m in messages if m["role"] == "assistant")
-        turns = self.session.turns[-replies:] if replies else []
-        notes = [None] * (replies - len(turns)) + [rebuild_note(t.rebuilt) for t in turns]
-        widgets: list = [] if any(m["role"] == "user" for m in messages) else [Welcome()]
-        for message in messages:
-            role = message["role"]
-            if role == "user":
-                widgets.append(UserMessage(message["content"]))
-            elif role == "assistant":
-                widgets.append(AssistantMessage(message["content"],
-                                                stopped=bool(message.get("stopped")),
-                                                note=notes.pop(0)))
-            elif role == "system":
-                widgets.append(NoticeMessage(f"System prompt: {message['content']}", "system"))
-        return widgets
 
     @property
     def log(self) -> VerticalScroll:
@@ -206,25 +204,17 @@ class Conversation(Vertical):
         except SessionError as error:
             self.notify(str(error), severity="warning", markup=False)
             return False
-        # Busy from here on, before the first await: a Ctrl+Q or Esc that comes while the
-        # message is being mounted stops this turn instead of quitting past it.
-        self.state = "waiting" if self.scheduler.running else "answering"
         self.input.clear()
         try:
             history.remember(text)
         except (OSError, store.StoreError) as error:
             self.notify(f"The prompt history was not saved: {error}", severity="warning",
                         markup=False)
-        self._pending_text = text
-        self._user_widget = UserMessage(text)
-        self._reply = None
-        await self.log.query(Welcome).remove()
-        await self.log.mount(self._user_widget)
-        self.log.scroll_end(animate=False)
-        self._run_turn(events)
+        await self.start_turn(events, text=text)
         return True
 
-    def regenerate(self) -> bool:
+    async def regenerate(self) -> bool:
+        """F5: a new version of the last reply (the old one stays as a branch)."""
         if self.refuse_if_busy():
             return False
         try:
@@ -232,14 +222,31 @@ class Conversation(Vertical):
         except SessionError as error:
             self.notify(str(error), severity="warning", markup=False)
             return False
-        replies = self.log.query(AssistantMessage)
-        if replies:
-            replies.last().remove()
-        self._pending_text = None
-        self._user_widget = None
-        self.state = "waiting" if self.scheduler.running else "answering"
-        self._run_turn(events)
+        await self.start_turn(events, upto=len(self.session.messages) - 1)
         return True
+
+    async def start_turn(self, events, text: str | None = None, upto: int | None = None) -> None:
+        """Show a turn starting and run it: ``text`` is the new message, if any; ``upto``
+        cuts the transcript shown to that many messages first (an edit or a regenerate:
+        the transcript is drawn again, with its branches, when the turn ends)."""
+        # Busy from here on, before the first await: a Ctrl+Q or Esc that comes while the
+        # transcript is being drawn stops this turn instead of quitting past it.
+        self.state = "waiting" if self.scheduler.running else "answering"
+        self._redraw = upto is not None
+        if upto is not None:
+            for widget in [*self.selectable(), *self.log.query(BranchBar)]:
+                if widget.index >= upto:
+                    await widget.remove()
+        at = len(self.session.messages) if upto is None else upto
+        self._pending_text = text
+        self._user_widget = None if text is None else UserMessage(text, at)
+        self._reply_index = at + (text is not None)
+        self._reply = None
+        if self._user_widget is not None:
+            await self.log.query(Welcome).remove()
+            await self.log.mount(self._user_widget)
+        self.log.scroll_end(animate=False)
+        self._run_turn(events)
 
     def stop(self) -> bool:
         """Stop the running reply, or withdraw a queued one. True if there was one."""
@@ -311,7 +318,7 @@ class Conversation(Vertical):
     async def _chunk(self, event: ReplyChunk) -> None:
         event.stop()
         if self._reply is None:
-            self._reply = AssistantMessage()
+            self._reply = AssistantMessage(index=self._reply_index)
             await self.log.mount(self._reply)
         await self._reply.write(event.text)
         self.log.scroll_end(animate=False)
@@ -331,13 +338,16 @@ class Conversation(Vertical):
             await self.add_notice(event.error, "error")
         elif event.done is not None:
             if self._reply is None:
-                self._reply = AssistantMessage()
+                self._reply = AssistantMessage(index=self._reply_index)
                 await self.log.mount(self._reply)
             await self._reply.finish(event.done.reply, event.done.stopped,
                                      rebuild_note(event.done.stats.rebuilt))
         self._reply = None
         self._user_widget = None
         self._pending_text = None
+        if self._redraw:  # the branches and places of the messages changed
+            self._redraw = False
+            await self.reload()
         self.log.scroll_end(animate=False)
         self.touch_pool()
         self.state = "idle"

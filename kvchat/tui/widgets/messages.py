@@ -11,7 +11,9 @@ from __future__ import annotations
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Vertical
+from textual.message import Message
 from textual.timer import Timer
 from textual.widgets import Markdown, Static
 
@@ -26,20 +28,83 @@ def safe(text: str) -> str:
 # ------------------------------------------------------------------ messages
 
 
-class UserMessage(Static):
-    """What the user sent, shown as plain text."""
+class MessageAction(Message):
+    """A key or click on the message at ``index`` of the transcript asks for ``action``
+    (``edit``, ``regenerate``, ``copy``, ``copy_code``, ``delete``, ``branch`` with
+    ``step``, ``leave``); the conversation carries it out."""
 
-    def __init__(self, content: str) -> None:
+    def __init__(self, index: int, action: str, step: int = 0) -> None:
+        super().__init__()
+        self.index = index
+        self.action = action
+        self.step = step
+
+
+# A message of the transcript is selected by clicking it or with Ctrl+Up from the message
+# box; these keys then act on it.
+SELECTED_BINDINGS = [
+    Binding("up,k", "move(-1)", "Earlier message", show=False),
+    Binding("down,j", "move(1)", "Later message", show=False),
+    Binding("enter,e", "act('edit')", "Edit", tooltip="Edit your message and send it again: "
+            "the old continuation stays as a branch."),
+    Binding("r", "act('regenerate')", "Regenerate",
+            tooltip="A new version of this reply (or of the reply to this message), as a branch."),
+    Binding("left,[", "branch(-1)", "‹ Branch", key_display="←",
+            tooltip="Show the previous version of this message (‹)."),
+    Binding("right,]", "branch(1)", "Branch ›", key_display="→",
+            tooltip="Show the next version of this message (›)."),
+    Binding("c", "act('copy')", "Copy", tooltip="Copy the message's text to the clipboard."),
+    Binding("y", "act('copy_code')", "Copy code",
+            tooltip="Copy a code block of the message; again: the next one."),
+    Binding("d,delete", "act('delete')", "Delete",
+            tooltip="Delete this exchange (your message and its reply)."),
+    Binding("escape", "act('leave')", "Back to the message box", show=False),
+]
+
+
+class Selectable:
+    """The keys of a selected message (a mixin; the class sets ``BINDINGS``)."""
+
+    can_focus = True
+    index: int = -1
+
+    def action_move(self, step: int) -> None:
+        siblings = [w for w in self.parent.children if isinstance(w, Selectable)]
+        at = siblings.index(self) + step
+        if at >= len(siblings):
+            self.post_message(MessageAction(self.index, "leave"))
+        elif at >= 0:
+            siblings[at].focus()
+            siblings[at].scroll_visible(animate=False)
+
+    def action_act(self, action: str) -> None:
+        self.post_message(MessageAction(self.index, action))
+
+    def action_branch(self, step: int) -> None:
+        self.post_message(MessageAction(self.index, "branch", step))
+
+
+class UserMessage(Selectable, Static):
+    """What the user sent, shown as plain text; ``index`` is its place in the transcript."""
+
+    BINDINGS = SELECTED_BINDINGS
+
+    def __init__(self, content: str, index: int = -1) -> None:
         self.text = safe(content)
         super().__init__(Text(self.text), markup=False, classes="message user")
         self.border_title = "you"
+        self.index = index
 
 
-class AssistantMessage(Vertical):
+class AssistantMessage(Selectable, Vertical):
     """A reply, rendered as Markdown (streamed while it is written)."""
 
-    def __init__(self, content: str = "", stopped: bool = False, note: str | None = None) -> None:
+    BINDINGS = SELECTED_BINDINGS
+
+    def __init__(self, content: str = "", stopped: bool = False, note: str | None = None,
+                 index: int = -1) -> None:
         super().__init__(classes="message assistant")
+        self.index = index
         self._note = note
         self.border_title = "assistant"
         self._initial = safe(content)
@@ -95,6 +160,23 @@ class AssistantMessage(Vertical):
         # Links in model output open nothing; show where they point instead.
         event.stop()
         self.notify(f"Link (not opened): {safe(event.href)}", markup=False, timeout=6)
+
+
+class BranchBar(Static):
+    """‹ k/n › under a message that has other versions: a click on ‹ or › switches."""
+
+    def __init__(self, index: int, position: tuple[int, int], role: str) -> None:
+        k, n = position
+        super().__init__(f"‹ {k}/{n} ›", markup=False, classes=f"branch-bar {role}")
+        self.index = index
+
+    def on_click(self, event) -> None:
+        event.stop()
+        width = self.content_size.width
+        if event.x <= 1:
+            self.post_message(MessageAction(self.index, "branch", -1))
+        elif event.x >= width - 2:
+            self.post_message(MessageAction(self.index, "branch", 1))
 
 
 class NoticeMessage(Static):
