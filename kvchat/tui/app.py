@@ -31,7 +31,10 @@ from kvchat.themes import kvchat_themes
 
 from .actions import ActionsMixin
 from .expiry import ExpiryMixin
+from .keymap import check_keymap, keys_of
+from .keymap import notice as keymap_notice
 from .models import ModelsMixin
+from .screens.dialogs import Dialog
 from .screens.help import HelpScreen
 from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker
@@ -62,35 +65,49 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (70, "-medium"), (100, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
 
-    # The footer shows them in this order, as far as the width goes: help first.
-    BINDINGS = [
+    # The footer shows them in this order, as far as the width goes: help first. Each has
+    # an id, which ``[keymap]`` in config.toml may give other keys (see ``keymap.py``).
+    APP_BINDINGS = [
         # F1 only: "?" is a character the message box needs.
-        Binding("f1", "help", "Help", tooltip="List every key."),
-        Binding("ctrl+t", "new_tab", "New tab", tooltip="Start a new conversation in a new tab."),
-        Binding("ctrl+w", "close_tab", "Close tab", priority=True, show=False,
+        Binding("f1", "help", "Help", id="help", tooltip="List every key."),
+        Binding("ctrl+t", "new_tab", "New tab", id="new_tab",
+                tooltip="Start a new conversation in a new tab."),
+        Binding("ctrl+w", "close_tab", "Close tab", id="close_tab", priority=True, show=False,
                 tooltip="Close the active tab; unsaved messages are saved first (autosave) "
                         "or a dialog asks."),
-        Binding("ctrl+pagedown,alt+right", "next_tab", "Next tab", show=False),
-        Binding("ctrl+pageup,alt+left", "previous_tab", "Previous tab", show=False),
-        Binding("f2", "rename", "Rename", show=False, tooltip="Rename the active session."),
-        Binding("escape", "stop", "Stop", tooltip="Stop the reply being written."),
-        Binding("ctrl+s", "save", "Save", tooltip="Save the session, cache included."),
-        Binding("ctrl+l", "trim", "Undo/trim", tooltip="Undo the last turn or trim the history."),
-        Binding("f4", "cache_kind", "Cache type", tooltip="Switch the cache kind of this tab."),
-        Binding("f9", "settings", "Settings", show=False,
+        Binding("ctrl+pagedown,alt+right", "next_tab", "Next tab", id="next_tab", show=False),
+        Binding("ctrl+pageup,alt+left", "previous_tab", "Previous tab", id="previous_tab",
+                show=False),
+        Binding("f2", "rename", "Rename", id="rename", show=False,
+                tooltip="Rename the active session."),
+        Binding("escape", "stop", "Stop", id="stop", tooltip="Stop the reply being written."),
+        Binding("ctrl+s", "save", "Save", id="save", tooltip="Save the session, cache included."),
+        Binding("ctrl+l", "trim", "Undo/trim", id="trim",
+                tooltip="Undo the last turn or trim the history."),
+        Binding("f4", "cache_kind", "Cache type", id="cache_kind",
+                tooltip="Switch the cache kind of this tab."),
+        Binding("f9", "settings", "Settings", id="settings", show=False,
                 tooltip="This tab's system prompt, temperature, top-p and max tokens."),
-        Binding("ctrl+n", "new_tab_model", "New tab, model…", show=False,
+        Binding("ctrl+n", "new_tab_model", "New tab, model…", id="new_tab_model", show=False,
                 tooltip="Open a new tab on another model (loaded on demand)."),
-        Binding("ctrl+r", "reset_cache", "Reset cache", show=False,
+        Binding("ctrl+r", "reset_cache", "Reset cache", id="reset_cache", show=False,
                 tooltip="Empty the cache; the next turn prefills the whole transcript."),
-        Binding("f5", "regenerate", "Regenerate", show=False,
+        Binding("f5", "regenerate", "Regenerate", id="regenerate", show=False,
                 tooltip="Replace the last reply with a new one."),
-        Binding("f8", "drop", "Drop", show=False,
+        Binding("f8", "drop", "Drop", id="drop", show=False,
                 tooltip="Drop the session from memory, or from disk too."),
-        Binding("ctrl+o,f3", "sessions", "Sessions", tooltip="Open a saved session."),
-        Binding("ctrl+b", "toggle_sidebar", "Sidebar", show=False,
+        Binding("ctrl+o,f3", "sessions", "Sessions", id="sessions",
+                tooltip="Open a saved session."),
+        Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="toggle_sidebar", show=False,
                 tooltip="Show or hide the cache panel."),
     ]
+    # Textual's own two, given ids (Textual adds the palette's key when no binding has it).
+    SYSTEM_BINDINGS = [
+        Binding("ctrl+p", "command_palette", "palette", id="command_palette", priority=True,
+                show=False, tooltip="Every action, and the themes."),
+        Binding("ctrl+q", "quit", "Quit", id="quit", priority=True, show=False),
+    ]
+    BINDINGS = APP_BINDINGS + SYSTEM_BINDINGS
 
     def __init__(
         self,
@@ -128,6 +145,7 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
         self._quitting = False
         self._tab_numbers = 0
         self._theme_ready = False
+        self.keymap: dict[str, str] = {}  # the [keymap] entries in use: binding id -> keys
 
     def get_driver_class(self):
         """Textual's driver, reading bracketed pastes whole (see ``paste.py``).
@@ -152,6 +170,7 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
+        self._apply_keymap()
         self._register_themes()
         if self.expire_every and self.expire_every > 0:
             self.set_interval(self.expire_every, self.expire_idle, name="expire")
@@ -160,6 +179,17 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
             self._load_model(self.config.model)
         else:
             self.call_later(self._start)
+
+    def _apply_keymap(self) -> None:
+        """Give Textual the config's ``[keymap]``, less the entries it cannot use (said in
+        one notice; those bindings keep their default keys)."""
+        ids = [binding.id for _, bindings in self.binding_groups() for binding in bindings]
+        self.keymap, problems = check_keymap(self.config.keymap, ids)
+        self.set_keymap(self.keymap)
+        if "command_palette" in self.keymap:  # the footer shows the palette by this key
+            self.COMMAND_PALETTE_BINDING = self.keymap["command_palette"].split(",")[0]
+        if problems:
+            self.notify(keymap_notice(problems), severity="warning", markup=False, timeout=10)
 
     def _register_themes(self) -> None:
         themes, problems = kvchat_themes()
@@ -335,19 +365,21 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
 
     @classmethod
     def binding_groups(cls) -> list[tuple[str, list]]:
-        """Where each key works, and the BINDINGS list that defines it."""
+        """Where each key works, and the BINDINGS list that defines it: every binding
+        of the TUI (the help screen, the keymap and the README's table read this)."""
         return [
-            ("anywhere", cls.BINDINGS),
+            ("anywhere", cls.APP_BINDINGS),
             ("message box", ChatInput.BINDINGS),
             ("session picker", SessionPicker.BINDINGS),
-            ("anywhere", [Binding("ctrl+p", "command_palette", "Command palette"),
-                          Binding("ctrl+q", "quit", "Quit")]),
+            ("dialogs", Dialog.BINDINGS),
+            ("help", HelpScreen.BINDINGS),
+            ("anywhere", cls.SYSTEM_BINDINGS),
         ]
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        for binding in self.BINDINGS:
+        for binding in self.APP_BINDINGS:
             if binding.description:
-                key = binding.key.split(",")[0]
+                key = keys_of(binding, self.keymap)[0]
                 help_text = f"{binding.tooltip or binding.description} ({key})"
                 yield SystemCommand(binding.description, help_text,
                                     partial(self.run_action, binding.action))
@@ -356,7 +388,7 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
             for binding in ChatInput.BINDINGS:
                 if binding.action in ("editor", "insert_file"):
                     yield SystemCommand(binding.description,
-                                        f"{binding.tooltip} ({binding.key})",
+                                        f"{binding.tooltip} ({keys_of(binding, self.keymap)[0]})",
                                         partial(conversation.input.run_action, binding.action))
         yield from super().get_system_commands(screen)
 

@@ -86,7 +86,7 @@ class Conversation(Vertical):
             yield from self._transcript_widgets()
         yield Static("", classes="status", markup=False)
         yield ProgressBar(total=100, show_eta=False, classes="progress")
-        yield ChatInput(self.prompt_history, self.count_tokens, classes="input",
+        yield ChatInput(self.prompt_history, self.count_tokens, lambda: self.busy, classes="input",
                         placeholder="Message (Enter sends, Ctrl+J new line)")
 
     def count_tokens(self, text: str) -> int:
