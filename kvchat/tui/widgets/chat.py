@@ -105,7 +105,8 @@ class Conversation(Vertical):
             return False
         pool = self.pool
         if pool is not None and self.session_name in pool:
-            return pool.entry(self.session_name).dirty or not store.exists(self.session_name)
+            entry = pool.entry(self.session_name)  # an offload's copy is not a save
+            return entry.dirty or not entry.kept or not store.exists(self.session_name)
         return not self.saved
 
     def _transcript_widgets(self) -> list:
