@@ -54,7 +54,13 @@ from kvchat.store.manage import (
 )
 from kvchat.store.search import Found, Hit, matching_sessions, reindex, search_sessions
 from kvchat.store.session_file import read
-from kvchat.store.transfer import FORMATS, export, export_session, import_session
+from kvchat.store.transfer import (
+    FORMATS,
+    export,
+    export_session,
+    import_session,
+    write_export,
+)
 
 __all__ = [
     "CACHE_FILE",
@@ -93,4 +99,5 @@ __all__ = [
     "session_lock",
     "set_aside",
     "summary",
+    "write_export",
 ]

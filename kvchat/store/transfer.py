@@ -9,6 +9,7 @@ transcript, as a fresh session would. The file is validated by the same schema a
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,27 @@ def _md_messages(messages: list[dict], level: int) -> list[str]:
         title = m["role"].capitalize() + (" (stopped)" if m.get("stopped") else "")
         out += [f"{'#' * level} {title}", "", m["content"], ""]
     return out
+
+
+def write_export(path: Path, text: str) -> Path:
+    """Write an export to a new file ``path`` (``~`` expanded; readable by the user only);
+    an existing file or symlink is never replaced. A problem is one :class:`StoreError`
+    sentence. Returns the path written."""
+    path = Path(path).expanduser()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        raise StoreError(f"{path} exists already; choose another file name.") from None
+    except OSError as exc:
+        raise StoreError(f"{path} cannot be written ({one_line(exc)}).") from None
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(text.encode("utf-8"))
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise StoreError(f"{path} could not be written whole ({one_line(exc)}); "
+                         "nothing was left there.") from None
+    return path
 
 
 def import_session(path: Path, name: str | None = None, model_id: str | None = None,

@@ -10,12 +10,10 @@ palette are built from those lists.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from functools import partial
 from pathlib import Path
 
 from textual import on
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
@@ -31,27 +29,25 @@ from kvchat.themes import kvchat_themes
 
 from .actions import ActionsMixin
 from .expiry import ExpiryMixin
-from .keymap import check_keymap, keys_of
-from .keymap import notice as keymap_notice
+from .keys import KeysMixin
 from .models import ModelsMixin
-from .screens.dialogs import Dialog
-from .screens.help import HelpScreen
 from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker
 from .tabs import TabsMixin
+from .transfer import TransferMixin
 from .widgets.chat import Conversation
-from .widgets.chat_input import ChatInput
 from .widgets.sidebar import CacheInfo, CacheSidebar
 from .widgets.turn_events import Changed
 
 # Actions that need an open conversation (and no dialog on top).
 _TAB_ACTIONS = {
     "close_tab", "next_tab", "previous_tab", "rename", "save", "trim", "cache_kind",
-    "reset_cache", "drop", "regenerate", "stop", "settings",
+    "reset_cache", "drop", "regenerate", "stop", "settings", "export",
 }
 
 
-class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
+class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin, TransferMixin,
+                App):
     """kvchat's terminal UI.
 
     ``lm`` is a loaded model (tests pass the demo model); without it the app
@@ -100,6 +96,10 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
                 tooltip="Open a saved session."),
         Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="toggle_sidebar", show=False,
                 tooltip="Show or hide the cache panel."),
+        Binding("alt+e", "export", "Export…", id="export", show=False,
+                tooltip="Write this tab's transcript to a file, as Markdown or JSON."),
+        Binding("alt+i", "import", "Import…", id="import", show=False,
+                tooltip="Open a JSON export as a new session (its cache built on first use)."),
     ]
     # Textual's own two, given ids (Textual adds the palette's key when no binding has it).
     SYSTEM_BINDINGS = [
@@ -179,17 +179,6 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
             self._load_model(self.config.model)
         else:
             self.call_later(self._start)
-
-    def _apply_keymap(self) -> None:
-        """Give Textual the config's ``[keymap]``, less the entries it cannot use (said in
-        one notice; those bindings keep their default keys)."""
-        ids = [binding.id for _, bindings in self.binding_groups() for binding in bindings]
-        self.keymap, problems = check_keymap(self.config.keymap, ids)
-        self.set_keymap(self.keymap)
-        if "command_palette" in self.keymap:  # the footer shows the palette by this key
-            self.COMMAND_PALETTE_BINDING = self.keymap["command_palette"].split(",")[0]
-        if problems:
-            self.notify(keymap_notice(problems), severity="warning", markup=False, timeout=10)
 
     def _register_themes(self) -> None:
         themes, problems = kvchat_themes()
@@ -303,7 +292,7 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
                 return None
             if action == "stop" and not conversation.busy:
                 return False  # in the footer only while there is something to stop
-        if action in ("new_tab", "new_tab_model") and (
+        if action in ("new_tab", "new_tab_model", "import") and (
                 self.lm is None or len(self.screen_stack) > 1):
             return False
         return True
@@ -357,40 +346,6 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
         self.main_screen.set_class(shown, "-hide-sidebar")
         self.main_screen.set_class(not shown, "-show-sidebar")
 
-    def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(self.binding_groups()))
-
-    # ------------------------------------------------------- help, palette
-
-    @classmethod
-    def binding_groups(cls) -> list[tuple[str, list]]:
-        """Where each key works, and the BINDINGS list that defines it: every binding
-        of the TUI (the help screen, the keymap and the README's table read this)."""
-        return [
-            ("anywhere", cls.APP_BINDINGS),
-            ("message box", ChatInput.BINDINGS),
-            ("session picker", SessionPicker.BINDINGS),
-            ("dialogs", Dialog.BINDINGS),
-            ("help", HelpScreen.BINDINGS),
-            ("anywhere", cls.SYSTEM_BINDINGS),
-        ]
-
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        for binding in self.APP_BINDINGS:
-            if binding.description:
-                key = keys_of(binding, self.keymap)[0]
-                help_text = f"{binding.tooltip or binding.description} ({key})"
-                yield SystemCommand(binding.description, help_text,
-                                    partial(self.run_action, binding.action))
-        conversation = self.active_conversation()
-        if conversation is not None:  # the message box's actions that are not typing
-            for binding in ChatInput.BINDINGS:
-                if binding.action in ("editor", "insert_file"):
-                    yield SystemCommand(binding.description,
-                                        f"{binding.tooltip} ({keys_of(binding, self.keymap)[0]})",
-                                        partial(conversation.input.run_action, binding.action))
-        yield from super().get_system_commands(screen)
 
 
 def run_tui(
