@@ -58,6 +58,25 @@ def check_keymap(
     return usable, problems
 
 
+def clashes(groups: Iterable[tuple[str, Iterable[Binding]]],
+            keymap: Mapping[str, str]) -> list[str]:
+    """A phrase for each key ``keymap`` gives a binding that another binding of the same
+    place keeps by default (Textual then drops that one's key; it does not say so)."""
+    places: dict[str, list[Binding]] = {}
+    for where, bindings in groups:
+        places.setdefault(where, []).extend(bindings)
+    found = []
+    for bindings in places.values():
+        kept = {key: b for b in bindings if b.id not in keymap for key in split_keys(b.key)}
+        for binding in bindings:
+            if binding.id in keymap:
+                for key in split_keys(keymap[binding.id]):
+                    if key in kept:
+                        found.append(f"{key} was {kept[key].id}'s key; it now does "
+                                     f"{binding.id}")
+    return found
+
+
 def notice(problems: list[str], shown: int = 3) -> str:
     """One line for the problems ``check_keymap`` found."""
     more = len(problems) - shown

@@ -9,7 +9,7 @@ from functools import partial
 from textual.app import SystemCommand
 from textual.screen import Screen
 
-from .keymap import check_keymap, keys_of
+from .keymap import check_keymap, clashes, keys_of
 from .keymap import notice as keymap_notice
 from .screens.dialogs import Dialog
 from .screens.help import HelpScreen
@@ -30,6 +30,10 @@ class KeysMixin:
             self.COMMAND_PALETTE_BINDING = self.keymap["command_palette"].split(",")[0]
         if problems:
             self.notify(keymap_notice(problems), severity="warning", markup=False, timeout=10)
+        taken = clashes(self.binding_groups(), self.keymap)
+        if taken:
+            self.notify(f"Keymap: {'; '.join(taken)}.", severity="warning", markup=False,
+                        timeout=10)
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

@@ -113,3 +113,16 @@ async def test_bad_entries_are_one_notice_and_the_rest_apply(demo_model, home):
         await pilot.press("f11")  # the good entry applies
         await pilot.pause()
         assert app.sidebar.display is not shown
+
+
+async def test_a_key_taken_from_another_binding_says_so_once(demo_model, home):
+    app = _app(demo_model, ("new_tab", "ctrl+s"))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+s")  # now a new tab, not a save
+        await settle(pilot)
+        await pilot.press("ctrl+s")
+        await settle(pilot)
+        assert len(app.conversations()) == 3
+        assert [n for n in _notices(app) if n.startswith("Keymap")] == [
+            "Keymap: ctrl+s was save's key; it now does new_tab."]
