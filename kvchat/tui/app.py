@@ -96,9 +96,9 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin, Tr
                 tooltip="Open a saved session."),
         Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="toggle_sidebar", show=False,
                 tooltip="Show or hide the cache panel."),
-        Binding("alt+e", "export", "Export…", id="export", show=False,
+        Binding("f12", "export", "Export…", id="export", show=False,
                 tooltip="Write this tab's transcript to a file, as Markdown or JSON."),
-        Binding("alt+i", "import", "Import…", id="import", show=False,
+        Binding("shift+f12", "import", "Import…", id="import", show=False,
                 tooltip="Open a JSON export as a new session (its cache built on first use)."),
     ]
     # Textual's own two, given ids (Textual adds the palette's key when no binding has it).

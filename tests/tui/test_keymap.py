@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Footer
 
-from kvchat.config import Config
+from kvchat.config import Config, parse_config
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.keymap import keymap_table, valid_key
 from kvchat.tui.screens.help import HelpScreen
@@ -60,14 +60,14 @@ def test_keys_textual_does_not_know(key):
 async def test_a_remapped_key_works_the_old_one_does_not_and_both_screens_say_so(demo_model,
                                                                                  home):
     # (not f6 or f7: TextArea, the message box, has them)
-    app = _app(demo_model, ("new_tab", "f11"), ("send", "f12"), ("save", "f10"),
-               ("command_palette", "alt+p"))
+    app = _app(demo_model, ("new_tab", "f11"), ("send", "shift+f11"), ("save", "f10"),
+               ("command_palette", "shift+f10"))
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         assert not _notices(app)
         footer = widget_text(app.screen.query_one(Footer))
         assert "f10 Save" in footer and "^s" not in footer
-        assert footer.rstrip().endswith("alt+p palette")
+        assert footer.rstrip().endswith("shift+f10 palette")
 
         await pilot.press("ctrl+t")  # the old key: nothing
         await settle(pilot)
@@ -80,7 +80,7 @@ async def test_a_remapped_key_works_the_old_one_does_not_and_both_screens_say_so
         await pilot.press(*"hi", "enter")  # Enter no longer sends: a new line
         await settle(pilot, conversation)
         assert conversation.input.text == "hi\n" and conversation.session.messages == []
-        await pilot.press("f12")
+        await pilot.press("shift+f11")
         await settle(pilot, conversation)
         assert conversation.session.messages[0] == {"role": "user", "content": "hi\n"}
 
@@ -90,7 +90,7 @@ async def test_a_remapped_key_works_the_old_one_does_not_and_both_screens_say_so
         table = app.screen.query_one("#help-table")
         rows = {str(table.get_row_at(i)[2]): str(table.get_row_at(i)[1])
                 for i in range(table.row_count)}
-        assert rows["New tab"] == "f11" and rows["Send"] == "f12"
+        assert rows["New tab"] == "f11" and rows["Send"] == "shift+f11"
         assert rows["Save"] == "f10" and rows["Undo/trim"] == "^l"  # not remapped: as before
 
         commands = {c.title: c.help for c in app.get_system_commands(app.screen)}
@@ -126,3 +126,17 @@ async def test_a_key_taken_from_another_binding_says_so_once(demo_model, home):
         assert len(app.conversations()) == 3
         assert [n for n in _notices(app) if n.startswith("Keymap")] == [
             "Keymap: ctrl+s was save's key; it now does new_tab."]
+
+
+async def test_the_readme_example_applies_cleanly_and_swaps_enter(demo_model, home):
+    text = README.read_text(encoding="utf-8")
+    example = text[text.index("```toml\n[keymap]") + 8:]
+    config = parse_config(example[:example.index("```")])
+    app = KvChatApp(config.override(max_tokens=8), lm=demo_model, volatile=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert not _notices(app) and app.keymap["save"] == "f10"
+        conversation = app.active_conversation()
+        await pilot.press(*"one", "enter", *"two", "ctrl+j")
+        await settle(pilot, conversation)
+        assert conversation.session.messages[-2] == {"role": "user", "content": "one\ntwo"}

@@ -46,7 +46,7 @@ async def test_export_writes_the_cli_formats_and_never_replaces_a_file(make_app,
         await pilot.press("ctrl+s")
         await settle(pilot)
 
-        await _dialog(pilot, "alt+e", ExportDialog, tmp_path / "talk.md", "#export-md")
+        await _dialog(pilot, "f12", ExportDialog, tmp_path / "talk.md", "#export-md")
         md = (tmp_path / "talk.md").read_text()
         assert md.split("\n")[5:] == store.export(name, "md").split("\n")[5:]
         assert "## User\n\nWhat is a cache?\n\n## Assistant\n\n" in md
@@ -54,11 +54,11 @@ async def test_export_writes_the_cli_formats_and_never_replaces_a_file(make_app,
                                      f"({len(md.encode()):,} bytes).")
 
         # JSON by its button: the .md suffix becomes .json
-        await _dialog(pilot, "alt+e", ExportDialog, tmp_path / "talk.md", "#export-json")
+        await _dialog(pilot, "f12", ExportDialog, tmp_path / "talk.md", "#export-json")
         exported = (tmp_path / "talk.json").read_text()
         assert _times_dropped(exported) == _times_dropped(store.export(name, "json"))
 
-        await _dialog(pilot, "alt+e", ExportDialog, tmp_path / "talk.md")  # Enter: by suffix
+        await _dialog(pilot, "f12", ExportDialog, tmp_path / "talk.md")  # Enter: by suffix
         assert _notices(app)[-1] == f"{tmp_path / 'talk.md'} exists already; choose another file name."
         assert (tmp_path / "talk.md").read_text() == md
 
@@ -72,7 +72,7 @@ async def test_import_opens_a_new_tab_that_prefills_on_its_first_turn(make_app, 
         path = tmp_path / "talk.json"
         path.write_text(store.export_session(first.session, "talk", "json"))
 
-        await _dialog(pilot, "alt+i", ImportDialog, path, "#import-ok")
+        await _dialog(pilot, "shift+f12", ImportDialog, path, "#import-ok")
         assert (f"Imported {path} as talk; its cache is built on its first turn."
                 in _notices(app))
         await settle(pilot)
@@ -85,7 +85,7 @@ async def test_import_opens_a_new_tab_that_prefills_on_its_first_turn(make_app, 
         assert stats.reused_tokens == 0 and stats.evaluated_tokens == stats.prompt_tokens > 20
 
         (tmp_path / "talk.md").write_text(store.export_session(first.session, "talk", "md"))
-        await _dialog(pilot, "alt+i", ImportDialog, tmp_path / "talk.md")
+        await _dialog(pilot, "shift+f12", ImportDialog, tmp_path / "talk.md")
         assert _notices(app)[-1].endswith("is not a JSON export; import reads what "
                                           "`kvchat sessions export NAME --format json` writes.")
         assert len(app.conversations()) == 2 and not store.exists("talk-2")
