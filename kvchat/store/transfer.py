@@ -10,6 +10,7 @@ transcript, as a fresh session would. The file is validated by the same schema a
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,11 +101,11 @@ def write_export(path: Path, text: str) -> Path:
 
 
 def import_session(path: Path, name: str | None = None, model_id: str | None = None,
-                   default_model: str | None = None) -> str:
+                   default_model: str | None = None, in_use: Collection[str] = ()) -> str:
     """Save the JSON export at ``path`` as a new session, without a cache; return its name.
 
     ``name`` must be free; without it the file's name (or ``imported``) is used, with
-    ``-2``, ``-3``... added while taken. The model is ``model_id``, else the file's, else
+    ``-2``, ``-3``... added while taken (saved, or in ``in_use``: open, unsaved tabs). The model is ``model_id``, else the file's, else
     ``default_model``. Any
     problem (not a JSON export, a bad field, a name in use) is a :class:`StoreError`.
     """
@@ -126,7 +127,7 @@ def import_session(path: Path, name: str | None = None, model_id: str | None = N
         base = data.get("name", "")
         base = base if NAME_RE.fullmatch(base) else "imported"
         name = next(n for n in [base, *(f"{base}-{i}" for i in range(2, 10_000))]
-                    if len(n) <= 100 and not exists(n))
+                    if len(n) <= 100 and n not in in_use and not exists(n))
     with session_lock(name) as folder:
         if exists(name):
             raise StoreError(f"A session named {name!r} already exists; choose another name.")

@@ -38,7 +38,9 @@ class TransferMixin:
             if path is None:
                 return
             try:
-                name = store.import_session(path, default_model=self.lm.model_id)
+                name = store.import_session(
+                    path, default_model=self.lm.model_id,
+                    in_use={c.session_name for c in self.conversations()})
             except store.StoreError as error:
                 self.notify(str(error), severity="error", markup=False)
                 return

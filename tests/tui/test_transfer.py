@@ -71,13 +71,21 @@ async def test_import_opens_a_new_tab_that_prefills_on_its_first_turn(make_app, 
         await send(pilot, "Hello there.")
         path = tmp_path / "talk.json"
         path.write_text(store.export_session(first.session, "talk", "json"))
+        await pilot.press("ctrl+t")  # an unsaved tab has the file's name: the import
+        await settle(pilot)        # takes the next one
+        await pilot.press("f2")
+        await pilot.pause()
+        app.screen.query_one("Input").value = "talk"
+        await pilot.press("enter")
+        await settle(pilot)
+        assert app.active_conversation().session_name == "talk"
 
         await _dialog(pilot, "shift+f12", ImportDialog, path, "#import-ok")
-        assert (f"Imported {path} as talk; its cache is built on its first turn."
+        assert (f"Imported {path} as talk-2; its cache is built on its first turn."
                 in _notices(app))
         await settle(pilot)
         imported = app.active_conversation()
-        assert imported is not first and imported.session_name == "talk"
+        assert imported is not first and imported.session_name == "talk-2"
         assert imported.session.messages == first.session.messages
         assert imported.session.cache_tokens == 0
         await send(pilot, "And why?")
@@ -88,4 +96,4 @@ async def test_import_opens_a_new_tab_that_prefills_on_its_first_turn(make_app, 
         await _dialog(pilot, "shift+f12", ImportDialog, tmp_path / "talk.md")
         assert _notices(app)[-1].endswith("is not a JSON export; import reads what "
                                           "`kvchat sessions export NAME --format json` writes.")
-        assert len(app.conversations()) == 2 and not store.exists("talk-2")
+        assert len(app.conversations()) == 3 and not store.exists("talk-3")
