@@ -50,6 +50,9 @@ class Config:
     memory_budget: int = 0
     """Bytes of prompt caches (and loaded models' weights) kept in memory before the least
     recently used caches are offloaded (0: no limit). The file may say ``"4GiB"``, ``"512MB"`` or a plain number of bytes."""
+    keymap: tuple[tuple[str, str], ...] = ()
+    """(binding id, keys) pairs from the ``[keymap]`` table, e.g. ``("send", "ctrl+s")``;
+    the TUI checks the ids and keys (see ``kvchat/tui/keymap.py``)."""
 
     def override(self, **values: Any) -> Config:
         """A copy with the given values set, skipping ``None`` (flags the user did not pass)."""
@@ -139,7 +142,23 @@ def _check(key: str, value: Any, source: str) -> Any:
             return parse_size(value)
         except ValueError as error:
             raise fail(f"{error}.") from None
+    if key == "keymap":
+        return _check_keymap(value, source)
     raise AssertionError(key)
+
+
+def _check_keymap(value: Any, source: str) -> tuple[tuple[str, str], ...]:
+    """The ``[keymap]`` table as (id, keys) pairs: every value a string of keys."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: expected a table of binding ids and keys, "
+                          'such as [keymap] then send = "ctrl+s".')
+    pairs = []
+    for binding_id, keys in value.items():
+        if not isinstance(keys, str) or not keys.strip():
+            raise ConfigError(f"{source}.{_string(binding_id)[:40]} = {_literal(keys)[:40]}: expected "
+                              'keys as a string, such as "ctrl+s" or "f5,ctrl+r".')
+        pairs.append((binding_id, keys))
+    return tuple(pairs)
 
 
 def load_config(path: Path | None = None) -> Config:
@@ -214,7 +233,11 @@ def dumps(config: Config) -> str:
     """TOML text for ``config``: one ``key = value`` line per setting."""
     lines = ["# kvchat settings; command-line flags override these.\n"]
     for key in KEYS:
-        lines.append(f"{key} = {_literal(getattr(config, key))}\n")
+        if key != "keymap":
+            lines.append(f"{key} = {_literal(getattr(config, key))}\n")
+    if config.keymap:  # a table comes after the plain keys
+        lines.append("\n[keymap]\n")
+        lines.extend(f"{_string(i)} = {_string(keys)}\n" for i, keys in config.keymap)
     return "".join(lines)
 
 

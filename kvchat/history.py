@@ -5,7 +5,8 @@ every session, kept in ``history.json`` in the data directory: at most
 :data:`MAX_ENTRIES` prompts of at most :data:`MAX_ENTRY_CHARS` characters each (a
 longer message, such as an inserted file, is not kept). The file is read and
 written like the store's files: never through a symlink, replaced atomically,
-readable by the user only. A file that cannot be read is treated as empty (the
+readable by the user only, and updated under a lock (``history.lock``, the store's
+:func:`~kvchat.store.lock.file_lock`), so two kvchats sending at once lose no prompt. A file that cannot be read is treated as empty (the
 history is a convenience, never a reason to refuse a message).
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from kvchat import locations
 from kvchat.store.base import StoreError
 from kvchat.store.files import read_regular, write_bytes_atomic
+from kvchat.store.lock import file_lock
 
 MAX_ENTRIES = 200
 MAX_ENTRY_CHARS = 16_384
@@ -26,6 +28,10 @@ FILE_LIMIT = 8 << 20  # well above MAX_ENTRIES × MAX_ENTRY_CHARS in UTF-8
 
 def history_file() -> Path:
     return locations.data_dir() / "history.json"
+
+
+def lock_file() -> Path:
+    return locations.data_dir() / "history.lock"
 
 
 def load() -> list[str]:
@@ -43,9 +49,10 @@ def remember(prompt: str) -> None:
     """Put ``prompt`` first in the saved history (once: an older copy moves up)."""
     if not prompt.strip() or len(prompt) > MAX_ENTRY_CHARS:
         return
-    entries = [prompt, *(p for p in load() if p != prompt)][:MAX_ENTRIES]
-    body = json.dumps(entries, ensure_ascii=False, indent=0).encode("utf-8")
-    write_bytes_atomic(history_file(), body, "history")
+    with file_lock(lock_file(), "The prompt history", timeout=5):
+        entries = [prompt, *(p for p in load() if p != prompt)][:MAX_ENTRIES]
+        body = json.dumps(entries, ensure_ascii=False, indent=0).encode("utf-8")
+        write_bytes_atomic(history_file(), body, "history")
 
 
 def merged(own: Iterable[str], saved: Iterable[str]) -> list[str]:

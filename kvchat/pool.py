@@ -45,6 +45,8 @@ class PoolEntry:
     in_memory: bool = True
     saved_state: str | None = None  # signature at the last save or load; None: never saved
     notice: str | None = None  # what the last load from disk said, if anything
+    kept: bool = False  # the copy on disk was asked for (opened from or saved to disk), not
+    # only written by an offload: :meth:`SessionPool.discard` leaves it
 
     @property
     def cache_bytes(self) -> int:
@@ -121,7 +123,7 @@ class SessionPool:
         if name in self._entries:
             return store.Loaded(self.get(name), resumed_from_disk=False, notice=None)
         loaded = store.load(name, lm, progress)
-        entry = PoolEntry(name, loaded.session, self.clock(), notice=loaded.notice)
+        entry = PoolEntry(name, loaded.session, self.clock(), notice=loaded.notice, kept=True)
         entry.saved_state = _signature(loaded.session) if loaded.notice is None else None
         self._put(entry)
         return loaded
@@ -200,7 +202,12 @@ class SessionPool:
         self.entry(name).last_used = self.clock()
 
     def save(self, name: str) -> None:
-        """Save ``name`` to disk now if it changed since the last save."""
+        """Save ``name`` to disk now if it changed since the last save; the copy on disk is
+        then one the user keeps (see :meth:`discard`)."""
+        self._write(name)
+        self.entry(name).kept = True
+
+    def _write(self, name: str) -> None:
         entry = self.entry(name)
         if entry.in_memory and (entry.dirty or not store.exists(name)):
             store.save(entry.session, name)
@@ -216,7 +223,7 @@ class SessionPool:
         entry = self.entry(name)
         if not entry.in_memory:
             return False
-        self.save(name)
+        self._write(name)
         session = entry.session
         session.unload()
         entry.in_memory = False
@@ -230,6 +237,12 @@ class SessionPool:
             self.models.release(entry.session.lm)
         if delete_from_disk and store.exists(name):
             store.delete(name)
+
+    def discard(self, name: str) -> None:
+        """Close ``name`` without saving: as :meth:`drop`, and a copy on disk that only an
+        offload wrote (the session was never opened from or saved to disk) goes too."""
+        entry = self._entries.get(name)
+        self.drop(name, delete_from_disk=entry is not None and not entry.kept)
 
     def expire(self, now: float | None = None) -> list[str]:
         """Offload every cache idle for longer than ``ttl_s``; return their names."""

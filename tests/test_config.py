@@ -25,11 +25,13 @@ def test_round_trip_through_the_writer(tmp_path):
     config = Config(
         model="some/model", cache="quantized:4", system='say "hi"\n\tthen \\ stop \x07',
         max_tokens=99, temp=0.7, theme="kvchat-light", autosave=False, ttl=0,
-        memory_budget=123,
+        memory_budget=123, keymap=(("send", "ctrl+s"), ("odd \"id\"", "f5,ctrl+r")),
     )
     path = save_config(config, tmp_path / "config.toml")
     assert load_config(path) == config
-    assert all(f"{key} = " in path.read_text() for key in KEYS)
+    text = path.read_text()
+    assert all(f"{key} = " in text for key in KEYS if key != "keymap")
+    assert text.endswith('\n[keymap]\n"send" = "ctrl+s"\n"odd \\"id\\"" = "f5,ctrl+r"\n')
 
 
 def test_sizes_and_kinds_are_normalised():
@@ -51,6 +53,14 @@ def test_sizes_and_kinds_are_normalised():
         ('memory_budget = "lots"', 'config.toml: memory_budget = "lots": expected a size'),
         ("colour = 1", "config.toml: colour: unknown setting"),
         ("model = [", "config.toml: not valid TOML"),
+        ("keymap = 3", "config.toml: keymap: expected a table of binding ids and keys"),
+        ('keymap = "ctrl+s"', "config.toml: keymap: expected a table"),
+        ("[keymap]\nsend = 3", 'config.toml: keymap."send" = 3: expected keys as a string'),
+        ('[keymap]\nsend = ""', 'config.toml: keymap."send" = "": expected keys as a string'),
+        ('[keymap]\nsend = " "', 'config.toml: keymap."send" = " ": expected keys'),
+        ('[keymap]\nsend = ["a"]', 'config.toml: keymap."send" = "[\'a\']": expected keys'),
+        ("[keymap.send]\nkey = 'a'", 'config.toml: keymap."send" = "{\'key\': \'a\'}": '),
+        ('[keymap]\n"\\u001b[31m" = 1', 'config.toml: keymap."\\u001b[31m" = 1: expected'),
     ],
 )
 def test_bad_values_name_the_key(text, message):
@@ -76,3 +86,15 @@ def test_remember_keeps_other_settings(tmp_path):
 
 def test_dumps_is_valid_toml_for_defaults():
     assert parse_config(dumps(Config())) == Config()
+
+
+def test_keymap_table_is_read_in_order_and_kept_by_remember(tmp_path):
+    text = 'theme = "kvchat-light"\n[keymap]\nsend = "ctrl+s"\nsave = "f10, ctrl+s"\n'
+    assert parse_config(text).keymap == (("send", "ctrl+s"), ("save", "f10, ctrl+s"))
+    assert parse_config("").keymap == ()
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    remember(path, temp=0.5)  # the TUI rewrites the file when the theme changes
+    config = load_config(path)
+    assert config.keymap == (("send", "ctrl+s"), ("save", "f10, ctrl+s"))
+    assert (config.theme, config.temp) == ("kvchat-light", 0.5)

@@ -101,3 +101,36 @@ def test_editor_command_prefers_visual_and_says_when_none_is_set():
     assert editor_command({"EDITOR": "vi"}) == ["vi"]
     with pytest.raises(PromptToolError, match=r"^Set \$EDITOR to edit messages in an editor\.$"):
         editor_command({"EDITOR": " "})
+
+
+_WRITER = """
+import sys, time
+from pathlib import Path
+from kvchat import history
+tag, go = sys.argv[1], Path(sys.argv[2])
+(go.parent / f"ready-{tag}").touch()
+deadline = time.monotonic() + 30
+while not go.exists() and time.monotonic() < deadline:
+    time.sleep(0.001)
+for n in range(60):
+    history.remember(f"{tag}-{n}")
+"""
+
+
+def test_two_kvchats_sending_at_once_lose_no_prompt(home, tmp_path):
+    import subprocess
+    import time
+
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, tag, str(go)], env=env)
+               for tag in ("a", "b")]
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready-{t}").exists() for t in "ab"):
+        assert time.monotonic() < deadline and all(w.poll() is None for w in writers)
+        time.sleep(0.01)
+    go.touch()
+    assert [w.wait(timeout=60) for w in writers] == [0, 0]
+    saved = history.load()
+    assert sorted(saved) == sorted(f"{t}-{n}" for t in "ab" for n in range(60))
+    assert [p for p in saved if p.startswith("a-")] == [f"a-{n}" for n in reversed(range(60))]

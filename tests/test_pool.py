@@ -155,3 +155,22 @@ def test_drop(demo_model, home):
     assert loaded.resumed_from_disk and "a" in pool
     pool.drop("a", delete_from_disk=True)
     assert not store.exists("a")
+
+
+def test_discard_deletes_a_copy_only_an_offload_wrote(demo_model, home):
+    pool = SessionPool(ttl_s=60, memory_budget_bytes=0)
+    pool.add("never-saved", chat(demo_model))
+    pool.add("saved", chat(demo_model, texts=["Keep this."]))
+    pool.save("saved")
+    assert pool.offload("never-saved") and pool.offload("saved")
+    assert store.exists("never-saved") and store.exists("saved")
+
+    pool.discard("never-saved")  # the user never asked for this copy
+    pool.discard("saved")  # this one was saved on request: it stays, as it was
+    assert not store.exists("never-saved") and "never-saved" not in pool
+    assert store.load("saved", demo_model).session.messages[-2]["content"] == "Keep this."
+
+    pool.open("saved", demo_model)  # opened from disk, offloaded, discarded: it stays
+    pool.offload("saved")
+    pool.discard("saved")
+    assert store.exists("saved") and pool.names() == []

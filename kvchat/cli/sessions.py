@@ -1,8 +1,9 @@
-"""``kvchat sessions``: list, show, search, export, remove and prune saved sessions."""
+"""``kvchat sessions``: list, show, search, export, import, remove and prune saved sessions."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -133,6 +134,28 @@ def sessions_export(
     text = _store_call(store.export, name, fmt)
     sys.stdout.write(text if fmt == "json" else printable(text))  # JSON escapes its own
     sys.stdout.flush()
+
+
+@sessions_app.command("import")
+def sessions_import(
+    path: Path,
+    name: Annotated[str | None, typer.Option(help="Its name (default: the file's).")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="The model it is for (default: the file's, else the config's).",
+    )] = None,
+) -> None:
+    """Save a JSON export (`export NAME --format json`) as a new session; its cache is
+    built when it is first used."""
+    from kvchat import store
+    from kvchat.config import ConfigError, load_config
+
+    try:
+        default = load_config().model
+    except ConfigError as error:
+        raise _fail(str(error), 2) from None
+    saved = _store_call(store.import_session, path, name, model, default)
+    typer.echo(f"Imported {printable(str(path), one_line=True)} as session {saved}; "
+               f"`kvchat --resume {saved}` opens it.")
 
 
 @sessions_app.command("prune")

@@ -47,7 +47,6 @@ from kvchat.store.lock import session_lock
 from kvchat.store.manage import (
     Pruned,
     delete,
-    export,
     list_sessions,
     parse_duration,
     prune,
@@ -55,10 +54,18 @@ from kvchat.store.manage import (
 )
 from kvchat.store.search import Found, Hit, matching_sessions, reindex, search_sessions
 from kvchat.store.session_file import read
+from kvchat.store.transfer import (
+    FORMATS,
+    export,
+    export_session,
+    import_session,
+    write_export,
+)
 
 __all__ = [
     "CACHE_FILE",
     "FORMAT",
+    "FORMATS",
     "CACHE_SUM_FILE",
     "LOCK_TIMEOUT_S",
     "NAME_RE",
@@ -76,6 +83,8 @@ __all__ = [
     "delete",
     "exists",
     "export",
+    "export_session",
+    "import_session",
     "ledger_hash",
     "list_sessions",
     "load",
@@ -90,4 +99,5 @@ __all__ = [
     "session_lock",
     "set_aside",
     "summary",
+    "write_export",
 ]

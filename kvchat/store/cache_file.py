@@ -31,6 +31,8 @@ def read_cache(
 
     info = data.get("cache")
     path = folder / CACHE_FILE
+    if not ledger and not info:  # an empty cache (an imported session): any model will do
+        return None, None, None
     if data.get("model_fingerprint") != lm.fingerprint:
         return None, None, (
             f"it was made with model {data.get('model_id')!r}, which differs from "

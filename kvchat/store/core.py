@@ -80,13 +80,12 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
         set_aside(name)
 
     ledger = list(session.ledger)
-    lm = session.lm
     cache_info = None
     if ledger:
         metadata = {
             "kvchat_version": __version__,
             "format": str(FORMAT),
-            "model_fingerprint": lm.fingerprint,
+            "model_fingerprint": session.lm.fingerprint,
             "cache_kind": session.kind.name,
             "ledger_len": str(len(ledger)),
             "ledger_sha256": ledger_hash(ledger),
@@ -118,22 +117,12 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
     data = {
         "format": FORMAT,
         "kvchat_version": __version__,
-        "name": name,
         "created": created,
         "updated": now(),
-        "model_id": lm.model_id,
-        "model_fingerprint": lm.fingerprint,
-        "cache_kind": session.kind.name,
-        "settings": asdict(session.settings),
-        "messages": session.messages,
-        "archived": session.archived,
+        **transcript(session, name),
         "ledger": ledger,
-        "turns": [t.to_dict() for t in session.turns],
         "cache": cache_info,
     }
-    branches = session.branch_record()
-    if branches is not None:  # only then: a session without branches reads as before
-        data["branches"] = branches
     text = json.dumps(data, ensure_ascii=False, indent=1)
     write_bytes_atomic(json_path, text.encode(), "json")
     index_session(name, data, json_path)  # never raises: the index catches up on a search
@@ -141,6 +130,23 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
         cache_path.unlink(missing_ok=True)
         (folder / CACHE_SUM_FILE).unlink(missing_ok=True)
     return folder
+
+
+def transcript(session: Session, name: str) -> dict:
+    """What ``session.json`` holds of ``session`` besides its cache, ledger and times (and
+    what an export shows)."""
+    return {
+        "name": name,
+        "model_id": session.lm.model_id,
+        "model_fingerprint": session.lm.fingerprint,
+        "cache_kind": session.kind.name,
+        "settings": asdict(session.settings),
+        "messages": session.messages,
+        "archived": session.archived,
+        "turns": [t.to_dict() for t in session.turns],
+        # only where there are branches: a session without them reads as before
+        **({"branches": branches} if (branches := session.branch_record()) else {}),
+    }
 
 
 def set_aside(name: str) -> str | None:

@@ -63,7 +63,7 @@ def session_lock(name: str, timeout: float | None = None) -> Iterator[Path]:
 
     if timeout is None:
         timeout = lock_timeout()
-    handle = _acquire(name, lock_file(name), timeout)
+    handle = _acquire(f"Session {name!r}", lock_file(name), timeout)
     fd = handle.fileno()
     with _held_guard:
         _held[key] = (fd, 1, me)
@@ -76,9 +76,23 @@ def session_lock(name: str, timeout: float | None = None) -> Iterator[Path]:
         handle.close()
 
 
-def _acquire(name: str, lock_path: Path, timeout: float) -> BinaryIO:
+@contextlib.contextmanager
+def file_lock(lock_path: Path, what: str, timeout: float | None = None) -> Iterator[None]:
+    """Hold the exclusive lock on ``lock_path`` (created if missing, never through a
+    symlink), for a file other than a session's that several kvchats update (the prompt
+    history). Waits as :func:`session_lock` does; ``what`` names it in the error."""
+    handle = _acquire(what, lock_path, lock_timeout() if timeout is None else timeout)
+    try:
+        yield
+    finally:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        handle.close()
+
+
+def _acquire(what: str, lock_path: Path, timeout: float) -> BinaryIO:
     """Open ``lock_path`` and flock it, waiting up to ``timeout`` seconds; if the file was
-    removed meanwhile (its session deleted), lock the one now at that path instead."""
+    removed meanwhile (its session deleted), lock the one now at that path instead.
+    ``what`` (``"Session 'x'"``) names what is locked in the error."""
     deadline = time.monotonic() + timeout
     while True:
         handle = open_regular(lock_path, limit=4096, write=True)
@@ -90,7 +104,7 @@ def _acquire(name: str, lock_path: Path, timeout: float) -> BinaryIO:
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
                         raise StoreError(
-                            f"Session {name!r} is in use by another kvchat (lock {lock_path} "
+                            f"{what} is in use by another kvchat (lock {lock_path} "
                             f"held for over {timeout:g} s); try again when it finishes."
                         ) from None
                     time.sleep(0.05)

@@ -1,4 +1,4 @@
-"""Sessions as a collection: list, summary, delete, export, prune."""
+"""Sessions as a collection: list, summary, delete, prune."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvchat import locations
-from kvchat.safety import dumps_json
 from kvchat.store.base import (
     CACHE_FILE,
     NAME_RE,
@@ -26,7 +25,7 @@ from kvchat.store.base import (
 from kvchat.store.files import check_folder
 from kvchat.store.lock import remove_lock_file, session_lock
 from kvchat.store.search import drop_session
-from kvchat.store.session_file import read, read_json
+from kvchat.store.session_file import read_json
 
 REMOVING_PREFIX = ".removing-"  # not a valid session name, so never listed
 
@@ -119,42 +118,6 @@ def _remove(folder: Path) -> None:
     gone = folder.with_name(f"{REMOVING_PREFIX}{folder.name}-{os.urandom(4).hex()}")
     os.rename(folder, gone)
     shutil.rmtree(gone)  # fd-based: symlinks inside are removed, never followed
-
-
-def export(name: str, fmt: str = "md") -> str:
-    """The transcript of ``name`` as Markdown (``md``) or JSON (``json``)."""
-    data = read(name)
-    if fmt == "json":
-        keep = ("name", "model_id", "cache_kind", "created", "updated", "settings",
-                "messages", "archived", "turns", "branches")
-        return dumps_json({k: data.get(k) for k in keep}, indent=2)
-    if fmt != "md":
-        raise StoreError(f"Unknown export format {fmt!r}; use md or json.")
-    lines = [
-        f"# {name}",
-        "",
-        f"- model: {data.get('model_id')}",
-        f"- cache kind: {data.get('cache_kind')}",
-        f"- created: {data.get('created')}, last used: {data.get('updated')}",
-        "",
-    ]
-    if data.get("archived"):
-        lines += ["## Archived (trimmed from the history)", ""]
-        lines += _md_messages(data["archived"], level=3)
-    lines += _md_messages(data["messages"], level=2)
-    if data.get("branches"):
-        others = len(data["branches"]["nodes"]) - len(data["branches"]["path"])
-        lines += [f"*This is the current branch; {others} message(s) on other branches "
-                  "are in the JSON export (`--format json`).*", ""]
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def _md_messages(messages: list[dict], level: int) -> list[str]:
-    out = []
-    for m in messages:
-        title = m["role"].capitalize() + (" (stopped)" if m.get("stopped") else "")
-        out += [f"{'#' * level} {title}", "", m["content"], ""]
-    return out
 
 
 @dataclass

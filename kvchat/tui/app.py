@@ -10,12 +10,10 @@ palette are built from those lists.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from functools import partial
 from pathlib import Path
 
 from textual import on
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
@@ -31,25 +29,25 @@ from kvchat.themes import kvchat_themes
 
 from .actions import ActionsMixin
 from .expiry import ExpiryMixin
+from .keys import KeysMixin
 from .models import ModelsMixin
-from .screens.help import HelpScreen
 from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker
 from .tabs import TabsMixin
+from .transfer import TransferMixin
 from .widgets.chat import Conversation
-from .widgets.chat_input import ChatInput
-from .widgets.messages import SELECTED_BINDINGS
 from .widgets.sidebar import CacheInfo, CacheSidebar
 from .widgets.turn_events import Changed
 
 # Actions that need an open conversation (and no dialog on top).
 _TAB_ACTIONS = {
     "close_tab", "next_tab", "previous_tab", "rename", "save", "trim", "cache_kind",
-    "reset_cache", "drop", "regenerate", "stop", "settings",
+    "reset_cache", "drop", "regenerate", "stop", "settings", "export",
 }
 
 
-class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
+class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin, TransferMixin,
+                App):
     """kvchat's terminal UI.
 
     ``lm`` is a loaded model (tests pass the demo model); without it the app
@@ -63,35 +61,53 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (70, "-medium"), (100, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
 
-    # The footer shows them in this order, as far as the width goes: help first.
-    BINDINGS = [
+    # The footer shows them in this order, as far as the width goes: help first. Each has
+    # an id, which ``[keymap]`` in config.toml may give other keys (see ``keymap.py``).
+    APP_BINDINGS = [
         # F1 only: "?" is a character the message box needs.
-        Binding("f1", "help", "Help", tooltip="List every key."),
-        Binding("ctrl+t", "new_tab", "New tab", tooltip="Start a new conversation in a new tab."),
-        Binding("ctrl+w", "close_tab", "Close tab", priority=True, show=False,
+        Binding("f1", "help", "Help", id="help", tooltip="List every key."),
+        Binding("ctrl+t", "new_tab", "New tab", id="new_tab",
+                tooltip="Start a new conversation in a new tab."),
+        Binding("ctrl+w", "close_tab", "Close tab", id="close_tab", priority=True, show=False,
                 tooltip="Close the active tab; unsaved messages are saved first (autosave) "
                         "or a dialog asks."),
-        Binding("ctrl+pagedown,alt+right", "next_tab", "Next tab", show=False),
-        Binding("ctrl+pageup,alt+left", "previous_tab", "Previous tab", show=False),
-        Binding("f2", "rename", "Rename", show=False, tooltip="Rename the active session."),
-        Binding("escape", "stop", "Stop", tooltip="Stop the reply being written."),
-        Binding("ctrl+s", "save", "Save", tooltip="Save the session, cache included."),
-        Binding("ctrl+l", "trim", "Undo/trim", tooltip="Undo the last turn or trim the history."),
-        Binding("f4", "cache_kind", "Cache type", tooltip="Switch the cache kind of this tab."),
-        Binding("f9", "settings", "Settings", show=False,
+        Binding("ctrl+pagedown,alt+right", "next_tab", "Next tab", id="next_tab", show=False),
+        Binding("ctrl+pageup,alt+left", "previous_tab", "Previous tab", id="previous_tab",
+                show=False),
+        Binding("f2", "rename", "Rename", id="rename", show=False,
+                tooltip="Rename the active session."),
+        Binding("escape", "stop", "Stop", id="stop", tooltip="Stop the reply being written."),
+        Binding("ctrl+s", "save", "Save", id="save", tooltip="Save the session, cache included."),
+        Binding("ctrl+l", "trim", "Undo/trim", id="trim",
+                tooltip="Undo the last turn or trim the history."),
+        Binding("f4", "cache_kind", "Cache type", id="cache_kind",
+                tooltip="Switch the cache kind of this tab."),
+        Binding("f9", "settings", "Settings", id="settings", show=False,
                 tooltip="This tab's system prompt, temperature, top-p and max tokens."),
-        Binding("ctrl+n", "new_tab_model", "New tab, model…", show=False,
+        Binding("ctrl+n", "new_tab_model", "New tab, model…", id="new_tab_model", show=False,
                 tooltip="Open a new tab on another model (loaded on demand)."),
-        Binding("ctrl+r", "reset_cache", "Reset cache", show=False,
+        Binding("ctrl+r", "reset_cache", "Reset cache", id="reset_cache", show=False,
                 tooltip="Empty the cache; the next turn prefills the whole transcript."),
-        Binding("f5", "regenerate", "Regenerate", show=False,
+        Binding("f5", "regenerate", "Regenerate", id="regenerate", show=False,
                 tooltip="Replace the last reply with a new one."),
-        Binding("f8", "drop", "Drop", show=False,
+        Binding("f8", "drop", "Drop", id="drop", show=False,
                 tooltip="Drop the session from memory, or from disk too."),
-        Binding("ctrl+o,f3", "sessions", "Sessions", tooltip="Open a saved session."),
-        Binding("ctrl+b", "toggle_sidebar", "Sidebar", show=False,
+        Binding("ctrl+o,f3", "sessions", "Sessions", id="sessions",
+                tooltip="Open a saved session."),
+        Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="toggle_sidebar", show=False,
                 tooltip="Show or hide the cache panel."),
+        Binding("f12", "export", "Export…", id="export", show=False,
+                tooltip="Write this tab's transcript to a file, as Markdown or JSON."),
+        Binding("shift+f12", "import", "Import…", id="import", show=False,
+                tooltip="Open a JSON export as a new session (its cache built on first use)."),
     ]
+    # Textual's own two, given ids (Textual adds the palette's key when no binding has it).
+    SYSTEM_BINDINGS = [
+        Binding("ctrl+p", "command_palette", "palette", id="command_palette", priority=True,
+                show=False, tooltip="Every action, and the themes."),
+        Binding("ctrl+q", "quit", "Quit", id="quit", priority=True, show=False),
+    ]
+    BINDINGS = APP_BINDINGS + SYSTEM_BINDINGS
 
     def __init__(
         self,
@@ -129,6 +145,7 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
         self._quitting = False
         self._tab_numbers = 0
         self._theme_ready = False
+        self.keymap: dict[str, str] = {}  # the [keymap] entries in use: binding id -> keys
 
     def get_driver_class(self):
         """Textual's driver, reading bracketed pastes whole (see ``paste.py``).
@@ -153,6 +170,7 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
+        self._apply_keymap()
         self._register_themes()
         if self.expire_every and self.expire_every > 0:
             self.set_interval(self.expire_every, self.expire_idle, name="expire")
@@ -274,7 +292,7 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
                 return None
             if action == "stop" and not conversation.busy:
                 return False  # in the footer only while there is something to stop
-        if action in ("new_tab", "new_tab_model") and (
+        if action in ("new_tab", "new_tab_model", "import") and (
                 self.lm is None or len(self.screen_stack) > 1):
             return False
         return True
@@ -328,40 +346,6 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, App):
         self.main_screen.set_class(shown, "-hide-sidebar")
         self.main_screen.set_class(not shown, "-show-sidebar")
 
-    def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(self.binding_groups()))
-
-    # ------------------------------------------------------- help, palette
-
-    @classmethod
-    def binding_groups(cls) -> list[tuple[str, list]]:
-        """Where each key works, and the BINDINGS list that defines it."""
-        return [
-            ("anywhere", cls.BINDINGS),
-            ("message box", ChatInput.BINDINGS),
-            ("conversation", Conversation.BINDINGS),
-            ("selected message", SELECTED_BINDINGS),
-            ("session picker", SessionPicker.BINDINGS),
-            ("anywhere", [Binding("ctrl+p", "command_palette", "Command palette"),
-                          Binding("ctrl+q", "quit", "Quit")]),
-        ]
-
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        for binding in self.BINDINGS:
-            if binding.description:
-                key = binding.key.split(",")[0]
-                help_text = f"{binding.tooltip or binding.description} ({key})"
-                yield SystemCommand(binding.description, help_text,
-                                    partial(self.run_action, binding.action))
-        conversation = self.active_conversation()
-        if conversation is not None:  # the message box's actions that are not typing
-            for binding in ChatInput.BINDINGS:
-                if binding.action in ("editor", "insert_file"):
-                    yield SystemCommand(binding.description,
-                                        f"{binding.tooltip} ({binding.key})",
-                                        partial(conversation.input.run_action, binding.action))
-        yield from super().get_system_commands(screen)
 
 
 def run_tui(

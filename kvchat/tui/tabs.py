@@ -154,7 +154,7 @@ class TabsMixin:
             if choice == "save":
                 self._save_and_close(conversation)
             elif choice == "discard":
-                await self.close_conversation(conversation)
+                await self.close_conversation(conversation, discard=True)
                 self.notify(f"Closed {name} without saving.", markup=False)
 
         self.push_screen(CloseDialog(name, store.exists(name)), chosen)
@@ -170,12 +170,16 @@ class TabsMixin:
         conversation.run_job("saving", lambda progress: conversation.save_now(),
                              lambda _: self.call_later(closed), needs_cache=False)
 
-    async def close_conversation(self, conversation: Conversation) -> None:
-        """Remove a tab and its session from memory (a saved copy stays on disk); its model
-        is unloaded when no other tab uses it."""
+    async def close_conversation(self, conversation: Conversation, discard: bool = False) -> None:
+        """Remove a tab and its session from memory (a saved copy stays on disk; with
+        ``discard``, a copy only an offload wrote goes too); its model is unloaded when
+        no other tab uses it."""
         if conversation.parent is not None:
             await self.tabs.remove_pane(conversation.parent.id)
-        self.pool.drop(conversation.session_name)
+        if discard:
+            self.pool.discard(conversation.session_name)
+        else:
+            self.pool.drop(conversation.session_name)
         self._let_go(conversation.session)
         self.refresh_sidebar()
 

@@ -93,7 +93,7 @@ async def test_tabs_help_palette_and_sidebar_toggle(make_app):
         assert not isinstance(app.screen, HelpScreen)
 
         commands = list(app.get_system_commands(app.screen))
-        assert {b.description for b in KvChatApp.BINDINGS} <= {c.title for c in commands}
+        assert {b.description for b in KvChatApp.APP_BINDINGS} <= {c.title for c in commands}
         await next(c for c in commands if c.title == "New tab").callback()  # run_action
         await settle(pilot)
         assert len(app.conversations()) == 2

@@ -14,7 +14,7 @@ from kvchat import history
 from kvchat.tui.screens.dialogs import FileDialog
 from kvchat.tui.widgets.messages import UserMessage
 
-from .conftest import SIZE, send, settle
+from .conftest import SIZE, send, settle, until
 
 pytestmark = pytest.mark.anyio
 
@@ -169,3 +169,26 @@ async def test_slash_file_inserts_the_text_with_its_token_count(make_app, tmp_pa
         await pilot.click("#file-ok")
         await pilot.pause()
         assert box.text == "ared \\x1b[31m!b" and "is not a text file" in _notices(app)[-1]
+
+
+async def test_escape_stops_the_reply_before_it_empties_a_recalled_prompt(make_app):
+    from .test_stream_and_quit import gate_after_first_chunk
+
+    app = make_app(max_tokens=48)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        box = conversation.input
+        first, go_on = gate_after_first_chunk(conversation.session)
+        assert await conversation.send("Tell me a story.")
+        await until(pilot, first.is_set)
+        box.focus()
+        await pilot.press("up")  # recalls the prompt being answered
+        assert box.recalled and box.text == "Tell me a story."
+        await pilot.press("escape")  # the reply stops; the box keeps the prompt
+        go_on.set()
+        await settle(pilot, conversation)
+        assert conversation.session.messages[-1].get("stopped") is True
+        assert box.text == "Tell me a story."
+        await pilot.press("escape")  # nothing to stop now: the box empties
+        assert box.text == ""

@@ -9,7 +9,7 @@ import pytest
 from kvchat import store
 from kvchat.config import Config
 from kvchat.tui.app import KvChatApp
-from kvchat.tui.screens.dialogs import DropDialog
+from kvchat.tui.screens.dialogs import CloseDialog, DropDialog
 
 from .conftest import SIZE, new_tab, send, settle, until
 
@@ -88,6 +88,28 @@ async def test_ttl_offloads_an_idle_cache_and_the_next_turn_reloads_it(demo_mode
         assert session.last_stats.reused_tokens > 0
         assert session.last_stats.reused_tokens >= tokens - 1
         assert app.sidebar.info.state == "idle"
+
+
+async def test_discarding_an_offloaded_tab_deletes_the_offloads_copy(demo_model, home):
+    app = _app(demo_model, ttl=0.01)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        name = conversation.session_name
+        await send(pilot, "never saved")
+        await pilot.pause(0.05)
+        app.expire_idle()
+        await settle(pilot)
+        assert conversation.offloaded and store.exists(name)  # the offload wrote it
+        assert conversation.unsaved  # ...but the user never saved it: closing asks
+        await pilot.press("ctrl+w")
+        await pilot.pause()
+        assert isinstance(app.screen, CloseDialog)
+        await pilot.click("#close-discard")
+        await settle(pilot)
+        assert app.conversations() == [] and name not in app.pool
+        assert not store.exists(name)
+        assert not (home / "data" / "sessions" / name).exists()
 
 
 async def test_the_timer_offloads_but_never_a_busy_tab(demo_model, home):

@@ -24,7 +24,7 @@ from ..widgets.sidebar import human_bytes
 class Dialog(ModalScreen):
     """A modal with a title; Escape cancels (dismisses with None)."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    BINDINGS = [Binding("escape", "cancel", "Cancel", id="dialog_cancel")]
     TITLE_TEXT = ""
 
     def action_cancel(self) -> None:

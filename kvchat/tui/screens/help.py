@@ -9,24 +9,27 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
+from ..keymap import keys_of
+
 
 def binding_rows(app, groups) -> list[tuple[str, str, str]]:
-    """(where, keys, what) for every described binding in ``groups`` of (where, BINDINGS)."""
+    """(where, keys, what) for every described binding in ``groups`` of (where, BINDINGS),
+    with the keys the app's keymap gives them."""
     rows = []
     for where, bindings in groups:
         for binding in bindings:
             if not isinstance(binding, Binding) or not binding.description:
                 continue
             keys = ", ".join(
-                app.get_key_display(Binding(key.strip(), binding.action))
-                for key in binding.key.split(",")
+                app.get_key_display(Binding(key, binding.action))
+                for key in keys_of(binding, app.keymap)
             )
             rows.append((where, keys, binding.description))
     return rows
 
 
 class HelpScreen(ModalScreen):
-    BINDINGS = [Binding("escape,f1,q", "dismiss", "Close help")]
+    BINDINGS = [Binding("escape,f1,q", "dismiss", "Close help", id="help_close")]
 
     def __init__(self, groups) -> None:
         super().__init__()

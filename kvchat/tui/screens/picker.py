@@ -23,11 +23,11 @@ class SessionPicker(ModalScreen):
     """Dismisses with a saved session's name, ``""`` for a new session, or None (cancel)."""
 
     BINDINGS = [
-        Binding("n", "new", "New session"),
-        Binding("escape", "cancel", "Cancel"),
-        Binding("slash", "filter", "Filter", key_display="/"),
-        Binding("down", "move(1)", show=False),
-        Binding("up", "move(-1)", show=False),
+        Binding("n", "new", "New session", id="picker_new"),
+        Binding("escape", "cancel", "Cancel", id="picker_cancel"),
+        Binding("slash", "filter", "Filter", id="picker_filter", key_display="/"),
+        Binding("down", "move(1)", "Next row", id="picker_down", show=False),
+        Binding("up", "move(-1)", "Previous row", id="picker_up", show=False),
     ]
     HINT = "Enter opens the highlighted session; n starts a new one; / filters."
 

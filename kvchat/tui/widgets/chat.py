@@ -104,7 +104,7 @@ class Conversation(BranchingMixin, Vertical):
             yield from self._transcript_widgets()
         yield Static("", classes="status", markup=False)
         yield ProgressBar(total=100, show_eta=False, classes="progress")
-        yield ChatInput(self.prompt_history, self.count_tokens, classes="input",
+        yield ChatInput(self.prompt_history, self.count_tokens, lambda: self.busy, classes="input",
                         placeholder="Message (Enter sends, Ctrl+J new line)")
 
     def count_tokens(self, text: str) -> int:
@@ -123,7 +123,8 @@ class Conversation(BranchingMixin, Vertical):
             return False
         pool = self.pool
         if pool is not None and self.session_name in pool:
-            return pool.entry(self.session_name).dirty or not store.exists(self.session_name)
+            entry = pool.entry(self.session_name)  # an offload's copy is not a save
+            return entry.dirty or not entry.kept or not store.exists(self.session_name)
         return not self.saved
 
     @property

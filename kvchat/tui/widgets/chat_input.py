@@ -23,6 +23,7 @@ from kvchat.prompt_tools import (
 )
 from kvchat.safety import printable
 
+from ..keymap import keys_of
 from ..screens.dialogs import FileDialog
 
 
@@ -32,25 +33,29 @@ class ChatInput(TextArea):
     History works as in zsh or fish: Up in an empty box recalls the newest prompt;
     while the box holds a recalled prompt unchanged, Up on its first line goes
     further back and Down on its last line comes forward (past the newest: the
-    empty box again), and Esc empties the box. Typed text is never replaced by
+    empty box again), and Esc empties the box (once the reply being written, if any, is
+    stopped: Esc stops it first). Typed text is never replaced by
     Up/Down, which then move the cursor as usual; editing a recalled prompt makes it
     a new message and leaves the history as it was.
     """
 
     BINDINGS = [
         # Not in the footer: the box's placeholder says so, and the footer is short of room.
-        Binding("enter", "submit", "Send", show=False),
-        Binding("ctrl+j,shift+enter", "newline", "New line", key_display="^j", show=False),
-        Binding("up", "history(1)", "Earlier prompt", show=False,
+        Binding("enter", "submit", "Send", id="send", show=False),
+        Binding("ctrl+j,shift+enter", "newline", "New line", id="newline", key_display="^j",
+                show=False),
+        Binding("up", "history(1)", "Earlier prompt", id="history_back", show=False,
                 tooltip="In an empty box (or on a recalled prompt): the prompt sent before."),
-        Binding("down", "history(-1)", "Later prompt", show=False,
+        Binding("down", "history(-1)", "Later prompt", id="history_forward", show=False,
                 tooltip="On a recalled prompt: the prompt sent after it."),
-        Binding("escape", "leave_history", "Leave history", show=False,
+        Binding("escape", "leave_history", "Leave history", id="leave_history", show=False,
                 tooltip="On a recalled prompt: empty the box again."),
         # Ctrl+E stays the end of the line, as in the shells and TextArea.
-        Binding("ctrl+g", "editor", "Edit in $EDITOR", key_display="^g", show=False,
+        Binding("ctrl+g", "editor", "Edit in $EDITOR", id="editor", key_display="^g",
+                show=False,
                 tooltip="Open the message in $VISUAL or $EDITOR; saving there puts it back."),
-        Binding("ctrl+f", "insert_file", "Insert file", key_display="^f", show=False,
+        Binding("ctrl+f", "insert_file", "Insert file", id="insert_file", key_display="^f",
+                show=False,
                 tooltip="Put a text file's text in the message at the cursor (also: /file PATH)."),
     ]
 
@@ -63,11 +68,13 @@ class ChatInput(TextArea):
         self,
         prompts: Callable[[], list[str]] = list,
         count_tokens: Callable[[str], int] = len,
+        busy: Callable[[], bool] = bool,
         **kwargs: Any,
     ) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, **kwargs)
         self.prompts = prompts  # the prompts Up walks, newest first (TextArea.history is undo)
         self.count_tokens = count_tokens  # by the tab's tokenizer, for an inserted file
+        self.busy = busy  # whether the tab is writing a reply (Esc then stops it first)
         self._walk: list[str] = []  # the history as it was when the walk began
         self._at = -1  # index into _walk of the prompt shown; -1: not walking
 
@@ -80,9 +87,9 @@ class ChatInput(TextArea):
         # TextArea inserts a newline on Enter before bindings are looked at, and a
         # priority binding would run ahead of keys still queued (typed text), so these
         # two are dispatched here, in order with the typing. The others go the usual way.
+        keymap = self.app.keymap
         for binding in self.BINDINGS:
-            if binding.action in ("submit", "newline") and event.key in [
-                    key.strip() for key in binding.key.split(",")]:
+            if binding.action in ("submit", "newline") and event.key in keys_of(binding, keymap):
                 event.stop()
                 event.prevent_default()
                 await self.run_action(binding.action)
@@ -111,7 +118,7 @@ class ChatInput(TextArea):
         self._show(self._walk[at] if at >= 0 else "")
 
     def action_leave_history(self) -> None:
-        if not self.recalled:
+        if not self.recalled or self.busy():
             raise SkipAction()  # Esc is then the app's: stop the reply
         self._at = -1
         self._show("")
