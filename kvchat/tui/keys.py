@@ -13,6 +13,7 @@ from .keymap import check_keymap, clashes, keys_of
 from .keymap import notice as keymap_notice
 from .screens.dialogs import Dialog
 from .screens.help import HelpScreen
+from .screens.message_dialogs import EditDialog
 from .screens.picker import SessionPicker
 from .widgets.chat import Conversation
 from .widgets.chat_input import ChatInput
@@ -52,6 +53,7 @@ class KeysMixin:
             ("selected message", SELECTED_BINDINGS),
             ("session picker", SessionPicker.BINDINGS),
             ("dialogs", Dialog.BINDINGS),
+            ("edit dialog", EditDialog.BINDINGS),
             ("help", HelpScreen.BINDINGS),
             ("anywhere", cls.SYSTEM_BINDINGS),
         ]

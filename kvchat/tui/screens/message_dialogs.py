@@ -14,7 +14,8 @@ from .dialogs import Dialog
 class EditDialog(Dialog):
     """Edit one of the user's messages; Send (or Ctrl+S) dismisses with the new text."""
 
-    BINDINGS = [Binding("ctrl+s", "send", "Send", tooltip="Send the edited message.")]
+    BINDINGS = [Binding("ctrl+s", "send", "Send the edit", id="edit_send",
+                        tooltip="Send the edited message.")]
 
     def __init__(self, text: str) -> None:
         super().__init__()

@@ -52,7 +52,8 @@ class Conversation(BranchingMixin, Vertical):
     """
 
     BINDINGS = [
-        Binding("ctrl+up,alt+up", "select_last", "Select message", show=False,
+        Binding("ctrl+up,alt+up", "select_last", "Select message", id="select_message",
+                show=False,
                 tooltip="Select the newest message; Up/Down move, then Enter edits, r "
                         "regenerates, ←/→ switch branch, c/y copy, d deletes."),
     ]

@@ -43,22 +43,23 @@ class MessageAction(Message):
 # A message of the transcript is selected by clicking it or with Ctrl+Up from the message
 # box; these keys then act on it.
 SELECTED_BINDINGS = [
-    Binding("up,k", "move(-1)", "Earlier message", show=False),
-    Binding("down,j", "move(1)", "Later message", show=False),
-    Binding("enter,e", "act('edit')", "Edit", tooltip="Edit your message and send it again: "
-            "the old continuation stays as a branch."),
-    Binding("r", "act('regenerate')", "Regenerate",
+    Binding("up,k", "move(-1)", "Earlier message", id="message_up", show=False),
+    Binding("down,j", "move(1)", "Later message", id="message_down", show=False),
+    Binding("enter,e", "act('edit')", "Edit", id="message_edit",
+            tooltip="Edit your message and send it again: the old continuation stays as a branch."),
+    Binding("r", "act('regenerate')", "Regenerate", id="message_regenerate",
             tooltip="A new version of this reply (or of the reply to this message), as a branch."),
-    Binding("left,[", "branch(-1)", "‹ Branch", key_display="←",
+    Binding("left,[", "branch(-1)", "‹ Branch", id="branch_previous", key_display="←",
             tooltip="Show the previous version of this message (‹)."),
-    Binding("right,]", "branch(1)", "Branch ›", key_display="→",
+    Binding("right,]", "branch(1)", "Branch ›", id="branch_next", key_display="→",
             tooltip="Show the next version of this message (›)."),
-    Binding("c", "act('copy')", "Copy", tooltip="Copy the message's text to the clipboard."),
-    Binding("y", "act('copy_code')", "Copy code",
+    Binding("c", "act('copy')", "Copy", id="message_copy",
+            tooltip="Copy the message's text to the clipboard."),
+    Binding("y", "act('copy_code')", "Copy code", id="message_copy_code",
             tooltip="Copy a code block of the message; again: the next one."),
-    Binding("d,delete", "act('delete')", "Delete",
+    Binding("d,delete", "act('delete')", "Delete", id="message_delete",
             tooltip="Delete this exchange (your message and its reply)."),
-    Binding("escape", "act('leave')", "Back to the message box", show=False),
+    Binding("escape", "act('leave')", "Back to the message box", id="message_leave", show=False),
 ]
 
 
