@@ -31,12 +31,14 @@ from mlx_lm.models.cache import (
 
 from kvchat.safety import ascii_int
 
-QUANT_GROUP_SIZE = 64
+from .quant_fit import quant_group_size
+
+QUANT_GROUP_SIZE = 64  # the group size quantized caches use unless the head size needs 32
 
 # family -> (takes a number?, one-line description)
 _FAMILIES: dict[str, tuple[bool, str]] = {
     "standard": (False, "full precision, grows with the conversation (the default)"),
-    "quantized": (True, "quantized:8 or quantized:4: 8 or 4 bits a value plus a scale and bias per 64"),
+    "quantized": (True, "quantized:8 or quantized:4: 8 or 4 bits a value plus a scale and bias per group of 64 (32 where the head size needs it)"),
     "rotating": (True, "rotating:N keeps the system prompt and the last tokens, N in all"),
     "chunked": (True, "chunked:N keeps about the last N tokens between turns"),
     "concatenate": (False, "full precision, no preallocation"),
@@ -74,16 +76,16 @@ class CacheKind:
     def description(self) -> str:
         return _FAMILIES[self.family][1]
 
-    def make_layer(self, keep: int = 0) -> Any:
+    def make_layer(self, keep: int = 0, group_size: int = QUANT_GROUP_SIZE) -> Any:
         """One layer's empty cache of this kind.
 
         ``keep`` is how many leading tokens a rotating cache never evicts
-        (the system prompt).
+        (the system prompt); ``group_size`` is a quantized cache's group.
         """
         if self.family == "standard":
             return KVCache()
         if self.family == "quantized":
-            return QuantizedKVCache(group_size=QUANT_GROUP_SIZE, bits=self.size)
+            return QuantizedKVCache(group_size=group_size, bits=self.size)
         if self.family == "rotating":
             return RotatingKVCache(max_size=self.size, keep=min(keep, self.size // 2))
         if self.family == "chunked":
@@ -130,19 +132,42 @@ def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
     Models that bring their own ``make_cache()`` (sliding-window or
     state-space layers) keep their own classes for those layers; the kind
     replaces only their plain ``KVCache`` layers, and a kind that could
-    replace none says so.
+    replace none says so. So does a quantized kind the model's attention
+    cannot take (:func:`~kvchat.engine.quant_fit.quant_group_size`).
     """
     if kind.family == "standard":
         return make_prompt_cache(model)
-    if not hasattr(model, "make_cache"):
-        return [kind.make_layer(keep) for _ in model.layers]
-    own = model.make_cache()
+    own = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     if not any(type(c) is KVCache for c in own):
         raise CacheKindError(
             f"This model brings its own cache ({_class_names(own)}); "
             f"cache kind {kind.name!r} cannot apply to it. Use 'standard'."
         )
-    return [kind.make_layer(keep) if type(c) is KVCache else c for c in own]
+    group = group_size(model, kind)
+    return [kind.make_layer(keep, group) if type(c) is KVCache else c for c in own]
+
+
+def group_size(model: nn.Module, kind: CacheKind) -> int:
+    """The group size of ``kind``'s quantized layers for ``model`` (raises
+    :class:`CacheKindError` when the model cannot take a quantized cache)."""
+    if kind.family != "quantized":
+        return QUANT_GROUP_SIZE
+    try:
+        return quant_group_size(model, kind.size, kind.name)
+    except ValueError as exc:
+        raise CacheKindError(str(exc)) from None
+
+
+def applicable_kinds(model: nn.Module, names: list[str]) -> list[str]:
+    """The kind names of ``names`` that can apply to ``model``."""
+    fits = []
+    for name in names:
+        try:
+            make_cache(model, parse_kind(name))
+        except CacheKindError:
+            continue
+        fits.append(name)
+    return fits
 
 
 def _class_names(cache: list[Any]) -> str:
@@ -262,21 +287,21 @@ def settle(cache: list[Any]) -> None:
     mx.eval([v for c in cache for _, v in tree_flatten(c.state) if isinstance(v, mx.array)])
 
 
-def _copy_layer(src: Any, dst_kind: CacheKind) -> Any | None:
+def _copy_layer(src: Any, dst_kind: CacheKind, group: int) -> Any | None:
     """Convert one full-precision layer without recomputing, or None if not possible."""
     if type(src) not in (KVCache, ConcatenateKVCache):
         return None
     if src.keys is None:
-        return dst_kind.make_layer()
+        return dst_kind.make_layer(group_size=group)
     n = src.offset
     keys, values = src.keys[..., :n, :], src.values[..., :n, :]
     if dst_kind.family == "quantized":
         bits = dst_kind.size
-        dst = QuantizedKVCache(group_size=QUANT_GROUP_SIZE, bits=bits)
-        if keys.shape[-1] % QUANT_GROUP_SIZE:
+        dst = QuantizedKVCache(group_size=group, bits=bits)
+        if keys.shape[-1] % group or values.shape[-1] % group:
             return None
-        dst.keys = _quantize(keys, bits)
-        dst.values = _quantize(values, bits)
+        dst.keys = mx.quantize(keys, group_size=group, bits=bits)
+        dst.values = mx.quantize(values, group_size=group, bits=bits)
         dst.offset = n
         return dst
     if dst_kind.family in ("standard", "concatenate"):
@@ -286,18 +311,16 @@ def _copy_layer(src: Any, dst_kind: CacheKind) -> Any | None:
     return None
 
 
-def _quantize(x, bits: int):
-    return mx.quantize(x, group_size=QUANT_GROUP_SIZE, bits=bits)
-
-
-def convert_cache(cache: list[Any], src: CacheKind, dst: CacheKind) -> list[Any] | None:
+def convert_cache(
+    cache: list[Any], src: CacheKind, dst: CacheKind, group: int = QUANT_GROUP_SIZE
+) -> list[Any] | None:
     """Convert a live cache from kind ``src`` to ``dst`` without recomputing, where the data allows.
 
     Full-precision layers (standard, concatenate) convert to standard,
     concatenate or quantized exactly as their data stands; layers the model
     brought itself stay as they are. Anything else (dequantizing, a rotating
     or chunked target) returns None: the caller rebuilds from the
-    transcript, which is exact.
+    transcript, which is exact. ``group`` is a quantized target's group size.
     """
     src_class = type(src.make_layer())
     out = []
@@ -305,7 +328,7 @@ def convert_cache(cache: list[Any], src: CacheKind, dst: CacheKind) -> list[Any]
         if type(layer) is not src_class:
             out.append(layer)
             continue
-        converted = _copy_layer(layer, dst)
+        converted = _copy_layer(layer, dst, group)
         if converted is None:
             return None
         out.append(converted)

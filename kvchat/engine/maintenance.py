@@ -15,6 +15,7 @@ from .kinds import (
     CacheKind,
     after_turn,
     convert_cache,
+    group_size,
     make_cache,
     parse_kind,
     settle,
@@ -180,7 +181,7 @@ class CacheMaintenance:
             return None
         make_cache(self.lm.model, new)  # raises if the kind cannot apply to this model
         old, self.kind = self.kind, new
-        converted = convert_cache(self.cache, old, new)
+        converted = convert_cache(self.cache, old, new, group_size(self.lm.model, new))
         if converted is not None:
             self.attach(converted, self.ledger)
             return None

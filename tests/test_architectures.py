@@ -1,0 +1,65 @@
+"""kvchat on tiny random-weight models of other mlx-lm architectures (issue 16):
+the ``arch`` fixture builds them from mlx-lm's own model classes (tests/arch_models.py)."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.models.cache import QuantizedKVCache
+from typer.testing import CliRunner
+
+from kvchat.cli import app
+from kvchat.engine.events import GenerationSettings
+from kvchat.engine.kinds import CacheKindError, applicable_kinds
+from kvchat.engine.session import Session
+from tests.helpers import turn
+
+GREEDY = GenerationSettings(max_tokens=6, temp=0.0)
+
+
+def test_phi3_head_size_96_quantizes_in_groups_of_32(arch):
+    lm = arch("phi3")
+    quantized = Session(lm, kind="quantized:8", settings=GREEDY)
+    assert {(type(c), c.group_size) for c in quantized.cache} == {(QuantizedKVCache, 32)}
+    first = turn(quantized, "hello there")
+    assert first.stats.evaluated_tokens == first.stats.prompt_tokens
+
+    session = Session(lm, settings=GREEDY)
+    turn(session, "hello there")
+    assert session.set_kind("quantized:4") is None  # converted in place, no rebuild
+    assert {c.group_size for c in session.cache} == {32}
+    second = turn(session, "and again")
+    assert second.stats.rebuilt is None and second.stats.reused_tokens > 0
+
+
+def test_gemma2_refuses_quantized_kinds_and_keeps_the_session(arch):
+    lm = arch("gemma2")
+    with pytest.raises(CacheKindError, match="attention cannot read a quantized cache"):
+        Session(lm, kind="quantized:8")
+    assert applicable_kinds(lm.model, ["standard", "quantized:8", "quantized:4", "rotating:4096"]) == [
+        "standard", "rotating:4096"]
+
+    session = Session(lm, settings=GREEDY)
+    turn(session, "hello there")
+    cache, ledger, messages = session.cache, list(session.ledger), list(session.messages)
+    with pytest.raises(CacheKindError, match=r"^Cache kind 'quantized:4' cannot apply to this model"):
+        session.set_kind("quantized:4")
+    assert session.kind.name == "standard"
+    assert session.cache is cache and session.ledger == ledger and session.messages == messages
+    after = turn(session, "and again")
+    assert after.stats.rebuilt is None and after.stats.reused_tokens >= len(ledger) - 1
+
+
+@pytest.mark.parametrize("command, code", [("ask", 1), ("replay", 2)])
+def test_cli_refuses_a_quantized_kind_in_one_sentence(arch, tmp_path, home, command, code):
+    lm = arch("gemma2")
+    if command == "ask":
+        args = ["ask", "--model", str(lm.path), "--cache", "quantized:8", "hello"]
+    else:
+        script = tmp_path / "script.json"
+        script.write_text('{"turns": ["hello"]}', encoding="utf-8")
+        args = ["replay", str(script), "--model", str(lm.path), "--cache", "quantized:8"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == code
+    out = result.output.strip()
+    assert "Cache kind 'quantized:8' cannot apply to this model: its attention cannot read" in out
+    assert "Traceback" not in out and len(out.splitlines()) == 1
