@@ -3,10 +3,13 @@ the ``arch`` fixture builds them from mlx-lm's own model classes (tests/arch_mod
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 from typer.testing import CliRunner
 
+from kvchat import store
 from kvchat.cli import app
 from kvchat.engine.events import GenerationSettings
 from kvchat.engine.kinds import CacheKindError, applicable_kinds
@@ -63,3 +66,36 @@ def test_cli_refuses_a_quantized_kind_in_one_sentence(arch, tmp_path, home, comm
     out = result.output.strip()
     assert "Cache kind 'quantized:8' cannot apply to this model: its attention cannot read" in out
     assert "Traceback" not in out and len(out.splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["mamba", "falcon_h1"])
+def test_recurrent_state_resumes_from_disk(arch, home, name):
+    lm = arch(name)
+    session = Session(lm, settings=GREEDY)
+    turn(session, "hello there")
+    turn(session, "and again")
+    store.save(session, "chat")
+
+    loaded = store.load("chat", lm)
+    assert loaded.resumed_from_disk and loaded.notice is None
+    assert loaded.session.ledger == session.ledger
+    resumed, live = turn(loaded.session, "one more"), turn(session, "one more")
+    assert resumed.reply == live.reply
+    assert resumed.stats.rebuilt is None
+    assert resumed.stats.reused_tokens == live.stats.reused_tokens > 0
+    assert resumed.stats.evaluated_tokens == live.stats.evaluated_tokens
+
+
+def test_recurrent_state_whose_count_disagrees_is_rebuilt(arch, home):
+    lm = arch("mamba")
+    session = Session(lm, settings=GREEDY)
+    turn(session, "hello there")
+    folder = store.save(session, "chat")
+    data = json.loads((folder / "session.json").read_text(encoding="utf-8"))
+    data["ledger"] = data["ledger"][:-1]  # a transcript one token short of the saved state
+    (folder / "session.json").write_text(json.dumps(data), encoding="utf-8")
+
+    loaded = store.load("chat", lm)
+    assert not loaded.resumed_from_disk
+    assert "does not belong with session.json" in loaded.notice
+    assert loaded.session.ledger == session.render(session.messages, False)

@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
+    CacheList,
     ChunkedKVCache,
     ConcatenateKVCache,
     KVCache,
@@ -175,9 +176,16 @@ def _class_names(cache: list[Any]) -> str:
 
 
 def cache_offset(cache: list[Any]) -> int | None:
-    """Tokens the cache has seen (its position), or None if no layer tracks it."""
-    offsets = [c.offset for c in cache if hasattr(c, "offset")]
+    """Tokens the cache has seen (its position), or None if no layer tracks it (a model
+    whose every layer is recurrent state, such as Mamba: the ledger counts for it)."""
+    offsets = [o for c in cache for o in _offsets(c)]
     return max(offsets) if offsets else None
+
+
+def _offsets(c: Any) -> list[int]:
+    if isinstance(c, CacheList):  # a hybrid layer (Falcon-H1: state and attention)
+        return [o for part in c.caches for o in _offsets(part)]
+    return [c.offset] if hasattr(c, "offset") else []
 
 
 def cache_bytes(cache: list[Any]) -> int:
