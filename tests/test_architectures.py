@@ -4,6 +4,7 @@ the ``arch`` fixture builds them from mlx-lm's own model classes (tests/arch_mod
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
@@ -11,9 +12,11 @@ from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app
-from kvchat.engine.events import GenerationSettings
+from kvchat.engine import checkpoints
+from kvchat.engine.events import GenerationSettings, TurnDone
 from kvchat.engine.kinds import CacheKindError, applicable_kinds
 from kvchat.engine.session import Session
+from tests.arch_models import SHAPES
 from tests.helpers import turn
 
 GREEDY = GenerationSettings(max_tokens=6, temp=0.0)
@@ -99,3 +102,63 @@ def test_recurrent_state_whose_count_disagrees_is_rebuilt(arch, home):
     assert not loaded.resumed_from_disk
     assert "does not belong with session.json" in loaded.notice
     assert loaded.session.ledger == session.render(session.messages, False)
+
+
+FIRST = "The quick brown fox jumps over the lazy dog near the river bank today."
+SECOND = "Tell me another story about the fox and the dog, please, a long one."
+THIRD = "What colour is the fox?"
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_cached_replies_equal_uncached_ones(arch, name):
+    lm = arch(name)
+    session = Session(lm, settings=GREEDY)
+    turn(session, FIRST)
+    cached = turn(session, SECOND)
+    assert cached.stats.reused_tokens > 0
+    fresh = Session(lm, settings=GREEDY, messages=session.messages[:-2])
+    uncached = turn(fresh, SECOND)
+    assert uncached.stats.reused_tokens == 0
+    assert cached.reply == uncached.reply and cached.tokens == uncached.tokens
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "mamba", "falcon_h1", "lfm2"])
+def test_checkpoints_make_regenerate_and_undo_cheap(arch, name):
+    lm = arch(name)
+    session = Session(lm, settings=GREEDY)
+    turn(session, FIRST)
+    after_first = len(session.ledger)
+    second = turn(session, SECOND)
+    assert not all(c.is_trimmable() for c in session.cache)  # a wrapped window, a state
+    assert second.stats.reused_tokens == after_first and second.stats.rebuilt is None
+
+    again = [e for e in session.regenerate() if isinstance(e, TurnDone)][0]
+    assert again.stats.evaluated_tokens == 0 and again.stats.rebuilt is None
+    assert again.reply == second.reply  # greedy: the same reply from the same state
+
+    session.undo()
+    assert len(session.ledger) == after_first  # back to the checkpoint after the first reply
+    third = turn(session, THIRD)
+    assert third.stats.rebuilt is None
+    assert third.stats.evaluated_tokens == third.stats.prompt_tokens - after_first
+    fresh = Session(lm, settings=GREEDY, messages=session.messages[:-2])
+    assert turn(fresh, THIRD).reply == third.reply
+
+
+def test_checkpoints_are_bounded_and_a_rebuild_names_the_window(arch, monkeypatch):
+    monkeypatch.setattr(checkpoints, "MAX_CHECKPOINTS", 2)
+    session = Session(arch("gemma3_text"), settings=GREEDY)
+    turn(session, FIRST)
+    after_first = len(session.ledger)
+    turn(session, SECOND)
+    kept = session.checkpoints.kept
+    assert len(kept) == 2 and kept[-1].tokens == len(session.ledger)
+    assert session.checkpoints.nbytes == sum(c.nbytes for c in kept) > 0
+    assert all(c.tokens > after_first for c in kept)  # the first turn's were dropped
+
+    session.undo()
+    assert session.ledger == [] and len(session.checkpoints) == 0
+    third = turn(session, THIRD)
+    assert third.stats.evaluated_tokens == third.stats.prompt_tokens
+    assert re.fullmatch(r"the standard cache could not be trimmed back to token \d+: it holds a "
+                        r"sliding window, and no checkpoint is that early", third.stats.rebuilt)

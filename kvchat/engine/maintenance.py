@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from .checkpoints import what_cannot_go_back
 from .events import SessionError
 from .kinds import (
     CacheKind,
@@ -41,23 +42,30 @@ class CacheMaintenance:
     """The cache-changing operations of :class:`~kvchat.engine.session.Session` (a mixin:
     it uses the session's ``cache``, ``ledger``, ``messages``, ``kind`` and ``_prefill``)."""
 
-    def _rewind(self, n: int) -> str | None:
-        """Make the cache hold exactly ``ledger[:n]``; rebuild (empty it) if it cannot.
+    def _rewind(self, n: int) -> tuple[int, str | None]:
+        """Make the cache hold ``ledger[:n]``, or failing that the ledger up to the nearest
+        checkpoint before ``n``, or failing that nothing (a rebuild).
 
-        Returns None, or the reason the cache had to be emptied.
+        Returns how many tokens the cache holds now, and the reason it had to be
+        emptied (None when it was not).
         """
         if n >= len(self.ledger):
-            return None
-        if trim_to(self.cache, n):
+            return len(self.ledger), None
+        kept = n if trim_to(self.cache, n) else self.checkpoints.restore(self.cache, n)
+        if kept is not None:
             settle(self.cache)
-            self._set_ledger(self.ledger[:n])
-            return None
+            self._set_ledger(self.ledger[:kept])
+            return kept, None
         reason = f"the {self.kind.name} cache could not be trimmed back to token {n}"
+        stateful = what_cannot_go_back(self.cache)
+        if stateful:
+            reason += f": it holds {stateful}, and no checkpoint is that early"
         self._discard(reason)
-        return reason
+        return 0, reason
 
     def _set_ledger(self, ledger: list[int]) -> None:
         self.ledger = ledger
+        self.checkpoints.forget_after(len(ledger))
         if self._logits is not None and self._logits[0] > len(ledger):
             self._logits = None
 
@@ -71,12 +79,14 @@ class CacheMaintenance:
         self.cache = make_cache(self.lm.model, self.kind, keep=self._system_tokens())
         self.ledger = []
         self._logits = None
+        self.checkpoints.clear()
 
     def close(self) -> None:
         """Let go of the cache and the model for good (its tab was closed), so a stale
         reference to the session (a finished worker's, say) holds neither in memory.
         The session cannot run again; its transcript stays readable."""
         self.cache, self.ledger, self._logits = [], [], None
+        self.checkpoints.clear()
         del self.lm
         mx.clear_cache()
 
@@ -84,6 +94,7 @@ class CacheMaintenance:
         """Take back a cache holding exactly ``ledger`` (as loaded from disk)."""
         self.cache, self.ledger = cache, list(ledger)
         self._logits = None
+        self.checkpoints.clear()
         settle(cache)
 
     def reset(self) -> bool:
