@@ -14,7 +14,7 @@ from kvchat import store
 from kvchat.cli import app
 from kvchat.engine import checkpoints
 from kvchat.engine.events import GenerationSettings, TurnDone
-from kvchat.engine.kinds import CacheKindError, applicable_kinds
+from kvchat.engine.kinds import EXAMPLE_KINDS, CacheKindError, applicable_kinds
 from kvchat.engine.session import Session
 from tests.arch_models import SHAPES
 from tests.helpers import turn
@@ -41,8 +41,10 @@ def test_gemma2_refuses_quantized_kinds_and_keeps_the_session(arch):
     lm = arch("gemma2")
     with pytest.raises(CacheKindError, match="attention cannot read a quantized cache"):
         Session(lm, kind="quantized:8")
-    assert applicable_kinds(lm.model, ["standard", "quantized:8", "quantized:4", "rotating:4096"]) == [
-        "standard", "rotating:4096"]
+    with pytest.raises(CacheKindError, match="attention cannot read a chunked cache"):
+        Session(lm, kind="chunked:2048")  # its own mask does not fit a chunked cache
+    assert applicable_kinds(lm.model, list(EXAMPLE_KINDS)) == [
+        "standard", "rotating:4096", "concatenate"]
 
     session = Session(lm, settings=GREEDY)
     turn(session, "hello there")

@@ -32,7 +32,7 @@ from mlx_lm.models.cache import (
 
 from kvchat.safety import ascii_int
 
-from .quant_fit import quant_group_size
+from . import fit
 
 QUANT_GROUP_SIZE = 64  # the group size quantized caches use unless the head size needs 32
 
@@ -133,30 +133,46 @@ def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
     Models that bring their own ``make_cache()`` (sliding-window or
     state-space layers) keep their own classes for those layers; the kind
     replaces only their plain ``KVCache`` layers, and a kind that could
-    replace none says so. So does a quantized kind the model's attention
-    cannot take (:func:`~kvchat.engine.quant_fit.quant_group_size`).
+    replace none says so. So does a kind the model's attention cannot take
+    (:mod:`kvchat.engine.fit` runs the model once on it to find out).
     """
     if kind.family == "standard":
         return make_prompt_cache(model)
-    own = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
-    if not any(type(c) is KVCache for c in own):
+
+    if not any(type(c) is KVCache for c in _own_cache(model)):
         raise CacheKindError(
-            f"This model brings its own cache ({_class_names(own)}); "
+            f"This model brings its own cache ({_class_names(_own_cache(model))}); "
             f"cache kind {kind.name!r} cannot apply to it. Use 'standard'."
         )
     group = group_size(model, kind)
-    return [kind.make_layer(keep, group) if type(c) is KVCache else c for c in own]
+
+    def made(keep: int) -> list[Any]:
+        return [kind.make_layer(keep, group) if type(c) is KVCache else c for c in _own_cache(model)]
+
+    failed = fit.problem(model, kind.name, lambda: made(0))
+    if failed:
+        raise _cannot(kind, f"its attention cannot read a {kind.family} cache ({failed})")
+    return made(keep)
+
+
+def _own_cache(model: nn.Module) -> list[Any]:
+    """A fresh cache as the model makes it (mlx-lm's ``KVCache`` per layer if it makes none)."""
+    return model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
 
 
 def group_size(model: nn.Module, kind: CacheKind) -> int:
     """The group size of ``kind``'s quantized layers for ``model`` (raises
-    :class:`CacheKindError` when the model cannot take a quantized cache)."""
+    :class:`CacheKindError` when the head size fits no group mlx quantizes)."""
     if kind.family != "quantized":
         return QUANT_GROUP_SIZE
-    try:
-        return quant_group_size(model, kind.size, kind.name)
-    except ValueError as exc:
-        raise CacheKindError(str(exc)) from None
+    group = fit.group_size(model)
+    if isinstance(group, str):
+        raise _cannot(kind, group)
+    return group
+
+
+def _cannot(kind: CacheKind, why: str) -> CacheKindError:
+    return CacheKindError(f"Cache kind {kind.name!r} cannot apply to this model: {why}. Use 'standard'.")
 
 
 def applicable_kinds(model: nn.Module, names: list[str]) -> list[str]:

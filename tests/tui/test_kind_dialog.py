@@ -75,4 +75,4 @@ async def test_kinds_a_model_cannot_take_are_refused_and_not_listed(arch, home):
                 "a quantized cache (TypeError). Use 'standard'. This tab uses 'standard'.") in [
             n.message for n in app._notifications]
         dialog = await _open(pilot)
-        assert dialog.names == ["standard", "rotating:4096", "chunked:2048", "concatenate"]
+        assert dialog.names == ["standard", "rotating:4096", "concatenate"]

@@ -21,7 +21,6 @@ from kvchat.engine.kinds import (
     CacheKindError,
     applicable_kinds,
     group_size,
-    make_cache,
     parse_kind,
 )
 
@@ -196,7 +195,6 @@ class KindDialog(Dialog):
     def _typed(self) -> None:
         try:
             kind = parse_kind(self.query_one("#kind-input", Input).value)
-            make_cache(self.model, kind)  # a kind this model cannot take is refused here
         except CacheKindError as error:
             self.notify(str(error), severity="warning", markup=False)
             return
