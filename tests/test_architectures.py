@@ -20,6 +20,9 @@ from tests.arch_models import SHAPES
 from tests.helpers import turn
 
 GREEDY = GenerationSettings(max_tokens=6, temp=0.0)
+FIRST = "The quick brown fox jumps over the lazy dog near the river bank today."
+SECOND = "Tell me another story about the fox and the dog, please, a long one."
+THIRD = "What colour is the fox?"
 
 
 def test_phi3_head_size_96_quantizes_in_groups_of_32(arch):
@@ -35,6 +38,25 @@ def test_phi3_head_size_96_quantizes_in_groups_of_32(arch):
     assert {c.group_size for c in session.cache} == {32}
     second = turn(session, "and again")
     assert second.stats.rebuilt is None and second.stats.reused_tokens > 0
+
+
+FITTING = {  # the README's table
+    "gemma2": ["standard", "rotating:4096", "concatenate"],
+    "mamba": ["standard"],
+    "falcon_h1": ["standard"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_each_family_takes_the_kinds_the_readme_lists(arch, name):
+    lm = arch(name)
+    fitting = applicable_kinds(lm.model, list(EXAMPLE_KINDS))
+    assert fitting == FITTING.get(name, list(EXAMPLE_KINDS))
+    for kind in fitting:
+        session = Session(lm, kind=kind, settings=GREEDY)
+        turn(session, FIRST)
+        after = turn(session, SECOND)
+        assert after.stats.rebuilt is None and after.stats.reused_tokens > 0
 
 
 def test_gemma2_refuses_quantized_kinds_and_keeps_the_session(arch):
@@ -73,8 +95,8 @@ def test_cli_refuses_a_quantized_kind_in_one_sentence(arch, tmp_path, home, comm
     assert "Traceback" not in out and len(out.splitlines()) == 1
 
 
-@pytest.mark.parametrize("name", ["mamba", "falcon_h1"])
-def test_recurrent_state_resumes_from_disk(arch, home, name):
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_saved_sessions_resume_from_disk(arch, home, name):
     lm = arch(name)
     session = Session(lm, settings=GREEDY)
     turn(session, "hello there")
@@ -105,10 +127,6 @@ def test_recurrent_state_whose_count_disagrees_is_rebuilt(arch, home):
     assert "does not belong with session.json" in loaded.notice
     assert loaded.session.ledger == session.render(session.messages, False)
 
-
-FIRST = "The quick brown fox jumps over the lazy dog near the river bank today."
-SECOND = "Tell me another story about the fox and the dog, please, a long one."
-THIRD = "What colour is the fox?"
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
