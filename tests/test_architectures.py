@@ -182,3 +182,18 @@ def test_checkpoints_are_bounded_and_a_rebuild_names_the_window(arch, monkeypatc
     assert third.stats.evaluated_tokens == third.stats.prompt_tokens
     assert re.fullmatch(r"the standard cache could not be trimmed back to token \d+: it holds a "
                         r"sliding window, and no checkpoint is that early", third.stats.rebuilt)
+
+
+def test_checkpoints_stay_within_their_memory_budget(arch, monkeypatch):
+    session = Session(arch("mamba"), settings=GREEDY)  # its state is the same size at every token
+    turn(session, FIRST)
+    one = session.checkpoints.kept[-1].nbytes
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_BUDGET", one)
+    turn(session, SECOND)
+    assert [c.tokens for c in session.checkpoints.kept] == [len(session.ledger)]
+    assert session.checkpoints.nbytes == one
+
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_BUDGET", one - 1)
+    session.checkpoints.clear()
+    turn(session, THIRD)
+    assert len(session.checkpoints) == 0 and session.checkpoints.nbytes == 0

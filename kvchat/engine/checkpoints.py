@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
-from .kinds import copy_cache, trim_to
+from .kinds import allocated_bytes, copy_cache, trim_to
 
 MAX_CHECKPOINTS = 16
 CHECKPOINT_BUDGET = 512 << 20  # bytes of checkpoints one session keeps at most
@@ -55,20 +55,21 @@ class Checkpoints:
         self.kept = []
 
     def keep(self, cache: list[Any], tokens: int) -> None:
-        """Checkpoint ``cache``, which holds ``tokens`` tokens (nothing if it needs none)."""
+        """Checkpoint ``cache``, which holds ``tokens`` tokens (nothing if it needs none,
+        or if one checkpoint of it would be over the whole budget)."""
         paths = stateful_paths(cache)
         if not paths or any(c.tokens == tokens for c in self.kept):
             return
         parts = dict(_parts(cache))
+        if allocated_bytes([parts[p] for p in paths]) > CHECKPOINT_BUDGET:
+            return
         layers = {p: copy_cache([parts[p]])[0] for p in paths}
         arrays = [v for layer in layers.values() for _, v in tree_flatten(layer.state)
                   if isinstance(v, mx.array)]
         mx.eval(arrays)
         self.kept.append(Checkpoint(tokens, layers, sum(a.nbytes for a in arrays)))
         self.kept.sort(key=lambda c: c.tokens)
-        while len(self.kept) > 1 and (
-            len(self.kept) > MAX_CHECKPOINTS or self.nbytes > CHECKPOINT_BUDGET
-        ):
+        while len(self.kept) > MAX_CHECKPOINTS or self.nbytes > CHECKPOINT_BUDGET:
             self.kept.pop(0)
 
     def forget_after(self, tokens: int) -> None:
