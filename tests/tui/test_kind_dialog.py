@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvchat.tui.screens.dialogs import KindDialog, kind_bytes_per_token
+from kvchat.tui.widgets.messages import NoticeMessage
 
 from .conftest import SIZE, send, settle, until, widget_text
 
@@ -74,5 +75,20 @@ async def test_kinds_a_model_cannot_take_are_refused_and_not_listed(arch, home):
         assert ("Cache kind 'quantized:8' cannot apply to this model: its attention cannot read "
                 "a quantized cache (TypeError). Use 'standard'. This tab uses 'standard'.") in [
             n.message for n in app._notifications]
+        conversation = app.active_conversation()
+        await send(pilot, "hello there")
+        session = conversation.session
+        cache, ledger = session.cache, list(session.ledger)
         dialog = await _open(pilot)
         assert dialog.names == ["standard", "rotating:4096", "concatenate"]
+
+        typed = dialog.query_one("#kind-input")
+        typed.value = "chunked:1024"  # not listed, typed: the switch itself refuses it
+        typed.focus()
+        await pilot.press("enter")
+        await settle(pilot, conversation)
+        shown = [str(n.render()) for n in conversation.log.query(NoticeMessage)]
+        assert shown[-1] == (
+            "Switching cache failed: CacheKindError: Cache kind 'chunked:1024' cannot apply to "
+            "this model: its attention cannot read a chunked cache (ValueError). Use 'standard'.")
+        assert session.kind.name == "standard" and session.cache is cache and session.ledger == ledger
