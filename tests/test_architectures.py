@@ -197,3 +197,19 @@ def test_checkpoints_stay_within_their_memory_budget(arch, monkeypatch):
     session.checkpoints.clear()
     turn(session, THIRD)
     assert len(session.checkpoints) == 0 and session.checkpoints.nbytes == 0
+
+
+def test_a_rebuild_keeps_checkpoints_at_each_turn_end(arch):
+    session = Session(arch("gemma3_text"), settings=GREEDY)
+    for text in (FIRST, SECOND):
+        turn(session, text)
+    session.rebuild("a test")  # as a load from disk or a kind switch can
+    first_exchange = session.render(session.messages[:2], False)
+    assert first_exchange == session.ledger[: len(first_exchange)]
+    assert len(first_exchange) in [c.tokens for c in session.checkpoints.kept]
+
+    session.undo()
+    assert session.ledger == first_exchange  # back to a checkpoint, not rebuilt
+    third = turn(session, THIRD)
+    assert third.stats.rebuilt is None
+    assert third.stats.evaluated_tokens == third.stats.prompt_tokens - len(first_exchange)

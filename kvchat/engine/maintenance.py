@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from .checkpoints import what_cannot_go_back
+from .checkpoints import stateful_paths, what_cannot_go_back
 from .events import SessionError
 from .kinds import (
     CacheKind,
@@ -111,12 +111,26 @@ class CacheMaintenance:
         """Recompute the cache from the transcript (exact), reporting progress."""
         self._discard(reason)
         tokens = self.render(self.messages, False)
-        for event in self._prefill(tokens, total=len(tokens)):
+        for event in self._prefill(tokens, len(tokens), self._turn_ends(self.messages, tokens)):
             if progress:
                 progress(event.done, event.total)
         after_turn(self.cache)
         self._pending_rebuild = None  # whole again: the next turn reuses it
         return reason
+
+    def _turn_ends(self, messages: list[dict], tokens: list[int]) -> frozenset[int]:
+        """Where in ``tokens`` (the rendering of ``messages``) each prompt and each reply
+        ends, for checkpoints while they are evaluated again; none for a model that
+        keeps no checkpoints."""
+        if not stateful_paths(self.cache):
+            return frozenset()
+        ends = set()
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                for part in (self.render(messages[:i], True), self.render(messages[: i + 1], False)):
+                    if tokens[: len(part)] == part:  # a template may rewrite earlier turns
+                        ends.add(len(part))
+        return frozenset(ends)
 
     def sync(self) -> None:
         """Trim the cache to what the transcript renders to now (after undo or an edit)."""
@@ -173,7 +187,8 @@ class CacheMaintenance:
         del self.turns[: sum(m["role"] == "assistant" for m in dropped)]
         tokens = self.render(messages, False)
         self._rewind(common_prefix(self.ledger, tokens))
-        for event in self._prefill(tokens[len(self.ledger) :], total=len(tokens) - len(self.ledger)):
+        marks = self._turn_ends(messages, tokens)
+        for event in self._prefill(tokens[len(self.ledger) :], len(tokens) - len(self.ledger), marks):
             if progress:
                 progress(event.done, event.total)
         after_turn(self.cache)
