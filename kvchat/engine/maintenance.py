@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 from .checkpoints import stateful_paths, what_cannot_go_back
-from .events import SessionError
+from .events import Prefill, SessionError
 from .kinds import (
     CacheKind,
     after_turn,
@@ -24,7 +25,7 @@ from .kinds import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     Progress = Callable[[int, int], None]
 
@@ -40,7 +41,33 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class CacheMaintenance:
     """The cache-changing operations of :class:`~kvchat.engine.session.Session` (a mixin:
-    it uses the session's ``cache``, ``ledger``, ``messages``, ``kind`` and ``_prefill``)."""
+    it uses the session's ``cache``, ``ledger``, ``messages``, ``kind``, ``settings`` and
+    ``checkpoints``)."""
+
+    def _prefill(
+        self, tokens: list[int], total: int, marks: frozenset[int] = frozenset()
+    ) -> Iterator[Prefill]:
+        """Evaluate ``tokens`` into the cache in chunks, yielding progress; stops early on stop().
+
+        A checkpoint is kept where the ledger reaches a length in ``marks``.
+        """
+        step = max(1, self.settings.prefill_step)
+        start = len(self.ledger)
+        end = start + len(tokens)
+        cuts = sorted({*range(start + step, end, step), *(m for m in marks if start < m < end), end})
+        yield Prefill(0, total)
+        with mx.stream(generation_stream):
+            for cut in cuts if tokens else ():
+                if self._stop.is_set():
+                    return
+                chunk = tokens[len(self.ledger) - start : cut - start]
+                self.lm.model(mx.array(chunk)[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+                self.ledger.extend(chunk)
+                if cut in marks:
+                    self.checkpoints.keep(self.cache, cut)
+                yield Prefill(cut - start, total)
+                mx.clear_cache()
 
     def _rewind(self, n: int) -> tuple[int, str | None]:
         """Make the cache hold ``ledger[:n]``, or failing that the ledger up to the nearest

@@ -33,7 +33,7 @@ from .events import (
     Chunk,
     Event,
     GenerationSettings,
-    Prefill,
+    Prefill,  # noqa: F401  (re-exported: the events of send() come from here)
     SessionBusy,
     SessionError,
     TurnDone,
@@ -376,31 +376,6 @@ class Session(CacheMaintenance):
                 token = int(sampled.item())
                 yield token
                 feed = [token]
-
-    def _prefill(
-        self, tokens: list[int], total: int, marks: frozenset[int] = frozenset()
-    ) -> Iterator[Prefill]:
-        """Evaluate ``tokens`` into the cache in chunks, yielding progress; stops early on stop().
-
-        A checkpoint is kept where the ledger reaches a length in ``marks``.
-        """
-        step = max(1, self.settings.prefill_step)
-        start = len(self.ledger)
-        end = start + len(tokens)
-        cuts = sorted({*range(start + step, end, step), *(m for m in marks if start < m < end), end})
-        yield Prefill(0, total)
-        with mx.stream(generation_stream):
-            for cut in cuts if tokens else ():
-                if self._stop.is_set():
-                    return
-                chunk = tokens[len(self.ledger) - start : cut - start]
-                self.lm.model(mx.array(chunk)[None], cache=self.cache)
-                mx.eval([c.state for c in self.cache])
-                self.ledger.extend(chunk)
-                if cut in marks:
-                    self.checkpoints.keep(self.cache, cut)
-                yield Prefill(cut - start, total)
-                mx.clear_cache()
 
     def _finish(self, reply: str, stopped: bool) -> None:
         message = {"role": "assistant", "content": reply}
