@@ -213,3 +213,17 @@ def test_a_rebuild_keeps_checkpoints_at_each_turn_end(arch):
     third = turn(session, THIRD)
     assert third.stats.rebuilt is None
     assert third.stats.evaluated_tokens == third.stats.prompt_tokens - len(first_exchange)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "falcon_h1"])
+def test_a_fork_starts_from_a_checkpoint(arch, name):
+    session = Session(arch(name), settings=GREEDY)
+    for text in (FIRST, SECOND):
+        turn(session, text)
+    first_end = session.checkpoints.kept[1].tokens  # the end of the first reply
+    child = session.fork_prefix(session.messages[:2])
+    assert child.ledger == session.ledger[:first_end]
+    forked = turn(child, THIRD)
+    assert forked.stats.reused_tokens == first_end and forked.stats.rebuilt is None
+    fresh = Session(session.lm, settings=GREEDY, messages=session.messages[:2])
+    assert turn(fresh, THIRD).reply == forked.reply

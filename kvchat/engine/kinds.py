@@ -194,14 +194,14 @@ def _class_names(cache: list[Any]) -> str:
 def cache_offset(cache: list[Any]) -> int | None:
     """Tokens the cache has seen (its position), or None if no layer tracks it (a model
     whose every layer is recurrent state, such as Mamba: the ledger counts for it)."""
-    offsets = [o for c in cache for o in _offsets(c)]
+    offsets = [c.offset for c in _flat(cache) if hasattr(c, "offset")]
     return max(offsets) if offsets else None
 
 
-def _offsets(c: Any) -> list[int]:
-    if isinstance(c, CacheList):  # a hybrid layer (Falcon-H1: state and attention)
-        return [o for part in c.caches for o in _offsets(part)]
-    return [c.offset] if hasattr(c, "offset") else []
+def _flat(cache: list[Any]) -> list[Any]:
+    """The layers, with the parts of a hybrid layer (a ``CacheList``: Falcon-H1's state
+    and attention) one by one."""
+    return [part for c in cache for part in (c.caches if isinstance(c, CacheList) else (c,))]
 
 
 def cache_bytes(cache: list[Any]) -> int:
@@ -365,7 +365,7 @@ def held_tokens(cache: list[Any], default: int = 0) -> int:
     The most any layer holds: a model's sliding-window layers hold fewer than
     its full-attention layers.
     """
-    held = [_held(c) for c in cache if hasattr(c, "offset")]
+    held = [_held(c) for c in _flat(cache) if hasattr(c, "offset")]
     return max(held) if held else default
 
 

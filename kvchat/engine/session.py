@@ -113,14 +113,16 @@ class Session(CacheMaintenance):
         common prefix with ``messages`` (by default this session's system prompt).
 
         This is how a new conversation with the same model, kind and system
-        prompt skips evaluating the system prompt again.
+        prompt skips evaluating the system prompt again. A cache that cannot be
+        cut that far starts from this one's nearest checkpoint before it, if any.
         """
         messages = list(messages if messages is not None else self.messages[:1] if self.system else [])
         child = Session(self.lm, kind=self.kind, settings=replace(self.settings), messages=messages)
         n = common_prefix(self.ledger, child.render(messages, False))
         copied = copy_cache(self.cache)
-        if n and trim_to(copied, n) and held_tokens(copied) == n:
-            child.attach(copied, self.ledger[:n])
+        kept = n if n and trim_to(copied, n) else self.checkpoints.restore(copied, n)
+        if kept and held_tokens(copied) == kept:
+            child.attach(copied, self.ledger[:kept])
         return child
 
     # ----------------------------------------------------------------- views
