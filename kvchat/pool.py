@@ -50,8 +50,10 @@ class PoolEntry:
 
     @property
     def cache_bytes(self) -> int:
-        """Memory its cache holds (allocated buffers, not only the live tokens)."""
-        return self.session.allocated_bytes if self.in_memory else 0
+        """Memory its cache holds (allocated buffers, not only the live tokens, and its
+        checkpoints)."""
+        session = self.session
+        return session.allocated_bytes + session.checkpoints.nbytes if self.in_memory else 0
 
     @property
     def cache_tokens(self) -> int:

@@ -38,6 +38,23 @@ def demo_model(kvchat_dirs):
     return load_model("demo")
 
 
+@pytest.fixture(scope="session")
+def arch(tmp_path_factory):
+    """``arch(name)``: the tiny model of an mlx-lm family (tests/arch_models.py), built
+    and loaded once for the whole run."""
+    from tests.arch_models import build
+
+    root = tmp_path_factory.mktemp("arch")
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = build(root / name, name)
+        return loaded[name]
+
+    return get
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """A private KVCHAT_HOME per test (subprocesses inherit it)."""

@@ -251,10 +251,9 @@ def profile_cached_turn(session: Session, text: str) -> dict[str, float]:
     for _ in session._prefill(prompt[n:-1], total=len(prompt) - n):
         pass
     t4 = time.perf_counter()
-    steps = session._continue(prompt[-1:], 2, make_sampler(temp=0.0), prompt_len=len(prompt))
-    next(steps)
+    session._evaluate_last(prompt[-1])
+    session._first_token(make_sampler(temp=0.0))
     t5 = time.perf_counter()
-    steps.close()
     mx.eval([c.state for c in session.cache])
     # the ledger says what the cache holds now; put the session back
     session.messages = history

@@ -217,10 +217,11 @@ def train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def model_config(name: str, tokenizer: Tokenizer) -> dict[str, Any]:
-    """The config.json of shape ``name`` for ``tokenizer``."""
+def model_config(shape: str | dict[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+    """The config.json of ``shape`` (a name in SHAPES, or such a dict for any mlx-lm
+    architecture: tests build tiny models of other families this way) for ``tokenizer``."""
     return {
-        **SHAPES[name],
+        **(SHAPES[shape] if isinstance(shape, str) else shape),
         "vocab_size": tokenizer.get_vocab_size(),
         "bos_token_id": tokenizer.token_to_id(PAD),
         "eos_token_id": tokenizer.token_to_id(IM_END),

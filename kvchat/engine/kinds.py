@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
+    CacheList,
     ChunkedKVCache,
     ConcatenateKVCache,
     KVCache,
@@ -31,12 +32,14 @@ from mlx_lm.models.cache import (
 
 from kvchat.safety import ascii_int
 
-QUANT_GROUP_SIZE = 64
+from . import fit
+
+QUANT_GROUP_SIZE = 64  # the group size quantized caches use unless the head size needs 32
 
 # family -> (takes a number?, one-line description)
 _FAMILIES: dict[str, tuple[bool, str]] = {
     "standard": (False, "full precision, grows with the conversation (the default)"),
-    "quantized": (True, "quantized:8 or quantized:4: 8 or 4 bits a value plus a scale and bias per 64"),
+    "quantized": (True, "quantized:8 or quantized:4: 8 or 4 bits a value plus a scale and bias per group of 64 (32 where the head size needs it)"),
     "rotating": (True, "rotating:N keeps the system prompt and the last tokens, N in all"),
     "chunked": (True, "chunked:N keeps about the last N tokens between turns"),
     "concatenate": (False, "full precision, no preallocation"),
@@ -74,16 +77,16 @@ class CacheKind:
     def description(self) -> str:
         return _FAMILIES[self.family][1]
 
-    def make_layer(self, keep: int = 0) -> Any:
+    def make_layer(self, keep: int = 0, group_size: int = QUANT_GROUP_SIZE) -> Any:
         """One layer's empty cache of this kind.
 
         ``keep`` is how many leading tokens a rotating cache never evicts
-        (the system prompt).
+        (the system prompt); ``group_size`` is a quantized cache's group.
         """
         if self.family == "standard":
             return KVCache()
         if self.family == "quantized":
-            return QuantizedKVCache(group_size=QUANT_GROUP_SIZE, bits=self.size)
+            return QuantizedKVCache(group_size=group_size, bits=self.size)
         if self.family == "rotating":
             return RotatingKVCache(max_size=self.size, keep=min(keep, self.size // 2))
         if self.family == "chunked":
@@ -130,19 +133,58 @@ def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
     Models that bring their own ``make_cache()`` (sliding-window or
     state-space layers) keep their own classes for those layers; the kind
     replaces only their plain ``KVCache`` layers, and a kind that could
-    replace none says so.
+    replace none says so. So does a kind the model's attention cannot take
+    (:mod:`kvchat.engine.fit` runs the model once on it to find out).
     """
     if kind.family == "standard":
         return make_prompt_cache(model)
-    if not hasattr(model, "make_cache"):
-        return [kind.make_layer(keep) for _ in model.layers]
-    own = model.make_cache()
-    if not any(type(c) is KVCache for c in own):
+
+    if not any(type(c) is KVCache for c in _own_cache(model)):
         raise CacheKindError(
-            f"This model brings its own cache ({_class_names(own)}); "
+            f"This model brings its own cache ({_class_names(_own_cache(model))}); "
             f"cache kind {kind.name!r} cannot apply to it. Use 'standard'."
         )
-    return [kind.make_layer(keep) if type(c) is KVCache else c for c in own]
+    group = group_size(model, kind)
+
+    def made(keep: int) -> list[Any]:
+        return [kind.make_layer(keep, group) if type(c) is KVCache else c for c in _own_cache(model)]
+
+    failed = fit.problem(model, kind.name, lambda: made(0))
+    if failed:
+        raise _cannot(kind, f"its attention cannot read a {kind.family} cache ({failed})")
+    return made(keep)
+
+
+def _own_cache(model: nn.Module) -> list[Any]:
+    """A fresh cache as the model makes it (mlx-lm's ``KVCache`` per layer if it makes none)."""
+    return model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+
+
+def group_size(model: nn.Module, kind: CacheKind) -> int:
+    """The group size of ``kind``'s quantized layers for ``model`` (raises
+    :class:`CacheKindError` when the head size fits no group mlx quantizes)."""
+    if kind.family != "quantized":
+        return QUANT_GROUP_SIZE
+    group = fit.group_size(model)
+    if isinstance(group, str):
+        raise _cannot(kind, group)
+    return group
+
+
+def _cannot(kind: CacheKind, why: str) -> CacheKindError:
+    return CacheKindError(f"Cache kind {kind.name!r} cannot apply to this model: {why}. Use 'standard'.")
+
+
+def applicable_kinds(model: nn.Module, names: list[str]) -> list[str]:
+    """The kind names of ``names`` that can apply to ``model``."""
+    fits = []
+    for name in names:
+        try:
+            make_cache(model, parse_kind(name))
+        except CacheKindError:
+            continue
+        fits.append(name)
+    return fits
 
 
 def _class_names(cache: list[Any]) -> str:
@@ -150,9 +192,16 @@ def _class_names(cache: list[Any]) -> str:
 
 
 def cache_offset(cache: list[Any]) -> int | None:
-    """Tokens the cache has seen (its position), or None if no layer tracks it."""
-    offsets = [c.offset for c in cache if hasattr(c, "offset")]
+    """Tokens the cache has seen (its position), or None if no layer tracks it (a model
+    whose every layer is recurrent state, such as Mamba: the ledger counts for it)."""
+    offsets = [c.offset for c in _flat(cache) if hasattr(c, "offset")]
     return max(offsets) if offsets else None
+
+
+def _flat(cache: list[Any]) -> list[Any]:
+    """The layers, with the parts of a hybrid layer (a ``CacheList``: Falcon-H1's state
+    and attention) one by one."""
+    return [part for c in cache for part in (c.caches if isinstance(c, CacheList) else (c,))]
 
 
 def cache_bytes(cache: list[Any]) -> int:
@@ -262,21 +311,21 @@ def settle(cache: list[Any]) -> None:
     mx.eval([v for c in cache for _, v in tree_flatten(c.state) if isinstance(v, mx.array)])
 
 
-def _copy_layer(src: Any, dst_kind: CacheKind) -> Any | None:
+def _copy_layer(src: Any, dst_kind: CacheKind, group: int) -> Any | None:
     """Convert one full-precision layer without recomputing, or None if not possible."""
     if type(src) not in (KVCache, ConcatenateKVCache):
         return None
     if src.keys is None:
-        return dst_kind.make_layer()
+        return dst_kind.make_layer(group_size=group)
     n = src.offset
     keys, values = src.keys[..., :n, :], src.values[..., :n, :]
     if dst_kind.family == "quantized":
         bits = dst_kind.size
-        dst = QuantizedKVCache(group_size=QUANT_GROUP_SIZE, bits=bits)
-        if keys.shape[-1] % QUANT_GROUP_SIZE:
+        dst = QuantizedKVCache(group_size=group, bits=bits)
+        if keys.shape[-1] % group or values.shape[-1] % group:
             return None
-        dst.keys = _quantize(keys, bits)
-        dst.values = _quantize(values, bits)
+        dst.keys = mx.quantize(keys, group_size=group, bits=bits)
+        dst.values = mx.quantize(values, group_size=group, bits=bits)
         dst.offset = n
         return dst
     if dst_kind.family in ("standard", "concatenate"):
@@ -286,18 +335,16 @@ def _copy_layer(src: Any, dst_kind: CacheKind) -> Any | None:
     return None
 
 
-def _quantize(x, bits: int):
-    return mx.quantize(x, group_size=QUANT_GROUP_SIZE, bits=bits)
-
-
-def convert_cache(cache: list[Any], src: CacheKind, dst: CacheKind) -> list[Any] | None:
+def convert_cache(
+    cache: list[Any], src: CacheKind, dst: CacheKind, group: int = QUANT_GROUP_SIZE
+) -> list[Any] | None:
     """Convert a live cache from kind ``src`` to ``dst`` without recomputing, where the data allows.
 
     Full-precision layers (standard, concatenate) convert to standard,
     concatenate or quantized exactly as their data stands; layers the model
     brought itself stay as they are. Anything else (dequantizing, a rotating
     or chunked target) returns None: the caller rebuilds from the
-    transcript, which is exact.
+    transcript, which is exact. ``group`` is a quantized target's group size.
     """
     src_class = type(src.make_layer())
     out = []
@@ -305,7 +352,7 @@ def convert_cache(cache: list[Any], src: CacheKind, dst: CacheKind) -> list[Any]
         if type(layer) is not src_class:
             out.append(layer)
             continue
-        converted = _copy_layer(layer, dst)
+        converted = _copy_layer(layer, dst, group)
         if converted is None:
             return None
         out.append(converted)
@@ -318,7 +365,7 @@ def held_tokens(cache: list[Any], default: int = 0) -> int:
     The most any layer holds: a model's sliding-window layers hold fewer than
     its full-attention layers.
     """
-    held = [_held(c) for c in cache if hasattr(c, "offset")]
+    held = [_held(c) for c in _flat(cache) if hasattr(c, "offset")]
     return max(held) if held else default
 
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
-from .events import SessionError
+from .checkpoints import stateful_paths, what_cannot_go_back
+from .events import Prefill, SessionError
 from .kinds import (
     CacheKind,
     after_turn,
     convert_cache,
+    group_size,
     make_cache,
     parse_kind,
     settle,
@@ -22,7 +25,7 @@ from .kinds import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     Progress = Callable[[int, int], None]
 
@@ -38,25 +41,58 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class CacheMaintenance:
     """The cache-changing operations of :class:`~kvchat.engine.session.Session` (a mixin:
-    it uses the session's ``cache``, ``ledger``, ``messages``, ``kind`` and ``_prefill``)."""
+    it uses the session's ``cache``, ``ledger``, ``messages``, ``kind``, ``settings`` and
+    ``checkpoints``)."""
 
-    def _rewind(self, n: int) -> str | None:
-        """Make the cache hold exactly ``ledger[:n]``; rebuild (empty it) if it cannot.
+    def _prefill(
+        self, tokens: list[int], total: int, marks: frozenset[int] = frozenset()
+    ) -> Iterator[Prefill]:
+        """Evaluate ``tokens`` into the cache in chunks, yielding progress; stops early on stop().
 
-        Returns None, or the reason the cache had to be emptied.
+        A checkpoint is kept where the ledger reaches a length in ``marks``.
+        """
+        step = max(1, self.settings.prefill_step)
+        start = len(self.ledger)
+        end = start + len(tokens)
+        cuts = sorted({*range(start + step, end, step), *(m for m in marks if start < m < end), end})
+        yield Prefill(0, total)
+        with mx.stream(generation_stream):
+            for cut in cuts if tokens else ():
+                if self._stop.is_set():
+                    return
+                chunk = tokens[len(self.ledger) - start : cut - start]
+                self.lm.model(mx.array(chunk)[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+                self.ledger.extend(chunk)
+                if cut in marks:
+                    self.checkpoints.keep(self.cache, cut)
+                yield Prefill(cut - start, total)
+                mx.clear_cache()
+
+    def _rewind(self, n: int) -> tuple[int, str | None]:
+        """Make the cache hold ``ledger[:n]``, or failing that the ledger up to the nearest
+        checkpoint before ``n``, or failing that nothing (a rebuild).
+
+        Returns how many tokens the cache holds now, and the reason it had to be
+        emptied (None when it was not).
         """
         if n >= len(self.ledger):
-            return None
-        if trim_to(self.cache, n):
+            return len(self.ledger), None
+        kept = n if trim_to(self.cache, n) else self.checkpoints.restore(self.cache, n)
+        if kept is not None:
             settle(self.cache)
-            self._set_ledger(self.ledger[:n])
-            return None
+            self._set_ledger(self.ledger[:kept])
+            return kept, None
         reason = f"the {self.kind.name} cache could not be trimmed back to token {n}"
+        stateful = what_cannot_go_back(self.cache)
+        if stateful:
+            reason += f": it holds {stateful}, and no checkpoint is that early"
         self._discard(reason)
-        return reason
+        return 0, reason
 
     def _set_ledger(self, ledger: list[int]) -> None:
         self.ledger = ledger
+        self.checkpoints.forget_after(len(ledger))
         if self._logits is not None and self._logits[0] > len(ledger):
             self._logits = None
 
@@ -70,12 +106,14 @@ class CacheMaintenance:
         self.cache = make_cache(self.lm.model, self.kind, keep=self._system_tokens())
         self.ledger = []
         self._logits = None
+        self.checkpoints.clear()
 
     def close(self) -> None:
         """Let go of the cache and the model for good (its tab was closed), so a stale
         reference to the session (a finished worker's, say) holds neither in memory.
         The session cannot run again; its transcript stays readable."""
         self.cache, self.ledger, self._logits = [], [], None
+        self.checkpoints.clear()
         del self.lm
         mx.clear_cache()
 
@@ -83,6 +121,7 @@ class CacheMaintenance:
         """Take back a cache holding exactly ``ledger`` (as loaded from disk)."""
         self.cache, self.ledger = cache, list(ledger)
         self._logits = None
+        self.checkpoints.clear()
         settle(cache)
 
     def reset(self) -> bool:
@@ -99,12 +138,26 @@ class CacheMaintenance:
         """Recompute the cache from the transcript (exact), reporting progress."""
         self._discard(reason)
         tokens = self.render(self.messages, False)
-        for event in self._prefill(tokens, total=len(tokens)):
+        for event in self._prefill(tokens, len(tokens), self._turn_ends(self.messages, tokens)):
             if progress:
                 progress(event.done, event.total)
         after_turn(self.cache)
         self._pending_rebuild = None  # whole again: the next turn reuses it
         return reason
+
+    def _turn_ends(self, messages: list[dict], tokens: list[int]) -> frozenset[int]:
+        """Where in ``tokens`` (the rendering of ``messages``) each prompt and each reply
+        ends, for checkpoints while they are evaluated again; none for a model that
+        keeps no checkpoints."""
+        if not stateful_paths(self.cache):
+            return frozenset()
+        ends = set()
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                for part in (self.render(messages[:i], True), self.render(messages[: i + 1], False)):
+                    if tokens[: len(part)] == part:  # a template may rewrite earlier turns
+                        ends.add(len(part))
+        return frozenset(ends)
 
     def sync(self) -> None:
         """Trim the cache to what the transcript renders to now (after undo or an edit)."""
@@ -173,7 +226,8 @@ class CacheMaintenance:
         tokens = self.render(self.messages, False)
         self._rewind(common_prefix(self.ledger, tokens))
         reused = len(self.ledger)
-        for event in self._prefill(tokens[reused:], total=len(tokens) - reused):
+        marks = self._turn_ends(self.messages, tokens)
+        for event in self._prefill(tokens[reused:], len(tokens) - reused, marks):
             if progress:
                 progress(event.done, event.total)
         after_turn(self.cache)
@@ -192,7 +246,7 @@ class CacheMaintenance:
             return None
         make_cache(self.lm.model, new)  # raises if the kind cannot apply to this model
         old, self.kind = self.kind, new
-        converted = convert_cache(self.cache, old, new)
+        converted = convert_cache(self.cache, old, new, group_size(self.lm.model, new))
         if converted is not None:
             self.attach(converted, self.ledger)
             return None

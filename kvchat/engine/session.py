@@ -29,12 +29,13 @@ from mlx_lm.sample_utils import make_sampler
 
 from .branch_ops import BranchOps
 from .branches import Branches
+from .checkpoints import Checkpoints
 from .cpu import state as cpu_state
 from .events import (
     Chunk,
     Event,
     GenerationSettings,
-    Prefill,
+    Prefill,  # noqa: F401  (re-exported: the events of send() come from here)
     SessionBusy,
     SessionError,
     TurnDone,
@@ -83,6 +84,7 @@ class Session(CacheMaintenance, BranchOps):
         self.branches = Branches.linear(self.talk())  # every path the messages have taken
         self.ledger: list[int] = []
         self.cache: list[Any] = make_cache(lm.model, self.kind, keep=self._system_tokens())
+        self.checkpoints = Checkpoints()  # of sliding-window and recurrent layers, by turn
         self._logits: tuple[int, mx.array] | None = None
         self._stop = threading.Event()
         self._busy = threading.Lock()
@@ -117,14 +119,16 @@ class Session(CacheMaintenance, BranchOps):
         common prefix with ``messages`` (by default this session's system prompt).
 
         This is how a new conversation with the same model, kind and system
-        prompt skips evaluating the system prompt again.
+        prompt skips evaluating the system prompt again. A cache that cannot be
+        cut that far starts from this one's nearest checkpoint before it, if any.
         """
         messages = list(messages if messages is not None else self.messages[:1] if self.system else [])
         child = Session(self.lm, kind=self.kind, settings=replace(self.settings), messages=messages)
         n = common_prefix(self.ledger, child.render(messages, False))
         copied = copy_cache(self.cache)
-        if n and trim_to(copied, n) and held_tokens(copied) == n:
-            child.attach(copied, self.ledger[:n])
+        kept = n if n and trim_to(copied, n) else self.checkpoints.restore(copied, n)
+        if kept and held_tokens(copied) == kept:
+            child.attach(copied, self.ledger[:kept])
         return child
 
     # ----------------------------------------------------------------- views
@@ -219,9 +223,9 @@ class Session(CacheMaintenance, BranchOps):
         )
         if not zero_prefill:
             n = min(n, len(prompt) - 1)  # the last prompt token is evaluated for its logits
-        rebuilt = self._rewind(n)
-        if rebuilt:
-            n, zero_prefill = 0, False
+        kept, rebuilt = self._rewind(n)
+        if kept < n:  # back to a checkpoint, or to nothing
+            n, zero_prefill = kept, False
         reused, evaluated = n, len(prompt) - n
         self._keep_turns(messages)
 
@@ -234,16 +238,15 @@ class Session(CacheMaintenance, BranchOps):
 
         try:
             prefill_started = time.perf_counter()
-            if zero_prefill:
-                first = int(sampler(self._logits[1][None]).item())
-                steps = self._continue([first], max_new - 1, sampler, prompt_len=None)
-                stream = _chain([first], steps)
-            else:
+            if not zero_prefill:
                 for event in self._prefill(prompt[n:-1], total=evaluated):
                     yield event
                 stopped = self._stop.is_set()
-                steps = self._continue(prompt[-1:], max_new, sampler, prompt_len=len(prompt))
-                stream = iter(()) if stopped else steps
+                if not stopped:
+                    self._evaluate_last(prompt[-1])
+            first = [] if stopped else [self._first_token(sampler)]
+            steps = self._continue(first, max_new - len(first), sampler)
+            stream = _chain(first, steps)
 
             eos = self.lm.tokenizer.eos_token_ids
             try:
@@ -309,6 +312,8 @@ class Session(CacheMaintenance, BranchOps):
         self._pending_rebuild = None
         self.turns.append(stats)
         self.branches.set_turn(stats)
+        if not stopped:
+            self.checkpoints.keep(self.cache, len(self.ledger))
         yield TurnDone(reply=reply, stats=stats, stopped=stopped, tokens=tuple(tokens))
 
     _pending_rebuild: str | None = None
@@ -321,25 +326,38 @@ class Session(CacheMaintenance, BranchOps):
     def _top_p(self) -> float:
         return self.settings.top_p if 0.0 < self.settings.top_p < 1.0 else 0.0
 
-    def _continue(
-        self, prompt: list[int], max_tokens: int, sampler, prompt_len: int | None
-    ) -> Iterator[int]:
-        """Feed ``prompt`` (a token or two) and yield sampled tokens, keeping the ledger exact.
+    def _evaluate_last(self, token: int) -> None:
+        """Evaluate the prompt's last token and keep the log probabilities at its position,
+        from which the reply's first token is sampled (and a regenerate's, with no prefill)."""
+        with mx.stream(generation_stream):
+            self.ledger.append(token)
+            logits = self.lm.model(mx.array([[token]]), cache=self.cache)[:, -1, :]
+            logprobs = (logits - mx.logsumexp(logits, keepdims=True)).squeeze(0)
+            mx.eval(logprobs, [c.state for c in self.cache])
+        self._logits = (len(self.ledger), logprobs)
+
+    def _first_token(self, sampler) -> int:
+        """Checkpoint the prompt (for a regenerate or an edit of this turn), then sample
+        the reply's first token from the last prompt position's log probabilities."""
+        self.checkpoints.keep(self.cache, len(self.ledger))
+        return int(sampler(self._logits[1][None]).item())
+
+    def _continue(self, prompt: list[int], max_tokens: int, sampler) -> Iterator[int]:
+        """Feed ``prompt`` (the reply's first token) and yield up to ``max_tokens`` more
+        sampled tokens, keeping the ledger exact.
 
         mlx-lm's ``generate_step`` feeds every token it yields into the cache
         before yielding it (it computes the next step while the caller reads
-        this one), so each yielded token joins the ledger. The log
-        probabilities that come with the first token belong to the last prompt
-        position: they are kept, so a regenerate needs no prefill.
+        this one), so each yielded token joins the ledger.
 
         On the CPU fast path the model runs eagerly, so that look-ahead would
         put a whole second step before the first token; there
         :meth:`_continue_eager` yields each token before feeding it.
         """
-        if max_tokens <= 0:
+        if not prompt or max_tokens <= 0:
             return
         if cpu_state.active():
-            yield from self._continue_eager(prompt, max_tokens, sampler, prompt_len)
+            yield from self._continue_eager(prompt, max_tokens, sampler)
             return
         self.ledger.extend(prompt)
         gen = generate_step(
@@ -347,50 +365,26 @@ class Session(CacheMaintenance, BranchOps):
             sampler=sampler, max_tokens=max_tokens,
         )
         try:
-            for i, (token, logprobs) in enumerate(gen):
-                if i == 0 and prompt_len is not None:
-                    self._logits = (prompt_len, logprobs)
+            for token, _ in gen:
                 self.ledger.append(token)
                 yield token
         finally:
             gen.close()
 
-    def _continue_eager(
-        self, prompt: list[int], max_tokens: int, sampler, prompt_len: int | None
-    ) -> Iterator[int]:
+    def _continue_eager(self, prompt: list[int], max_tokens: int, sampler) -> Iterator[int]:
         """:meth:`_continue` without look-ahead: a token joins the ledger when it is fed,
         so the last one sampled (at a stop, an end token or the length limit) is not in
         the cache, and the next turn's prefix match evaluates it with the new message."""
         feed = list(prompt)
         with mx.stream(generation_stream):
-            for i in range(max_tokens):
+            for _ in range(max_tokens):
                 self.ledger.extend(feed)
                 logits = self.lm.model(mx.array(feed)[None], cache=self.cache)[:, -1, :]
-                logprobs = logits - mx.logsumexp(logits, keepdims=True)
-                sampled, kept = sampler(logprobs), logprobs.squeeze(0)
-                mx.eval(sampled, kept)  # nothing lazy survives into another thread's turn
-                if i == 0 and prompt_len is not None:
-                    self._logits = (prompt_len, kept)
+                sampled = sampler(logits - mx.logsumexp(logits, keepdims=True))
+                mx.eval(sampled)  # nothing lazy survives into another thread's turn
                 token = int(sampled.item())
                 yield token
                 feed = [token]
-
-    def _prefill(self, tokens: list[int], total: int) -> Iterator[Prefill]:
-        """Evaluate ``tokens`` into the cache in chunks, yielding progress; stops early on stop()."""
-        step = max(1, self.settings.prefill_step)
-        done = 0
-        yield Prefill(0, total)
-        with mx.stream(generation_stream):
-            for start in range(0, len(tokens), step):
-                if self._stop.is_set():
-                    return
-                chunk = tokens[start : start + step]
-                self.lm.model(mx.array(chunk)[None], cache=self.cache)
-                mx.eval([c.state for c in self.cache])
-                self.ledger.extend(chunk)
-                done += len(chunk)
-                yield Prefill(done, total)
-                mx.clear_cache()
 
     def _finish(self, reply: str, stopped: bool) -> None:
         message = {"role": "assistant", "content": reply}

@@ -85,10 +85,11 @@ def read_cache(
         return None, None, f"{path} does not belong with session.json (a save was cut short?)"
     if sha != info.get("sha256"):
         return None, None, f"{path} is damaged (its checksum differs from the one in session.json)"
-    if cache_offset(cache) != len(ledger):
-        return None, None, (
-            f"{path} holds {cache_offset(cache)} tokens but session.json lists {len(ledger)}"
-        )
+    held = cache_offset(cache)
+    if held is None:  # recurrent state only: the file's own count stands for the position
+        held = meta.get("ledger_len")
+    if str(held) != str(len(ledger)):
+        return None, None, f"{path} holds {held} tokens but session.json lists {len(ledger)}"
     return cache, ledger, None
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from textual import work
 
+from kvchat.engine.kinds import EXAMPLE_KINDS, applicable_kinds
 from kvchat.engine.model import LoadedModel, ModelLoadError
 
 from .screens.loading import LoadingScreen
@@ -30,7 +31,14 @@ class ModelsMixin:
         except ModelLoadError as error:
             self.call_from_thread(self.exit, return_code=2, message=f"kvchat: {error}")
             return
+        self._probe_kinds(lm)
         self.call_from_thread(self._model_ready, lm)
+
+    def _probe_kinds(self, lm: LoadedModel) -> None:
+        """Find out which cache kinds ``lm`` can take (each is tried on it once, see
+        :mod:`kvchat.engine.fit`) in the loading worker, so that the kind dialog and new
+        tabs find the answers ready instead of running the model on the UI thread."""
+        applicable_kinds(lm.model, [*EXAMPLE_KINDS, self.config.cache])
 
     def _model_ready(self, lm: LoadedModel) -> None:
         self.lm = lm
@@ -89,6 +97,7 @@ class ModelsMixin:
         try:
             with self.scheduler.turn(f"load:{spec}"):
                 lm = self.models.acquire(spec)
+                self._probe_kinds(lm)
                 offloaded = self.pool.enforce_budget()  # the new weights count too
         except ModelLoadError as error:
             self.call_from_thread(self._load_failed, str(error))

@@ -11,6 +11,7 @@ from textual import work
 from textual.widgets import TabPane
 
 from kvchat import store
+from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
 from kvchat.engine.model import LoadedModel, ModelLoadError
 from kvchat.engine.session import GenerationSettings, Session
 
@@ -35,18 +36,28 @@ class TabsMixin:
         lm = lm or self.lm
         settings = GenerationSettings(max_tokens=c.max_tokens, temp=c.temp)
         system = c.system or None
+        kind = self._fitting_kind(lm)
         ticket = self.scheduler.request("new tab")
         try:
             self.scheduler.wait(ticket, timeout=0)
         except TimeoutError:
-            session = Session(lm, kind=c.cache, system=system, settings=settings)
+            session = Session(lm, kind=kind, system=system, settings=settings)
             if name is not None:
                 self.pool.add(name, session)
             return session
         try:
-            return self.pool.new_session(lm, c.cache, system, settings, name)
+            return self.pool.new_session(lm, kind, system, settings, name)
         finally:
             self.scheduler.done(ticket)
+
+    def _fitting_kind(self, lm: LoadedModel) -> str:
+        """The configured cache kind, or 'standard' (saying why) when ``lm`` cannot take it."""
+        try:
+            make_cache(lm.model, parse_kind(self.config.cache))
+        except CacheKindError as error:
+            self.notify(f"{error} This tab uses 'standard'.", severity="warning", markup=False)
+            return "standard"
+        return self.config.cache
 
     async def new_tab(self) -> Conversation | None:
         if self.lm is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvchat.tui.screens.dialogs import KindDialog, kind_bytes_per_token
+from kvchat.tui.widgets.messages import NoticeMessage
 
 from .conftest import SIZE, send, settle, until, widget_text
 
@@ -59,3 +60,35 @@ async def test_typed_kind_is_validated_used_and_marked(make_app, demo_model):
         shown = widget_text(dialog.query_one("#kind-dialog"))
         assert "● rotating:1024" in shown and "● rotating:4096" not in shown
         assert "(now rotating:1024)" in shown
+
+
+async def test_kinds_a_model_cannot_take_are_refused_and_not_listed(arch, home):
+    from kvchat.config import Config
+    from kvchat.tui.app import KvChatApp
+
+    lm = arch("gemma2")  # its attention cannot read a quantized cache
+    config = Config(model=str(lm.path), cache="quantized:8", max_tokens=4, autosave=False)
+    app = KvChatApp(config, lm=lm, volatile=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert app.active_conversation().session.kind.name == "standard"
+        assert ("Cache kind 'quantized:8' cannot apply to this model: its attention cannot read "
+                "a quantized cache (TypeError). Use 'standard'. This tab uses 'standard'.") in [
+            n.message for n in app._notifications]
+        conversation = app.active_conversation()
+        await send(pilot, "hello there")
+        session = conversation.session
+        cache, ledger = session.cache, list(session.ledger)
+        dialog = await _open(pilot)
+        assert dialog.names == ["standard", "rotating:4096", "concatenate"]
+
+        typed = dialog.query_one("#kind-input")
+        typed.value = "chunked:1024"  # not listed, typed: the switch itself refuses it
+        typed.focus()
+        await pilot.press("enter")
+        await settle(pilot, conversation)
+        shown = [str(n.render()) for n in conversation.log.query(NoticeMessage)]
+        assert shown[-1] == (
+            "Switching cache failed: CacheKindError: Cache kind 'chunked:1024' cannot apply to "
+            "this model: its attention cannot read a chunked cache (ValueError). Use 'standard'.")
+        assert session.kind.name == "standard" and session.cache is cache and session.ledger == ledger

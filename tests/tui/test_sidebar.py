@@ -8,8 +8,9 @@ import pytest
 
 from kvchat import store
 from kvchat.tui.widgets.messages import AssistantMessage
+from kvchat.tui.widgets.sidebar import human_bytes
 
-from .conftest import SIZE, send, settle, widget_text
+from .conftest import SIZE, send, settle, until, widget_text
 
 pytestmark = pytest.mark.anyio
 
@@ -119,3 +120,21 @@ async def test_a_notice_after_a_rebuild_shows_on_the_reloaded_transcript(make_ap
         replies = list(conversation.log.query(AssistantMessage))
         noted = [bool(r.query(".note")) for r in replies]
         assert noted == [False, True, False]
+
+
+async def test_checkpoint_memory_is_shown_and_counted(arch, home):
+    from kvchat.config import Config
+    from kvchat.tui.app import KvChatApp
+
+    lm = arch("gemma3_text")  # a sliding-window layer: checkpoints are kept
+    app = KvChatApp(Config(model=str(lm.path), max_tokens=4, autosave=False), lm=lm, volatile=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        session = app.active_conversation().session
+        await send(pilot, "The quick brown fox jumps over the lazy dog near the river bank today.")
+        points = session.checkpoints
+        assert len(points) == 2
+        shown = f"2 · {human_bytes(points.nbytes)}"
+        await until(pilot, lambda: row(widget_text(app.sidebar), "checkpoints") == shown)
+        entry = app.pool.entry(app.active_conversation().session_name)
+        assert entry.cache_bytes == session.allocated_bytes + points.nbytes

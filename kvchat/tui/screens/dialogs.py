@@ -16,7 +16,13 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from kvchat.engine.kinds import EXAMPLE_KINDS, QUANT_GROUP_SIZE, CacheKindError, parse_kind
+from kvchat.engine.kinds import (
+    EXAMPLE_KINDS,
+    CacheKindError,
+    applicable_kinds,
+    group_size,
+    parse_kind,
+)
 
 from ..widgets.sidebar import human_bytes
 
@@ -111,19 +117,20 @@ def model_kv_shape(model) -> tuple[int, int, int, int]:
 def kind_bytes_per_token(model, kind_name: str) -> float:
     """Bytes one token adds to a cache of ``kind_name``, computed from the model's shape:
     layers × kv heads × head dim × 2 (keys and values) × bytes per element; quantized
-    kinds store ``bits/8`` bytes per element plus a scale and a bias per group of 64."""
+    kinds store ``bits/8`` bytes per element plus a scale and a bias per group (of 64,
+    or 32 where the head size needs it)."""
     layers, heads, head_dim, size = model_kv_shape(model)
     elements = layers * heads * head_dim * 2
     kind = parse_kind(kind_name)
     if kind.family == "quantized":
-        return elements * (kind.size / 8 + 2 * size / QUANT_GROUP_SIZE)
+        return elements * (kind.size / 8 + 2 * size / group_size(model, kind))
     return float(elements * size)
 
 
-def kind_choices(current: str) -> list[str]:
-    """The kinds the dialog lists: the examples, plus the current kind after its family's
-    example when its number differs (``rotating:1024``)."""
-    names = list(EXAMPLE_KINDS)
+def kind_choices(current: str, model) -> list[str]:
+    """The kinds the dialog lists: the examples that apply to ``model``, plus the current
+    kind after its family's example when its number differs (``rotating:1024``)."""
+    names = [n for n in EXAMPLE_KINDS if n == current or n in applicable_kinds(model, [n])]
     if current not in names:
         family = parse_kind(current).family
         at = max((i for i, n in enumerate(names) if n.split(":")[0] == family), default=-1)
@@ -139,7 +146,7 @@ class KindDialog(Dialog):
         super().__init__()
         self.current = current
         self.model = model
-        self.names = kind_choices(current)
+        self.names = kind_choices(current, model)
 
     def _label(self, name: str) -> Text:
         kind = parse_kind(name)

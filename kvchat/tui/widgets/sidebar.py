@@ -35,6 +35,7 @@ class CacheInfo:
     state: str
     cache_tokens: int
     cache_bytes: int
+    checkpoints: tuple[int, int]  # how many, their bytes
     active_memory: int
     peak_memory: int
     turns: int
@@ -57,6 +58,7 @@ class CacheInfo:
                    and getattr(conversation, "offloaded", False) else conversation.state),
             cache_tokens=session.cache_tokens,
             cache_bytes=session.cache_bytes,
+            checkpoints=(len(session.checkpoints), session.checkpoints.nbytes),
             active_memory=active,
             peak_memory=max(peak, last.peak_memory_bytes if last else 0),
             turns=user_turns(session),
@@ -144,6 +146,9 @@ class CacheSidebar(Vertical):
             ("bytes", human_bytes(info.cache_bytes)),
             ("turns", str(info.turns)),
         ]
+        count, size = info.checkpoints
+        if count:  # sliding-window and recurrent models only: memory beside the cache
+            cache.insert(-1, ("checkpoints", f"{count} · {human_bytes(size)}"))
         turn = [] if last is None else [
             ("prompt eval", vol(seconds(last.prompt_eval_s))),
             ("TTFT", vol(seconds(last.ttft_s))),

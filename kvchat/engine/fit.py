@@ -1,0 +1,70 @@
+"""Can a model run with a cache kind? Found out by running it, once per model and kind.
+
+Some models' attention reads the keys and values, or builds its mask, itself
+rather than through mlx-lm's attention function, so it fails on caches it was
+not written for: Gemma 2's on a quantized cache (``expand_dims`` of a tuple)
+and on a chunked one (a mask of the wrong shape). And mlx quantizes a cache
+in groups of 32, 64 or 128 values along the head dimension, so the group must
+divide the model's head size (Phi-3's is 96: 32 fits, mlx-lm's default 64
+does not). A probe runs the model on two tokens and then two more with a
+fresh cache of the kind; the answer is kept for the model's lifetime.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+GROUP_SIZES = (64, 32)  # preferred first: 64 is mlx-lm's default
+
+# id(model) -> (a weak reference to it, {question: answer})
+_FOUND: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
+
+
+def group_size(model: nn.Module) -> int | str:
+    """The group size quantized caches use for ``model``, or why none fits (a clause)."""
+    return _once(model, "group size", lambda: _group_size(model))
+
+
+def problem(model: nn.Module, key: str, make: Callable[[], list[Any]]) -> str | None:
+    """None when ``model`` runs with a cache from ``make()`` (a fresh one each call),
+    else the exception's type name; ``key`` names the kind for the record."""
+    return _once(model, key, lambda: _problem(model, make))
+
+
+def _once(model: nn.Module, key: str, find: Callable[[], Any]) -> Any:
+    slot = id(model)
+    ref, found = _FOUND.get(slot, (None, None))
+    if ref is None or ref() is not model:
+        found = {}
+        _FOUND[slot] = (weakref.ref(model, lambda _: _FOUND.pop(slot, None)), found)
+    if key not in found:
+        found[key] = find()
+    return found[key]
+
+
+def _group_size(model: nn.Module) -> int | str:
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[0]]), cache=cache))
+    dims = sorted({x.shape[-1] for c in cache if type(c) is KVCache for x in (c.keys, c.values)})
+    group = next((g for g in GROUP_SIZES if all(d % g == 0 for d in dims)), None)
+    if group is None:
+        shown = dims[0] if len(dims) == 1 else dims
+        return (f"its head size {shown} is not a multiple of {GROUP_SIZES[-1]}, "
+                "the smallest group mlx quantizes")
+    return group
+
+
+def _problem(model: nn.Module, make: Callable[[], list[Any]]) -> str | None:
+    cache = make()
+    try:
+        for _ in range(2):  # a first prompt, then a second one that attends to it
+            mx.eval(model(mx.array([[0, 0]]), cache=cache))
+    except Exception as exc:  # the model's own attention code fails in its own way
+        return type(exc).__name__
+    return None

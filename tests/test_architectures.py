@@ -1,0 +1,229 @@
+"""kvchat on tiny random-weight models of other mlx-lm architectures (issue 16):
+the ``arch`` fixture builds them from mlx-lm's own model classes (tests/arch_models.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from mlx_lm.models.cache import QuantizedKVCache
+from typer.testing import CliRunner
+
+from kvchat import store
+from kvchat.cli import app
+from kvchat.engine import checkpoints
+from kvchat.engine.events import GenerationSettings, TurnDone
+from kvchat.engine.kinds import EXAMPLE_KINDS, CacheKindError, applicable_kinds
+from kvchat.engine.session import Session
+from tests.arch_models import SHAPES
+from tests.helpers import turn
+
+GREEDY = GenerationSettings(max_tokens=6, temp=0.0)
+FIRST = "The quick brown fox jumps over the lazy dog near the river bank today."
+SECOND = "Tell me another story about the fox and the dog, please, a long one."
+THIRD = "What colour is the fox?"
+
+
+def test_phi3_head_size_96_quantizes_in_groups_of_32(arch):
+    lm = arch("phi3")
+    quantized = Session(lm, kind="quantized:8", settings=GREEDY)
+    assert {(type(c), c.group_size) for c in quantized.cache} == {(QuantizedKVCache, 32)}
+    first = turn(quantized, "hello there")
+    assert first.stats.evaluated_tokens == first.stats.prompt_tokens
+
+    session = Session(lm, settings=GREEDY)
+    turn(session, "hello there")
+    assert session.set_kind("quantized:4") is None  # converted in place, no rebuild
+    assert {c.group_size for c in session.cache} == {32}
+    second = turn(session, "and again")
+    assert second.stats.rebuilt is None and second.stats.reused_tokens > 0
+
+
+FITTING = {  # the README's table
+    "gemma2": ["standard", "rotating:4096", "concatenate"],
+    "mamba": ["standard"],
+    "falcon_h1": ["standard"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_each_family_takes_the_kinds_the_readme_lists(arch, name):
+    lm = arch(name)
+    fitting = applicable_kinds(lm.model, list(EXAMPLE_KINDS))
+    assert fitting == FITTING.get(name, list(EXAMPLE_KINDS))
+    for kind in fitting:
+        session = Session(lm, kind=kind, settings=GREEDY)
+        turn(session, FIRST)
+        after = turn(session, SECOND)
+        assert after.stats.rebuilt is None and after.stats.reused_tokens > 0
+
+
+def test_gemma2_refuses_quantized_kinds_and_keeps_the_session(arch):
+    lm = arch("gemma2")
+    with pytest.raises(CacheKindError, match="attention cannot read a quantized cache"):
+        Session(lm, kind="quantized:8")
+    with pytest.raises(CacheKindError, match="attention cannot read a chunked cache"):
+        Session(lm, kind="chunked:2048")  # its own mask does not fit a chunked cache
+    assert applicable_kinds(lm.model, list(EXAMPLE_KINDS)) == [
+        "standard", "rotating:4096", "concatenate"]
+
+    session = Session(lm, settings=GREEDY)
+    turn(session, "hello there")
+    cache, ledger, messages = session.cache, list(session.ledger), list(session.messages)
+    with pytest.raises(CacheKindError, match=r"^Cache kind 'quantized:4' cannot apply to this model"):
+        session.set_kind("quantized:4")
+    assert session.kind.name == "standard"
+    assert session.cache is cache and session.ledger == ledger and session.messages == messages
+    after = turn(session, "and again")
+    assert after.stats.rebuilt is None and after.stats.reused_tokens >= len(ledger) - 1
+
+
+@pytest.mark.parametrize("command, code", [("ask", 1), ("replay", 2)])
+def test_cli_refuses_a_quantized_kind_in_one_sentence(arch, tmp_path, home, command, code):
+    lm = arch("gemma2")
+    if command == "ask":
+        args = ["ask", "--model", str(lm.path), "--cache", "quantized:8", "hello"]
+    else:
+        script = tmp_path / "script.json"
+        script.write_text('{"turns": ["hello"]}', encoding="utf-8")
+        args = ["replay", str(script), "--model", str(lm.path), "--cache", "quantized:8"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == code
+    out = result.output.strip()
+    assert "Cache kind 'quantized:8' cannot apply to this model: its attention cannot read" in out
+    assert "Traceback" not in out and len(out.splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_saved_sessions_resume_from_disk(arch, home, name):
+    lm = arch(name)
+    session = Session(lm, settings=GREEDY)
+    turn(session, "hello there")
+    turn(session, "and again")
+    store.save(session, "chat")
+
+    loaded = store.load("chat", lm)
+    assert loaded.resumed_from_disk and loaded.notice is None
+    assert loaded.session.ledger == session.ledger
+    resumed, live = turn(loaded.session, "one more"), turn(session, "one more")
+    assert resumed.reply == live.reply
+    assert resumed.stats.rebuilt is None
+    assert resumed.stats.reused_tokens == live.stats.reused_tokens > 0
+    assert resumed.stats.evaluated_tokens == live.stats.evaluated_tokens
+
+
+def test_recurrent_state_whose_count_disagrees_is_rebuilt(arch, home):
+    lm = arch("mamba")
+    session = Session(lm, settings=GREEDY)
+    turn(session, "hello there")
+    folder = store.save(session, "chat")
+    data = json.loads((folder / "session.json").read_text(encoding="utf-8"))
+    data["ledger"] = data["ledger"][:-1]  # a transcript one token short of the saved state
+    (folder / "session.json").write_text(json.dumps(data), encoding="utf-8")
+
+    loaded = store.load("chat", lm)
+    assert not loaded.resumed_from_disk
+    assert "does not belong with session.json" in loaded.notice
+    assert loaded.session.ledger == session.render(session.messages, False)
+
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_cached_replies_equal_uncached_ones(arch, name):
+    lm = arch(name)
+    session = Session(lm, settings=GREEDY)
+    turn(session, FIRST)
+    cached = turn(session, SECOND)
+    assert cached.stats.reused_tokens > 0
+    fresh = Session(lm, settings=GREEDY, messages=session.messages[:-2])
+    uncached = turn(fresh, SECOND)
+    assert uncached.stats.reused_tokens == 0
+    assert cached.reply == uncached.reply and cached.tokens == uncached.tokens
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "mamba", "falcon_h1", "lfm2"])
+def test_checkpoints_make_regenerate_and_undo_cheap(arch, name):
+    lm = arch(name)
+    session = Session(lm, settings=GREEDY)
+    turn(session, FIRST)
+    after_first = len(session.ledger)
+    second = turn(session, SECOND)
+    assert not all(c.is_trimmable() for c in session.cache)  # a wrapped window, a state
+    assert second.stats.reused_tokens == after_first and second.stats.rebuilt is None
+
+    again = [e for e in session.regenerate() if isinstance(e, TurnDone)][0]
+    assert again.stats.evaluated_tokens == 0 and again.stats.rebuilt is None
+    assert again.reply == second.reply  # greedy: the same reply from the same state
+
+    session.undo()
+    assert len(session.ledger) == after_first  # back to the checkpoint after the first reply
+    third = turn(session, THIRD)
+    assert third.stats.rebuilt is None
+    assert third.stats.evaluated_tokens == third.stats.prompt_tokens - after_first
+    fresh = Session(lm, settings=GREEDY, messages=session.messages[:-2])
+    assert turn(fresh, THIRD).reply == third.reply
+
+
+def test_checkpoints_are_bounded_and_a_rebuild_names_the_window(arch, monkeypatch):
+    monkeypatch.setattr(checkpoints, "MAX_CHECKPOINTS", 2)
+    session = Session(arch("gemma3_text"), settings=GREEDY)
+    turn(session, FIRST)
+    after_first = len(session.ledger)
+    turn(session, SECOND)
+    kept = session.checkpoints.kept
+    assert len(kept) == 2 and kept[-1].tokens == len(session.ledger)
+    assert session.checkpoints.nbytes == sum(c.nbytes for c in kept) > 0
+    assert all(c.tokens > after_first for c in kept)  # the first turn's were dropped
+
+    session.undo()
+    assert session.ledger == [] and len(session.checkpoints) == 0
+    third = turn(session, THIRD)
+    assert third.stats.evaluated_tokens == third.stats.prompt_tokens
+    assert re.fullmatch(r"the standard cache could not be trimmed back to token \d+: it holds a "
+                        r"sliding window, and no checkpoint is that early", third.stats.rebuilt)
+
+
+def test_checkpoints_stay_within_their_memory_budget(arch, monkeypatch):
+    session = Session(arch("mamba"), settings=GREEDY)  # its state is the same size at every token
+    turn(session, FIRST)
+    one = session.checkpoints.kept[-1].nbytes
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_BUDGET", one)
+    turn(session, SECOND)
+    assert [c.tokens for c in session.checkpoints.kept] == [len(session.ledger)]
+    assert session.checkpoints.nbytes == one
+
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_BUDGET", one - 1)
+    session.checkpoints.clear()
+    turn(session, THIRD)
+    assert len(session.checkpoints) == 0 and session.checkpoints.nbytes == 0
+
+
+def test_a_rebuild_keeps_checkpoints_at_each_turn_end(arch):
+    session = Session(arch("gemma3_text"), settings=GREEDY)
+    for text in (FIRST, SECOND):
+        turn(session, text)
+    session.rebuild("a test")  # as a load from disk or a kind switch can
+    first_exchange = session.render(session.messages[:2], False)
+    assert first_exchange == session.ledger[: len(first_exchange)]
+    assert len(first_exchange) in [c.tokens for c in session.checkpoints.kept]
+
+    session.undo()
+    assert session.ledger == first_exchange  # back to a checkpoint, not rebuilt
+    third = turn(session, THIRD)
+    assert third.stats.rebuilt is None
+    assert third.stats.evaluated_tokens == third.stats.prompt_tokens - len(first_exchange)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "falcon_h1"])
+def test_a_fork_starts_from_a_checkpoint(arch, name):
+    session = Session(arch(name), settings=GREEDY)
+    for text in (FIRST, SECOND):
+        turn(session, text)
+    first_end = session.checkpoints.kept[1].tokens  # the end of the first reply
+    child = session.fork_prefix(session.messages[:2])
+    assert child.ledger == session.ledger[:first_end]
+    forked = turn(child, THIRD)
+    assert forked.stats.reused_tokens == first_end and forked.stats.rebuilt is None
+    fresh = Session(session.lm, settings=GREEDY, messages=session.messages[:2])
+    assert turn(fresh, THIRD).reply == forked.reply
