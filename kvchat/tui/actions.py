@@ -7,6 +7,7 @@ A mixin of :class:`~kvchat.tui.app.KvChatApp`.
 from __future__ import annotations
 
 from kvchat import store
+from kvchat.engine.kinds import EXAMPLE_KINDS, applicable_kinds
 
 from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
 from .widgets.sidebar import user_turns
@@ -78,7 +79,15 @@ class ActionsMixin:
                 "switching cache", lambda progress: session.set_kind(kind, progress), switched
             )
 
-        self.push_screen(KindDialog(session.kind.name, session.lm.model), chosen)
+        # Which kinds the model takes is found by running it on each (once per model, see
+        # kvchat.engine.fit): in the tab's worker, so the dialog opens with the answers.
+        model = session.lm.model
+        conversation.run_job(
+            "checking cache kinds",
+            lambda progress: applicable_kinds(model, list(EXAMPLE_KINDS)),
+            lambda _: self.push_screen(KindDialog(session.kind.name, model), chosen),
+            needs_cache=False,
+        )
 
     def action_reset_cache(self) -> None:
         conversation = self.idle_conversation()

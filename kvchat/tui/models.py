@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from textual import work
 
-from kvchat.engine.kinds import EXAMPLE_KINDS, applicable_kinds
+from kvchat.engine.kinds import applicable_kinds
 from kvchat.engine.model import LoadedModel, ModelLoadError
 
 from .screens.loading import LoadingScreen
@@ -35,10 +35,12 @@ class ModelsMixin:
         self.call_from_thread(self._model_ready, lm)
 
     def _probe_kinds(self, lm: LoadedModel) -> None:
-        """Find out which cache kinds ``lm`` can take (each is tried on it once, see
-        :mod:`kvchat.engine.fit`) in the loading worker, so that the kind dialog and new
-        tabs find the answers ready instead of running the model on the UI thread."""
-        applicable_kinds(lm.model, [*EXAMPLE_KINDS, self.config.cache])
+        """Find out whether ``lm`` can take the configured cache kind (it is tried on it
+        once, see :mod:`kvchat.engine.fit`) in the loading worker, so that new tabs find
+        the answer ready instead of running the model on the UI thread. The other kinds
+        are tried when the kind dialog is first opened: each try is two forward passes,
+        seconds on a big model on the CPU."""
+        applicable_kinds(lm.model, [self.config.cache])
 
     def _model_ready(self, lm: LoadedModel) -> None:
         self.lm = lm
