@@ -244,6 +244,7 @@ async def test_picker_resume_new_and_sessions_key(make_app, demo_model):
         await pilot.press("n")
         await settle(pilot)
         assert [c.session_name for c in app.conversations()] == ["kept", "chat-1"]
+        await until(pilot, lambda: app.active_conversation().session_name == "chat-1")
         assert app.active_conversation().session.messages == []
 
 

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.widgets import Button, Sparkline, Static
 
@@ -113,9 +114,12 @@ class CacheSidebar(Vertical):
             button.can_focus = False
 
     def watch_info(self, info: CacheInfo | None) -> None:
-        facts = self.query_one("#cache-facts", Static)
-        rebuilt = self.query_one("#cache-rebuilt", Static)
-        spark = self.query_one("#cache-sparkline", Sparkline)
+        try:
+            facts = self.query_one("#cache-facts", Static)
+            rebuilt = self.query_one("#cache-rebuilt", Static)
+            spark = self.query_one("#cache-sparkline", Sparkline)
+        except NoMatches:  # the app is closing and took the panel's parts away
+            return
         for button in self.query(Button):
             button.disabled = info is None or info.state not in ("idle", "offloaded to disk")
         if info is None:
