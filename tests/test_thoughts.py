@@ -4,28 +4,12 @@ demo model whose tokenizer_config.json carries such a template."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
 from kvchat.engine.maintenance import common_prefix
-from kvchat.engine.model import load_model
 from kvchat.engine.session import GenerationSettings, Session, TurnDone
 from kvchat.engine.thoughts import Thoughts, reevaluated_note, split_thoughts
 
-# The demo's template, except that an assistant message before the last one loses its
-# thoughts (everything up to its last </think>), as Qwen3's template does.
-DROPPING_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- set content = message['content'] -%}"
-    "{%- if message['role'] == 'assistant' and not loop.last and '</think>' in content -%}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
-    "{%- endif -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
 THOUGHTFUL = "<think>\nThe user greets me. I should greet back, briefly.\n</think>\n\nHello there, friend."
 ANSWER = "Hello there, friend."
 
@@ -42,19 +26,6 @@ ANSWER = "Hello there, friend."
 ])
 def test_split_thoughts(text, expected):
     assert split_thoughts(text) == expected
-
-
-@pytest.fixture(scope="module")
-def dropping_model(demo_model, tmp_path_factory):
-    """A copy of the demo folder whose chat template drops earlier thoughts, loaded
-    through kvchat's load_model (mlx_lm.load)."""
-    folder = tmp_path_factory.mktemp("models") / "demo-drops-thoughts"
-    shutil.copytree(demo_model.path, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = DROPPING_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return load_model(str(folder))
 
 
 def _restored(lm, reply: str) -> Session:
@@ -123,3 +94,14 @@ def test_an_edit_before_the_reply_is_not_blamed_on_the_template(dropping_model):
     session.messages[0] = {"role": "user", "content": "Hello!"}  # an edit upstream
     _, stats = _turn(session, "And how are you?")
     assert stats.reevaluated_reply_tokens == 0
+
+
+def test_the_cli_stats_line_says_so(dropping_model):
+    from kvchat.cli.ask import _stats_line
+
+    session = _restored(dropping_model, THOUGHTFUL)
+    done = [e for e in session.send("And how are you?") if isinstance(e, TurnDone)][0]
+    n = done.stats.reevaluated_reply_tokens
+    assert _stats_line(done).endswith(
+        f"; the template drops earlier thoughts, so {n} tokens of the last reply were "
+        "evaluated again")
