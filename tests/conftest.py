@@ -55,6 +55,38 @@ def arch(tmp_path_factory):
     return get
 
 
+# The demo's template, except that an assistant message before the last one loses its
+# thoughts (everything up to its last </think>), as Qwen3's and DeepSeek-R1's do.
+DROPPING_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- if message['role'] == 'assistant' and not loop.last and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+@pytest.fixture(scope="session")
+def dropping_model(demo_model, tmp_path_factory):
+    """A copy of the demo folder whose chat template drops the thoughts of earlier
+    replies, loaded like any model folder (kvchat's load_model, mlx_lm.load)."""
+    import json
+    import shutil
+
+    from kvchat.engine.model import load_model
+
+    folder = tmp_path_factory.mktemp("models") / "demo-drops-thoughts"
+    shutil.copytree(demo_model.path, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = DROPPING_TEMPLATE
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    return load_model(str(folder))
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """A private KVCHAT_HOME per test (subprocesses inherit it)."""

@@ -130,6 +130,8 @@ def _stream_reply(events, echo: bool):
 
 
 def _stats_line(done) -> str:
+    from kvchat.engine.thoughts import reevaluated_note
+
     s = done.stats
     line = (f"kvchat: {s.prompt_tokens:,} prompt tokens ({s.reused_tokens:,} reused, "
             f"{s.evaluated_tokens:,} evaluated) in {s.prompt_eval_s:.2f} s, "
@@ -137,4 +139,7 @@ def _stats_line(done) -> str:
             f"cache {s.cache_tokens:,} tokens")
     if done.stopped:
         line += ", stopped"
+    note = reevaluated_note(s.reevaluated_reply_tokens)
+    if note:
+        line += f"; {note}"
     return line + (f"; rebuilt: {s.rebuilt}" if s.rebuilt else "")

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -54,6 +55,7 @@ from .kinds import (
 from .maintenance import CacheMaintenance, common_prefix
 from .stats import TurnStats, memory
 from .text import ReplyText
+from .thoughts import reevaluated_reply
 
 if TYPE_CHECKING:
     from .model import LoadedModel
@@ -227,6 +229,8 @@ class Session(CacheMaintenance, BranchOps):
         if kept < n:  # back to a checkpoint, or to nothing
             n, zero_prefill = kept, False
         reused, evaluated = n, len(prompt) - n
+        reevaluated = 0 if rebuilt else reevaluated_reply(
+            partial(template_text, self.lm), partial(encode, self.lm), messages, prompt, n)
         self._keep_turns(messages)
 
         max_new = max(1, min(self.settings.max_tokens, self.lm.context_length - len(prompt)))
@@ -307,6 +311,7 @@ class Session(CacheMaintenance, BranchOps):
             active_memory_bytes=memory()[0],
             peak_memory_bytes=memory()[1],
             rebuilt=rebuilt or self._pending_rebuild,
+            reevaluated_reply_tokens=reevaluated,
             stopped=stopped,
         )
         self._pending_rebuild = None
@@ -398,13 +403,21 @@ class Session(CacheMaintenance, BranchOps):
 
 def render(lm: LoadedModel, messages: list[dict], generation_prompt: bool) -> list[int]:
     """Token ids of ``messages`` (role and content only) through ``lm``'s chat template."""
+    return encode(lm, template_text(lm, messages, generation_prompt))
+
+
+def template_text(lm: LoadedModel, messages: list[dict], generation_prompt: bool) -> str:
+    """The text ``lm``'s chat template makes of ``messages`` (role and content only)."""
     if not messages:
-        return []
+        return ""
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    text = lm.tokenizer.apply_chat_template(
+    return lm.tokenizer.apply_chat_template(
         plain, tokenize=False, add_generation_prompt=generation_prompt
     )
-    return list(lm.tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode(lm: LoadedModel, text: str) -> list[int]:
+    return list(lm.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
 def _chain(first: list[int], rest: Iterator[int]) -> Iterator[int]:

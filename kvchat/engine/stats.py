@@ -15,6 +15,9 @@ class TurnStats:
     ``stopped`` during its prefill: then ``evaluated_tokens`` counts only what
     reached the cache, and ``ttft_s`` is 0 as no token came. ``rebuilt`` is
     None, or why the cache had to be recomputed this turn.
+    ``reevaluated_reply_tokens`` counts the evaluated tokens that re-render the last
+    reply, because the chat template drops its ``<think>`` blocks (see
+    :mod:`kvchat.engine.thoughts`).
     """
 
     prompt_tokens: int
@@ -31,6 +34,7 @@ class TurnStats:
     peak_memory_bytes: int
     rebuilt: str | None = None
     stopped: bool = False
+    reevaluated_reply_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -15,8 +15,9 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.message import Message
 from textual.timer import Timer
-from textual.widgets import Markdown, Static
+from textual.widgets import Collapsible, Markdown, Static
 
+from kvchat.engine.thoughts import Thoughts, split_thoughts
 from kvchat.safety import printable
 
 
@@ -59,6 +60,8 @@ SELECTED_BINDINGS = [
             tooltip="Copy a code block of the message; again: the next one."),
     Binding("d,delete", "act('delete')", "Delete", id="message_delete",
             tooltip="Delete this exchange (your message and its reply)."),
+    Binding("t", "thoughts", "Thoughts", id="message_thoughts",
+            tooltip="Show or hide the reply's thoughts (its <think> blocks)."),
     Binding("escape", "act('leave')", "Back to the message box", id="message_leave", show=False),
 ]
 
@@ -84,6 +87,13 @@ class Selectable:
     def action_branch(self, step: int) -> None:
         self.post_message(MessageAction(self.index, "branch", step))
 
+    def has_thoughts(self) -> bool:
+        return False
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        # "thoughts" only on a reply that has some (hidden from the footer elsewhere)
+        return self.has_thoughts() if action == "thoughts" else True
+
 
 class UserMessage(Selectable, Static):
     """What the user sent, shown as plain text; ``index`` is its place in the transcript."""
@@ -98,7 +108,9 @@ class UserMessage(Selectable, Static):
 
 
 class AssistantMessage(Selectable, Vertical):
-    """A reply, rendered as Markdown (streamed while it is written)."""
+    """A reply, rendered as Markdown (streamed while it is written). Its thoughts
+    (``<think>`` blocks) go in a collapsed :class:`Collapsible` above the answer;
+    ``text`` stays the whole reply."""
 
     BINDINGS = SELECTED_BINDINGS
 
@@ -109,16 +121,23 @@ class AssistantMessage(Selectable, Vertical):
         self._note = note
         self.border_title = "assistant"
         self._initial = safe(content)
-        self._pending = ""
+        self._shown = ""  # the answer as the Markdown has it
         self._flush_timer: Timer | None = None
         self._done = False
+        self._has_thoughts = False
         self.text = self._initial
         if stopped:
             self.add_class("stopped")
             self.border_subtitle = "stopped"
 
     def compose(self) -> ComposeResult:
-        yield Markdown(self._initial, open_links=False)
+        parts = split_thoughts(self._initial)
+        thoughts = Collapsible(Static(Text(parts.thought), classes="thought-text", markup=False),
+                               title=thought_title(parts), classes="thoughts")
+        thoughts.display = self._has_thoughts = bool(parts.thought or parts.thinking)
+        yield thoughts
+        self._shown = parts.answer
+        yield Markdown(parts.answer, open_links=False)
         if self._note:
             yield Static(Text(self._note), classes="note", markup=False)
 
@@ -126,19 +145,43 @@ class AssistantMessage(Selectable, Vertical):
     def markdown(self) -> Markdown:
         return self.query_one(Markdown)
 
+    @property
+    def thoughts(self) -> Collapsible:
+        return self.query_one(".thoughts", Collapsible)
+
+    def has_thoughts(self) -> bool:
+        return self._has_thoughts
+
+    def action_thoughts(self) -> None:
+        self.thoughts.collapsed = not self.thoughts.collapsed
+
     async def write(self, chunk: str) -> None:
-        """Append a streamed piece of the reply; the Markdown catches up in small batches."""
-        piece = safe(chunk)
-        self.text += piece
-        self._pending += piece
+        """Append a streamed piece of the reply; the view catches up in small batches."""
+        self.text += safe(chunk)
         if self._flush_timer is None:
             self._flush_timer = self.set_timer(0.05, self._flush)
 
     async def _flush(self) -> None:
         self._flush_timer = None
-        pending, self._pending = self._pending, ""
-        if pending and not self._done:
-            await self.markdown.append(pending)
+        if not self._done:
+            await self._show(self.text)
+
+    async def _show(self, text: str, whole: bool = False) -> None:
+        """Show ``text`` split: the thoughts in the collapsible, the answer as Markdown
+        (appended to while it only grows, as a stream does, unless ``whole``)."""
+        parts = split_thoughts(text)
+        thoughts = self.thoughts
+        thoughts.query_one(".thought-text", Static).update(Text(parts.thought))
+        thoughts.title = thought_title(parts)
+        if self._has_thoughts != bool(parts.thought or parts.thinking):
+            thoughts.display = self._has_thoughts = not self._has_thoughts
+            self.refresh_bindings()
+        if not whole and parts.answer.startswith(self._shown):
+            if parts.answer != self._shown:
+                await self.markdown.append(parts.answer[len(self._shown):])
+        else:
+            await self.markdown.update(parts.answer)
+        self._shown = parts.answer
 
     async def finish(self, reply: str, stopped: bool, note: str | None = None) -> None:
         """The turn is over: show the reply as kept in the transcript, and the turn's note
@@ -146,10 +189,9 @@ class AssistantMessage(Selectable, Vertical):
         if self._flush_timer is not None:
             self._flush_timer.stop()
             self._flush_timer = None
-        self._pending = ""
         self._done = True
         self.text = safe(reply)
-        await self.markdown.update(self.text)
+        await self._show(self.text, whole=True)
         if note:
             await self.mount(Static(Text(note), classes="note", markup=False))
         if stopped:
@@ -161,6 +203,11 @@ class AssistantMessage(Selectable, Vertical):
         # Links in model output open nothing; show where they point instead.
         event.stop()
         self.notify(f"Link (not opened): {safe(event.href)}", markup=False, timeout=6)
+
+
+def thought_title(parts: Thoughts) -> str:
+    words = len(parts.thought.split())
+    return f"{'Thinking…' if parts.thinking else 'Thought'} ({words:,} word{'s' * (words != 1)})"
 
 
 class BranchBar(Static):

@@ -18,6 +18,7 @@ from textual.reactive import reactive
 from textual.widgets import Button, Sparkline, Static
 
 from kvchat.engine.stats import TurnStats, memory
+from kvchat.engine.thoughts import reevaluated_note
 
 
 def user_turns(session) -> int:
@@ -166,10 +167,12 @@ class CacheSidebar(Vertical):
             ("memory", vol(human_bytes(info.active_memory))),
             ("peak", vol(human_bytes(info.peak_memory))),
         ]
+        note = reevaluated_note(last.reevaluated_reply_tokens) if last else None
         return Group(
             _grid(cache),
             Text("last turn" + ("" if turn else "  –"), style="bold"),
             _grid(turn),
+            *([Text(f"{note[0].upper()}{note[1:]}.", style="italic")] if note else []),
             Text("mlx, whole process", style="bold"),
             _grid(process),
         )
