@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
 from typer.testing import CliRunner
 
 from kvchat import store
@@ -227,3 +227,90 @@ def test_a_fork_starts_from_a_checkpoint(arch, name):
     assert forked.stats.reused_tokens == first_end and forked.stats.rebuilt is None
     fresh = Session(session.lm, settings=GREEDY, messages=session.messages[:2])
     assert turn(fresh, THIRD).reply == forked.reply
+
+
+def _conversed(lm) -> tuple[Session, int]:
+    """A session of two turns on ``lm``; and the ledger length after the first."""
+    session = Session(lm, settings=GREEDY)
+    turn(session, FIRST)
+    after_first = len(session.ledger)
+    turn(session, SECOND)
+    return session, after_first
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "mamba"])
+def test_checkpoints_are_saved_with_the_session(arch, home, name):
+    lm = arch(name)
+    session, after_first = _conversed(lm)
+    kept = [c.tokens for c in session.checkpoints.kept]
+    assert after_first in kept and kept[-1] == len(session.ledger)
+    folder = store.save(session, "chat")
+    record = json.loads((folder / "session.json").read_text(encoding="utf-8"))["checkpoints"]
+    assert record["tokens"] == kept and record["file"] == store.CHECKPOINTS_FILE
+    assert record["bytes"] == (folder / store.CHECKPOINTS_FILE).stat().st_size > 0
+
+    loaded = store.load("chat", lm)
+    assert loaded.resumed_from_disk and loaded.notice is None
+    resumed = loaded.session
+    assert [c.tokens for c in resumed.checkpoints.kept] == kept
+    assert resumed.checkpoints.nbytes == session.checkpoints.nbytes
+    again = [e for e in resumed.regenerate() if isinstance(e, TurnDone)][0]
+    assert again.stats.evaluated_tokens == 0 and again.stats.rebuilt is None
+    assert again.reply == session.messages[-1]["content"]
+
+    resumed.undo()
+    assert len(resumed.ledger) == after_first
+    third = turn(resumed, THIRD)
+    assert third.stats.rebuilt is None
+    assert third.stats.evaluated_tokens == third.stats.prompt_tokens - after_first
+    fresh = Session(lm, settings=GREEDY, messages=resumed.messages[:-2])
+    assert turn(fresh, THIRD).reply == third.reply
+
+
+def _forge(session: Session) -> None:
+    """Cut the last axis of one array of the newest checkpoint (a shape no layer has)."""
+    layer = next(iter(session.checkpoints.kept[-1].layers.values()))
+    if isinstance(layer, ArraysCache):
+        layer.cache[0] = layer.cache[0][..., :1]
+    else:
+        layer.keys = layer.keys[..., :1]
+
+
+@pytest.mark.parametrize("name, damage, why", [
+    ("gemma3_text", "flipped", r"checkpoints.safetensors is damaged \(its checksum differs"),
+    ("gemma3_text", "forged", r"does not fit the cache: at token \d+, a RotatingKVCache has "
+                              r"keys of shape \(1, 1, n, 1\), the model makes \(1, 1, n, 32\)"),
+    ("mamba", "forged", r"does not fit the cache: at token \d+, a ArraysCache has state"),
+    ("mamba", "reordered", r"does not fit the cache: it holds checkpoints at tokens"),
+    ("mamba", "missing", r"checkpoints.safetensors is missing"),
+])
+def test_bad_checkpoints_are_left_out_and_the_cache_resumes(arch, home, name, damage, why):
+    lm = arch(name)
+    session, after_first = _conversed(lm)
+    if damage == "forged":  # written by the real save, so session.json has its checksum
+        _forge(session)
+    folder = store.save(session, "chat")
+    path, json_path = folder / store.CHECKPOINTS_FILE, folder / "session.json"
+    if damage == "flipped":
+        raw = bytearray(path.read_bytes())
+        raw[-8:] = bytes(b ^ 0xFF for b in raw[-8:])
+        path.write_bytes(bytes(raw))
+    elif damage == "reordered":
+        data = json.loads(json_path.read_text(encoding="utf-8"))
+        data["checkpoints"]["tokens"].reverse()
+        json_path.write_text(json.dumps(data), encoding="utf-8")
+    elif damage == "missing":
+        path.unlink()
+
+    loaded = store.load("chat", lm)
+    assert loaded.resumed_from_disk and loaded.session.ledger == session.ledger
+    assert len(loaded.session.checkpoints) == 0
+    assert re.search(why, loaded.notice), loaded.notice
+    assert loaded.notice.startswith("The saved checkpoints were not used (")
+    assert loaded.notice.endswith("until new ones are kept.") and loaded.notice.count(". ") == 0
+
+    loaded.session.undo()  # no checkpoint: back to nothing, rebuilt by the next turn
+    third = turn(loaded.session, THIRD)
+    assert third.stats.evaluated_tokens == third.stats.prompt_tokens and third.stats.rebuilt
+    fresh = Session(lm, settings=GREEDY, messages=session.messages[:2])
+    assert turn(fresh, THIRD).reply == third.reply
