@@ -101,11 +101,15 @@ def test_saved_sessions_resume_from_disk(arch, home, name):
     session = Session(lm, settings=GREEDY)
     turn(session, "hello there")
     turn(session, "and again")
-    store.save(session, "chat")
+    folder = store.save(session, "chat")
+    kept = [c.tokens for c in session.checkpoints.kept]  # none for a model that needs none
+    assert bool(kept) == (name in {"gemma3_text", "lfm2", "mamba", "falcon_h1"})
+    assert (folder / store.CHECKPOINTS_FILE).exists() == bool(kept)
 
     loaded = store.load("chat", lm)
     assert loaded.resumed_from_disk and loaded.notice is None
     assert loaded.session.ledger == session.ledger
+    assert [c.tokens for c in loaded.session.checkpoints.kept] == kept
     resumed, live = turn(loaded.session, "one more"), turn(session, "one more")
     assert resumed.reply == live.reply
     assert resumed.stats.rebuilt is None
@@ -267,8 +271,13 @@ def test_checkpoints_are_saved_with_the_session(arch, home, name):
     assert turn(fresh, THIRD).reply == third.reply
 
 
-def _forge(session: Session) -> None:
-    """Cut the last axis of one array of the newest checkpoint (a shape no layer has)."""
+def _forge(session: Session, damage: str) -> None:
+    """Cut the last axis of one array of the newest checkpoint, or of the log-probabilities
+    at the last prompt's end (a shape the model never makes)."""
+    if damage == "logprobs":
+        at, logprobs = session.prompt_logprobs
+        session.prompt_logprobs = (at, logprobs[:-1])
+        return
     layer = next(iter(session.checkpoints.kept[-1].layers.values()))
     if isinstance(layer, ArraysCache):
         layer.cache[0] = layer.cache[0][..., :1]
@@ -281,14 +290,15 @@ def _forge(session: Session) -> None:
     ("gemma3_text", "forged", r"does not fit the cache: at token \d+, a RotatingKVCache has "
                               r"keys of shape \(1, 1, n, 1\), the model makes \(1, 1, n, 32\)"),
     ("mamba", "forged", r"does not fit the cache: at token \d+, a ArraysCache has state"),
+    ("gemma3_text", "logprobs", r"does not fit the cache: its log-probabilities are not the "),
     ("mamba", "reordered", r"does not fit the cache: it holds checkpoints at tokens"),
     ("mamba", "missing", r"checkpoints.safetensors is missing"),
 ])
 def test_bad_checkpoints_are_left_out_and_the_cache_resumes(arch, home, name, damage, why):
     lm = arch(name)
     session, after_first = _conversed(lm)
-    if damage == "forged":  # written by the real save, so session.json has its checksum
-        _forge(session)
+    if damage in ("forged", "logprobs"):  # saved for real: session.json has the checksum
+        _forge(session, damage)
     folder = store.save(session, "chat")
     path, json_path = folder / store.CHECKPOINTS_FILE, folder / "session.json"
     if damage == "flipped":

@@ -10,6 +10,7 @@ then restores the nearest checkpoint at or before ``n``, trims the other
 layers (plain key/value caches, which can be cut anywhere) to the same
 length, and evaluates only what follows. Checkpoints are bounded in number
 and in bytes, newest kept first; a model without such layers keeps none.
+They are saved with the session (kvchat/store/checkpoint_file.py).
 """
 
 from __future__ import annotations
