@@ -287,9 +287,9 @@ def _forge(session: Session, damage: str) -> None:
 
 @pytest.mark.parametrize("name, damage, why", [
     ("gemma3_text", "flipped", r"checkpoints.safetensors is damaged \(its checksum differs"),
-    ("gemma3_text", "forged", r"does not fit the cache: at token \d+, a RotatingKVCache has "
+    ("gemma3_text", "forged", r"does not fit the cache: at token \d+, its RotatingKVCache has "
                               r"keys of shape \(1, 1, n, 1\), the model makes \(1, 1, n, 32\)"),
-    ("mamba", "forged", r"does not fit the cache: at token \d+, a ArraysCache has state"),
+    ("mamba", "forged", r"does not fit the cache: at token \d+, its ArraysCache has state"),
     ("gemma3_text", "logprobs", r"does not fit the cache: its log-probabilities are not the "),
     ("mamba", "reordered", r"does not fit the cache: it holds checkpoints at tokens"),
     ("mamba", "missing", r"checkpoints.safetensors is missing"),

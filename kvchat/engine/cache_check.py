@@ -62,7 +62,7 @@ def checkpoint_problem(layers: list[Any], refs: list[Any], tokens: int) -> str |
     for saved, ref in zip(layers, refs, strict=True):
         problem = _layer_problem(saved, ref, offsets, live)
         if problem:
-            return f"a {type(ref).__name__} {problem}"
+            return f"its {type(ref).__name__} {problem}"
     wrong = [o for o in offsets if o != tokens]
     if wrong:
         return f"a layer is at token {wrong[0]}, not {tokens}"

@@ -94,10 +94,10 @@ def read_checkpoints(
     try:
         logits = _logprobs(layers, meta, info["tokens"], session)
         points = _checkpoints(layers, meta, info["tokens"], session)
+        if logits is not None:
+            session.prompt_logprobs = logits  # ValueError where the ledger is not that long
     except ValueError as exc:
         return [], f"{path} does not fit the cache: {exc}"
-    if logits is not None:
-        session.prompt_logprobs = logits
     return points, None
 
 
@@ -116,8 +116,9 @@ def _logprobs(
         raise ValueError(f"its log-probabilities are at {at[:20]!r}, not at a checkpoint")
     holder = layers.pop()
     ref = session.lm.model(mx.array([[0]]), cache=make_prompt_cache(session.lm.model))[0, -1]
-    state = holder.state if isinstance(holder, ArraysCache) else None
-    x = state[0][0] if state and len(state[0]) == 1 and state[1:] == (None, None) else None
+    state = holder.state if isinstance(holder, ArraysCache) else (None, None, None)
+    arrays = state[0] if state[1] is None and state[2] is None else None
+    x = arrays[0] if isinstance(arrays, list) and len(arrays) == 1 else None
     if not isinstance(x, mx.array) or (x.shape, x.dtype) != (ref.shape, ref.dtype):
         raise ValueError("its log-probabilities are not the model's")
     if not (mx.isfinite(x).all() & (mx.abs(mx.logsumexp(x)) < 1e-2)).item():
@@ -144,9 +145,9 @@ def _checkpoints(
     if [t for t, _ in layout] != tokens:
         raise ValueError(f"it holds checkpoints at tokens {[t for t, _ in layout]}, "
                          f"session.json lists {tokens}")
-    if len(tokens) > MAX_CHECKPOINTS or tokens != sorted(set(tokens)):
+    if len(tokens) > MAX_CHECKPOINTS or tokens != sorted(set(tokens)) or 0 in tokens:
         raise ValueError(f"its token positions {tokens} are not at most {MAX_CHECKPOINTS} "
-                         "increasing ones")
+                         "increasing ones after the first token")
     if tokens and tokens[-1] > len(session.ledger):
         raise ValueError(f"a checkpoint is at token {tokens[-1]}, the cache holds "
                          f"{len(session.ledger)}")
