@@ -324,3 +324,16 @@ def test_bad_checkpoints_are_left_out_and_the_cache_resumes(arch, home, name, da
     assert third.stats.evaluated_tokens == third.stats.prompt_tokens and third.stats.rebuilt
     fresh = Session(lm, settings=GREEDY, messages=session.messages[:2])
     assert turn(fresh, THIRD).reply == third.reply
+
+
+def test_ask_says_why_saved_checkpoints_were_left_out(arch, home):
+    lm = arch("mamba")
+    ask = ["ask", "--model", str(lm.path), "--session", "chat", "--max-tokens", "4"]
+    assert CliRunner().invoke(app, [*ask, FIRST]).exit_code == 0
+    path = store.session_dir("chat") / store.CHECKPOINTS_FILE
+    path.write_bytes(path.read_bytes()[:-4])  # cut short: its checksum no longer matches
+    result = CliRunner().invoke(app, [*ask, SECOND])
+    assert result.exit_code == 0
+    assert (f"kvchat: The saved checkpoints were not used ({path} is damaged (its checksum "
+            "differs from the one in session.json)); the cache was") in result.output
+    assert "rebuilt" not in result.output
