@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
 from typer.testing import CliRunner
 
 from kvchat import store
@@ -101,11 +101,15 @@ def test_saved_sessions_resume_from_disk(arch, home, name):
     session = Session(lm, settings=GREEDY)
     turn(session, "hello there")
     turn(session, "and again")
-    store.save(session, "chat")
+    folder = store.save(session, "chat")
+    kept = [c.tokens for c in session.checkpoints.kept]  # none for a model that needs none
+    assert bool(kept) == (name in {"gemma3_text", "lfm2", "mamba", "falcon_h1"})
+    assert (folder / store.CHECKPOINTS_FILE).exists() == bool(kept)
 
     loaded = store.load("chat", lm)
     assert loaded.resumed_from_disk and loaded.notice is None
     assert loaded.session.ledger == session.ledger
+    assert [c.tokens for c in loaded.session.checkpoints.kept] == kept
     resumed, live = turn(loaded.session, "one more"), turn(session, "one more")
     assert resumed.reply == live.reply
     assert resumed.stats.rebuilt is None
@@ -227,3 +231,109 @@ def test_a_fork_starts_from_a_checkpoint(arch, name):
     assert forked.stats.reused_tokens == first_end and forked.stats.rebuilt is None
     fresh = Session(session.lm, settings=GREEDY, messages=session.messages[:2])
     assert turn(fresh, THIRD).reply == forked.reply
+
+
+def _conversed(lm) -> tuple[Session, int]:
+    """A session of two turns on ``lm``; and the ledger length after the first."""
+    session = Session(lm, settings=GREEDY)
+    turn(session, FIRST)
+    after_first = len(session.ledger)
+    turn(session, SECOND)
+    return session, after_first
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "mamba"])
+def test_checkpoints_are_saved_with_the_session(arch, home, name):
+    lm = arch(name)
+    session, after_first = _conversed(lm)
+    kept = [c.tokens for c in session.checkpoints.kept]
+    assert after_first in kept and kept[-1] == len(session.ledger)
+    folder = store.save(session, "chat")
+    record = json.loads((folder / "session.json").read_text(encoding="utf-8"))["checkpoints"]
+    assert record["tokens"] == kept and record["file"] == store.CHECKPOINTS_FILE
+    assert record["bytes"] == (folder / store.CHECKPOINTS_FILE).stat().st_size > 0
+
+    loaded = store.load("chat", lm)
+    assert loaded.resumed_from_disk and loaded.notice is None
+    resumed = loaded.session
+    assert [c.tokens for c in resumed.checkpoints.kept] == kept
+    assert resumed.checkpoints.nbytes == session.checkpoints.nbytes
+    again = [e for e in resumed.regenerate() if isinstance(e, TurnDone)][0]
+    assert again.stats.evaluated_tokens == 0 and again.stats.rebuilt is None
+    assert again.reply == session.messages[-1]["content"]
+
+    resumed.undo()
+    assert len(resumed.ledger) == after_first
+    third = turn(resumed, THIRD)
+    assert third.stats.rebuilt is None
+    assert third.stats.evaluated_tokens == third.stats.prompt_tokens - after_first
+    fresh = Session(lm, settings=GREEDY, messages=resumed.messages[:-2])
+    assert turn(fresh, THIRD).reply == third.reply
+
+
+def _forge(session: Session, damage: str) -> None:
+    """Cut the last axis of one array of the newest checkpoint, or of the log-probabilities
+    at the last prompt's end (a shape the model never makes)."""
+    if damage == "logprobs":
+        at, logprobs = session.prompt_logprobs
+        session.prompt_logprobs = (at, logprobs[:-1])
+        return
+    layer = next(iter(session.checkpoints.kept[-1].layers.values()))
+    if isinstance(layer, ArraysCache):
+        layer.cache[0] = layer.cache[0][..., :1]
+    else:
+        layer.keys = layer.keys[..., :1]
+
+
+@pytest.mark.parametrize("name, damage, why", [
+    ("gemma3_text", "flipped", r"checkpoints.safetensors is damaged \(its checksum differs"),
+    ("gemma3_text", "forged", r"does not fit the cache: at token \d+, its RotatingKVCache has "
+                              r"keys of shape \(1, 1, n, 1\), the model makes \(1, 1, n, 32\)"),
+    ("mamba", "forged", r"does not fit the cache: at token \d+, its ArraysCache has state"),
+    ("gemma3_text", "logprobs", r"does not fit the cache: its log-probabilities are not the "),
+    ("mamba", "reordered", r"does not fit the cache: it holds checkpoints at tokens"),
+    ("mamba", "missing", r"checkpoints.safetensors is missing"),
+])
+def test_bad_checkpoints_are_left_out_and_the_cache_resumes(arch, home, name, damage, why):
+    lm = arch(name)
+    session, after_first = _conversed(lm)
+    if damage in ("forged", "logprobs"):  # saved for real: session.json has the checksum
+        _forge(session, damage)
+    folder = store.save(session, "chat")
+    path, json_path = folder / store.CHECKPOINTS_FILE, folder / "session.json"
+    if damage == "flipped":
+        raw = bytearray(path.read_bytes())
+        raw[-8:] = bytes(b ^ 0xFF for b in raw[-8:])
+        path.write_bytes(bytes(raw))
+    elif damage == "reordered":
+        data = json.loads(json_path.read_text(encoding="utf-8"))
+        data["checkpoints"]["tokens"].reverse()
+        json_path.write_text(json.dumps(data), encoding="utf-8")
+    elif damage == "missing":
+        path.unlink()
+
+    loaded = store.load("chat", lm)
+    assert loaded.resumed_from_disk and loaded.session.ledger == session.ledger
+    assert len(loaded.session.checkpoints) == 0
+    assert re.search(why, loaded.notice), loaded.notice
+    assert loaded.notice.startswith("The saved checkpoints were not used (")
+    assert loaded.notice.endswith("until new ones are kept.") and loaded.notice.count(". ") == 0
+
+    loaded.session.undo()  # no checkpoint: back to nothing, rebuilt by the next turn
+    third = turn(loaded.session, THIRD)
+    assert third.stats.evaluated_tokens == third.stats.prompt_tokens and third.stats.rebuilt
+    fresh = Session(lm, settings=GREEDY, messages=session.messages[:2])
+    assert turn(fresh, THIRD).reply == third.reply
+
+
+def test_ask_says_why_saved_checkpoints_were_left_out(arch, home):
+    lm = arch("mamba")
+    ask = ["ask", "--model", str(lm.path), "--session", "chat", "--max-tokens", "4"]
+    assert CliRunner().invoke(app, [*ask, FIRST]).exit_code == 0
+    path = store.session_dir("chat") / store.CHECKPOINTS_FILE
+    path.write_bytes(path.read_bytes()[:-4])  # cut short: its checksum no longer matches
+    result = CliRunner().invoke(app, [*ask, SECOND])
+    assert result.exit_code == 0
+    assert (f"kvchat: The saved checkpoints were not used ({path} is damaged (its checksum "
+            "differs from the one in session.json)); the cache was") in result.output
+    assert "rebuilt" not in result.output

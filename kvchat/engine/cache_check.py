@@ -51,6 +51,25 @@ def cache_problem(cache: list[Any], fresh: list[Any], model: nn.Module) -> str |
             return f"layer {i} {problem}"
     if len(set(offsets)) > 1:
         return f"its layers disagree on the position (from {min(offsets)} to {max(offsets)})"
+    return _implausible(live)
+
+
+def checkpoint_problem(layers: list[Any], refs: list[Any], tokens: int) -> str | None:
+    """None when ``layers``, a checkpoint at ``tokens`` read from disk, can stand in for
+    ``refs``, the same layers of a cache :func:`cache_problem` found fit; else why not."""
+    offsets: list[int] = []
+    live: list[tuple[mx.array, float]] = []
+    for saved, ref in zip(layers, refs, strict=True):
+        problem = _layer_problem(saved, ref, offsets, live)
+        if problem:
+            return f"its {type(ref).__name__} {problem}"
+    wrong = [o for o in offsets if o != tokens]
+    if wrong:
+        return f"a layer is at token {wrong[0]}, not {tokens}"
+    return _implausible(live)
+
+
+def _implausible(live: list[tuple[mx.array, float]]) -> str | None:
     if live and not mx.stack([_sound(x, limit) for x, limit in live]).all().item():
         return (f"it holds values that are not finite or implausibly large (NaN, infinity or "
                 f"keys and values beyond {MAX_KV_MAGNITUDE:g})")

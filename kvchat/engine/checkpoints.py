@@ -10,6 +10,7 @@ then restores the nearest checkpoint at or before ``n``, trims the other
 layers (plain key/value caches, which can be cut anywhere) to the same
 length, and evaluates only what follows. Checkpoints are bounded in number
 and in bytes, newest kept first; a model without such layers keeps none.
+They are saved with the session (kvchat/store/checkpoint_file.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ class Checkpoint:
     layers: dict[Path, Any]
     nbytes: int
 
+    @classmethod
+    def of(cls, tokens: int, layers: dict[Path, Any]) -> Checkpoint:
+        """A checkpoint of ``layers`` (evaluated now) at ``tokens`` tokens."""
+        arrays = [v for layer in layers.values() for _, v in tree_flatten(layer.state)
+                  if isinstance(v, mx.array)]
+        mx.eval(arrays)
+        return cls(tokens, layers, sum(a.nbytes for a in arrays))
+
 
 class Checkpoints:
     """A session's checkpoints, oldest first."""
@@ -60,15 +69,14 @@ class Checkpoints:
         paths = stateful_paths(cache)
         if not paths or any(c.tokens == tokens for c in self.kept):
             return
-        parts = dict(_parts(cache))
+        parts = dict(layer_parts(cache))
         if allocated_bytes([parts[p] for p in paths]) > CHECKPOINT_BUDGET:
             return
-        layers = {p: copy_cache([parts[p]])[0] for p in paths}
-        arrays = [v for layer in layers.values() for _, v in tree_flatten(layer.state)
-                  if isinstance(v, mx.array)]
-        mx.eval(arrays)
-        self.kept.append(Checkpoint(tokens, layers, sum(a.nbytes for a in arrays)))
-        self.kept.sort(key=lambda c: c.tokens)
+        self.adopt([*self.kept, Checkpoint.of(tokens, {p: copy_cache([parts[p]])[0] for p in paths})])
+
+    def adopt(self, points: list[Checkpoint]) -> None:
+        """Keep ``points`` (as read from disk), within the bounds, newest first."""
+        self.kept = sorted(points, key=lambda c: c.tokens)
         while len(self.kept) > MAX_CHECKPOINTS or self.nbytes > CHECKPOINT_BUDGET:
             self.kept.pop(0)
 
@@ -90,17 +98,17 @@ def what_cannot_go_back(cache: list[Any]) -> str | None:
     kinds = [
         name
         for name, cls in (("a sliding window", RotatingKVCache), ("a recurrent state", ArraysCache))
-        if any(isinstance(part, cls) for _, part in _parts(cache))
+        if any(isinstance(part, cls) for _, part in layer_parts(cache))
     ]
     return " and ".join(kinds) or None
 
 
 def stateful_paths(cache: list[Any]) -> list[Path]:
     """Where ``cache``'s sliding-window and recurrent-state layers are."""
-    return [p for p, part in _parts(cache) if isinstance(part, (RotatingKVCache, ArraysCache))]
+    return [p for p, part in layer_parts(cache) if isinstance(part, (RotatingKVCache, ArraysCache))]
 
 
-def _parts(cache: list[Any]) -> list[tuple[Path, Any]]:
+def layer_parts(cache: list[Any]) -> list[tuple[Path, Any]]:
     """Every layer of ``cache`` with its place, the parts of a ``CacheList`` one by one."""
     out: list[tuple[Path, Any]] = []
     for i, layer in enumerate(cache):
@@ -114,7 +122,7 @@ def _parts(cache: list[Any]) -> list[tuple[Path, Any]]:
 def _restore(cache: list[Any], point: Checkpoint) -> bool:
     """Trim every other layer to ``point.tokens`` and put copies of the checkpoint's
     layers in place; False (cache unchanged) when the other layers cannot get there."""
-    others = [part for path, part in _parts(cache) if path not in point.layers]
+    others = [part for path, part in layer_parts(cache) if path not in point.layers]
     if others and not trim_to(others, point.tokens):
         return False
     for path, layer in point.layers.items():

@@ -117,6 +117,18 @@ class CacheMaintenance:
         del self.lm
         mx.clear_cache()
 
+    @property
+    def prompt_logprobs(self) -> tuple[int, mx.array] | None:
+        """The log-probabilities at the end of the last prompt and its length: with the
+        checkpoint there, a regenerate samples from them and evaluates nothing."""
+        return self._logits
+
+    @prompt_logprobs.setter
+    def prompt_logprobs(self, value: tuple[int, mx.array]) -> None:
+        if not 0 < value[0] <= len(self.ledger):
+            raise ValueError(f"log-probabilities at token {value[0]} of {len(self.ledger)}")
+        self._logits = value
+
     def attach(self, cache: list[Any], ledger: list[int]) -> None:
         """Take back a cache holding exactly ``ledger`` (as loaded from disk)."""
         self.cache, self.ledger = cache, list(ledger)

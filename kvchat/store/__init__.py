@@ -7,7 +7,10 @@ One folder per session under :func:`kvchat.locations.sessions_dir`:
   archived turns, kvchat version, times, name);
 - ``cache.safetensors``: the prompt cache, written by mlx-lm's
   ``save_prompt_cache`` (no pickle), with metadata naming the kvchat version,
-  model fingerprint, cache kind and the ledger it holds.
+  model fingerprint, cache kind and the ledger it holds;
+- ``checkpoints.safetensors`` (only for models with sliding-window or recurrent
+  layers): the session's checkpoints, checksum and positions in ``session.json``;
+  one that cannot be used is left out with a notice, the cache still resumes.
 
 Every write is atomic (temporary file in the same folder, fsync, rename,
 fsync of the folder), the cache first and ``session.json`` last. The JSON
@@ -28,6 +31,7 @@ cache), ``core`` (save and load), ``manage`` (list, delete, export, prune),
 from kvchat.store.base import (
     CACHE_FILE,
     CACHE_SUM_FILE,
+    CHECKPOINTS_FILE,
     FORMAT,
     LOCK_TIMEOUT_S,
     NAME_RE,
@@ -67,6 +71,7 @@ __all__ = [
     "FORMAT",
     "FORMATS",
     "CACHE_SUM_FILE",
+    "CHECKPOINTS_FILE",
     "LOCK_TIMEOUT_S",
     "NAME_RE",
     "PAUSE_ENV",

@@ -19,6 +19,7 @@ FORMAT = 1
 SESSION_FILE = "session.json"
 CACHE_FILE = "cache.safetensors"
 CACHE_SUM_FILE = "cache.sha256"  # the newest cache's checksum, written before the cache
+CHECKPOINTS_FILE = "checkpoints.safetensors"  # copies of layers that cannot be cut back
 TMP_PREFIX = ".tmp-"
 LOCK_TIMEOUT_S = 60.0
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")

@@ -15,6 +15,7 @@ from kvchat import __version__
 from kvchat.store.base import (
     CACHE_FILE,
     CACHE_SUM_FILE,
+    CHECKPOINTS_FILE,
     FORMAT,
     SESSION_FILE,
     Loaded,
@@ -25,6 +26,7 @@ from kvchat.store.base import (
     session_dir,
 )
 from kvchat.store.cache_file import read_cache
+from kvchat.store.checkpoint_file import read_checkpoints, write_checkpoints
 from kvchat.store.files import (
     NO_SPACE,
     check_folder,
@@ -113,6 +115,7 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
             "tokens": session.cache_tokens,
             "ledger_sha256": metadata["ledger_sha256"],
         }
+    points = write_checkpoints(folder, session) if ledger else None
 
     data = {
         "format": FORMAT,
@@ -122,6 +125,8 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
         **transcript(session, name),
         "ledger": ledger,
         "cache": cache_info,
+        # only where there are checkpoints: a session without them reads as before
+        **({"checkpoints": points} if points else {}),
     }
     text = json.dumps(data, ensure_ascii=False, indent=1)
     write_bytes_atomic(json_path, text.encode(), "json")
@@ -129,6 +134,8 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
     if cache_info is None:
         cache_path.unlink(missing_ok=True)
         (folder / CACHE_SUM_FILE).unlink(missing_ok=True)
+    if points is None:
+        (folder / CHECKPOINTS_FILE).unlink(missing_ok=True)
     return folder
 
 
@@ -162,6 +169,7 @@ def set_aside(name: str) -> str | None:
         return None
     kept = _keep_aside(cache_path)
     (folder / CACHE_SUM_FILE).unlink(missing_ok=True)
+    (folder / CHECKPOINTS_FILE).unlink(missing_ok=True)  # of no use without the cache
     return (
         f"{folder} held a cache without session.json; it was kept as {kept.name} "
         "and a new session was started."
@@ -219,10 +227,24 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
         turns=turns, archived=archived, branches=branches,
     )
     if problem is None:
-        return Loaded(session, resumed_from_disk=cache is not None, notice=None)
+        return _with_checkpoints(folder, data, session, resumed=cache is not None)
     session.rebuild(f"the saved cache was not used: {problem}", progress)
     notice = f"The saved cache was not used ({problem}); it was rebuilt from the transcript."
     return Loaded(session, resumed_from_disk=False, notice=notice)
+
+
+def _with_checkpoints(folder: Path, data: dict, session: Session, resumed: bool) -> Loaded:
+    """``session``, resumed with its cache, given the checkpoints saved with it; a
+    checkpoints file that cannot be used is left out with a notice."""
+    if not resumed:
+        return Loaded(session, resumed_from_disk=False, notice=None)
+    points, problem = read_checkpoints(folder, data.get("checkpoints"), session)
+    session.checkpoints.adopt(points)
+    notice = None if problem is None else (
+        f"The saved checkpoints were not used ({problem}); the cache was, so undo and "
+        "regenerate evaluate the transcript again until new ones are kept."
+    )
+    return Loaded(session, resumed_from_disk=True, notice=notice)
 
 
 def _settings(cls, raw: dict):

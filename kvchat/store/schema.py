@@ -66,6 +66,16 @@ class CacheInfo(_Strict):
     ledger_sha256: str = ""
 
 
+class CheckpointsInfo(_Strict):
+    """``checkpoints.safetensors``: its checksum and the ledger length of each checkpoint
+    (checked against the ledger and the file when it is read)."""
+
+    file: str
+    sha256: str
+    bytes: Count = 0
+    tokens: list[Count]
+
+
 class SessionFile(_Strict):
     format: int = 1
     kvchat_version: str = ""
@@ -81,6 +91,7 @@ class SessionFile(_Strict):
     ledger: list[TokenId] = []
     turns: list[TurnStats] = []
     cache: CacheInfo | None = None
+    checkpoints: CheckpointsInfo | None = None  # absent where none were kept (and before 0.x)
     branches: BranchTree | None = None  # absent while there is only one path (and before 0.x)
 
     @model_validator(mode="after")

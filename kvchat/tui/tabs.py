@@ -129,10 +129,11 @@ class TabsMixin:
             self.pop_screen()
         self.mark_offloaded(offloaded)
         if loaded.resumed_from_disk:
-            await self.add_conversation(
+            await self.add_conversation(  # with why its saved checkpoints were left out, if so
                 loaded.session, name, saved=True, notice_kind="info",
                 notice=f"Resumed with its cache from disk ({loaded.session.cache_tokens:,} "
-                       "tokens): the next turn evaluates only the new message.",
+                       "tokens): the next turn evaluates only the new message."
+                       + (f" {loaded.notice}" if loaded.notice else ""),
             )
         else:
             await self.add_conversation(loaded.session, name, saved=True, notice=loaded.notice)

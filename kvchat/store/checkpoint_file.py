@@ -1,0 +1,170 @@
+"""``checkpoints.safetensors``: a session's checkpoints (engine/checkpoints.py), saved
+beside its cache so that undo, regenerate and edits stay cheap after a resume.
+
+One file, written by mlx-lm's ``save_prompt_cache`` (no pickle): the layers of
+every checkpoint in turn, oldest first, with metadata ``layout`` naming each
+checkpoint's token count and the places of its layers in the session's cache.
+Where the last prompt's end is a checkpoint, the log-probabilities there follow
+as one more layer (an ``ArraysCache`` holding that one array; metadata
+``logprobs_at`` says where), so a regenerate after a resume evaluates nothing.
+``session.json`` records the file's sha256 and the token counts. A file that
+is missing, damaged or does not fit the cache is never fatal: the session
+resumes with its cache and without checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from kvchat.store.base import CHECKPOINTS_FILE, StoreError, one_line
+from kvchat.store.files import finish_temp, new_temp, open_regular, rename_into_place, sha256_of
+from kvchat.store.schema import Count
+
+if TYPE_CHECKING:
+    from kvchat.engine.checkpoints import Checkpoint
+    from kvchat.engine.session import Session
+
+# [[tokens, [[layer], [layer, part], ...]], ...]
+_LAYOUT = TypeAdapter(list[tuple[Count, list[list[Count]]]], config={"strict": True})
+
+
+def write_checkpoints(folder: Path, session: Session) -> dict | None:
+    """Write ``session``'s checkpoints atomically; return their entry for ``session.json``
+    (None, and no file, when it keeps none)."""
+    from mlx_lm.models.cache import ArraysCache, save_prompt_cache
+
+    from kvchat.engine.kinds import compacted
+
+    kept = session.checkpoints.kept
+    if not kept:
+        return None
+    layers = [layer for point in kept for layer in point.layers.values()]
+    layout = [[point.tokens, [list(p) for p in point.layers]] for point in kept]
+    metadata = {"model_fingerprint": session.lm.fingerprint, "layout": json.dumps(layout)}
+    logits = session.prompt_logprobs
+    if logits is not None and logits[0] in {point.tokens for point in kept}:
+        holder = ArraysCache(1)
+        holder[0] = logits[1]
+        layers.append(holder)
+        metadata["logprobs_at"] = str(logits[0])
+    tmp, f = new_temp(folder, ".safetensors")
+    try:
+        with f:
+            save_prompt_cache(f, compacted(layers), metadata)
+            sha, size = finish_temp(f)
+        rename_into_place(tmp, folder / CHECKPOINTS_FILE, "checkpoints")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"file": CHECKPOINTS_FILE, "sha256": sha, "bytes": size,
+            "tokens": [point.tokens for point in kept]}
+
+
+def read_checkpoints(
+    folder: Path, info: dict | None, session: Session
+) -> tuple[list[Checkpoint], str | None]:
+    """The checkpoints saved for ``session`` (just resumed with its cache), and None; or
+    none and why not, as a clause; none and None when none were saved."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache
+
+    from kvchat.engine.checkpoints import CHECKPOINT_BUDGET
+
+    if info is None:
+        return [], None
+    path = folder / CHECKPOINTS_FILE
+    try:
+        with open_regular(path, CHECKPOINT_BUDGET + (64 << 20)) as f:
+            if sha256_of(f) != info["sha256"]:
+                return [], f"{path} is damaged (its checksum differs from the one in session.json)"
+            layers, meta = load_prompt_cache(f, return_metadata=True)
+            mx.eval([layer.state for layer in layers])
+    except FileNotFoundError:
+        return [], f"{path} is missing"
+    except StoreError as exc:
+        return [], str(exc).rstrip(".")
+    except Exception as exc:  # truncated or garbage files fail in many ways
+        return [], f"{path} could not be read: {one_line(exc)}"
+    if meta.get("model_fingerprint") != session.lm.fingerprint:
+        return [], f"{path} was made with another model"
+    try:
+        logits = _logprobs(layers, meta, info["tokens"], session)
+        points = _checkpoints(layers, meta, info["tokens"], session)
+        if logits is not None:
+            session.prompt_logprobs = logits  # ValueError where the ledger is not that long
+    except ValueError as exc:
+        return [], f"{path} does not fit the cache: {exc}"
+    return points, None
+
+
+def _logprobs(
+    layers: list[Any], meta: dict, tokens: list[int], session: Session
+) -> tuple[int, Any] | None:
+    """Take the log-probabilities off the end of ``layers``, with their position; None
+    when none were saved. ValueError when they are not what the model makes."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    at = meta.get("logprobs_at")
+    if at is None:
+        return None
+    if not at.isdecimal() or int(at) not in tokens or not layers:
+        raise ValueError(f"its log-probabilities are at {at[:20]!r}, not at a checkpoint")
+    holder = layers.pop()
+    ref = session.lm.model(mx.array([[0]]), cache=make_prompt_cache(session.lm.model))[0, -1]
+    state = holder.state if isinstance(holder, ArraysCache) else (None, None, None)
+    arrays = state[0] if state[1] is None and state[2] is None else None
+    x = arrays[0] if isinstance(arrays, list) and len(arrays) == 1 else None
+    if not isinstance(x, mx.array) or (x.shape, x.dtype) != (ref.shape, ref.dtype):
+        raise ValueError("its log-probabilities are not the model's")
+    if not (mx.isfinite(x).all() & (mx.abs(mx.logsumexp(x)) < 1e-2)).item():
+        raise ValueError("its log-probabilities are not finite ones that sum to 1")
+    return int(at), x
+
+
+def _checkpoints(
+    layers: list[Any], meta: dict, tokens: list[int], session: Session
+) -> list[Checkpoint]:
+    """The checkpoints ``layers`` make, checked against ``session``; ValueError says why not."""
+    from kvchat.engine.cache_check import checkpoint_problem
+    from kvchat.engine.checkpoints import (
+        MAX_CHECKPOINTS,
+        Checkpoint,
+        layer_parts,
+        stateful_paths,
+    )
+
+    try:
+        layout = _LAYOUT.validate_json(meta.get("layout", ""))
+    except ValidationError:
+        raise ValueError("its layout is not readable") from None
+    if [t for t, _ in layout] != tokens:
+        raise ValueError(f"it holds checkpoints at tokens {[t for t, _ in layout]}, "
+                         f"session.json lists {tokens}")
+    if len(tokens) > MAX_CHECKPOINTS or tokens != sorted(set(tokens)) or 0 in tokens:
+        raise ValueError(f"its token positions {tokens} are not at most {MAX_CHECKPOINTS} "
+                         "increasing ones after the first token")
+    if tokens and tokens[-1] > len(session.ledger):
+        raise ValueError(f"a checkpoint is at token {tokens[-1]}, the cache holds "
+                         f"{len(session.ledger)}")
+    parts = dict(layer_parts(session.cache))
+    stateful = set(stateful_paths(session.cache))
+    if sum(len(paths) for _, paths in layout) != len(layers):
+        raise ValueError(f"it holds {len(layers)} layers, its layout names a different number")
+    points, start = [], 0
+    for at, raw in layout:
+        paths = [tuple(p) for p in raw]
+        if not paths or len(set(paths)) != len(paths) or not set(paths) <= stateful:
+            raise ValueError(f"the checkpoint at token {at} names layers that the cache "
+                             "lacks or can cut back")
+        saved = layers[start:start + len(paths)]
+        start += len(paths)
+        problem = checkpoint_problem(saved, [parts[p] for p in paths], at)
+        if problem:
+            raise ValueError(f"at token {at}, {problem}")
+        points.append(Checkpoint.of(at, dict(zip(paths, saved))))
+    return points
