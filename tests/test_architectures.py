@@ -337,3 +337,19 @@ def test_ask_says_why_saved_checkpoints_were_left_out(arch, home):
     assert (f"kvchat: The saved checkpoints were not used ({path} is damaged (its checksum "
             "differs from the one in session.json)); the cache was") in result.output
     assert "rebuilt" not in result.output
+
+
+def test_a_save_writes_only_the_newest_checkpoints_that_fit_its_budget(arch, home, monkeypatch):
+    from kvchat.store import checkpoint_file
+
+    lm = arch("mamba")
+    session, _ = _conversed(lm)
+    kept = session.checkpoints.kept
+    assert len(kept) > 2
+    monkeypatch.setattr(checkpoint_file, "SAVED_BYTES", kept[-1].nbytes + kept[-2].nbytes)
+    store.save(session, "chat")
+    loaded = store.load("chat", lm)
+    assert loaded.resumed_from_disk and loaded.notice is None
+    assert [c.tokens for c in loaded.session.checkpoints.kept] == [c.tokens for c in kept[-2:]]
+    again = [e for e in loaded.session.regenerate() if isinstance(e, TurnDone)][0]
+    assert again.stats.evaluated_tokens == 0 and again.stats.rebuilt is None

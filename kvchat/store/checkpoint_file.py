@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from kvchat.engine.checkpoints import Checkpoint
     from kvchat.engine.session import Session
 
+# Bytes of checkpoints one save writes at most, the newest first: every save rewrites the
+# file, and undo or regenerate after a resume goes back a turn or two, not sixteen.
+SAVED_BYTES = 64 << 20
+
 # [[tokens, [[layer], [layer, part], ...]], ...]
 _LAYOUT = TypeAdapter(list[tuple[Count, list[list[Count]]]], config={"strict": True})
 
@@ -39,7 +43,7 @@ def write_checkpoints(folder: Path, session: Session) -> dict | None:
 
     from kvchat.engine.kinds import compacted
 
-    kept = session.checkpoints.kept
+    kept = _newest_within(session.checkpoints.kept, SAVED_BYTES)
     if not kept:
         return None
     layers = [layer for point in kept for layer in point.layers.values()]
@@ -62,6 +66,17 @@ def write_checkpoints(folder: Path, session: Session) -> dict | None:
         raise
     return {"file": CHECKPOINTS_FILE, "sha256": sha, "bytes": size,
             "tokens": [point.tokens for point in kept]}
+
+
+def _newest_within(kept: list[Checkpoint], budget: int) -> list[Checkpoint]:
+    """The newest of ``kept`` (oldest first, as kept) whose bytes fit ``budget``."""
+    total, newest = 0, []
+    for point in reversed(kept):
+        total += point.nbytes
+        if total > budget:
+            break
+        newest.append(point)
+    return newest[::-1]
 
 
 def read_checkpoints(
