@@ -11,6 +11,7 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
@@ -140,6 +141,16 @@ def test_numpy_decoding_step_matches_mlx_lm(demo_model, fast_path, kind, monkeyp
     assert not calls
     assert fast_tokens == stock_tokens
     assert mx.allclose(fast, stock, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 32])
+def test_numpy_rotary_embedding_matches_mlx(traditional, dims):
+    rope = nn.RoPE(dims, traditional=traditional, base=10000.0, scale=0.5)
+    x = mx.random.normal((3, 64))
+    got = decode._rope(np.asarray(x), rope, *decode._rotation(rope, 37))
+    want = rope(x[None, :, None], offset=37).reshape(3, 64)
+    assert mx.allclose(mx.array(got), want, atol=1e-5).item()
 
 
 def test_numpy_decoding_step_leaves_other_caches_to_mlx_lm(demo_model, fast_path, monkeypatch):

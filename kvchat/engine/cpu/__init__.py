@@ -89,5 +89,5 @@ def describe() -> str:
     if mx.default_device() != mx.cpu:
         return "off (MLX runs on the GPU: its own kernels are used)"
     if state.active() or state.wanted():
-        return "on (numpy attention, SwiGLU and linear layers)"
+        return "on (numpy attention, SwiGLU, linear layers and decoding steps)"
     return "off"

@@ -91,8 +91,9 @@ def _linear(layer: CpuLinear, x: np.ndarray) -> np.ndarray:
 def _rotation(rope: nn.RoPE, offset: int) -> tuple[np.ndarray, np.ndarray]:
     """mlx's own cosines and sines at ``offset``: rope applied to ones and zeros."""
     half = rope.dims // 2
-    probe = mx.concatenate([mx.ones((half,)), mx.zeros((rope.dims - half,))]).reshape(1, 1, 1, -1)
-    turned = np.asarray(rope(probe, offset=offset)).reshape(-1)
+    probe = np.zeros(rope.dims, dtype=np.float32)
+    probe[slice(0, None, 2) if rope.traditional else slice(0, half)] = 1  # first of each pair
+    turned = np.asarray(rope(mx.array(probe).reshape(1, 1, 1, -1), offset=offset)).reshape(-1)
     if rope.traditional:
         return turned[0::2].copy(), turned[1::2].copy()
     return turned[:half].copy(), turned[half:].copy()
