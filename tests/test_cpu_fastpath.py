@@ -143,6 +143,17 @@ def test_numpy_decoding_step_matches_mlx_lm(demo_model, fast_path, kind, monkeyp
     assert mx.allclose(fast, stock, atol=1e-4, rtol=1e-4).item()
 
 
+def test_numpy_decoding_step_from_an_empty_cache(demo_model, fast_path):
+    logits = {}
+    for on in (True, False):
+        cpu.set_active(on)
+        cache = make_cache(demo_model.model, parse_kind("standard"))
+        steps = [demo_model.model(mx.array([[t]]), cache=cache) for t in (11, 12, 13)]
+        logits[on] = mx.concatenate(steps, axis=1)
+        assert cache[0].offset == 3
+    assert mx.allclose(logits[True], logits[False], atol=1e-4, rtol=1e-4).item()
+
+
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("dims", [64, 32])
 def test_numpy_rotary_embedding_matches_mlx(traditional, dims):

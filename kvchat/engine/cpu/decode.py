@@ -1,4 +1,4 @@
-"""One decoding step of a Llama-family model in numpy, one hand-off to mlx a layer.
+"""One decoding step of a Llama-family model in numpy, one hand-off to mlx a token.
 
 Decoding runs the model on one token at a time. Through mlx-lm's modules
 with the numpy layers of this package, that step hands data between mlx and
@@ -7,9 +7,10 @@ evaluates its input), and each hand-off costs tens of microseconds of
 synchronisation, which is as much as the arithmetic of a small model. Here
 the whole step of a ``qwen2`` or ``llama`` model (RMSNorm, linear layers,
 rotary embedding, grouped-query attention, SwiGLU) runs in numpy on views of
-mlx's own parameters; only the cache stays mlx's: each layer hands its new
-key and value to ``cache.update_and_fetch`` and reads the keys and values
-back, so the cache, its ledger, trimming and saving see nothing new.
+mlx's own parameters and of the cache's keys and values; only the cache
+update stays mlx's: once every layer has read its cache, the new keys and
+values go to ``cache.update_and_fetch`` in one evaluation, so the cache, its
+ledger, trimming and saving see nothing new.
 
 :func:`attach` gives a model's inner module (``model.model``) a ``__call__``
 that takes this path for one token, batch 1, ``standard`` and ``concatenate``
@@ -114,23 +115,30 @@ def _rope(x: np.ndarray, rope: nn.RoPE, cos: np.ndarray, sin: np.ndarray) -> np.
     return out
 
 
-def _attention(layer: nn.Module, x: np.ndarray, cache, turn) -> np.ndarray:
+def _attention(layer: nn.Module, x: np.ndarray, cache, turn) -> tuple[np.ndarray, ...]:
+    """The layer's attention output for one token, and its new key and value (which the
+    caller hands to the cache); the keys and values before it are read from the cache."""
     attn = layer.self_attn
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
     cos, sin = turn
     q = _rope(_linear(attn.q_proj, x).reshape(heads, -1), attn.rope, cos, sin)
     k = _rope(_linear(attn.k_proj, x).reshape(kv_heads, -1), attn.rope, cos, sin)
     v = _linear(attn.v_proj, x).reshape(kv_heads, -1)
-    keys, values = cache.update_and_fetch(mx.array(k[None, :, None]), mx.array(v[None, :, None]))
-    mx.eval(keys, values)
-    kn, vn = np.asarray(keys)[0], np.asarray(values)[0]  # (kv heads, span, head dim)
     grouped = q.reshape(kv_heads, heads // kv_heads, -1) * np.float32(attn.scale)
-    scores = np.matmul(grouped, kn.swapaxes(-1, -2))  # (kv heads, group, span)
+    own = np.matmul(grouped, k[:, :, None])  # (kv heads, group, 1): the token's own key
+    span = cache.offset
+    if span:
+        keys = np.asarray(cache.keys)[0, :, :span]  # (kv heads, span, head dim)
+        scores = np.concatenate([np.matmul(grouped, keys.swapaxes(-1, -2)), own], axis=-1)
+    else:
+        scores = own
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    out = np.matmul(scores, vn)
+    out = scores[..., span:] * v[:, None, :]
+    if span:
+        out += np.matmul(scores[..., :span], np.asarray(cache.values)[0, :, :span])
     out /= scores.sum(axis=-1, keepdims=True)
-    return _linear(attn.o_proj, out.reshape(-1))
+    return _linear(attn.o_proj, out.reshape(-1)), k, v
 
 
 def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
@@ -141,9 +149,12 @@ def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
     return _linear(mlp.down_proj, act * up)
 
 
-def _numpy_parameters(inner: nn.Module) -> bool:
-    """Every parameter the step reads has a float32 numpy view (checked before the
-    step touches a cache, so a refusal leaves nothing half done)."""
+def _numpy_inputs(inner: nn.Module, cache: list) -> bool:
+    """Every parameter the step reads has a float32 numpy view and the caches hold
+    float32 (checked before the step touches a cache, so a refusal leaves nothing
+    half done)."""
+    if any(c.keys is not None and c.keys.dtype != mx.float32 for c in cache):
+        return False
     views = [param_view(inner.embed_tokens), param_view(inner.norm)]
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -159,15 +170,21 @@ def _numpy_parameters(inner: nn.Module) -> bool:
 def step(inner: nn.Module, inputs: mx.array, cache: list) -> mx.array | None:
     """The final hidden state ``(1, 1, D)`` after ``inputs`` (one token), or None when
     numpy cannot take the parameters (another dtype)."""
-    if not _numpy_parameters(inner):
+    if not _numpy_inputs(inner, cache):
         return None
     x = param_view(inner.embed_tokens)[int(inputs.item())].copy()
     turns: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    new: list[tuple[np.ndarray, np.ndarray]] = []
     for layer, c in zip(inner.layers, cache):
         rope = layer.self_attn.rope
         key = (rope.dims, rope.traditional, rope.base, rope.scale, c.offset)
         if key not in turns:
             turns[key] = _rotation(rope, c.offset)
-        x = x + _attention(layer, _rms(x, layer.input_layernorm), c, turns[key])
+        out, k, v = _attention(layer, _rms(x, layer.input_layernorm), c, turns[key])
+        new.append((k, v))
+        x = x + out
         x = x + _mlp(layer.mlp, _rms(x, layer.post_attention_layernorm))
+    # The caches grow once all layers have read them: one evaluation for the step.
+    mx.eval([c.update_and_fetch(mx.array(k[None, :, None]), mx.array(v[None, :, None]))
+             for c, (k, v) in zip(cache, new)])
     return mx.array(_rms(x, inner.norm)[None, None])
