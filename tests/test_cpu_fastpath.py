@@ -1,5 +1,5 @@
-"""The CPU fast path (issue 14): numpy attention, SwiGLU and linear layers match mlx's
-own within float32 tolerance, caching stays exact with it, it can be switched off, and
+"""The CPU fast path (issue 14): numpy attention, SwiGLU, linear layers and the decoding
+step match mlx's own within float32 tolerance, caching stays exact with it, it can be switched off, and
 quantized weights are dequantized at load."""
 
 from __future__ import annotations
