@@ -1,6 +1,6 @@
-"""The CPU fast path (issue 14): numpy attention, SwiGLU and linear layers match mlx's
-own within float32 tolerance, caching stays exact with it, it can be switched off, and
-quantized weights are dequantized at load."""
+"""The CPU fast path (issue 14): numpy attention, SwiGLU, linear layers and the decoding
+step match mlx's own within float32 tolerance, caching stays exact with it, it can be
+switched off, and quantized weights are dequantized at load."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
 from kvchat.engine import cpu
-from kvchat.engine.cpu import attention
+from kvchat.engine.cpu import attention, decode
 from kvchat.engine.cpu.linear import CpuEmbedding, CpuLinear, CpuOutput
 from kvchat.engine.kinds import make_cache, parse_kind
 from kvchat.engine.model import load_model
@@ -105,6 +106,75 @@ def test_on_and_off_compute_the_same_forward_pass(demo_model, fast_path, monkeyp
     stock = logits_of(demo_model, tokens)
     assert not calls, "switched off, mlx-lm's own attention ran"
     assert mx.allclose(fast, stock, atol=1e-4, rtol=1e-4).item()
+
+
+def decode_run(lm, kind: str, prompt: list[int], forced: list[int]):
+    """Logits of each single-token step after ``prompt``: first fed ``forced`` tokens,
+    then greedy ones; and the greedy tokens."""
+    cache = make_cache(lm.model, parse_kind(kind))
+    lm.model(mx.array(prompt)[None], cache=cache)
+    steps, greedy, token = [], [], prompt[-1]
+    for i in range(len(forced) + 8):
+        logits = lm.model(mx.array([[token]]), cache=cache)[0, -1]
+        steps.append(logits)
+        token = forced[i] if i < len(forced) else int(mx.argmax(logits).item())
+        if i >= len(forced):
+            greedy.append(token)
+    return mx.stack(steps), greedy
+
+
+@pytest.mark.parametrize("kind", ["standard", "concatenate"])
+def test_numpy_decoding_step_matches_mlx_lm(demo_model, fast_path, kind, monkeypatch):
+    """The whole-model numpy step computes what mlx-lm's modules do, step after step
+    (positions move on, the cache grows), and is skipped when the fast path is off."""
+    assert type(demo_model.model.model).__call__ is decode._call
+    calls = []
+    real = decode.step
+    monkeypatch.setattr(decode, "step", lambda *a: calls.append(1) or real(*a))
+    prompt = demo_model.tokenizer.encode("Keys and values of every token, cached.")
+    forced = [(i * 53) % 200 + 5 for i in range(12)]
+    fast, fast_tokens = decode_run(demo_model, kind, prompt, forced)
+    assert len(calls) == len(forced) + 8
+    cpu.set_active(False)
+    calls.clear()
+    stock, stock_tokens = decode_run(demo_model, kind, prompt, forced)
+    assert not calls
+    assert fast_tokens == stock_tokens
+    assert mx.allclose(fast, stock, atol=1e-4, rtol=1e-4).item()
+
+
+def test_numpy_decoding_step_from_an_empty_cache(demo_model, fast_path):
+    logits = {}
+    for on in (True, False):
+        cpu.set_active(on)
+        cache = make_cache(demo_model.model, parse_kind("standard"))
+        steps = [demo_model.model(mx.array([[t]]), cache=cache) for t in (11, 12, 13)]
+        logits[on] = mx.concatenate(steps, axis=1)
+        assert cache[0].offset == 3
+    assert mx.allclose(logits[True], logits[False], atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 32])
+def test_numpy_rotary_embedding_matches_mlx(traditional, dims):
+    rope = nn.RoPE(dims, traditional=traditional, base=10000.0, scale=0.5)
+    x = mx.random.normal((3, 64))
+    got = decode._rope(np.asarray(x), rope, *decode._rotation(rope, 37))
+    want = rope(x[None, :, None], offset=37).reshape(3, 64)
+    assert mx.allclose(mx.array(got), want, atol=1e-5).item()
+
+
+def test_numpy_decoding_step_leaves_other_caches_to_mlx_lm(demo_model, fast_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(decode, "step", lambda *a: calls.append(1))
+    for kind in ("quantized:8", "rotating:64", "chunked:64"):
+        cache = make_cache(demo_model.model, parse_kind(kind))
+        demo_model.model(mx.array([[5, 6]]), cache=cache)
+        assert demo_model.model(mx.array([[7]]), cache=cache).shape[:2] == (1, 1)
+        assert cache[0].offset == 3, kind
+    assert not calls
+    demo_model.model(mx.array([[7]]), cache=make_cache(demo_model.model, parse_kind("standard")))
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("kind", ["standard", "concatenate", "quantized:8"])

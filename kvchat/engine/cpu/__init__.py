@@ -6,19 +6,20 @@ and their SwiGLU from ``mlx_lm.models.activations``, by name at import time.
 module imported already); each calls :mod:`.attention` when the fast path is
 active and falls back to mlx-lm's own otherwise, so Metal and CUDA, quantized
 caches, attention sinks and other dtypes keep the stock path.
-:func:`kvchat.engine.cpu.linear.prepare` gives a loaded model numpy-backed
-linear layers. ``KVCHAT_CPU_FASTPATH=0`` turns all of it off.
+:func:`prepare` gives a loaded model numpy-backed linear layers and, for
+Llama-family models, a decoding step computed in numpy (:mod:`.decode`).
+``KVCHAT_CPU_FASTPATH=0`` turns all of it off.
 """
 
 from __future__ import annotations
 
 import sys
 
+import mlx.nn as nn
 import mlx_lm.models.activations as activations
 import mlx_lm.models.base as base
 
-from . import attention, state
-from .linear import prepare
+from . import attention, decode, linear, state
 
 __all__ = ["install", "prepare", "describe", "set_active"]
 
@@ -42,6 +43,15 @@ def swiglu(gate, x):
         if out is not None:
             return out
     return _stock_swiglu(gate, x)
+
+
+def prepare(model: nn.Module, dequantize: bool) -> int:
+    """Give ``model`` the CPU layers (:func:`.linear.prepare`) and the numpy decoding step
+    where its architecture allows (:func:`.decode.attach`); returns how many quantized
+    layers were dequantized."""
+    dequantized = linear.prepare(model, dequantize)
+    decode.attach(model)
+    return dequantized
 
 
 def install() -> bool:
@@ -79,5 +89,5 @@ def describe() -> str:
     if mx.default_device() != mx.cpu:
         return "off (MLX runs on the GPU: its own kernels are used)"
     if state.active() or state.wanted():
-        return "on (numpy attention, SwiGLU and linear layers)"
+        return "on (numpy attention, SwiGLU, linear layers and decoding steps)"
     return "off"

@@ -25,17 +25,18 @@ from . import state
 from .attention import _numpy
 
 
-def _weight_view(layer: nn.Module) -> np.ndarray | None:
-    """A numpy view of ``layer.weight``, made once per weight array.
+def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
+    """A numpy view of ``module``'s parameter ``name``, made once per array.
 
     The view holds the array it was made from, so the ``id`` it is keyed on
     cannot be reused while it is cached.
     """
-    weight = layer.weight
-    cached = layer.__dict__.get("_numpy_weight")
-    if cached is None or cached[0] != id(weight):
-        cached = (id(weight), _numpy(weight))
-        object.__setattr__(layer, "_numpy_weight", cached)
+    array = module[name]
+    key = f"_numpy_{name}"
+    cached = module.__dict__.get(key)
+    if cached is None or cached[0] != id(array):
+        cached = (id(array), _numpy(array))
+        object.__setattr__(module, key, cached)
     return cached[1]
 
 
@@ -43,7 +44,7 @@ def _matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None:
     """``x @ layer.weightᵀ`` through numpy, or None when numpy cannot take it."""
     if not state.active():
         return None
-    xn, w = _numpy(x), _weight_view(layer)
+    xn, w = _numpy(x), param_view(layer)
     if xn is None or w is None:
         return None
     rows = xn.reshape(-1, xn.shape[-1])

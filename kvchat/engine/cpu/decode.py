@@ -1,0 +1,190 @@
+"""One decoding step of a Llama-family model in numpy, one hand-off to mlx a token.
+
+Decoding runs the model on one token at a time. Through mlx-lm's modules
+with the numpy layers of this package, that step hands data between mlx and
+numpy about a hundred times (every linear layer, attention and SwiGLU
+evaluates its input), and each hand-off costs tens of microseconds of
+synchronisation, which is as much as the arithmetic of a small model. Here
+the whole step of a ``qwen2`` or ``llama`` model (RMSNorm, linear layers,
+rotary embedding, grouped-query attention, SwiGLU) runs in numpy on views of
+mlx's own parameters and of the cache's keys and values; only the cache
+update stays mlx's: once every layer has read its cache, the new keys and
+values go to ``cache.update_and_fetch`` in one evaluation, so the cache, its
+ledger, trimming and saving see nothing new.
+
+:func:`attach` gives a model's inner module (``model.model``) a ``__call__``
+that takes this path for one token, batch 1, ``standard`` and ``concatenate``
+caches, while the fast path is active; anything else (prefill, other caches
+or architectures, a layer numpy cannot take) goes through mlx-lm's own code.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import ConcatenateKVCache, KVCache
+
+from . import state
+from .linear import CpuEmbedding, CpuLinear, param_view
+
+MODEL_TYPES = ("qwen2", "llama")  # blocks of x + attn(norm(x)), h + mlp(norm(h)), SwiGLU
+CACHES = (KVCache, ConcatenateKVCache)  # caches whose single-token mask is None
+
+
+def _eligible(inner: nn.Module) -> bool:
+    """``inner`` has the shape this step computes (checked once, at :func:`attach`)."""
+    args = getattr(inner, "args", None)
+    if getattr(args, "model_type", None) not in MODEL_TYPES:
+        return False
+    if getattr(inner, "pipeline_size", 1) != 1 or not isinstance(inner.embed_tokens, CpuEmbedding):
+        return False
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if (getattr(layer, "use_sliding", False) or type(attn.rope) is not nn.RoPE
+                or not all(type(m) is CpuLinear for m in linears)
+                or not all(type(n) is nn.RMSNorm for n in
+                           (layer.input_layernorm, layer.post_attention_layernorm))):
+            return False
+    return type(inner.norm) is nn.RMSNorm
+
+
+def attach(model: nn.Module) -> bool:
+    """Give ``model.model`` the numpy decoding step if its architecture has the shape;
+    returns whether it did."""
+    inner = getattr(model, "model", None)
+    if inner is None or not _eligible(inner):
+        return False
+    cls = type(inner)
+    if cls not in _SUBCLASSES.values():
+        if cls not in _SUBCLASSES:
+            _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"__call__": _call,
+                                                           "__module__": cls.__module__})
+        inner.__class__ = _SUBCLASSES[cls]
+    return True
+
+
+_SUBCLASSES: dict[type, type] = {}  # mlx-lm's class -> the same with the numpy step
+
+
+def _call(self, inputs, cache=None, input_embeddings=None):
+    out = None
+    if (state.active() and input_embeddings is None and tuple(inputs.shape) == (1, 1)
+            and cache is not None and all(type(c) in CACHES for c in cache)):
+        out = step(self, inputs, cache)
+    if out is None:
+        return super(type(self), self).__call__(inputs, cache, input_embeddings)
+    return out
+
+
+def _rms(x: np.ndarray, norm: nn.RMSNorm) -> np.ndarray:
+    scale = np.float32(1) / np.sqrt(np.dot(x, x) / np.float32(x.size) + np.float32(norm.eps))
+    return (x * scale) * param_view(norm)
+
+
+def _linear(layer: CpuLinear, x: np.ndarray) -> np.ndarray:
+    y = param_view(layer) @ x
+    return y + param_view(layer, "bias") if "bias" in layer else y
+
+
+def _rotation(rope: nn.RoPE, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """mlx's own cosines and sines at ``offset``: rope applied to ones and zeros."""
+    half = rope.dims // 2
+    probe = np.zeros(rope.dims, dtype=np.float32)
+    probe[slice(0, None, 2) if rope.traditional else slice(0, half)] = 1  # first of each pair
+    turned = np.asarray(rope(mx.array(probe).reshape(1, 1, 1, -1), offset=offset)).reshape(-1)
+    if rope.traditional:
+        return turned[0::2].copy(), turned[1::2].copy()
+    return turned[:half].copy(), turned[half:].copy()
+
+
+def _rope(x: np.ndarray, rope: nn.RoPE, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate the first ``rope.dims`` features of each row of ``x`` (heads × head dim)."""
+    out = x.copy()
+    if rope.traditional:
+        a, b = x[:, 0:rope.dims:2], x[:, 1:rope.dims:2]
+        out[:, 0:rope.dims:2] = a * cos - b * sin
+        out[:, 1:rope.dims:2] = a * sin + b * cos
+    else:
+        half = rope.dims // 2
+        a, b = x[:, :half], x[:, half:rope.dims]
+        out[:, :half] = a * cos - b * sin
+        out[:, half:rope.dims] = a * sin + b * cos
+    return out
+
+
+def _attention(layer: nn.Module, x: np.ndarray, cache, turn) -> tuple[np.ndarray, ...]:
+    """The layer's attention output for one token, and its new key and value (which the
+    caller hands to the cache); the keys and values before it are read from the cache."""
+    attn = layer.self_attn
+    heads, kv_heads = attn.n_heads, attn.n_kv_heads
+    cos, sin = turn
+    q = _rope(_linear(attn.q_proj, x).reshape(heads, -1), attn.rope, cos, sin)
+    k = _rope(_linear(attn.k_proj, x).reshape(kv_heads, -1), attn.rope, cos, sin)
+    v = _linear(attn.v_proj, x).reshape(kv_heads, -1)
+    grouped = q.reshape(kv_heads, heads // kv_heads, -1) * np.float32(attn.scale)
+    own = np.matmul(grouped, k[:, :, None])  # (kv heads, group, 1): the token's own key
+    span = cache.offset
+    if span:
+        keys = np.asarray(cache.keys)[0, :, :span]  # (kv heads, span, head dim)
+        scores = np.concatenate([np.matmul(grouped, keys.swapaxes(-1, -2)), own], axis=-1)
+    else:
+        scores = own
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    out = scores[..., span:] * v[:, None, :]
+    if span:
+        out += np.matmul(scores[..., :span], np.asarray(cache.values)[0, :, :span])
+    out /= scores.sum(axis=-1, keepdims=True)
+    return _linear(attn.o_proj, out.reshape(-1)), k, v
+
+
+def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
+    gate = _linear(mlp.gate_proj, x)
+    up = _linear(mlp.up_proj, x)
+    with np.errstate(over="ignore"):  # exp(-gate) = inf for very negative gates: silu is -0
+        act = gate / (np.float32(1) + np.exp(-gate))
+    return _linear(mlp.down_proj, act * up)
+
+
+def _numpy_inputs(inner: nn.Module, cache: list) -> bool:
+    """Every parameter the step reads has a float32 numpy view and the caches hold
+    float32 (checked before the step touches a cache, so a refusal leaves nothing
+    half done)."""
+    if any(c.keys is not None and c.keys.dtype != mx.float32 for c in cache):
+        return False
+    views = [param_view(inner.embed_tokens), param_view(inner.norm)]
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                       mlp.up_proj, mlp.down_proj, layer.input_layernorm,
+                       layer.post_attention_layernorm):
+            views.append(param_view(module))
+            if "bias" in module:
+                views.append(param_view(module, "bias"))
+    return all(v is not None for v in views)
+
+
+def step(inner: nn.Module, inputs: mx.array, cache: list) -> mx.array | None:
+    """The final hidden state ``(1, 1, D)`` after ``inputs`` (one token), or None when
+    numpy cannot take the parameters (another dtype)."""
+    if not _numpy_inputs(inner, cache):
+        return None
+    x = param_view(inner.embed_tokens)[int(inputs.item())].copy()
+    turns: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    new: list[tuple[np.ndarray, np.ndarray]] = []
+    for layer, c in zip(inner.layers, cache):
+        rope = layer.self_attn.rope
+        key = (rope.dims, rope.traditional, rope.base, rope.scale, c.offset)
+        if key not in turns:
+            turns[key] = _rotation(rope, c.offset)
+        out, k, v = _attention(layer, _rms(x, layer.input_layernorm), c, turns[key])
+        new.append((k, v))
+        x = x + out
+        x = x + _mlp(layer.mlp, _rms(x, layer.post_attention_layernorm))
+    # The caches grow once all layers have read them: one evaluation for the step.
+    mx.eval([c.update_and_fetch(mx.array(k[None, :, None]), mx.array(v[None, :, None]))
+             for c, (k, v) in zip(cache, new)])
+    return mx.array(_rms(x, inner.norm)[None, None])
