@@ -18,6 +18,7 @@ from textual.widgets import Markdown
 from kvchat import store
 from kvchat.config import Config
 from kvchat.engine.session import Chunk
+from kvchat.engine.thoughts import split_thoughts
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.widgets.chat import AssistantMessage
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.anyio
 
 
 def gate_after_first_chunk(session):
-    """Wrap ``session.send`` so the real turn pauses after its first text chunk
+    """Wrap ``session.send`` so the real turn pauses after its first chunk with visible text
     until the test lets it go on (the reply of the tiny demo is over in a blink)."""
     first, go_on = threading.Event(), threading.Event()
     real_send = session.send
@@ -36,12 +37,15 @@ def gate_after_first_chunk(session):
         events = real_send(text)
 
         def gated():
+            said = ""
             try:
                 for event in events:
                     yield event
                     if isinstance(event, Chunk) and not first.is_set():
-                        first.set()
-                        go_on.wait(20)
+                        said += event.text
+                        if said.strip():  # something to see: the view strips leading space
+                            first.set()
+                            go_on.wait(20)
             finally:
                 events.close()
 
@@ -71,8 +75,8 @@ async def test_reply_text_is_on_screen_while_it_is_written(make_app):
         assert conversation.state == "answering"
         go_on.set()
         await settle(pilot, conversation)
-        reply = conversation.session.messages[-1]["content"]
-        assert reply.startswith(shown) and len(reply) > len(shown)
+        reply = split_thoughts(conversation.session.messages[-1]["content"]).answer
+        assert shown and reply.startswith(shown) and len(reply) > len(shown)
         assert conversation.log.query(AssistantMessage).last().markdown.source == reply
 
 
