@@ -107,7 +107,7 @@ def test_on_and_off_compute_the_same_forward_pass(demo_model, fast_path, monkeyp
     assert mx.allclose(fast, stock, atol=1e-4, rtol=1e-4).item()
 
 
-@pytest.mark.parametrize("kind", ["standard", "concatenate", "quantized:8"])
+@pytest.mark.parametrize("kind", ["standard", "concatenate", "quantized:8", "rotated:4"])
 def test_cached_replies_equal_uncached_with_the_fast_path(demo_model, fast_path, kind):
     settings = GenerationSettings(max_tokens=12)
     session = Session(demo_model, kind=kind, system="Be brief.", settings=settings)

@@ -1,8 +1,8 @@
 """Cache kinds: the one place that maps a kind name to mlx-lm cache objects.
 
 A kind is named in config, on the command line and in the UI by one of
-``standard``, ``quantized:8``, ``quantized:4``, ``rotating:N``, ``chunked:N``
-or ``concatenate``. :func:`parse_kind` turns such a name into a
+``standard``, ``quantized:8``, ``quantized:4``, ``rotated:8``, ``rotated:4``,
+``rotating:N``, ``chunked:N`` or ``concatenate``. :func:`parse_kind` turns such a name into a
 :class:`CacheKind`; everything else here is a plain function over the list of
 per-layer caches that mlx-lm's models take, in the style of
 ``mlx_lm.models.cache``.
@@ -31,12 +31,17 @@ from mlx_lm.models.cache import (
 
 from kvchat.safety import ascii_int
 
+from . import cpu
+from .rotated import RotatedKVCache, rotate
+
 QUANT_GROUP_SIZE = 64
 
 # family -> (takes a number?, one-line description)
 _FAMILIES: dict[str, tuple[bool, str]] = {
     "standard": (False, "full precision, grows with the conversation (the default)"),
     "quantized": (True, "quantized:8 or quantized:4: 8 or 4 bits a value plus a scale and bias per 64"),
+    "rotated": (True, "rotated:8 or rotated:4: quantized after a fixed randomized Hadamard "
+                "rotation, which spreads outliers (less loss at 4 bits, same bytes)"),
     "rotating": (True, "rotating:N keeps the system prompt and the last tokens, N in all"),
     "chunked": (True, "chunked:N keeps about the last N tokens between turns"),
     "concatenate": (False, "full precision, no preallocation"),
@@ -46,6 +51,7 @@ EXAMPLE_KINDS = (
     "standard",
     "quantized:8",
     "quantized:4",
+    "rotated:4",
     "rotating:4096",
     "chunked:2048",
     "concatenate",
@@ -84,6 +90,9 @@ class CacheKind:
             return KVCache()
         if self.family == "quantized":
             return QuantizedKVCache(group_size=QUANT_GROUP_SIZE, bits=self.size)
+        if self.family == "rotated":
+            cpu.hook()  # its attention goes through RotatedKVCache.attention
+            return RotatedKVCache(group_size=QUANT_GROUP_SIZE, bits=self.size)
         if self.family == "rotating":
             return RotatingKVCache(max_size=self.size, keep=min(keep, self.size // 2))
         if self.family == "chunked":
@@ -113,8 +122,10 @@ def parse_kind(name: str | CacheKind) -> CacheKind:
         raise CacheKindError(
             f"Cache kind {family!r} needs a number written with 0-9, e.g. {_example(family)}."
         ) from None
-    if family == "quantized" and size not in (4, 8):
-        raise CacheKindError("Quantized caches take 8 or 4 bits: quantized:8 or quantized:4.")
+    if family in ("quantized", "rotated") and size not in (4, 8):
+        raise CacheKindError(
+            f"{family.capitalize()} caches take 8 or 4 bits: {family}:8 or {family}:4."
+        )
     if family in ("rotating", "chunked") and size < 64:
         raise CacheKindError(f"{family}:N needs N of at least 64 tokens (got {size}).")
     return CacheKind(family, size)
@@ -270,11 +281,13 @@ def _copy_layer(src: Any, dst_kind: CacheKind) -> Any | None:
         return dst_kind.make_layer()
     n = src.offset
     keys, values = src.keys[..., :n, :], src.values[..., :n, :]
-    if dst_kind.family == "quantized":
+    if dst_kind.family in ("quantized", "rotated"):
         bits = dst_kind.size
-        dst = QuantizedKVCache(group_size=QUANT_GROUP_SIZE, bits=bits)
-        if keys.shape[-1] % QUANT_GROUP_SIZE:
+        dst = dst_kind.make_layer()
+        if keys.shape[-1] % QUANT_GROUP_SIZE or values.shape[-1] % QUANT_GROUP_SIZE:
             return None
+        if isinstance(dst, RotatedKVCache):
+            keys, values = rotate(keys), rotate(values)
         dst.keys = _quantize(keys, bits)
         dst.values = _quantize(values, bits)
         dst.offset = n
@@ -294,7 +307,7 @@ def convert_cache(cache: list[Any], src: CacheKind, dst: CacheKind) -> list[Any]
     """Convert a live cache from kind ``src`` to ``dst`` without recomputing, where the data allows.
 
     Full-precision layers (standard, concatenate) convert to standard,
-    concatenate or quantized exactly as their data stands; layers the model
+    concatenate, quantized or rotated exactly as their data stands; layers the model
     brought itself stay as they are. Anything else (dequantizing, a rotating
     or chunked target) returns None: the caller rebuilds from the
     transcript, which is exact.

@@ -239,7 +239,7 @@ class Session(CacheMaintenance):
                 steps = self._continue(prompt[-1:], max_new, sampler, prompt_len=len(prompt))
                 stream = iter(()) if stopped else steps
 
-            eos = self.lm.tokenizer.eos_token_ids
+            eos = () if self.settings.ignore_eos else self.lm.tokenizer.eos_token_ids
             try:
                 for token in stream:
                     if first_at is None:

@@ -111,11 +111,11 @@ def model_kv_shape(model) -> tuple[int, int, int, int]:
 def kind_bytes_per_token(model, kind_name: str) -> float:
     """Bytes one token adds to a cache of ``kind_name``, computed from the model's shape:
     layers × kv heads × head dim × 2 (keys and values) × bytes per element; quantized
-    kinds store ``bits/8`` bytes per element plus a scale and a bias per group of 64."""
+    and rotated kinds store ``bits/8`` bytes per element plus a scale and a bias per group of 64."""
     layers, heads, head_dim, size = model_kv_shape(model)
     elements = layers * heads * head_dim * 2
     kind = parse_kind(kind_name)
-    if kind.family == "quantized":
+    if kind.family in ("quantized", "rotated"):
         return elements * (kind.size / 8 + 2 * size / QUANT_GROUP_SIZE)
     return float(elements * size)
 
@@ -146,7 +146,7 @@ class KindDialog(Dialog):
         per_token = kind_bytes_per_token(self.model, name)
         if kind.family in ("rotating", "chunked"):
             extra = f", at most {human_bytes(int(per_token * kind.size))}"
-        elif kind.family == "quantized":
+        elif kind.family in ("quantized", "rotated"):
             share = per_token / kind_bytes_per_token(self.model, "standard")
             extra = f" ({share:.2f} × standard)"
         else:
