@@ -5,8 +5,11 @@ tokenizer.json, model.safetensors); ``--check`` trains into a temporary folder a
 compares sha256 digests with the shipped files instead. Training is deterministic:
 the tokenizer is trained on the bundled corpus as for every demo shape, weights are
 initialised from a fixed seed, batches are drawn from a seeded numpy generator, and
-everything runs on the CPU with one BLAS thread, so reduction orders never change.
-It takes a few minutes on two cores.
+everything runs on the CPU (OpenBLAS splits a matmul among its threads by output
+blocks, so the thread count does not change any sum). It takes about three minutes of
+CPU time. The shipped files were made with Debian 12's
+OpenBLAS 0.3.21 (see :mod:`kvchat.blas`); another BLAS or CPU may round differently,
+and ``--check`` then says which files differ.
 
 The text is the corpus minus its last section (held out for
 :mod:`kvchat.engine.fidelity`), plus chat exchanges built from it in the demo's
@@ -18,26 +21,23 @@ ends its turn with ``<|im_end|>``.
 
 from __future__ import annotations
 
-import os
+import argparse
+import hashlib
+import re
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
 
-os.environ["OPENBLAS_NUM_THREADS"] = "1"  # before kvchat preloads OpenBLAS: one summation order
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models import qwen2
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from functools import partial  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-import mlx.optimizers as optim  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.models import qwen2  # noqa: E402
-
-from kvchat.engine import demo  # noqa: E402
+from kvchat import blas
+from kvchat.engine import demo
 
 WEIGHTS = Path(__file__).with_name("demo_weights")
 FILES = ("config.json", "tokenizer.json", "model.safetensors")
@@ -79,7 +79,7 @@ def train(folder: Path, log=print) -> None:
     config = demo.model_config("demo", tokenizer)
     config["eos_token_id"] = [tokenizer.token_to_id(demo.IM_END), tokenizer.token_to_id(demo.IM_START)]
     ids = np.array(tokenizer.encode(training_text()).ids, dtype=np.int32)
-    log(f"{len(ids)} training tokens, {STEPS} steps")
+    log(f"{len(ids)} training tokens, {STEPS} steps; BLAS: {blas.describe()}")
     mx.random.seed(SEED)
     model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
     schedule = optim.join_schedules(
