@@ -72,6 +72,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "max_position_embeddings": 16384,
     },
+    "random": {},  # the demo's shape with random weights (filled in below): it never stops
     "qwen2.5-0.5b": {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -109,6 +110,9 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
     },
 }
+
+
+SHAPES["random"] = dict(SHAPES[PREFIX])
 
 
 def corpus_parts() -> tuple[str, str]:
