@@ -88,6 +88,15 @@ def dropping_model(demo_model, tmp_path_factory):
 
 
 @pytest.fixture
+def endless(demo_model, monkeypatch):
+    """The demo model with no end tokens. The trained demo ends its turn after a sentence
+    or two; tests of a reply that is still running (stopped, cut by max_tokens, a client
+    that gives up) need one that goes on."""
+    monkeypatch.setattr(demo_model.tokenizer, "eos_token_ids", set())
+    return demo_model
+
+
+@pytest.fixture
 def home(tmp_path, monkeypatch):
     """A private KVCHAT_HOME per test (subprocesses inherit it)."""
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))

@@ -15,7 +15,8 @@ import sys
 import pytest
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
-KINDS = ["standard", "quantized:8", "quantized:4", "rotating:1024", "chunked:1024", "concatenate"]
+KINDS = ["standard", "quantized:8", "quantized:4", "rotated:4", "rotating:1024", "chunked:1024",
+         "concatenate"]
 
 
 def measured(x) -> bool:
@@ -102,6 +103,7 @@ def test_cache_kinds(run):
     assert rows["standard"]["agree_with_standard"] == rows["standard"]["agree_of"] > 0
     assert rows["quantized:4"]["bytes_per_token"] < rows["quantized:8"]["bytes_per_token"]
     assert rows["quantized:8"]["bytes_per_token"] < rows["standard"]["bytes_per_token"]
+    assert rows["rotated:4"]["bytes_per_token"] == rows["quantized:4"]["bytes_per_token"]
     assert rows["rotating:1024"]["cache_tokens_after_turn"] <= 1024
     ratios16 = kinds["at_16_bit"]["ratios"]
     assert 0 < ratios16["quantized:4"] < ratios16["quantized:8"] < 1
@@ -153,6 +155,17 @@ def test_quantized_weights_dequantized_and_packed(run):
         assert measured(r["prefill_tps"]) and measured(r["decode_tps"]), r
     assert "## Quantized weights on the CPU" in run["markdown"]
     assert "## CPU fast path" in run["markdown"]
+
+
+def test_fidelity_section(run):
+    rows = {r["kind"]: r for r in run["result"]["fidelity"]}
+    assert list(rows) == ["standard", "quantized:8", "quantized:4", "rotated:8", "rotated:4"]
+    assert rows["standard"]["kld_mean"] == 0 and rows["standard"]["top1_agreement"] == 1
+    assert all(measured(r["kld_mean"]) and measured(r["perplexity"]) for k, r in rows.items()
+               if k != "standard")
+    assert "## Cache fidelity: KL divergence against standard" in run["markdown"]
+    targets = {t["target"].split(" ")[0]: t for t in run["result"]["targets"]}
+    assert targets["quantized:8"]["value"] == rows["quantized:8"]["kld_mean"]
 
 
 def test_targets_and_markdown(run):

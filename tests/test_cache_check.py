@@ -130,8 +130,8 @@ def test_crafted_cache_is_rebuilt_never_used(demo_model, home, case):
     assert turn(loaded.session, NEXT).reply == never_saved_reply(demo_model, kind)
 
 
-@pytest.mark.parametrize("kind", ["standard", "quantized:8", "quantized:4", "rotating:64",
-                                  "chunked:64", "concatenate"])
+@pytest.mark.parametrize("kind", ["standard", "quantized:8", "quantized:4", "rotated:4",
+                                  "rotating:64", "chunked:64", "concatenate"])
 def test_sound_caches_pass_and_layer_count_is_checked(demo_model, kind):
     session = Session(demo_model, kind=kind, system=SYSTEM, settings=GenerationSettings(max_tokens=40))
     for text in FIRST * 3:  # past 64 tokens: rotating and chunked layers have wrapped or dropped

@@ -180,7 +180,7 @@ def test_numpy_decoding_step_leaves_other_caches_to_mlx_lm(demo_model, fast_path
     assert calls == [1]
 
 
-@pytest.mark.parametrize("kind", ["standard", "concatenate", "quantized:8"])
+@pytest.mark.parametrize("kind", ["standard", "concatenate", "quantized:8", "rotated:4"])
 def test_cached_replies_equal_uncached_with_the_fast_path(demo_model, fast_path, kind):
     settings = GenerationSettings(max_tokens=12)
     session = Session(demo_model, kind=kind, system="Be brief.", settings=settings)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +14,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
+from helpers import turn
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
 from kvchat.engine import demo
+from kvchat.engine.session import GenerationSettings, Session
+from kvchat.safety import printable
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -53,8 +57,9 @@ def test_racing_builds_agree(tmp_path):
     ]
     paths = {racer.communicate()[0].strip() for racer in racers}
     assert [racer.returncode for racer in racers] == [0, 0]
-    assert paths == {str(tmp_path / "models" / "demo-v1")}
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["demo-v1"]
+    folder = f"demo-{demo.BUILD_VERSION}"
+    assert paths == {str(tmp_path / "models" / folder)}
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [folder]
 
 
 def test_build_reuses_the_folder_and_leaves_no_scratch(demo_model):
@@ -70,10 +75,11 @@ def test_special_tokens_are_single_ids(demo_model):
         assert len(tokenizer.encode(token, add_special_tokens=False)) == 1
 
 
-def test_eos_is_im_end(demo_model):
-    im_end = demo_model.tokenizer.convert_tokens_to_ids(demo.IM_END)
-    assert demo_model.tokenizer.eos_token_ids == {im_end}
-    assert json.loads((demo_model.path / "config.json").read_text())["eos_token_id"] == im_end
+def test_a_turn_ends_at_im_end_or_a_new_header(demo_model):
+    """<|im_start|> is an end token too: a reply never runs into a turn of its own."""
+    ids = [demo_model.tokenizer.convert_tokens_to_ids(t) for t in (demo.IM_END, demo.IM_START)]
+    assert demo_model.tokenizer.eos_token_ids == set(ids)
+    assert json.loads((demo_model.path / "config.json").read_text())["eos_token_id"] == ids
 
 
 def test_loaded_tokenizer_matches_tokenizer_json(demo_model):
@@ -134,3 +140,37 @@ def test_big_shapes_load_in_mlx_lm(name, tmp_path):
     logits = model(mx.array([[1, 2, 3]]))
     assert logits.shape == (1, 3, demo.VOCAB_SIZE)
     assert mx.isfinite(logits).all().item()
+
+
+@pytest.mark.parametrize("text", ["Hello!", "What should I pack for a trip?", "Tell me about bread."])
+def test_the_trained_demo_writes_corpus_words(demo_model, text):
+    """A turn on the trained demo gives printable text (no U+FFFD) made of the corpus's words,
+    and ends its turn by itself."""
+    session = Session(demo_model, settings=GenerationSettings(max_tokens=200))
+    done = turn(session, text)
+    reply = done.reply
+    assert "\ufffd" not in reply and printable(reply) == reply
+    assert done.tokens[-1] in demo_model.tokenizer.eos_token_ids, "it stopped by itself"
+    words = re.findall(r"[a-z']+", reply.lower())
+    known = set(re.findall(r"[a-z']+", demo.CORPUS.read_text(encoding="utf-8").lower()))
+    assert len(words) >= 4, reply
+    assert sum(w in known for w in words) >= 0.9 * len(words), reply
+
+
+def test_a_follow_up_after_a_whole_reply_evaluates_only_new_tokens(demo_model):
+    """Replies end with an end token and re-render to the tokens generated, so each
+    follow-up evaluates just the new message and the template around it."""
+    session = Session(demo_model, system="Be brief.", settings=GenerationSettings(max_tokens=200))
+    turn(session, "Hello!")
+    for text in ["Why is the sky blue?", "Thanks, that is really useful."]:
+        before = list(session.ledger)
+        done = turn(session, text)
+        prompt = session.render(session.messages[:-1], True)
+        previous = session.render(session.messages[:-2], False)  # up to the last reply's end
+        assert prompt[: len(before)] == before
+        assert done.stats.reused_tokens == len(before)
+        assert done.stats.evaluated_tokens == len(prompt) - len(before)
+        # all of the previous reply was reused: at most its closing <|im_end|>\n was not in
+        # the cache yet (the end token is sampled, not fed)
+        assert previous[: len(before)] == before and len(previous) - len(before) <= 2
+        assert done.stats.generated_tokens < 200 and done.stats.rebuilt is None

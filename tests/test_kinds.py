@@ -18,6 +18,7 @@ from kvchat.engine.kinds import (
     make_cache,
     parse_kind,
 )
+from kvchat.engine.rotated import RotatedKVCache
 
 
 @pytest.mark.parametrize(
@@ -26,6 +27,8 @@ from kvchat.engine.kinds import (
         ("standard", KVCache),
         ("quantized:8", QuantizedKVCache),
         ("quantized:4", QuantizedKVCache),
+        ("rotated:8", RotatedKVCache),
+        ("rotated:4", RotatedKVCache),
         ("rotating:4096", RotatingKVCache),
         ("chunked:2048", ChunkedKVCache),
         ("concatenate", ConcatenateKVCache),
@@ -60,6 +63,7 @@ def test_examples_parse_and_names_normalise():
         ("", "Unknown cache kind"),
         ("quantized", "needs a number"),
         ("quantized:3", "8 or 4 bits"),
+        ("rotated:2", "8 or 4 bits"),
         ("rotating:abc", "needs a number"),
         ("rotating:16", "at least 64"),
         ("standard:5", "takes no number"),

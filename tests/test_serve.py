@@ -210,8 +210,8 @@ def test_the_pools_memory_budget_offloads_and_a_later_turn_resumes_from_disk(dem
         assert stats["reused_tokens"] == body_a["kvchat"]["ledger_tokens"]
 
 
-def test_a_client_that_gives_up_on_a_non_streamed_reply_stops_it(demo_model, home):
-    with Server(demo_model) as server:
+def test_a_client_that_gives_up_on_a_non_streamed_reply_stops_it(endless, home):
+    with Server(endless) as server:
         impatient = server.client.with_options(timeout=0.5)
         with pytest.raises(openai.APITimeoutError):
             chat(impatient, [{"role": "user", "content": "Write a great deal."}],

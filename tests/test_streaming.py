@@ -213,9 +213,13 @@ def test_ask_prints_the_reply(demo_model, tmp_path):
 def test_ctrl_c_during_ask_keeps_the_partial_reply(tmp_path):
     import signal
 
+    from kvchat.engine.demo import build_demo
+
+    build_demo("random")  # built here, so the Ctrl-C lands in the reply, not in a build
     env = {**os.environ, "KVCHAT_HOME": str(tmp_path / "home")}
+    # the random-weight demo never ends its turn: the reply is still running at the Ctrl-C
     cmd = [sys.executable, "-c", "from kvchat.cli import main; main()", "ask", "--session", "s",
-           "--max-tokens", "12000", "Tell me everything."]
+           "--model", "demo:random", "--max-tokens", "12000", "Tell me everything."]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     first = proc.stdout.read(40)  # the reply is streaming
     proc.send_signal(signal.SIGINT)

@@ -19,6 +19,8 @@ seconds do not. Sections:
 6. **cpu**: prefill, decode and a cached follow-up with the CPU fast path on and
    off, and **quantized weights**: the model's 4- and 8-bit copies, dequantized
    at load and kept packed (see ``bench/cpu.py``).
+7. **fidelity**: each quantized kind's KL divergence against ``standard``, top-1
+   agreement and perplexity on a held-out text (:mod:`kvchat.engine.fidelity`).
 
 :func:`run_bench` returns a plain dict (what ``--json`` prints);
 :func:`to_markdown` and :func:`print_tables` render it. No Textual here.
@@ -53,6 +55,7 @@ def run_bench(
 
     Pass ``lm`` (and the seconds it took to load, ``load_s``) to reuse a loaded model.
     """
+    from kvchat.engine.fidelity import evaluate
     from kvchat.engine.model import load_model
 
     say = log or (lambda _m: None)
@@ -92,6 +95,8 @@ def run_bench(
         float32 = {"prefill_tokens": bench.plan["cpu_prefill"][0],
                    "prefill_tps": first[0]["on"], "decode_tps": first[1]["on"]}
     result["quantized_weights"] = cpu_bench.quantized_weights(lm, bench.plan, say, float32)
+    say("fidelity: KL divergence of each kind against standard")
+    result["fidelity"] = [f.as_dict() for f in evaluate(lm)]
     result["profile"] = sweep["points"][-1]["profile"] | {
         "history_tokens": sweep["points"][-1]["history_tokens"],
         "session_ttft_s": sweep["points"][-1]["cached_ttft_s"],

@@ -25,7 +25,10 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL = "demo:qwen2.5-0.5b"
 CORPUS = Path(__file__).parent.parent / "engine" / "demo_corpus.txt"
-KINDS = ("standard", "quantized:8", "quantized:4", "rotating:1024", "chunked:1024", "concatenate")
+KINDS = (
+    "standard", "quantized:8", "quantized:4", "rotated:4", "rotating:1024", "chunked:1024",
+    "concatenate",
+)
 
 READ_PROMPT = "Please read the following article carefully. I will ask you about it next.\n\n"
 SUMMARY_PROMPT = "Summarize the article"

@@ -32,7 +32,7 @@ def _prefill_and_decode(lm: LoadedModel, tokens: int, decode: int) -> dict[str, 
     """A fresh session answering a ``tokens``-token message: prefill tok/s, decode tok/s."""
     from kvchat.engine.session import GenerationSettings, Session
 
-    session = Session(lm, settings=GenerationSettings(max_tokens=decode))
+    session = Session(lm, settings=GenerationSettings(max_tokens=decode, ignore_eos=True))
     stats = _turn(session, make_text(lm.tokenizer, tokens, seed=11))
     return {
         "prefill_tokens": stats.evaluated_tokens,
@@ -90,7 +90,7 @@ def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]
         if tokens == plan["cpu_prefill"][0]:
             rows.append({"what": f"decode at {tokens} tokens of context", "unit": "tok/s",
                          "on": pair["on"]["decode_tps"], "off": pair["off"]["decode_tps"]})
-    history = Session(lm, settings=GenerationSettings(max_tokens=plan["cpu_decode"]))
+    history = Session(lm, settings=GenerationSettings(max_tokens=plan["cpu_decode"], ignore_eos=True))
     log(f"cpu: prefilling a {plan['cpu_history']}-token history")
     _turn(history, make_text(lm.tokenizer, plan["cpu_history"], seed=12))
     pair = _pair(lambda: _follow_up(history, plan["cpu_decode"]), log, "follow-up")

@@ -53,7 +53,7 @@ class Bench:
 
         return Session(
             self.lm, kind=kind, messages=list(messages or []),
-            settings=GenerationSettings(max_tokens=max_tokens, temp=0.0),
+            settings=GenerationSettings(max_tokens=max_tokens, temp=0.0, ignore_eos=True),
         )
 
     # 1 ------------------------------------------------------------ classic
@@ -175,7 +175,9 @@ class Bench:
 
             s = Session.restore(
                 self.lm, messages=list(history), kind="standard", ledger=h_tokens, cache=copied,
-                settings=GenerationSettings(max_tokens=plan["follow_max_tokens"], temp=0.0),
+                settings=GenerationSettings(
+                    max_tokens=plan["follow_max_tokens"], temp=0.0, ignore_eos=True
+                ),
             )
             if target in plan["persist_at"]:
                 persists.append(self._persistence(s, target, uncached, first_uncached))
@@ -276,7 +278,9 @@ class Bench:
         for name in plan["kinds"]:
             self._say(f"kinds: {name} at {target} tokens, {plan['agree_tokens']} greedy tokens")
             child = base.fork_prefix(history)
-            child.settings = GenerationSettings(max_tokens=plan["agree_tokens"], temp=0.0)
+            child.settings = GenerationSettings(
+                max_tokens=plan["agree_tokens"], temp=0.0, ignore_eos=True
+            )
             t0 = time.perf_counter()
             rebuilt = child.set_kind(name)
             prepare_s = time.perf_counter() - t0

@@ -40,7 +40,14 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             "target": "quantized:4 ≤0.3 of standard bytes/token (16-bit)",
             "value": result["kinds"]["at_16_bit"]["ratios"]["quantized:4"], "limit": 0.3, "op": "<=",
         })
+    if "quantized:4" in rows and "rotated:4" in rows:
+        out.append({
+            "target": "rotated:4 bytes/token = quantized:4's (ratio ≤1)",
+            "value": _ratio(rows["rotated:4"]["bytes_per_token"], rows["quantized:4"]["bytes_per_token"]),
+            "limit": 1.0, "op": "<=",
+        })
     out += _cpu_targets(result)
+    out += _fidelity_targets(result)
     for t in out:
         v = t["value"]
         t["met"] = v is not None and (v >= t["limit"] if t["op"] == ">=" else v <= t["limit"])
@@ -78,6 +85,34 @@ def _mb(n: float | None) -> str:
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
+
+
+def _fidelity_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 11's cache-fidelity targets."""
+    rows = {r["kind"]: r for r in result.get("fidelity", [])}
+    out = []
+    if "quantized:8" in rows:
+        out.append({"target": "quantized:8 mean KLD vs standard ≤0.002",
+                    "value": rows["quantized:8"]["kld_mean"], "limit": 0.002, "op": "<="})
+    if "quantized:4" in rows and "rotated:4" in rows:
+        out.append({"target": "rotated:4 mean KLD ≤0.5 of quantized:4's (ratio)",
+                    "value": _ratio(rows["rotated:4"]["kld_mean"], rows["quantized:4"]["kld_mean"]),
+                    "limit": 0.5, "op": "<="})
+    return out
+
+
+def fidelity_table(rows: list[dict[str, Any]]) -> tuple[str, list[str], list[list[str]], str]:
+    """(title, headers, rows, note) of cache fidelity, for the bench and ``kvchat eval-cache``."""
+    n = rows[0]["tokens"] if rows else 0
+    return (
+        f"Cache fidelity: KL divergence against standard over {n:,} held-out tokens",
+        ["kind", "mean KLD", "p99 KLD", "top-1 agree", "perplexity"],
+        [[r["kind"], f"{r['kld_mean']:.6f}", f"{r['kld_p99']:.6f}", _pct(r["top1_agreement"]),
+          f"{r['perplexity']:.3f}"] for r in rows],
+        "KL(standard ‖ kind) of the next-token distribution at every position of a text the "
+        "demo model never trained on (the corpus's last section), fed in chunks of 32 tokens "
+        "through a fresh cache of each kind; top-1: the most likely token is the same.",
+    )
 
 
 def _cpu_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -202,6 +237,8 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
             "one subprocess each (KVCHAT_NO_BLAS=1 for the reference BLAS).",
         ))
     out += _cpu_tables(result)
+    if result.get("fidelity"):
+        out.append(fidelity_table(result["fidelity"]))
     out.append((
         "Targets",
         ["target", "measured", "limit", "met"],
@@ -274,10 +311,17 @@ def print_tables(result: dict[str, Any], console=None) -> None:
     for k, v in _machine_lines(result):
         head.add_row(f"[bold]{k}[/]", v)
     console.print(head)
-    for title, headers, rows, note in tables(result):
-        table = Table(title=title, title_justify="left", caption=note, caption_justify="left")
-        for i, h in enumerate(headers):
-            table.add_column(h, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+    for section in tables(result):
+        console.print(rich_table(*section))
+
+
+def rich_table(title: str, headers: list[str], rows: list[list[str]], note: str | None):
+    """One section as a Rich table: the first column left-aligned, figures right."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", caption=note, caption_justify="left")
+    for i, h in enumerate(headers):
+        table.add_column(h, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table

@@ -199,6 +199,41 @@ def bench(
         print_tables(result)
 
 
+@app.command("eval-cache")
+def eval_cache(
+    model: Annotated[str, typer.Option("--model", "-m", help="Model to measure.")] = "demo",
+    kinds: Annotated[
+        str, typer.Option(help="Comma-separated cache kinds to compare with standard.")
+    ] = "quantized:8,quantized:4,rotated:8,rotated:4",
+    max_tokens: Annotated[int, typer.Option(help="At most this many held-out tokens.")] = 1024,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """KL divergence, top-1 agreement and perplexity of each cache kind against standard
+    on a held-out text (llama.cpp-style)."""
+    from rich.console import Console
+
+    from kvchat.bench.report import fidelity_table, rich_table
+    from kvchat.engine.fidelity import evaluate
+    from kvchat.engine.kinds import CacheKindError, parse_kind
+
+    names = [k for k in kinds.split(",") if k.strip()]
+    try:
+        names = [parse_kind(k).name for k in names]
+    except CacheKindError as exc:
+        raise _fail(str(exc), 2) from None
+    if max_tokens < 1:
+        raise _fail("--max-tokens must be at least 1.", 2)
+    lm = load_or_exit(model)
+    try:
+        rows = [f.as_dict() for f in evaluate(lm, names, max_tokens=max_tokens)]
+    except (CacheKindError, ValueError) as exc:
+        raise _fail(str(exc), 2) from None
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    Console().print(rich_table(*fidelity_table(rows)))
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

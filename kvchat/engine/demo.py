@@ -1,13 +1,17 @@
-"""Built-in demo models: random weights, a locally trained tokenizer, real files.
+"""Built-in demo models: a small trained model and random-weight shapes, real files.
 
 ``--model demo`` (and ``demo:<shape>``, each optionally ``@q4`` or ``@q8`` for
 4- or 8-bit weights made by ``mlx_lm.convert``) needs no download. On first use a
 model folder in mlx-lm's format (config.json, safetensors weights, tokenizer
 files) is built into the cache dir, and from then on it is loaded like any
-other model with ``mlx_lm.load``. The weights are random, so the model speaks
-nonsense, but every cache behaviour, timing and file is real. The shapes named
-after real models copy their architecture (layers, heads, widths) so that
-benchmarks on them mean something; only the vocabulary is small.
+other model with ``mlx_lm.load``.
+
+``demo`` itself is trained: its weights ship in ``demo_weights/``, made by
+:mod:`kvchat.engine.demo_train` from the bundled corpus, so it writes words and
+ends its turns. The other shapes have seeded random weights and speak nonsense,
+but every cache behaviour, timing and file is real; they copy the architecture
+(layers, heads, widths) of the models they are named after so that benchmarks on
+them mean something; only the vocabulary is small.
 
 Builds are deterministic: the same files, byte for byte, on every build.
 """
@@ -30,12 +34,14 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 from kvchat.locations import models_dir
 
-BUILD_VERSION = "v1"  # bump when a build changes, so old folders are not reused
+BUILD_VERSION = "v2"  # bump when a build changes, so old folders are not reused
 PREFIX = "demo"
 VOCAB_SIZE = 2048
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]
 CORPUS = Path(__file__).with_name("demo_corpus.txt")
+TRAINED = Path(__file__).with_name("demo_weights")  # demo_train.py writes it
+HELDOUT_TITLE = "On Learning a Language as an Adult"  # the corpus's last section, never trained on
 SHARD_BYTES = 1 << 30  # big shapes are written in shards of about this size
 
 # Qwen2's pre-tokenisation split (transformers' Qwen2Tokenizer), see train_tokenizer().
@@ -66,6 +72,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "max_position_embeddings": 16384,
     },
+    "random": {},  # the demo's shape with random weights (filled in below): it never stops
     "qwen2.5-0.5b": {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -103,6 +110,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
     },
 }
+
+
+SHAPES["random"] = dict(SHAPES[PREFIX])
+
+
+def corpus_parts() -> tuple[str, str]:
+    """The corpus split into (the text the demo is trained on, the held-out last section)."""
+    text = CORPUS.read_text(encoding="utf-8")
+    cut = text.index("\n" + HELDOUT_TITLE + "\n")
+    return text[:cut].strip() + "\n", text[cut:].strip() + "\n"
 
 
 def demo_names() -> list[str]:
@@ -164,6 +181,8 @@ def build_demo(name: str) -> Path:
     try:
         if source is not None:
             _quantize(source, scratch, QUANTIZED[suffix])
+        elif shape == PREFIX:
+            _copy_trained(scratch)
         else:
             tokenizer = train_tokenizer()
             write_model(scratch, model_config(name, tokenizer), tokenizer)
@@ -175,6 +194,17 @@ def build_demo(name: str) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def _copy_trained(folder: Path) -> None:
+    """Write the trained demo: its shipped weights, config and tokenizer, plus the
+    tokenizer files every demo has."""
+    config = json.loads((TRAINED / "config.json").read_text(encoding="utf-8"))
+    _write_tokenizer(
+        folder, Tokenizer.from_file(str(TRAINED / "tokenizer.json")), config["max_position_embeddings"]
+    )
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(TRAINED / name, folder / name)
 
 
 def _quantize(source: Path, folder: Path, bits: int) -> None:

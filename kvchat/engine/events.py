@@ -15,12 +15,15 @@ from .stats import TurnStats
 
 @dataclass
 class GenerationSettings:
-    """How replies are sampled. ``temp`` 0 is greedy, so runs are reproducible."""
+    """How replies are sampled. ``temp`` 0 is greedy, so runs are reproducible.
+    ``ignore_eos`` generates ``max_tokens`` whatever the model says (benchmarks
+    measure fixed lengths)."""
 
     max_tokens: int = 512
     temp: float = 0.0
     top_p: float = 1.0
     prefill_step: int = 512
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Cache kinds: the one place that maps a kind name to mlx-lm cache objects.
 
 A kind is named in config, on the command line and in the UI by one of
-``standard``, ``quantized:8``, ``quantized:4``, ``rotating:N``, ``chunked:N``
-or ``concatenate``. :func:`parse_kind` turns such a name into a
+``standard``, ``quantized:8``, ``quantized:4``, ``rotated:8``, ``rotated:4``,
+``rotating:N``, ``chunked:N`` or ``concatenate``. :func:`parse_kind` turns such a name into a
 :class:`CacheKind`; everything else here is a plain function over the list of
 per-layer caches that mlx-lm's models take, in the style of
 ``mlx_lm.models.cache``.
@@ -32,7 +32,8 @@ from mlx_lm.models.cache import (
 
 from kvchat.safety import ascii_int
 
-from . import fit
+from . import cpu, fit
+from .rotated import RotatedKVCache, rotate
 
 QUANT_GROUP_SIZE = 64  # the group size quantized caches use unless the head size needs 32
 
@@ -40,6 +41,8 @@ QUANT_GROUP_SIZE = 64  # the group size quantized caches use unless the head siz
 _FAMILIES: dict[str, tuple[bool, str]] = {
     "standard": (False, "full precision, grows with the conversation (the default)"),
     "quantized": (True, "quantized:8 or quantized:4: 8 or 4 bits a value plus a scale and bias per group of 64 (32 where the head size needs it)"),
+    "rotated": (True, "rotated:8 or rotated:4: quantized after a fixed randomized Hadamard "
+                "rotation, which spreads outliers (less loss at 4 bits, same bytes)"),
     "rotating": (True, "rotating:N keeps the system prompt and the last tokens, N in all"),
     "chunked": (True, "chunked:N keeps about the last N tokens between turns"),
     "concatenate": (False, "full precision, no preallocation"),
@@ -49,6 +52,7 @@ EXAMPLE_KINDS = (
     "standard",
     "quantized:8",
     "quantized:4",
+    "rotated:4",
     "rotating:4096",
     "chunked:2048",
     "concatenate",
@@ -87,6 +91,9 @@ class CacheKind:
             return KVCache()
         if self.family == "quantized":
             return QuantizedKVCache(group_size=group_size, bits=self.size)
+        if self.family == "rotated":
+            cpu.hook()  # its attention goes through RotatedKVCache.attention
+            return RotatedKVCache(group_size=group_size, bits=self.size)
         if self.family == "rotating":
             return RotatingKVCache(max_size=self.size, keep=min(keep, self.size // 2))
         if self.family == "chunked":
@@ -116,8 +123,10 @@ def parse_kind(name: str | CacheKind) -> CacheKind:
         raise CacheKindError(
             f"Cache kind {family!r} needs a number written with 0-9, e.g. {_example(family)}."
         ) from None
-    if family == "quantized" and size not in (4, 8):
-        raise CacheKindError("Quantized caches take 8 or 4 bits: quantized:8 or quantized:4.")
+    if family in ("quantized", "rotated") and size not in (4, 8):
+        raise CacheKindError(
+            f"{family.capitalize()} caches take 8 or 4 bits: {family}:8 or {family}:4."
+        )
     if family in ("rotating", "chunked") and size < 64:
         raise CacheKindError(f"{family}:N needs N of at least 64 tokens (got {size}).")
     return CacheKind(family, size)
@@ -163,7 +172,7 @@ def _own_cache(model: nn.Module) -> list[Any]:
 def group_size(model: nn.Module, kind: CacheKind) -> int:
     """The group size of ``kind``'s quantized layers for ``model`` (raises
     :class:`CacheKindError` when the head size fits no group mlx quantizes)."""
-    if kind.family != "quantized":
+    if kind.family not in ("quantized", "rotated"):
         return QUANT_GROUP_SIZE
     group = fit.group_size(model)
     if isinstance(group, str):
@@ -319,11 +328,13 @@ def _copy_layer(src: Any, dst_kind: CacheKind, group: int) -> Any | None:
         return dst_kind.make_layer(group_size=group)
     n = src.offset
     keys, values = src.keys[..., :n, :], src.values[..., :n, :]
-    if dst_kind.family == "quantized":
+    if dst_kind.family in ("quantized", "rotated"):
         bits = dst_kind.size
-        dst = QuantizedKVCache(group_size=group, bits=bits)
+        dst = dst_kind.make_layer(group_size=group)
         if keys.shape[-1] % group or values.shape[-1] % group:
             return None
+        if isinstance(dst, RotatedKVCache):
+            keys, values = rotate(keys), rotate(values)
         dst.keys = mx.quantize(keys, group_size=group, bits=bits)
         dst.values = mx.quantize(values, group_size=group, bits=bits)
         dst.offset = n
@@ -341,7 +352,7 @@ def convert_cache(
     """Convert a live cache from kind ``src`` to ``dst`` without recomputing, where the data allows.
 
     Full-precision layers (standard, concatenate) convert to standard,
-    concatenate or quantized exactly as their data stands; layers the model
+    concatenate, quantized or rotated exactly as their data stands; layers the model
     brought itself stay as they are. Anything else (dequantizing, a rotating
     or chunked target) returns None: the caller rebuilds from the
     transcript, which is exact. ``group`` is a quantized target's group size.

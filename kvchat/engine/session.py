@@ -252,7 +252,7 @@ class Session(CacheMaintenance, BranchOps):
             steps = self._continue(first, max_new - len(first), sampler)
             stream = _chain(first, steps)
 
-            eos = self.lm.tokenizer.eos_token_ids
+            eos = () if self.settings.ignore_eos else self.lm.tokenizer.eos_token_ids
             try:
                 for token in stream:
                     if first_at is None:

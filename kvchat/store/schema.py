@@ -56,6 +56,7 @@ class Settings(_Strict):
     temp: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, ge=0.0, le=1.0)
     prefill_step: int = Field(512, ge=1, lt=1 << 31)
+    ignore_eos: bool = False
 
 
 class CacheInfo(_Strict):

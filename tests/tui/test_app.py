@@ -104,7 +104,7 @@ async def test_tabs_help_palette_and_sidebar_toggle(make_app):
         assert app.sidebar.display
 
 
-async def test_escape_stops_a_reply_and_the_next_turn_works(make_app):
+async def test_escape_stops_a_reply_and_the_next_turn_works(make_app, endless):
     app = make_app(max_tokens=4000)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
@@ -194,7 +194,8 @@ async def test_cache_kind_switch_and_reset(make_app):
         await pilot.click("#btn-kind")
         await pilot.pause()
         await until(pilot, lambda: app.focused is app.screen.query_one("#kind-options"))
-        await pilot.press("down", "down", "enter")  # rotating:4096: rebuilt from the transcript
+        await pilot.press("down", "down", "down", "enter")  # past rotated:4 to rotating:4096,
+        # which is rebuilt from the transcript
         await settle(pilot)
         assert session.kind.name == "rotating:4096"
         assert session.cache_tokens == len(session.render(session.messages, False))

@@ -31,7 +31,7 @@ async def test_typed_kind_is_validated_used_and_marked(make_app, demo_model):
         dialog = await _open(pilot)
         shown = " ".join(widget_text(dialog.query_one("#kind-dialog")).split())
         standard = kind_bytes_per_token(demo_model.model, "standard")
-        for name in ("quantized:8", "quantized:4"):
+        for name in ("quantized:8", "quantized:4", "rotated:4"):
             share = kind_bytes_per_token(demo_model.model, name) / standard
             assert f"{name}" in shown and f"({share:.2f} × standard)" in shown
         assert "1/2" not in shown and "1/4" not in shown

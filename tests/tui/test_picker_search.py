@@ -29,8 +29,8 @@ def _listed(app) -> list[str]:
 
 @pytest.mark.parametrize("size", [SIZE, (80, 24), (60, 20)])
 async def test_typing_in_the_filter_lists_only_the_matching_sessions(make_app, demo_model, size):
-    _save(demo_model, "zoo", "tell me about the zebras")
-    _save(demo_model, "farm", "the aardvark eats ants")
+    _save(demo_model, "zoo", "tell me about the zebras and quokkas")
+    _save(demo_model, "farm", "the aardvark eats ants with quokkas")
     _save(demo_model, "alpaca-notes", "nothing special here")
     app = make_app()
     async with app.run_test(size=size) as pilot:
@@ -57,7 +57,7 @@ async def test_typing_in_the_filter_lists_only_the_matching_sessions(make_app, d
         filter_box.value = "ALPACA"  # by name, case ignored
         await pilot.pause()
         assert _listed(app) == ["alpaca-notes"]
-        filter_box.value = "the"  # in two transcripts; newest first, as the list is
+        filter_box.value = "quokkas"  # in two transcripts (the demo never says it); newest first
         await pilot.pause()
         assert _listed(app) == ["farm", "zoo"]
         await pilot.press("down")  # Up and Down in the filter move the highlight
@@ -66,12 +66,12 @@ async def test_typing_in_the_filter_lists_only_the_matching_sessions(make_app, d
         assert not isinstance(app.screen, SessionPicker)
         conversation = app.active_conversation()
         assert conversation.session_name == "zoo"
-        assert conversation.session.messages[0]["content"] == "tell me about the zebras"
+        assert conversation.session.messages[0]["content"] == "tell me about the zebras and quokkas"
 
 
 async def test_a_damaged_index_is_rebuilt_when_the_picker_opens(make_app, demo_model):
-    _save(demo_model, "zoo", "tell me about the zebras")
-    _save(demo_model, "farm", "the aardvark eats ants")
+    _save(demo_model, "zoo", "tell me about the zebras and quokkas")
+    _save(demo_model, "farm", "the aardvark eats ants with quokkas")
     store.search.index_path().write_bytes(b"this is no database" * 50)
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:

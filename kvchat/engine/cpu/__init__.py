@@ -5,7 +5,9 @@ and their SwiGLU from ``mlx_lm.models.activations``, by name at import time.
 :func:`install` puts kvchat's functions in both places once (and in any model
 module imported already); each calls :mod:`.attention` when the fast path is
 active and falls back to mlx-lm's own otherwise, so Metal and CUDA, quantized
-caches, attention sinks and other dtypes keep the stock path.
+caches, attention sinks and other dtypes keep the stock path. Layers whose cache
+is a :class:`~kvchat.engine.rotated.RotatedKVCache` go to that cache's
+``attention`` on every device, which rotates around mlx-lm's quantized attention.
 :func:`prepare` gives a loaded model numpy-backed linear layers and, for
 Llama-family models, a decoding step computed in numpy (:mod:`.decode`).
 ``KVCHAT_CPU_FASTPATH=0`` turns all of it off.
@@ -19,9 +21,10 @@ import mlx.nn as nn
 import mlx_lm.models.activations as activations
 import mlx_lm.models.base as base
 
+from ..rotated import RotatedKVCache
 from . import attention, decode, linear, state
 
-__all__ = ["install", "prepare", "describe", "set_active"]
+__all__ = ["hook", "install", "prepare", "describe", "set_active"]
 
 _stock_sdpa = base.scaled_dot_product_attention
 _stock_swiglu = activations.swiglu
@@ -29,6 +32,8 @@ _stock_swiglu = activations.swiglu
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's attention entry point, through numpy when the fast path is active."""
+    if isinstance(cache, RotatedKVCache):
+        return cache.attention(queries, keys, values, scale, mask, _stock_sdpa, sinks)
     if state.active() and sinks is None and not hasattr(cache, "bits"):
         out = attention.sdpa(queries, keys, values, scale, mask)
         if out is not None:
@@ -54,9 +59,8 @@ def prepare(model: nn.Module, dequantize: bool) -> int:
     return dequantized
 
 
-def install() -> bool:
-    """Hook kvchat's functions into mlx-lm (once) and turn the fast path on where it
-    applies (the CPU backend, not disabled). Returns whether it is active."""
+def hook() -> None:
+    """Put kvchat's functions in mlx-lm's place (idempotent); the fast path stays as it is."""
     replacements = {
         "scaled_dot_product_attention": (_stock_sdpa, scaled_dot_product_attention),
         "swiglu": (_stock_swiglu, swiglu),
@@ -69,6 +73,12 @@ def install() -> bool:
         for attr, (stock, ours) in replacements.items():
             if getattr(module, attr, None) is stock:
                 setattr(module, attr, ours)
+
+
+def install() -> bool:
+    """Hook kvchat's functions into mlx-lm and turn the fast path on where it applies
+    (the CPU backend, not disabled). Returns whether it is active."""
+    hook()
     state.set_active(state.wanted())
     return state.active()
 

@@ -117,12 +117,12 @@ def model_kv_shape(model) -> tuple[int, int, int, int]:
 def kind_bytes_per_token(model, kind_name: str) -> float:
     """Bytes one token adds to a cache of ``kind_name``, computed from the model's shape:
     layers × kv heads × head dim × 2 (keys and values) × bytes per element; quantized
-    kinds store ``bits/8`` bytes per element plus a scale and a bias per group (of 64,
-    or 32 where the head size needs it)."""
+    and rotated kinds store ``bits/8`` bytes per element plus a scale and a bias per group
+    (of 64, or 32 where the head size needs it)."""
     layers, heads, head_dim, size = model_kv_shape(model)
     elements = layers * heads * head_dim * 2
     kind = parse_kind(kind_name)
-    if kind.family == "quantized":
+    if kind.family in ("quantized", "rotated"):
         return elements * (kind.size / 8 + 2 * size / group_size(model, kind))
     return float(elements * size)
 
@@ -153,7 +153,7 @@ class KindDialog(Dialog):
         per_token = kind_bytes_per_token(self.model, name)
         if kind.family in ("rotating", "chunked"):
             extra = f", at most {human_bytes(int(per_token * kind.size))}"
-        elif kind.family == "quantized":
+        elif kind.family in ("quantized", "rotated"):
             share = per_token / kind_bytes_per_token(self.model, "standard")
             extra = f" ({share:.2f} × standard)"
         else:

@@ -1,0 +1,71 @@
+"""The ``rotated:4`` and ``rotated:8`` cache kinds: quantized keys and values after a
+fixed randomized Hadamard rotation over the head dimension.
+
+Outliers in a few channels of the keys set the scale of every 64-value group
+they fall in, and at 4 bits that costs the other values most of their precision.
+Multiplying each key and value vector by an orthogonal matrix ``R`` (a Hadamard
+matrix scaled to unit rows, its rows' signs flipped at random with a fixed seed)
+spreads every channel over all of them before :class:`QuantizedKVCache`
+quantizes them (llama.cpp PR #20995 does the same). Attention is unchanged up to
+quantization: queries are rotated by the same ``R``, since ``(qR)(kR)ᵀ = qkᵀ``,
+and the output, a mix of rotated values, is rotated back by ``Rᵀ``.
+
+:meth:`RotatedKVCache.attention` needs the attention call itself: kvchat's hook of
+mlx-lm's attention entry point (:mod:`kvchat.engine.cpu`) sends every layer whose
+cache is a :class:`RotatedKVCache` there, on any device. The rotation is not part
+of the saved state (it depends only on the head dimension), and the class is made
+known to ``mlx_lm.models.cache`` so that ``load_prompt_cache`` finds it by name.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import mlx.core as mx
+import mlx_lm.models.cache as mlx_cache
+import numpy as np
+from mlx_lm.models.cache import QuantizedKVCache
+
+SEED = 20995
+
+
+@cache
+def rotation(dim: int) -> mx.array:
+    """The fixed ``dim``×``dim`` orthogonal matrix (float32): a normalised Sylvester
+    Hadamard matrix with seeded random row signs, or a seeded random orthogonal matrix
+    when ``dim`` is not a power of two."""
+    rng = np.random.default_rng(SEED)
+    signs = rng.choice([-1.0, 1.0], size=dim)
+    if dim & (dim - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < dim:
+            h = np.block([[h, h], [h, -h]])
+        h /= np.sqrt(dim)
+    else:
+        q, r = np.linalg.qr(rng.standard_normal((dim, dim)))
+        h = q * np.sign(np.diag(r))
+    return mx.array(signs[:, None] * h, dtype=mx.float32)
+
+
+def rotate(x: mx.array) -> mx.array:
+    return x @ rotation(x.shape[-1]).astype(x.dtype)
+
+
+def unrotate(x: mx.array) -> mx.array:
+    return x @ rotation(x.shape[-1]).T.astype(x.dtype)
+
+
+class RotatedKVCache(QuantizedKVCache):
+    """A :class:`QuantizedKVCache` of rotated keys and values (see the module)."""
+
+    def update_and_fetch(self, keys, values):
+        return super().update_and_fetch(rotate(keys), rotate(values))
+
+    def attention(self, queries, keys, values, scale, mask, sdpa, sinks=None):
+        """Attention over this cache's (rotated, quantized) ``keys`` and ``values``
+        through ``sdpa`` (mlx-lm's quantized attention), for unrotated ``queries``."""
+        out = sdpa(rotate(queries), keys, values, self, scale=scale, mask=mask, sinks=sinks)
+        return unrotate(out)
+
+
+mlx_cache.RotatedKVCache = RotatedKVCache  # load_prompt_cache looks classes up by name there
