@@ -216,7 +216,7 @@ def test_stop_before_the_first_event_is_read_stops_that_turn(demo_model):
     assert_consistent(session)
     session.stop()  # nothing running: forgotten by the next send
     nxt = finish(session.send(MESSAGES[1]))
-    assert not nxt.stopped and nxt.stats.generated_tokens == 40
+    assert not nxt.stopped and nxt.stats.generated_tokens > 0 and nxt.reply
     assert nxt.reply == fresh_reply(demo_model, session.messages[:-1], session.settings)
 
 

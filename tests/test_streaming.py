@@ -218,7 +218,13 @@ def test_ctrl_c_during_ask_keeps_the_partial_reply(tmp_path):
     build_demo("random")  # built here, so the Ctrl-C lands in the reply, not in a build
     env = {**os.environ, "KVCHAT_HOME": str(tmp_path / "home")}
     # the random-weight demo never ends its turn: the reply is still running at the Ctrl-C
-    cmd = [sys.executable, "-c", "from kvchat.cli import main; main()", "ask", "--session", "s",
+    # As from a shell: Ctrl-C raises KeyboardInterrupt, whatever the test process's threads
+    # left in the signal mask and dispositions a child inherits (seen: a run where it was
+    # blocked, so the reply ran to its end)
+    start = ("import signal; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+             "signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "from kvchat.cli import main; main()")
+    cmd = [sys.executable, "-c", start, "ask", "--session", "s",
            "--model", "demo:random", "--max-tokens", "12000", "Tell me everything."]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     first = proc.stdout.read(40)  # the reply is streaming
