@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 OUT = Path(__file__).with_name("screenshot.svg")
-TURNS = ("What is a key-value cache?", "Why is a follow-up cheap?")
+TURNS = ("Hello! Can you help me?", "What should I pack?")
 
 
 async def draw() -> None:
