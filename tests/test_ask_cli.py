@@ -105,8 +105,9 @@ def test_damaged_cache_gives_a_notice(home):
     (store.session_dir("n") / "cache.safetensors").write_bytes(b"garbage")
     got = quick_ask("--session", "n", "Hi again.")
     assert "rebuilt from the transcript" in got["notice"] and not got["resumed_from_disk"]
-    # the load paid for the rebuild; the turn itself reused the rebuilt cache
-    assert got["rebuilt"] is None and got["reused_tokens"] > 0 and got["reply"]
+    # the tokens the load recomputed count as this turn's evaluated ones, not as reused
+    assert got["rebuilt"] is None and got["reused_tokens"] == 0 and got["reply"]
+    assert got["evaluated_tokens"] == got["prompt_tokens"]
 
 
 def test_locked_session_waits_or_fails_clearly(home):

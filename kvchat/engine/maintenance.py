@@ -100,6 +100,7 @@ class CacheMaintenance:
         """Replace the cache with an empty one; the next turn evaluates everything."""
         self.unload()
         self._pending_rebuild = reason
+        self._recomputed = 0
 
     def unload(self) -> None:
         """Let go of the cache's memory (it was saved elsewhere); the transcript stays."""
@@ -146,8 +147,11 @@ class CacheMaintenance:
         self._discard("the cache was reset")
         return True
 
-    def rebuild(self, reason: str, progress: Progress | None = None) -> str:
-        """Recompute the cache from the transcript (exact), reporting progress."""
+    def rebuild(self, reason: str, progress: Progress | None = None, *,
+                next_turn_counts: bool = False) -> str:
+        """Recompute the cache from the transcript (exact), reporting progress. With
+        ``next_turn_counts`` (a rebuild at load, which no turn reported) the next turn
+        counts the recomputed tokens as evaluated, not reused."""
         self._discard(reason)
         tokens = self.render(self.messages, False)
         for event in self._prefill(tokens, len(tokens), self._turn_ends(self.messages, tokens)):
@@ -155,6 +159,7 @@ class CacheMaintenance:
                 progress(event.done, event.total)
         after_turn(self.cache)
         self._pending_rebuild = None  # whole again: the next turn reuses it
+        self._recomputed = len(tokens) if next_turn_counts else 0
         return reason
 
     def _turn_ends(self, messages: list[dict], tokens: list[int]) -> frozenset[int]:

@@ -296,11 +296,13 @@ class Session(CacheMaintenance, BranchOps):
         # What this turn put in the cache besides its reply: less than the whole
         # prompt when it was stopped during the prefill.
         evaluated = min(len(self.ledger), len(prompt)) - reused
+        carried = min(self._recomputed, reused)  # recomputed at load: this turn's cost
+        self._recomputed = 0
         self._finish(reply, stopped)
         stats = TurnStats(
             prompt_tokens=len(prompt),
-            reused_tokens=reused,
-            evaluated_tokens=evaluated,
+            reused_tokens=reused - carried,
+            evaluated_tokens=evaluated + carried,
             prompt_eval_s=prompt_eval_s if prompt_eval_s is not None else ended - prefill_started,
             ttft_s=first_at - started if first_at is not None else 0.0,
             generated_tokens=len(tokens),
@@ -322,6 +324,7 @@ class Session(CacheMaintenance, BranchOps):
         yield TurnDone(reply=reply, stats=stats, stopped=stopped, tokens=tuple(tokens))
 
     _pending_rebuild: str | None = None
+    _recomputed = 0  # tokens a load-time rebuild put in the cache, not yet counted by a turn
 
     def _keep_turns(self, messages: list[dict]) -> None:
         """Keep one stats entry per reply in ``messages``: an undone or replaced

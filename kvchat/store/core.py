@@ -228,7 +228,8 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
     )
     if problem is None:
         return _with_checkpoints(folder, data, session, resumed=cache is not None)
-    session.rebuild(f"the saved cache was not used: {problem}", progress)
+    session.rebuild(f"the saved cache was not used: {problem}", progress,
+                    next_turn_counts=True)
     notice = f"The saved cache was not used ({problem}); it was rebuilt from the transcript."
     return Loaded(session, resumed_from_disk=False, notice=notice)
 
