@@ -193,3 +193,17 @@ async def test_an_empty_edit_changes_nothing(make_app):
         assert conversation.session.messages == old
         assert user_texts(conversation) == ["only question"]
         assert notices(app)[-1] == "An edited message cannot be empty; it was left as it was."
+
+
+async def test_after_an_edit_what_is_typed_goes_to_the_message_box(make_app):
+    """The edited message's widget is gone once the turn starts: the keys typed next (here
+    'r' and 'd', a selected message's regenerate and delete) are text, not actions."""
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        conversation = await three_turns(pilot)
+        await edit(pilot, conversation, 2, "second question, edited")
+        assert app.focused is conversation.input
+        await pilot.press(*"third", "enter")
+        await settle(pilot, conversation)
+        talk = [m["content"] for m in conversation.session.messages if m["role"] == "user"]
+        assert talk == ["first question", "second question, edited", "third"]

@@ -239,6 +239,7 @@ class Conversation(BranchingMixin, Vertical):
             for widget in [*self.selectable(), *self.log.query(BranchBar)]:
                 if widget.index >= upto:
                     await widget.remove()
+            self.focus_input()  # the selected message may be gone: what is typed next goes here
         at = len(self.session.messages) if upto is None else upto
         self._pending_text = text
         self._user_widget = None if text is None else UserMessage(text, at)
