@@ -54,6 +54,7 @@ from .kinds import (
 )
 from .maintenance import CacheMaintenance, common_prefix
 from .stats import TurnStats, memory
+from .template import encode, render, template_text
 from .text import ReplyText
 from .thoughts import reevaluated_reply
 
@@ -401,26 +402,6 @@ class Session(CacheMaintenance, BranchOps):
         self.messages.append(message)
         self._record()
         after_turn(self.cache)
-
-    # ----------------------------------------------------- cache maintenance
-
-def render(lm: LoadedModel, messages: list[dict], generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` (role and content only) through ``lm``'s chat template."""
-    return encode(lm, template_text(lm, messages, generation_prompt))
-
-
-def template_text(lm: LoadedModel, messages: list[dict], generation_prompt: bool) -> str:
-    """The text ``lm``'s chat template makes of ``messages`` (role and content only)."""
-    if not messages:
-        return ""
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return lm.tokenizer.apply_chat_template(
-        plain, tokenize=False, add_generation_prompt=generation_prompt
-    )
-
-
-def encode(lm: LoadedModel, text: str) -> list[int]:
-    return list(lm.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
 def _chain(first: list[int], rest: Iterator[int]) -> Iterator[int]:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from kvchat import locations, store
 from kvchat.engine.maintenance import common_prefix
-from kvchat.engine.session import render
+from kvchat.engine.template import render
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel

@@ -1,0 +1,31 @@
+"""The chat template: a model's messages as text, and that text as token ids.
+
+One place for both, so the session (its prompts, the re-rendered reply whose
+thoughts a template drops) and the server's prefix matching render alike.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .model import LoadedModel
+
+
+def render(lm: LoadedModel, messages: list[dict], generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` (role and content only) through ``lm``'s chat template."""
+    return encode(lm, template_text(lm, messages, generation_prompt))
+
+
+def template_text(lm: LoadedModel, messages: list[dict], generation_prompt: bool) -> str:
+    """The text ``lm``'s chat template makes of ``messages`` (role and content only)."""
+    if not messages:
+        return ""
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return lm.tokenizer.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def encode(lm: LoadedModel, text: str) -> list[int]:
+    return list(lm.tokenizer.encode(text, add_special_tokens=False)) if text else []
