@@ -153,13 +153,8 @@ class CacheMaintenance:
         ``next_turn_counts`` (a rebuild at load, which no turn reported) the next turn
         counts the recomputed tokens as evaluated, not reused."""
         self._discard(reason)
-        tokens = self.render(self.messages, False)
-        for event in self._prefill(tokens, len(tokens), self._turn_ends(self.messages, tokens)):
-            if progress:
-                progress(event.done, event.total)
-        after_turn(self.cache)
-        self._pending_rebuild = None  # whole again: the next turn reuses it
-        self._recomputed = len(tokens) if next_turn_counts else 0
+        _, evaluated = self._refill(progress)  # from nothing: the whole transcript
+        self._recomputed = evaluated if next_turn_counts else 0
         return reason
 
     def _turn_ends(self, messages: list[dict], tokens: list[int]) -> frozenset[int]:
