@@ -41,7 +41,6 @@ class Started:
     """The job has its session and its prompt is about to be evaluated."""
 
     match: Match
-    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -175,8 +174,7 @@ class Engine:
         if req.seed is not None:
             mx.random.seed(req.seed % (1 << 64))
         job.session = session
-        job.emit(Started(match, len(session.render(session.messages + [
-            {"role": "user", "content": text}], True))))
+        job.emit(Started(match))
         try:
             done, reply, hit_stop = self._stream(job, session, events, req.stop)
         finally:
