@@ -20,6 +20,7 @@ import numpy as np
 from .demo import corpus_parts
 from .kinds import CacheKind, make_cache, parse_kind
 from .model import LoadedModel
+from .template import encode
 
 DEFAULT_KINDS = ("standard", "quantized:8", "quantized:4", "rotated:8", "rotated:4")
 CHUNK = 32  # tokens per forward pass: later chunks read the earlier ones from the cache
@@ -65,8 +66,7 @@ def evaluate(
     Raises :class:`~kvchat.engine.kinds.CacheKindError` for a kind that does not apply.
     """
     parsed = [parse_kind(k) for k in kinds]
-    ids = lm.tokenizer.encode(text if text is not None else heldout_text(), add_special_tokens=False)
-    tokens = list(ids)[: max_tokens + 1]
+    tokens = encode(lm, text if text is not None else heldout_text())[: max_tokens + 1]
     if len(tokens) < 2:
         raise ValueError("The text is too short to predict anything.")
     reference = logprobs(lm, tokens[:-1], parse_kind("standard"))

@@ -108,8 +108,7 @@ def _verified(folder: Path, sha: str, ledger_sha: str | None) -> bool:
 def _size_cap(lm: LoadedModel) -> int:
     """The most bytes a cache file of ``lm`` is read for: four times the model's weights
     (a KV cache of the whole context stays well under that) plus 64 MiB."""
-    from mlx.utils import tree_flatten
+    from kvchat.engine.registry import weight_bytes
 
-    weights = sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))
-    return 4 * weights + (64 << 20)
+    return 4 * weight_bytes(lm) + (64 << 20)
 
