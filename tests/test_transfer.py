@@ -122,3 +122,12 @@ def test_cli_import_then_export_gives_back_the_transcript(demo_model, home, tmp_
     path.write_text("not json")
     result = runner.invoke(app, ["sessions", "import", str(path)])
     assert result.exit_code != 0 and "is not a JSON export" in result.output
+
+
+def test_a_long_name_that_is_taken_gets_a_shortened_suffix(demo_model, home, tmp_path):
+    long = "n" * 100  # the longest name there is: a suffix must make room for itself
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps({"name": long, "messages": [{"role": "user", "content": "hi"}]}))
+    assert store.import_session(path, default_model="demo") == long
+    assert store.import_session(path, default_model="demo") == "n" * 98 + "-2"
+    assert store.read("n" * 98 + "-2")["messages"] == [{"role": "user", "content": "hi"}]

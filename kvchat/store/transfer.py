@@ -132,8 +132,12 @@ def import_session(path: Path, name: str | None = None, model_id: str | None = N
     if name is None:
         base = data.get("name", "")
         base = base if NAME_RE.fullmatch(base) else "imported"
-        name = next(n for n in [base, *(f"{base}-{i}" for i in range(2, 10_000))]
-                    if len(n) <= 100 and n not in in_use and not exists(n))
+        # a suffix shortens a long name so that it stays within the 100 characters allowed
+        tries = [base, *(base[: 100 - len(s)] + s for s in (f"-{i}" for i in range(2, 10_000)))]
+        name = next((n for n in tries if n not in in_use and not exists(n)), None)
+        if name is None:
+            raise StoreError(f"Every name from {base!r} to {tries[-1]!r} is taken; "
+                             "give the import a name.")
     with session_lock(name) as folder:
         if exists(name):
             raise StoreError(f"A session named {name!r} already exists; choose another name.")
