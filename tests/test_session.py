@@ -369,3 +369,14 @@ def test_each_operation_may_run_on_its_own_thread(demo_model, kind):
     assert in_thread(lambda: finish(fork.send(MESSAGES[2]))).stats.reused_tokens > 0
     again = in_thread(lambda: finish(session.regenerate()))  # from the logits kept by a turn
     assert again.stats.evaluated_tokens == 0 and again.reply == done.reply
+
+
+def test_a_new_system_prompt_is_the_head_a_rotating_cache_keeps(demo_model):
+    session = Session(demo_model, kind="rotating:256", settings=SETTINGS)
+    finish(session.send(MESSAGES[0]))
+    assert {c.keep for c in session.cache} == {0}
+    assert session.set_system(SYSTEM) == 0  # made again: its head is the new system prompt
+    assert {c.keep for c in session.cache} == {session._system_tokens()} != {0}
+    done = finish(session.send(MESSAGES[1]))
+    assert done.reply == fresh_reply(demo_model, session.messages[:-1], session.settings)
+    assert_consistent(session)

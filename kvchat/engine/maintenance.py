@@ -181,8 +181,12 @@ class CacheMaintenance:
         that still match; return how many it keeps. The next turn evaluates only the rest."""
         has_system = bool(self.messages) and self.messages[0]["role"] == "system"
         rest = self.messages[1:] if has_system else list(self.messages)
+        kept_head = self._system_tokens()
         self.messages = ([{"role": "system", "content": text}] if text else []) + rest
-        self.sync()
+        if self.kind.family == "rotating" and self._system_tokens() != kept_head:
+            self.unload()  # a rotating cache's never-evicted head is fixed when it is made
+        else:
+            self.sync()
         return len(self.ledger)
 
     def undo(self, turns: int = 1) -> None:
