@@ -13,7 +13,10 @@ numpy's ``exp``:
   the ``(G·L, D)`` output rather than the ``(G·L, S)`` probabilities;
 - query positions go in blocks of about 8 MiB of scores, so the softmax's
   passes stay in the processor's cache, and under a causal mask a block skips
-  the keys none of its positions can see (half of a prefill from empty).
+  the keys none of its positions can see (half of a prefill from empty) and
+  masks only its own ``rows × rows`` corner: every earlier key is visible to
+  all its positions (masking the whole block cost as much as its softmax at
+  8k tokens of history).
 
 Both functions take and return ``mx.array``; where numpy cannot take the
 input (another dtype, attention sinks, a trace inside ``mx.compile``) they
@@ -86,9 +89,9 @@ def sdpa(queries, keys, values, scale: float, mask) -> mx.array | None:
         grouped = q5[:, :, :, l0:l1].reshape(batch, n_kv, groups * rows, dim) * np.float32(scale)
         scores = np.matmul(grouped, k[:, :, :seen].swapaxes(-1, -2))  # (B, Hkv, G·rows, seen)
         scores5 = scores.reshape(batch, n_kv, groups, rows, seen)
-        if causal:
-            future = np.triu(np.ones((rows, seen), dtype=bool), k=span - length + l0 + 1)
-            np.copyto(scores5, _NEG_INF, where=future)
+        if causal:  # the block's own positions, the last ``rows`` keys, form its only future
+            future = np.triu(np.ones((rows, rows), dtype=bool), k=1)
+            np.copyto(scores5[..., seen - rows:], _NEG_INF, where=future)
         elif mask5 is not None:
             block = mask5[..., l0:l1, :] if mask5.shape[-2] == length else mask5
             if block.dtype == np.bool_:
