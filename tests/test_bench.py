@@ -153,6 +153,13 @@ def test_quantized_weights_dequantized_and_packed(run):
     ]
     for r in rows:
         assert measured(r["prefill_tps"]) and measured(r["decode_tps"]), r
+    # The dequantized copy is compared with float32 runs interleaved with its own.
+    dequantized = rows[1]
+    assert measured(dequantized["prefill_vs_float32"]) and measured(dequantized["decode_vs_float32"])
+    assert "prefill_vs_float32" not in rows[2]
+    targets = {t["target"]: t["value"] for t in run["result"]["targets"]}
+    assert targets["4-bit weights: decode no slower than float32 (ratio, interleaved runs)"] == \
+        dequantized["decode_vs_float32"]
     assert "## Quantized weights on the CPU" in run["markdown"]
     assert "## CPU fast path" in run["markdown"]
 

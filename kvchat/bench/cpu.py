@@ -5,8 +5,9 @@ of each is kept), so the ratio holds on a busy machine. The follow-up rows
 reuse one history: it is prefilled once (fast path on) and every measured
 turn runs on a copy of its cache (:meth:`Session.fork_prefix`). Quantized
 weights are the same shape converted by ``mlx_lm.convert -q`` (``@q4``,
-``@q8``), loaded dequantized to float32 (kvchat's default on the CPU) and
-kept packed (``KVCHAT_KEEP_QUANTIZED=1``).
+``@q8``), loaded dequantized to float32 (kvchat's default on the CPU), each
+interleaved with the float32 model it is compared with, and kept packed
+(``KVCHAT_KEEP_QUANTIZED=1``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ def _pair(measure, log: Log, label: str, repeats: int = 2) -> dict[str, Any]:
     return {"on": _best(runs[True]), "off": _best(runs[False])}
 
 
+def _interleaved(models: tuple, measure, repeats: int = 2) -> list[dict[str, float]]:
+    """``measure(model)`` for each model in turn, ``repeats`` rounds; the best of each."""
+    runs: list[list] = [[] for _ in models]
+    for _ in range(repeats):
+        for i, model in enumerate(models):
+            runs[i].append(measure(model))
+    return [_best(r) for r in runs]
+
+
 def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]:
     """Prefill, decode and cached follow-ups with the CPU fast path on and off."""
     from kvchat.engine import cpu
@@ -129,10 +139,16 @@ def quantized_weights(lm: LoadedModel, plan: dict[str, Any], log: Log,
             started = time.perf_counter()
             quant = load_model(spec, keep_quantized=keep)
             load_s = time.perf_counter() - started
-            tokens = plan["cpu_packed_prefill"] if keep else plan["cpu_prefill"][0]
-            repeats = 1 if keep else 2  # as the float32 figures: best of two (packed is slow)
-            figures = _best([_prefill_and_decode(quant, tokens, plan["cpu_decode"])
-                             for _ in range(repeats)])
-            rows.append({"weights": quant.weights, "load_s": load_s, **figures})
+            row = {"weights": quant.weights, "load_s": load_s}
+            if keep:  # slow: one run on fewer tokens
+                row |= _prefill_and_decode(quant, plan["cpu_packed_prefill"], plan["cpu_decode"])
+            else:
+                base, figures = _interleaved(
+                    (lm, quant), lambda m: _prefill_and_decode(m, plan["cpu_prefill"][0],
+                                                               plan["cpu_decode"]))
+                row |= figures | {
+                    "prefill_vs_float32": _ratio(figures["prefill_tps"], base["prefill_tps"]),
+                    "decode_vs_float32": _ratio(figures["decode_tps"], base["decode_tps"])}
+            rows.append(row)
             del quant
     return {"rows": rows, "threads": os.cpu_count()}
