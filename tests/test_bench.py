@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import mlx.nn as nn
 import pytest
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
@@ -134,7 +135,7 @@ def test_blas_probe(run):
         assert "skipped" in b
 
 
-def test_cpu_fast_path_on_and_off(run):
+def test_cpu_fast_path_on_and_off(run, demo_model):
     rows = run["result"]["cpu"]["rows"]
     assert [r["what"] for r in rows] == [
         "prefill 512 tokens from empty", "decode at 512 tokens of context",
@@ -143,6 +144,15 @@ def test_cpu_fast_path_on_and_off(run):
     assert rows[2]["what"].startswith("follow-up of ") and rows[2]["unit"] == "s TTFT"
     for r in rows:
         assert measured(r["on"]) and measured(r["off"]) and measured(r["speedup"]), r
+    bound = run["result"]["cpu"]["roofline"]
+    # every linear weight of the demo model, streamed once a decoding step
+    tied = "lm_head" not in demo_model.model
+    assert bound["weight_bytes"] == sum(
+        m.weight.nbytes for m in demo_model.model.modules()
+        if isinstance(m, nn.Linear) or (tied and isinstance(m, nn.Embedding)))
+    assert all(measured(bound[k]) for k in ("stream_gb_s", "decode_bound_tps", "matmul_gflop_s",
+                                             "prefill_bound_tps"))
+    assert "## What this machine allows the float32 weights" in run["markdown"]
 
 
 def test_quantized_weights_dequantized_and_packed(run):

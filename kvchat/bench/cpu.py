@@ -84,6 +84,44 @@ def _interleaved(models: tuple, measure, repeats: int = 2) -> list[dict[str, flo
     return [_best(r) for r in runs]
 
 
+def roofline(lm: LoadedModel, rows: int, repeats: int = 2) -> dict[str, float]:
+    """What this machine's BLAS allows the model's float32 linear layers, through numpy
+    (the fast path's route): a decoding step streams every weight once (one
+    matrix-vector product each, the output projection included), and a prefill of
+    ``rows`` tokens multiplies every layer's weight by that many rows. Attention,
+    norms and hand-offs come on top, so the tok/s figures are upper bounds."""
+    import numpy as np
+
+    from kvchat.engine.cpu.linear import CpuEmbedding, CpuLinear, CpuOutput, param_view
+
+    layers = [m for m in lm.model.modules() if isinstance(m, CpuLinear)]
+    body = [param_view(m) for m in layers if not isinstance(m, CpuOutput)]
+    output = [param_view(m) for m in layers if isinstance(m, CpuOutput)]
+    if not output:  # tied: the embedding is the output projection
+        output = [param_view(m) for m in lm.model.modules() if isinstance(m, CpuEmbedding)]
+    if not body or any(w is None for w in body + output):
+        return {}
+    rng = np.random.default_rng(0)
+    inputs = {n: rng.standard_normal((rows, n), dtype=np.float32) for n in {w.shape[1] for w in body + output}}
+
+    def sweep(weights: list, multiply) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for w in weights:
+                multiply(w, inputs[w.shape[1]])
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    step_s = sweep(body + output, lambda w, x: w @ x[0])
+    prefill_s = sweep(body, lambda w, x: x @ w.T)
+    streamed = sum(w.nbytes for w in body + output)
+    return {"weight_bytes": streamed, "stream_gb_s": streamed / step_s / 1e9,
+            "decode_bound_tps": 1 / step_s, "prefill_rows": rows,
+            "matmul_gflop_s": 2 * rows * sum(w.size for w in body) / prefill_s / 1e9,
+            "prefill_bound_tps": rows / prefill_s}
+
+
 def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]:
     """Prefill, decode and cached follow-ups with the CPU fast path on and off."""
     from kvchat.engine import cpu
@@ -113,7 +151,8 @@ def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]
         faster = (_ratio(row["off"], row["on"]) if row["unit"].startswith("s")
                   else _ratio(row["on"], row["off"]))
         row["speedup"] = faster
-    return {"rows": rows}
+    log("cpu: the machine's bounds for these weights")
+    return {"rows": rows, "roofline": roofline(lm, plan["cpu_prefill"][0])}
 
 
 def quantized_weights(lm: LoadedModel, plan: dict[str, Any], log: Log,

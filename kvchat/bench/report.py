@@ -253,6 +253,19 @@ def _cpu_tables(result: dict[str, Any]) -> list:
             "Numpy attention, SwiGLU and linear layers against mlx-lm's own on the CPU "
             "(KVCHAT_CPU_FASTPATH); best of two interleaved runs each, in one process.",
         ))
+    r = c.get("roofline")
+    if r:
+        out.append((
+            "What this machine allows the float32 weights",
+            ["bound", "measured", "tok/s at most"],
+            [[f"decode: stream all {r['weight_bytes'] / 2**30:.2f} GiB of weights per token",
+              f"{_f(r['stream_gb_s'])} GB/s", _f(r["decode_bound_tps"])],
+             [f"prefill: {r['prefill_rows']}-row matmuls over every layer",
+              f"{_f(r['matmul_gflop_s'])} GFLOP/s", _f(r["prefill_bound_tps"])]],
+            "numpy's BLAS on the model's own weights (the fast path's route), best of two; "
+            "attention, norms and sampling come on top, so the model's decode and prefill "
+            "rates cannot exceed these.",
+        ))
     q = result.get("quantized_weights", {})
     if "rows" in q:
         out.append((
