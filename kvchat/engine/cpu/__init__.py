@@ -59,8 +59,18 @@ def prepare(model: nn.Module, dequantize: bool) -> int:
     return dequantized
 
 
+_modules_seen = 0  # len(sys.modules) at the last pass of hook()
+
+
 def hook() -> None:
-    """Put kvchat's functions in mlx-lm's place (idempotent); the fast path stays as it is."""
+    """Put kvchat's functions in mlx-lm's place (idempotent); the fast path stays as it is.
+
+    Model modules are patched as they appear: a call with no module imported since the
+    last one returns at once (caches call this for every rotated layer they make).
+    """
+    global _modules_seen
+    if len(sys.modules) == _modules_seen:
+        return
     replacements = {
         "scaled_dot_product_attention": (_stock_sdpa, scaled_dot_product_attention),
         "swiglu": (_stock_swiglu, swiglu),
@@ -73,6 +83,7 @@ def hook() -> None:
         for attr, (stock, ours) in replacements.items():
             if getattr(module, attr, None) is stock:
                 setattr(module, attr, ours)
+    _modules_seen = len(sys.modules)
 
 
 def install() -> bool:
