@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import TypeAdapter, ValidationError
 
 from kvchat.store.base import CHECKPOINTS_FILE, StoreError, one_line
-from kvchat.store.files import finish_temp, new_temp, open_regular, rename_into_place, sha256_of
+from kvchat.store.files import open_regular, sha256_of, write_caches_atomic
 from kvchat.store.schema import Count
 
 if TYPE_CHECKING:
@@ -39,9 +39,7 @@ _LAYOUT = TypeAdapter(list[tuple[Count, list[list[Count]]]], config={"strict": T
 def write_checkpoints(folder: Path, session: Session) -> dict | None:
     """Write ``session``'s checkpoints atomically; return their entry for ``session.json``
     (None, and no file, when it keeps none)."""
-    from mlx_lm.models.cache import ArraysCache, save_prompt_cache
-
-    from kvchat.engine.kinds import compacted
+    from mlx_lm.models.cache import ArraysCache
 
     kept = _newest_within(session.checkpoints.kept, SAVED_BYTES)
     if not kept:
@@ -55,15 +53,7 @@ def write_checkpoints(folder: Path, session: Session) -> dict | None:
         holder[0] = logits[1]
         layers.append(holder)
         metadata["logprobs_at"] = str(logits[0])
-    tmp, f = new_temp(folder, ".safetensors")
-    try:
-        with f:
-            save_prompt_cache(f, compacted(layers), metadata)
-            sha, size = finish_temp(f)
-        rename_into_place(tmp, folder / CHECKPOINTS_FILE, "checkpoints")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    sha, size = write_caches_atomic(folder / CHECKPOINTS_FILE, layers, metadata, "checkpoints")
     return {"file": CHECKPOINTS_FILE, "sha256": sha, "bytes": size,
             "tokens": [point.tokens for point in kept]}
 

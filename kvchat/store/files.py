@@ -15,8 +15,9 @@ import os
 import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from kvchat import locations
 from kvchat.store.base import PAUSE_ENV, TMP_PREFIX, StoreError, one_line
@@ -181,3 +182,29 @@ def write_bytes_atomic(path: Path, data: bytes, stage: str, replace: bool = True
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_caches_atomic(
+    path: Path, caches: list[Any], metadata: dict[str, str], stage: str,
+    before_rename: Callable[[str, int], None] | None = None,
+) -> tuple[str, int]:
+    """Write ``caches`` to ``path`` atomically with mlx-lm's ``save_prompt_cache`` (no
+    pickle; buffers compacted to their live tokens); return the file's sha256 and size.
+    ``before_rename(sha256, size)`` runs once the new file is on disk, before it takes
+    ``path``'s place."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from kvchat.engine.kinds import compacted
+
+    tmp, f = new_temp(path.parent, ".safetensors")
+    try:
+        with f:
+            save_prompt_cache(f, compacted(caches), metadata)
+            sha, size = finish_temp(f)
+        if before_rename is not None:
+            before_rename(sha, size)
+        rename_into_place(tmp, path, stage)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return sha, size
