@@ -7,6 +7,8 @@ A mixin of :class:`~kvchat.tui.app.KvChatApp`; it uses the app's ``tabs``,
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from textual import work
 from textual.widgets import TabPane
 
@@ -128,6 +130,8 @@ class TabsMixin:
         if isinstance(self.screen, LoadingScreen):
             self.pop_screen()
         self.mark_offloaded(offloaded)
+        if self.settings_flags:  # --max-tokens, --temp: for this run, over the saved ones
+            loaded.session.settings = replace(loaded.session.settings, **self.settings_flags)
         if loaded.resumed_from_disk:
             await self.add_conversation(  # with why its saved checkpoints were left out, if so
                 loaded.session, name, saved=True, notice_kind="info",
