@@ -209,11 +209,7 @@ class Conversation(BranchingMixin, Vertical):
             self.notify(str(error), severity="warning", markup=False)
             return False
         self.input.clear()
-        try:
-            history.remember(text)
-        except (OSError, store.StoreError) as error:
-            self.notify(f"The prompt history was not saved: {error}", severity="warning",
-                        markup=False)
+        self.input.remember(text)
         await self.start_turn(events, text=text)
         return True
 
