@@ -30,6 +30,7 @@ from kvchat import store
 from kvchat.engine.kinds import parse_kind
 
 if TYPE_CHECKING:
+    from kvchat.config import Config
     from kvchat.engine.model import LoadedModel
     from kvchat.engine.registry import ModelRegistry
     from kvchat.engine.session import GenerationSettings, Session
@@ -95,6 +96,13 @@ class SessionPool:
         self.clock = clock
         self.models = models
         self._entries: dict[str, PoolEntry] = {}
+
+    @classmethod
+    def for_config(cls, config: Config, models: ModelRegistry) -> SessionPool:
+        """A front end's pool (the TUI's, the server's): ``config``'s ``ttl`` and
+        ``memory_budget``, the weights of the models ``models`` holds counted in it."""
+        return cls(ttl_s=config.ttl or None, memory_budget_bytes=config.memory_budget or None,
+                   models=models)
 
     def _put(self, entry: PoolEntry) -> None:
         if self.models is not None:

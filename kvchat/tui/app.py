@@ -138,11 +138,7 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin, Tr
             self.models.retain(lm)
         # Every open tab's session, by name: idle caches go to disk after ``ttl`` seconds
         # or when the caches and models in memory pass ``memory_budget`` bytes.
-        self.pool = SessionPool(
-            ttl_s=self.config.ttl or None,
-            memory_budget_bytes=self.config.memory_budget or None,
-            models=self.models,
-        )
+        self.pool = SessionPool.for_config(self.config, self.models)
         self.expire_every = expire_every
         self._maintaining = False
         self._quitting = False
