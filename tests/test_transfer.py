@@ -133,7 +133,8 @@ def test_a_long_name_that_is_taken_gets_a_shortened_suffix(demo_model, home, tmp
     assert store.read("n" * 98 + "-2")["messages"] == [{"role": "user", "content": "hi"}]
 
 
-EXPORT_SCRIPT = "import sys; from kvchat import store; store.write_export(sys.argv[1], 'x' * 100_000)"
+EXPORT_SCRIPT = ("import sys; from kvchat import store; "
+                 "store.write_export(sys.argv[1], 'x' * 100_000)")
 
 
 def test_an_export_killed_before_it_is_in_place_leaves_no_file(tmp_path):

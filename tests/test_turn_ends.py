@@ -20,7 +20,8 @@ def every_turn_end(session: Session, messages: list[dict], tokens: list[int]) ->
     ends = set()
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            for part in (session.render(messages[:i], True), session.render(messages[: i + 1], False)):
+            prompt, reply = messages[:i], messages[: i + 1]
+            for part in (session.render(prompt, True), session.render(reply, False)):
                 if tokens[: len(part)] == part:
                     ends.add(len(part))
     return ends
@@ -38,7 +39,7 @@ def transcript() -> list[dict]:
 @pytest.mark.parametrize("limit", [3, checkpoints.MAX_CHECKPOINTS])
 @pytest.mark.parametrize("template", ["own", "drops-earlier-thoughts"])
 @pytest.mark.parametrize("name", ["mamba", "gemma3_text"])
-def test_turn_ends_are_the_newest_of_every_prefixs_in_few_renderings(arch, monkeypatch, name,
+def test_turn_ends_are_the_newest_of_every_prefixes_in_few_renderings(arch, monkeypatch, name,
                                                                      template, limit):
     lm = arch(name)
     if template != "own":  # the replies' earlier renderings are not prefixes of the whole
@@ -69,7 +70,8 @@ def test_a_rebuild_keeps_the_checkpoints_that_every_prefix_would_give(arch, monk
         every_turn_end(reference, m, t)))
     for s in (session, reference):
         s.rebuild("a test")
-    assert len(every_turn_end(session, session.messages, session.ledger)) > checkpoints.MAX_CHECKPOINTS
+    every = every_turn_end(session, session.messages, session.ledger)
+    assert len(every) > checkpoints.MAX_CHECKPOINTS
     kept = [c.tokens for c in session.checkpoints.kept]
     assert kept == [c.tokens for c in reference.checkpoints.kept]
     assert len(kept) == checkpoints.MAX_CHECKPOINTS and session.ledger == reference.ledger

@@ -359,8 +359,8 @@ def tui_app(*, model: str | None = None, cache: str | None = None, system: str |
         model=model, cache=cache, system=system, max_tokens=max_tokens, temp=temp
     )
     given = {"max_tokens": max_tokens, "temp": temp}
-    return KvChatApp(config, resume=resume,
-                     settings_flags={k: getattr(config, k) for k, v in given.items() if v is not None})
+    flags = {k: getattr(config, k) for k, v in given.items() if v is not None}
+    return KvChatApp(config, resume=resume, settings_flags=flags)
 
 
 def run_tui(**flags) -> int:
