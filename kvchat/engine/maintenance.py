@@ -167,8 +167,9 @@ class CacheMaintenance:
         keeping more would drop the older ones as it kept newer ones. So the transcript
         is rendered up to each reply from the newest back, until that many are found
         or the renderings end before ``after`` (they grow with the transcript): a
-        bounded number of renderings, not one per message (which made a rebuild of a
-        long conversation quadratic in its length).
+        bounded number of renderings, not two per reply (which made a rebuild of a
+        long conversation quadratic in its length) — unless a template rewrites every
+        earlier turn, so that no rendering up to a reply is a prefix of the whole.
         """
         if not stateful_paths(self.cache):
             return frozenset()
