@@ -30,6 +30,7 @@ from kvchat import store
 from kvchat.engine.kinds import parse_kind
 
 if TYPE_CHECKING:
+    from kvchat.config import Config
     from kvchat.engine.model import LoadedModel
     from kvchat.engine.registry import ModelRegistry
     from kvchat.engine.session import GenerationSettings, Session
@@ -95,6 +96,13 @@ class SessionPool:
         self.clock = clock
         self.models = models
         self._entries: dict[str, PoolEntry] = {}
+
+    @classmethod
+    def for_config(cls, config: Config, models: ModelRegistry) -> SessionPool:
+        """A front end's pool (the TUI's, the server's): ``config``'s ``ttl`` and
+        ``memory_budget``, the weights of the models ``models`` holds counted in it."""
+        return cls(ttl_s=config.ttl or None, memory_budget_bytes=config.memory_budget or None,
+                   models=models)
 
     def _put(self, entry: PoolEntry) -> None:
         if self.models is not None:
@@ -231,20 +239,27 @@ class SessionPool:
         entry.in_memory = False
         return True
 
-    def drop(self, name: str, delete_from_disk: bool = False) -> None:
+    def drop(self, name: str, delete_from_disk: bool = False,
+             keep_hold: bool = False) -> LoadedModel | None:
         """Close ``name`` without saving; with ``delete_from_disk`` its saved copy goes too.
-        Its model is unloaded if no other open session uses it."""
+        Its model is unloaded if no other open session uses it. With ``keep_hold`` the
+        session's hold on its model passes to the caller instead, who gives it back with
+        ``pool.models.release`` (an unload takes time: a UI does it in a worker); the
+        model is returned when there was such a hold."""
         entry = self._entries.pop(name, None)
-        if entry is not None and self.models is not None:
-            self.models.release(entry.session.lm)
+        held = entry.session.lm if entry is not None and self.models is not None else None
+        if held is not None and not keep_hold:
+            self.models.release(held)
+            held = None
         if delete_from_disk and store.exists(name):
             store.delete(name)
+        return held
 
-    def discard(self, name: str) -> None:
+    def discard(self, name: str, keep_hold: bool = False) -> LoadedModel | None:
         """Close ``name`` without saving: as :meth:`drop`, and a copy on disk that only an
         offload wrote (the session was never opened from or saved to disk) goes too."""
         entry = self._entries.get(name)
-        self.drop(name, delete_from_disk=entry is not None and not entry.kept)
+        return self.drop(name, entry is not None and not entry.kept, keep_hold)
 
     def expire(self, now: float | None = None) -> list[str]:
         """Offload every cache idle for longer than ``ttl_s``; return their names."""

@@ -57,6 +57,15 @@ def test_ask_twice_resumes_from_disk(demo_model, home):
     assert store.load("x", demo_model).session.messages == reference.messages
 
 
+def test_ask_generation_flags_win_over_a_resumed_sessions_saved_ones(home):
+    ask("--session", "s", "Hello there.", run=inproc)  # saved with --max-tokens 8
+    out = kvchat("ask", "--session", "s", "--max-tokens", "2", "--temp", "0.5", "--json", "Go on.")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["generated_tokens"] == 2
+    assert store.read("s")["settings"]["max_tokens"] == 2
+    assert store.read("s")["settings"]["temp"] == 0.5
+
+
 def test_ask_plain_text_and_stdin(home):
     out = kvchat("ask", "--max-tokens", "6", "-", input="Hello from stdin.\n")
     assert out.returncode == 0 and out.stderr == ""

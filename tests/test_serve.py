@@ -210,6 +210,27 @@ def test_the_pools_memory_budget_offloads_and_a_later_turn_resumes_from_disk(dem
         assert stats["reused_tokens"] == body_a["kvchat"]["ledger_tokens"]
 
 
+def test_serve_counts_its_models_weights_in_the_memory_budget(demo_model, home):
+    """`kvchat serve`'s pool, as the TUI's, counts the weights: a budget one byte over them
+    holds only the newest cache (without the weights, both tiny caches would fit)."""
+    from kvchat.cli.serve import serve_pool
+    from kvchat.config import Config
+    from kvchat.engine.registry import weight_bytes
+
+    weights = weight_bytes(demo_model)
+    pool = serve_pool(demo_model, Config(memory_budget=weights + 1))
+    assert pool.memory_bytes() == weights and pool.models.holders() == {"demo": 1}
+    with Server(demo_model, pool=pool) as server:
+        _, body_a, _ = chat(server.client, [{"role": "user", "content": "Conversation A."}],
+                            max_tokens=6)
+        _, body_b, _ = chat(server.client, [{"role": "user", "content": "Conversation B."}],
+                            max_tokens=6)
+        a, b = (pool.entry(body["kvchat"]["session"]) for body in (body_a, body_b))
+        assert 0 < 2 * b.cache_bytes <= weights  # the two caches alone would fit
+        assert not a.in_memory and b.in_memory
+        assert pool.models.holders() == {"demo": 3}  # the server's hold, and each session's
+
+
 def test_a_client_that_gives_up_on_a_non_streamed_reply_stops_it(endless, home):
     with Server(endless) as server:
         impatient = server.client.with_options(timeout=0.5)

@@ -131,3 +131,49 @@ def test_a_long_name_that_is_taken_gets_a_shortened_suffix(demo_model, home, tmp
     assert store.import_session(path, default_model="demo") == long
     assert store.import_session(path, default_model="demo") == "n" * 98 + "-2"
     assert store.read("n" * 98 + "-2")["messages"] == [{"role": "user", "content": "hi"}]
+
+
+EXPORT_SCRIPT = ("import sys; from kvchat import store; "
+                 "store.write_export(sys.argv[1], 'x' * 100_000)")
+
+
+def test_an_export_killed_before_it_is_in_place_leaves_no_file(tmp_path):
+    """An export appears whole or not at all: killed once its bytes are written but before
+    they take the name, it leaves nothing under that name."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    target = tmp_path / "talk.md"
+    env = {**os.environ, store.PAUSE_ENV: "export"}
+    proc = subprocess.Popen([sys.executable, "-c", EXPORT_SCRIPT, str(target)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    paused = any("kvchat-store-paused:export" in line for line in proc.stderr)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert paused and not os.path.lexists(target)
+    # and a later export of the same name is whole, with nothing else beside it that counts
+    assert store.write_export(target, "whole\n") == target
+    assert target.read_text() == "whole\n"
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard-links", "no-hard-links"])
+def test_an_export_never_replaces_a_file_and_a_failed_one_leaves_nothing(tmp_path, monkeypatch,
+                                                                          links):
+    import errno
+    import os
+
+    if not links:  # a file system without hard links (FAT): the name is claimed, then filled
+        def no_link(*_):
+            raise OSError(errno.EPERM, "Operation not permitted")
+        monkeypatch.setattr(os, "link", no_link)
+    taken = tmp_path / "taken.md"
+    taken.write_text("mine\n")
+    with pytest.raises(store.StoreError, match="exists already"):
+        store.write_export(taken, "export\n")
+    assert taken.read_text() == "mine\n"
+    assert store.write_export(tmp_path / "new.md", "export\n").read_text() == "export\n"
+    with pytest.raises(store.StoreError, match="nothing was left there"):
+        store.write_export(tmp_path / "missing" / "new.md", "export\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.md", "taken.md"]

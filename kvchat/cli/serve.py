@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from .common import _fail, app, load_or_exit
+
+if TYPE_CHECKING:
+    from kvchat.config import Config
+    from kvchat.engine.model import LoadedModel
+    from kvchat.pool import SessionPool
 
 
 def is_loopback(host: str) -> bool:
@@ -18,6 +23,17 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def serve_pool(lm: LoadedModel, config: Config) -> SessionPool:
+    """The server's pool, as the TUI's: the weights of its model (which the server holds
+    for as long as it runs) count in the memory budget with the caches."""
+    from kvchat.engine.registry import ModelRegistry
+    from kvchat.pool import SessionPool
+
+    models = ModelRegistry()
+    models.retain(lm)
+    return SessionPool.for_config(config, models)
 
 
 @app.command()
@@ -50,7 +66,6 @@ def serve(
 
     from kvchat.config import ConfigError, load_config, parse_size
     from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
-    from kvchat.pool import SessionPool
     from kvchat.serve import Engine, create_app
 
     if not is_loopback(host) and not api_key:
@@ -69,9 +84,8 @@ def serve(
         make_cache(lm.model, parse_kind(kind))  # a kind this model cannot use: say so now
     except CacheKindError as exc:
         raise _fail(str(exc), 2) from None
-    pool = SessionPool(ttl_s=config.ttl or None, memory_budget_bytes=config.memory_budget or None)
-    engine = Engine(lm, pool, kind=kind, max_tokens=config.max_tokens, temp=config.temp,
-                    max_queue=max_queue)
+    engine = Engine(lm, serve_pool(lm, config), kind=kind, max_tokens=config.max_tokens,
+                    temp=config.temp, max_queue=max_queue)
     typer.echo(f"kvchat: serving {lm.model_id} on http://{host}:{port}/v1", err=True)
     try:
         uvicorn.run(create_app(engine, api_key=api_key, max_body_bytes=body_limit),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from . import checkpoints as checkpoint_bounds
 from .checkpoints import stateful_paths, what_cannot_go_back
 from .events import Prefill, SessionError
 from .kinds import (
@@ -157,19 +158,35 @@ class CacheMaintenance:
         self._recomputed = evaluated if next_turn_counts else 0
         return reason
 
-    def _turn_ends(self, messages: list[dict], tokens: list[int]) -> frozenset[int]:
-        """Where in ``tokens`` (the rendering of ``messages``) each prompt and each reply
-        ends, for checkpoints while they are evaluated again; none for a model that
-        keeps no checkpoints."""
+    def _turn_ends(self, messages: list[dict], tokens: list[int], after: int = 0) -> frozenset[int]:
+        """Where in ``tokens`` (the rendering of ``messages``) the prompts and replies that
+        end past token ``after`` end, for checkpoints while they are evaluated again; none
+        for a model that keeps no checkpoints.
+
+        Only the newest :data:`~kvchat.engine.checkpoints.MAX_CHECKPOINTS`: a prefill
+        keeping more would drop the older ones as it kept newer ones. So the transcript
+        is rendered up to each reply from the newest back, until that many are found
+        or the renderings end before ``after`` (they grow with the transcript): a
+        bounded number of renderings, not two per reply (which made a rebuild of a
+        long conversation quadratic in its length) — unless a template rewrites every
+        earlier turn, so that no rendering up to a reply is a prefix of the whole.
+        """
         if not stateful_paths(self.cache):
             return frozenset()
-        ends = set()
-        for i, message in enumerate(messages):
-            if message["role"] == "assistant":
-                for part in (self.render(messages[:i], True), self.render(messages[: i + 1], False)):
-                    if tokens[: len(part)] == part:  # a template may rewrite earlier turns
-                        ends.add(len(part))
-        return frozenset(ends)
+        ends: set[int] = set()
+        for i in reversed(range(len(messages))):
+            if len(ends) >= checkpoint_bounds.MAX_CHECKPOINTS:
+                break
+            if messages[i]["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:i], True)
+            for part in (prompt, self.render(messages[: i + 1], False)):
+                # a template may rewrite earlier turns: only a prefix of ``tokens`` counts
+                if len(part) > after and tokens[: len(part)] == part:
+                    ends.add(len(part))
+            if len(prompt) <= after:
+                break
+        return frozenset(sorted(ends)[-checkpoint_bounds.MAX_CHECKPOINTS:])
 
     def sync(self) -> None:
         """Trim the cache to what the transcript renders to now (after undo or an edit)."""
@@ -242,7 +259,7 @@ class CacheMaintenance:
         tokens = self.render(self.messages, False)
         self._rewind(common_prefix(self.ledger, tokens))
         reused = len(self.ledger)
-        marks = self._turn_ends(self.messages, tokens)
+        marks = self._turn_ends(self.messages, tokens, reused)
         for event in self._prefill(tokens[reused:], len(tokens) - reused, marks):
             if progress:
                 progress(event.done, event.total)

@@ -10,18 +10,25 @@ as one more layer (an ``ArraysCache`` holding that one array; metadata
 ``session.json`` records the file's sha256 and the token counts. A file that
 is missing, damaged or does not fit the cache is never fatal: the session
 resumes with its cache and without checkpoints.
+
+A save whose checkpoints are the very ones this process last wrote to (or read
+from) the folder's file, with that file untouched since, leaves the file as it
+is: saving an idle session does not rewrite up to :data:`SAVED_BYTES`.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
 
 from kvchat.store.base import CHECKPOINTS_FILE, StoreError, one_line
-from kvchat.store.files import finish_temp, new_temp, open_regular, rename_into_place, sha256_of
+from kvchat.store.files import open_regular, sha256_of, write_caches_atomic
 from kvchat.store.schema import Count
 
 if TYPE_CHECKING:
@@ -36,36 +43,77 @@ SAVED_BYTES = 64 << 20
 _LAYOUT = TypeAdapter(list[tuple[Count, list[list[Count]]]], config={"strict": True})
 
 
+@dataclass(frozen=True)
+class _OnDisk:
+    """A checkpoints file as this process last wrote or read it: the objects saved in it
+    (held weakly: the session may let them go), the file's identity and its entry."""
+
+    refs: tuple[weakref.ref, ...]
+    key: tuple[str, int | None]  # the model's fingerprint, where the log-probabilities are
+    file: tuple[int, int, int, int]  # st_dev, st_ino, st_mtime_ns, st_size
+    entry: dict
+
+
+_on_disk: dict[Path, _OnDisk] = {}
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    return info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size
+
+
+def _saved_as(path: Path, objects: list[Any], key: tuple[str, int | None]) -> dict | None:
+    """The entry of ``path`` if it holds exactly ``objects`` as this process put them
+    there, untouched since; else None."""
+    known = _on_disk.get(path)
+    if known is None or known.key != key or len(known.refs) != len(objects):
+        return None
+    if any(ref() is not obj for ref, obj in zip(known.refs, objects)):
+        return None
+    try:
+        if _identity(os.stat(path, follow_symlinks=False)) != known.file:
+            return None
+    except OSError:
+        return None
+    return dict(known.entry)
+
+
+def _remember(path: Path, objects: list[Any], key: tuple[str, int | None],
+              info: os.stat_result, entry: dict) -> None:
+    refs = tuple(weakref.ref(obj) for obj in objects)
+    _on_disk[path] = _OnDisk(refs, key, _identity(info), dict(entry))
+
+
 def write_checkpoints(folder: Path, session: Session) -> dict | None:
     """Write ``session``'s checkpoints atomically; return their entry for ``session.json``
     (None, and no file, when it keeps none)."""
-    from mlx_lm.models.cache import ArraysCache, save_prompt_cache
+    from mlx_lm.models.cache import ArraysCache
 
-    from kvchat.engine.kinds import compacted
-
+    path = folder / CHECKPOINTS_FILE
     kept = _newest_within(session.checkpoints.kept, SAVED_BYTES)
     if not kept:
+        _on_disk.pop(path, None)
         return None
+    logits = session.prompt_logprobs
+    if logits is not None and logits[0] not in {point.tokens for point in kept}:
+        logits = None
+    objects = [*kept, *([logits[1]] if logits else [])]
+    key = (session.lm.fingerprint, logits[0] if logits else None)
+    entry = _saved_as(path, objects, key)
+    if entry is not None:
+        return entry
     layers = [layer for point in kept for layer in point.layers.values()]
     layout = [[point.tokens, [list(p) for p in point.layers]] for point in kept]
     metadata = {"model_fingerprint": session.lm.fingerprint, "layout": json.dumps(layout)}
-    logits = session.prompt_logprobs
-    if logits is not None and logits[0] in {point.tokens for point in kept}:
+    if logits is not None:
         holder = ArraysCache(1)
         holder[0] = logits[1]
         layers.append(holder)
         metadata["logprobs_at"] = str(logits[0])
-    tmp, f = new_temp(folder, ".safetensors")
-    try:
-        with f:
-            save_prompt_cache(f, compacted(layers), metadata)
-            sha, size = finish_temp(f)
-        rename_into_place(tmp, folder / CHECKPOINTS_FILE, "checkpoints")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return {"file": CHECKPOINTS_FILE, "sha256": sha, "bytes": size,
-            "tokens": [point.tokens for point in kept]}
+    sha, size = write_caches_atomic(path, layers, metadata, "checkpoints")
+    entry = {"file": CHECKPOINTS_FILE, "sha256": sha, "bytes": size,
+             "tokens": [point.tokens for point in kept]}
+    _remember(path, objects, key, os.stat(path, follow_symlinks=False), entry)
+    return entry
 
 
 def _newest_within(kept: list[Checkpoint], budget: int) -> list[Checkpoint]:
@@ -94,6 +142,7 @@ def read_checkpoints(
     path = folder / CHECKPOINTS_FILE
     try:
         with open_regular(path, CHECKPOINT_BUDGET + (64 << 20)) as f:
+            read = os.fstat(f.fileno())
             if sha256_of(f) != info["sha256"]:
                 return [], f"{path} is damaged (its checksum differs from the one in session.json)"
             layers, meta = load_prompt_cache(f, return_metadata=True)
@@ -113,6 +162,9 @@ def read_checkpoints(
             session.prompt_logprobs = logits  # ValueError where the ledger is not that long
     except ValueError as exc:
         return [], f"{path} does not fit the cache: {exc}"
+    objects = [*points, *([logits[1]] if logits is not None else [])]
+    at = logits[0] if logits is not None else None
+    _remember(path, objects, (session.lm.fingerprint, at), read, info)
     return points, None
 
 

@@ -30,12 +30,10 @@ from kvchat.store.checkpoint_file import read_checkpoints, write_checkpoints
 from kvchat.store.files import (
     NO_SPACE,
     check_folder,
-    finish_temp,
     make_dir,
-    new_temp,
     remove_stale_temps,
-    rename_into_place,
     write_bytes_atomic,
+    write_caches_atomic,
 )
 from kvchat.store.lock import session_lock
 from kvchat.store.search import index_session
@@ -66,10 +64,6 @@ def save(session: Session, name: str) -> Path:
 
 def _save_locked(session: Session, name: str, folder: Path) -> Path:
     """:func:`save` once the lock is held (a failure leaves no temporary file behind)."""
-    from mlx_lm.models.cache import save_prompt_cache
-
-    from kvchat.engine.kinds import compacted
-
     make_dir(folder)
     remove_stale_temps(folder)
     json_path = folder / SESSION_FILE
@@ -95,19 +89,15 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
         }
         if os.path.isdir(cache_path) and not os.path.islink(cache_path):
             _keep_aside(cache_path)  # a folder in the way: a file cannot replace it
-        tmp, f = new_temp(folder, ".safetensors")
-        try:
-            with f:
-                save_prompt_cache(f, compacted(session.cache), metadata)
-                sha, size = finish_temp(f)
+
+        def checksum_first(sha: str, size: int) -> None:
             # The cache's checksum goes to disk before the cache does, so a load
             # after a save cut short before session.json can verify the new cache.
             record = {"sha256": sha, "bytes": size, "ledger_sha256": metadata["ledger_sha256"]}
             write_bytes_atomic(folder / CACHE_SUM_FILE, json.dumps(record).encode(), "sum")
-            rename_into_place(tmp, cache_path, "cache")
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+
+        sha, size = write_caches_atomic(cache_path, session.cache, metadata, "cache",
+                                        checksum_first)
         cache_info = {
             "file": CACHE_FILE,
             "sha256": sha,

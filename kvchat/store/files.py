@@ -15,8 +15,9 @@ import os
 import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from kvchat import locations
 from kvchat.store.base import PAUSE_ENV, TMP_PREFIX, StoreError, one_line
@@ -24,6 +25,7 @@ from kvchat.store.base import PAUSE_ENV, TMP_PREFIX, StoreError, one_line
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 JSON_LIMIT = 64 << 20  # session.json and other small files: more is not a session
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}  # a full disk or quota
+_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP}  # link(2) on FAT, some FUSE
 
 
 def check_folder(folder: Path) -> bool:
@@ -146,23 +148,63 @@ def finish_temp(f: BinaryIO) -> tuple[str, int]:
     return sha256_of(f), size
 
 
-def rename_into_place(tmp: Path, final: Path, stage: str) -> None:
+def rename_into_place(tmp: Path, final: Path, stage: str, replace: bool = True) -> None:
     """Rename ``tmp`` over ``final`` (a symlink there is replaced, never followed) and
-    fsync the folder."""
+    fsync the folder. Without ``replace`` an existing ``final`` (file or symlink) stays
+    and ``FileExistsError`` is raised: the new file appears whole or not at all."""
     pause(stage)
-    os.replace(tmp, final)
+    if replace:
+        os.replace(tmp, final)
+    else:
+        try:
+            os.link(tmp, final)
+        except OSError as exc:
+            if exc.errno not in _NO_LINKS:
+                raise
+            # a file system without hard links: claim the name, then rename over the claim
+            os.close(os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600))
+            os.replace(tmp, final)
+        else:
+            os.unlink(tmp)
     fsync_dir(final.parent)
 
 
-def write_bytes_atomic(path: Path, data: bytes, stage: str) -> str:
-    """Replace ``path`` with ``data`` atomically; return its sha256."""
+def write_bytes_atomic(path: Path, data: bytes, stage: str, replace: bool = True) -> str:
+    """Write ``data`` to ``path`` atomically (replacing it unless ``replace`` is False,
+    see :func:`rename_into_place`); return its sha256."""
     tmp, f = new_temp(path.parent, ".json")
     try:
         with f:
             f.write(data)
             sha, _ = finish_temp(f)
-        rename_into_place(tmp, path, stage)
+        rename_into_place(tmp, path, stage, replace)
         return sha
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_caches_atomic(
+    path: Path, caches: list[Any], metadata: dict[str, str], stage: str,
+    before_rename: Callable[[str, int], None] | None = None,
+) -> tuple[str, int]:
+    """Write ``caches`` to ``path`` atomically with mlx-lm's ``save_prompt_cache`` (no
+    pickle; buffers compacted to their live tokens); return the file's sha256 and size.
+    ``before_rename(sha256, size)`` runs once the new file is on disk, before it takes
+    ``path``'s place."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from kvchat.engine.kinds import compacted
+
+    tmp, f = new_temp(path.parent, ".safetensors")
+    try:
+        with f:
+            save_prompt_cache(f, compacted(caches), metadata)
+            sha, size = finish_temp(f)
+        if before_rename is not None:
+            before_rename(sha, size)
+        rename_into_place(tmp, path, stage)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return sha, size

@@ -86,22 +86,19 @@ def _md_messages(messages: list[dict], level: int) -> list[str]:
 
 
 def write_export(path: Path, text: str) -> Path:
-    """Write an export to a new file ``path`` (``~`` expanded; readable by the user only);
-    an existing file or symlink is never replaced. A problem is one :class:`StoreError`
-    sentence. Returns the path written."""
+    """Write an export to a new file ``path`` (``~`` expanded; readable by the user only)
+    atomically: it appears whole or not at all, and an existing file or symlink is never
+    replaced. A problem is one :class:`StoreError` sentence. Returns the path written."""
     path = Path(path).expanduser()
+    final = path.parent.resolve() / path.name  # the folder may be a link; the file never
+    if os.path.lexists(final):
+        raise StoreError(f"{path} exists already; choose another file name.")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        write_bytes_atomic(final, text.encode("utf-8"), "export", replace=False)
     except FileExistsError:
         raise StoreError(f"{path} exists already; choose another file name.") from None
     except OSError as exc:
-        raise StoreError(f"{path} cannot be written ({one_line(exc)}).") from None
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(text.encode("utf-8"))
-    except OSError as exc:
-        path.unlink(missing_ok=True)
-        raise StoreError(f"{path} could not be written whole ({one_line(exc)}); "
+        raise StoreError(f"{path} could not be written ({one_line(exc)}); "
                          "nothing was left there.") from None
     return path
 

@@ -119,9 +119,12 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin, Tr
         picker: bool = True,
         config_path: Path | None = None,
         expire_every: float = 15.0,
+        settings_flags: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
         self.config = config or Config()
+        # generation settings given on the command line: they win over a saved session's
+        self.settings_flags = dict(settings_flags or {})
         self.lm = lm
         self.resume = resume
         self.volatile = volatile
@@ -135,11 +138,7 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin, Tr
             self.models.retain(lm)
         # Every open tab's session, by name: idle caches go to disk after ``ttl`` seconds
         # or when the caches and models in memory pass ``memory_budget`` bytes.
-        self.pool = SessionPool(
-            ttl_s=self.config.ttl or None,
-            memory_budget_bytes=self.config.memory_budget or None,
-            models=self.models,
-        )
+        self.pool = SessionPool.for_config(self.config, self.models)
         self.expire_every = expire_every
         self._maintaining = False
         self._quitting = False
@@ -348,33 +347,31 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin, Tr
 
 
 
-def run_tui(
-    *,
-    model: str | None = None,
-    cache: str | None = None,
-    system: str | None = None,
-    resume: str | None = None,
-    max_tokens: int | None = None,
-    temp: float | None = None,
-) -> int:
-    """Start the TUI with the config file's settings, overridden by the given flags.
-    Returns the exit status."""
+def tui_app(*, model: str | None = None, cache: str | None = None, system: str | None = None,
+            resume: str | None = None, max_tokens: int | None = None,
+            temp: float | None = None) -> KvChatApp:
+    """The TUI with the config file's settings, overridden by the given flags; the
+    generation flags given also win over the settings saved with the sessions it opens.
+    :class:`ConfigError` or :class:`store.StoreError` says why not."""
+    if resume and model is None:
+        model = store.summary(resume).model_id
+    config = load_config().override(
+        model=model, cache=cache, system=system, max_tokens=max_tokens, temp=temp
+    )
+    given = {"max_tokens": max_tokens, "temp": temp}
+    flags = {k: getattr(config, k) for k, v in given.items() if v is not None}
+    return KvChatApp(config, resume=resume, settings_flags=flags)
+
+
+def run_tui(**flags) -> int:
+    """Start the TUI (:func:`tui_app` says what ``flags`` can be). Returns the exit status."""
     import sys
 
-    if resume and model is None:
-        try:
-            model = store.summary(resume).model_id
-        except store.StoreError as error:
-            print(f"kvchat: {error}", file=sys.stderr)
-            return 2
     try:
-        config = load_config().override(
-            model=model, cache=cache, system=system, max_tokens=max_tokens, temp=temp
-        )
-    except ConfigError as error:
+        app = tui_app(**flags)
+    except (store.StoreError, ConfigError) as error:
         print(f"kvchat: {error}", file=sys.stderr)
         return 2
-    app = KvChatApp(config, resume=resume)
     app.run()
     return app.return_code or 0
 

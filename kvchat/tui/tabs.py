@@ -7,6 +7,8 @@ A mixin of :class:`~kvchat.tui.app.KvChatApp`; it uses the app's ``tabs``,
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from textual import work
 from textual.widgets import TabPane
 
@@ -128,6 +130,8 @@ class TabsMixin:
         if isinstance(self.screen, LoadingScreen):
             self.pop_screen()
         self.mark_offloaded(offloaded)
+        if self.settings_flags:  # --max-tokens, --temp: for this run, over the saved ones
+            loaded.session.settings = replace(loaded.session.settings, **self.settings_flags)
         if loaded.resumed_from_disk:
             await self.add_conversation(  # with why its saved checkpoints were left out, if so
                 loaded.session, name, saved=True, notice_kind="info",
@@ -184,21 +188,24 @@ class TabsMixin:
 
     async def close_conversation(self, conversation: Conversation, discard: bool = False) -> None:
         """Remove a tab and its session from memory (a saved copy stays on disk; with
-        ``discard``, a copy only an offload wrote goes too); its model is unloaded when
-        no other tab uses it."""
+        ``discard``, a copy only an offload wrote goes too); its model is unloaded, in a
+        worker, when no other tab uses it."""
         if conversation.parent is not None:
             await self.tabs.remove_pane(conversation.parent.id)
-        if discard:
-            self.pool.discard(conversation.session_name)
-        else:
-            self.pool.drop(conversation.session_name)
-        self._let_go(conversation.session)
+        drop = self.pool.discard if discard else self.pool.drop
+        held = drop(conversation.session_name, keep_hold=True)
+        self._let_go(conversation.session, held.model_id if held is not None else None)
         self.refresh_sidebar()
 
     @work(thread=True, group="close")
-    def _let_go(self, session: Session) -> None:
-        """Worker: free a closed tab's cache and its hold on the model, in turn with the
-        other tabs. (Textual keeps the last worker each thread ran, and with it the tab,
-        for a while: the session must not keep them in memory meanwhile.)"""
+    def _let_go(self, session: Session, model_id: str | None) -> None:
+        """Worker: give back a closed tab's hold on model ``model_id`` (unloading it when no
+        other tab holds it) and free its cache, in turn with the other tabs. (Textual keeps
+        the last worker each thread ran, and with it its arguments, for a while: they
+        name the model rather than hold it.)"""
         with self.scheduler.turn("closing a tab"):
-            session.close()
+            lm = self.models.get(model_id) if model_id is not None else None
+            if lm is not None:
+                self.models.release(lm)
+            del lm
+            session.close()  # drops the session's own reference to the model last

@@ -192,3 +192,21 @@ async def test_escape_stops_the_reply_before_it_empties_a_recalled_prompt(make_a
         assert box.text == "Tell me a story."
         await pilot.press("escape")  # nothing to stop now: the box empties
         assert box.text == ""
+
+
+async def test_sending_while_another_kvchat_holds_the_history_lock_waits_off_the_ui(make_app):
+    """The history lock is taken in a worker: a send returns at once while another kvchat
+    holds it, and the prompt is saved once that one lets go (on the UI thread, the send
+    would have waited out the lock's 5 s and lost the prompt)."""
+    from kvchat.store.lock import file_lock
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        with file_lock(history.lock_file(), "The prompt history (another kvchat)"):
+            assert await conversation.send("while locked")
+            assert history.load() == []  # not yet: the worker waits for the lock
+        await settle(pilot, conversation)
+        assert history.load() == ["while locked"]
+        assert not [n for n in _notices(app) if "history" in n]

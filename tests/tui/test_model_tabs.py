@@ -4,6 +4,7 @@ a saved session opens on its own model; a model that cannot load loses nothing."
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -71,12 +72,18 @@ async def test_a_tab_on_another_model_answers_with_it_and_unloads_it_when_closed
         gone = weakref.ref(other.model)
         name = second.session_name
         del other, second  # the test's own references
+        on_ui_thread = []  # where each release (and so the unload) ran
+        release = app.models.release
+        app.models.release = lambda lm: (
+            on_ui_thread.append(threading.current_thread() is threading.main_thread()),
+            release(lm))[1]
         await pilot.press("ctrl+w")
         await settle(pilot)
         await until(pilot, lambda: len(app.conversations()) == 1)
         gc.collect()
         assert app.models.holders() == {"demo": 2}
         assert gone() is None
+        assert on_ui_thread == [False]  # in a worker: an unload never stalls the UI
         assert store.read(name)["model_id"] == OTHER
 
 

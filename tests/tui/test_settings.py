@@ -164,3 +164,31 @@ async def test_the_palette_reaches_the_settings_and_a_model_tab(make_app):
         await pilot.pause()
         assert "New tab, model" in await palette_pick(pilot, "new tab model")
         await until(pilot, lambda: isinstance(app.screen, ModelDialog))
+
+
+async def test_max_tokens_and_temp_flags_win_over_a_resumed_sessions_saved_ones(demo_model, home):
+    """`kvchat --resume chat --max-tokens 3 --temp 0`: the flags, not the saved settings,
+    make the next turn and are what is saved."""
+    from kvchat.tui.app import tui_app
+
+    saved = Session(demo_model, settings=GenerationSettings(max_tokens=40, temp=0.9))
+    [e for e in saved.send("Hello there.") if isinstance(e, TurnDone)]
+    store.save(saved, "chat")
+    greedy = Session(demo_model, messages=list(saved.messages),
+                     settings=GenerationSettings(max_tokens=40, temp=0.0))
+    reference = [e for e in greedy.send("Tell me more.") if isinstance(e, TurnDone)][0]
+    assert reference.stats.generated_tokens > 3  # so a cut at 3 is the flag's doing
+
+    app = tui_app(resume="chat", max_tokens=3, temp=0.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.conversations(), timeout=60)
+        await settle(pilot)
+        session = app.active_conversation().session
+        assert (session.settings.max_tokens, session.settings.temp) == (3, 0.0)
+        await send(pilot, "Tell me more.")
+        assert session.last_stats.generated_tokens == 3
+        assert reference.reply.startswith(session.messages[-1]["content"])
+        await pilot.press("ctrl+s")
+        await settle(pilot)
+    assert store.read("chat")["settings"]["max_tokens"] == 3
+    assert store.read("chat")["settings"]["temp"] == 0.0

@@ -138,3 +138,32 @@ async def test_checkpoint_memory_is_shown_and_counted(arch, home):
         await until(pilot, lambda: row(widget_text(app.sidebar), "checkpoints") == shown)
         entry = app.pool.entry(app.active_conversation().session_name)
         assert entry.cache_bytes == session.allocated_bytes + points.nbytes
+
+
+async def test_while_a_reply_is_written_the_panel_shows_that_turn_not_the_last(make_app, endless):
+    app = make_app(max_tokens=6)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        session = conversation.session
+        await send(pilot, "first")
+        first = session.last_stats
+        panel = widget_text(app.sidebar)
+        assert row(panel, "generated") == "6" and row(panel, "last turn") == ""
+
+        session.settings.max_tokens = 3000  # endless: it answers until stopped (or 3,000)
+        assert await conversation.send("second")
+        await until(pilot, lambda: conversation.query(AssistantMessage).last().index > 1
+                    and row(widget_text(app.sidebar), "evaluated") is not None)
+        panel = widget_text(app.sidebar)
+        assert "this turn answering…" in flat(panel) and row(panel, "last turn") is None
+        for label in ("reused", "generated", "gen speed", "TTFT"):
+            assert row(panel, label) is None, label  # none of the first turn's figures
+        shown = row(panel, "evaluated")
+        await pilot.press("escape")
+        await settle(pilot, conversation)
+        second = session.last_stats
+        assert second is not first and shown == f"{second.evaluated_tokens:,}"
+        panel = widget_text(app.sidebar)
+        assert row(panel, "last turn") == "" and row(panel, "evaluated") == shown
+        assert row(panel, "generated") == f"{second.generated_tokens:,} (stopped)"

@@ -74,6 +74,8 @@ class Conversation(BranchingMixin, Vertical):
         self._reply_index = -1  # where the reply being written goes in the transcript
         self._redraw = False  # draw the transcript again when the turn ends
         self._code_copies: dict[int, int] = {}
+        # the running turn's prompt evaluation: tokens done, of how many (for the sidebar)
+        self.prefill: tuple[int, int] | None = None
 
     @property
     def owner(self) -> str:
@@ -207,11 +209,7 @@ class Conversation(BranchingMixin, Vertical):
             self.notify(str(error), severity="warning", markup=False)
             return False
         self.input.clear()
-        try:
-            history.remember(text)
-        except (OSError, store.StoreError) as error:
-            self.notify(f"The prompt history was not saved: {error}", severity="warning",
-                        markup=False)
+        self.input.remember(text)
         await self.start_turn(events, text=text)
         return True
 
@@ -245,6 +243,7 @@ class Conversation(BranchingMixin, Vertical):
         self._user_widget = None if text is None else UserMessage(text, at)
         self._reply_index = at + (text is not None)
         self._reply = None
+        self.prefill = None
         if self._user_widget is not None:
             await self.log.query(Welcome).remove()
             await self.log.mount(self._user_widget)
@@ -316,11 +315,17 @@ class Conversation(BranchingMixin, Vertical):
             self.query_one(".status", Static).update(
                 Text(f"{event.label.capitalize()}: {event.done:,} of {event.total:,} tokens")
             )
+        if event.label == "prefill":
+            self.prefill = (event.done, event.total)
+            self.post_message(Changed(self))
 
     @on(ReplyChunk)
     async def _chunk(self, event: ReplyChunk) -> None:
         event.stop()
-        if self._reply is None:
+        if self._reply is None:  # the first words: the whole prompt is evaluated
+            total = self.prefill[1] if self.prefill else 0
+            self.prefill = (total, total)
+            self.post_message(Changed(self))
             self._reply = AssistantMessage(index=self._reply_index)
             await self.log.mount(self._reply)
         await self._reply.write(event.text)

@@ -7,13 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from textual import events
+from textual import events, work
 from textual.actions import SkipAction
 from textual.app import SuspendNotSupported
 from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
+from kvchat import history
 from kvchat.prompt_tools import (
     PromptToolError,
     edit_in_editor,
@@ -22,6 +23,7 @@ from kvchat.prompt_tools import (
     read_text_file,
 )
 from kvchat.safety import printable
+from kvchat.store import StoreError
 
 from ..keymap import keys_of
 from ..screens.dialogs import FileDialog
@@ -77,6 +79,16 @@ class ChatInput(TextArea):
         self.busy = busy  # whether the tab is writing a reply (Esc then stops it first)
         self._walk: list[str] = []  # the history as it was when the walk began
         self._at = -1  # index into _walk of the prompt shown; -1: not walking
+
+    @work(thread=True, group="history")
+    def remember(self, text: str) -> None:
+        """Worker: put a sent ``text`` first in the saved prompt history (its lock may wait
+        seconds for another kvchat: never on the UI thread)."""
+        try:
+            history.remember(text)
+        except (OSError, StoreError) as error:
+            self.notify(f"The prompt history was not saved: {error}", severity="warning",
+                        markup=False)  # thread-safe
 
     @property
     def recalled(self) -> bool:

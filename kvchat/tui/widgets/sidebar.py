@@ -1,4 +1,5 @@
-"""The cache panel for the active tab: what its KV cache holds and what the last turn cost.
+"""The cache panel for the active tab: what its KV cache holds and what the last turn cost
+(while a turn runs: that turn, as far as it has got).
 
 The panel draws one :class:`CacheInfo`; updating it is one assignment
 (``sidebar.info = CacheInfo.of(conversation)``).
@@ -19,6 +20,8 @@ from textual.widgets import Button, Sparkline, Static
 
 from kvchat.engine.stats import TurnStats, memory
 from kvchat.engine.thoughts import reevaluated_note
+
+TURN_STATES = ("waiting", "answering")  # a conversation's states while a turn runs
 
 
 def user_turns(session) -> int:
@@ -41,7 +44,8 @@ class CacheInfo:
     active_memory: int
     peak_memory: int
     turns: int
-    last: TurnStats | None
+    last: TurnStats | None  # None while a turn runs: its figures are not the last turn's
+    prefill: tuple[int, int] | None  # the running turn's prompt tokens evaluated, of how many
     prompt_eval_history: tuple[float, ...]
     rebuilt: str | None
     rebuild_pending: bool
@@ -50,7 +54,8 @@ class CacheInfo:
     @classmethod
     def of(cls, conversation) -> CacheInfo:
         session = conversation.session
-        last = session.last_stats
+        running = conversation.state in TURN_STATES
+        last = None if running else session.last_stats
         active, peak = memory()
         return cls(
             name=conversation.session_name,
@@ -65,6 +70,7 @@ class CacheInfo:
             peak_memory=max(peak, last.peak_memory_bytes if last else 0),
             turns=user_turns(session),
             last=last,
+            prefill=conversation.prefill if running else None,
             prompt_eval_history=tuple(t.prompt_eval_s for t in session.turns),
             rebuilt=session.pending_rebuild or (last.rebuilt if last else None),
             rebuild_pending=session.pending_rebuild is not None,
@@ -167,10 +173,17 @@ class CacheSidebar(Vertical):
             ("memory", vol(human_bytes(info.active_memory))),
             ("peak", vol(human_bytes(info.peak_memory))),
         ]
+        title = "last turn" + ("" if turn else "  –")
+        if info.state in TURN_STATES:  # the running turn, never the previous one's figures
+            title = f"this turn  {info.state}…"
+            if info.prefill is not None:
+                done, total = info.prefill
+                turn = [("evaluated", f"{total:,}" if done >= total
+                         else f"{done:,} of {total:,}")]
         note = reevaluated_note(last.reevaluated_reply_tokens) if last else None
         return Group(
             _grid(cache),
-            Text("last turn" + ("" if turn else "  –"), style="bold"),
+            Text(title, style="bold"),
             _grid(turn),
             *([Text(f"{note[0].upper()}{note[1:]}.", style="italic")] if note else []),
             Text("mlx, whole process", style="bold"),
