@@ -7,7 +7,7 @@ Importing this package registers them all.
 
 from __future__ import annotations
 
-from . import ask, serve, sessions  # noqa: F401  (they register their commands on ``app``)
+from . import ask, launch, serve, sessions  # noqa: F401  (they register their commands on ``app``)
 from .ask import _stream_reply
 from .common import app
 from .main import main

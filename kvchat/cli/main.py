@@ -19,7 +19,7 @@ from kvchat.safety import dumps_json
 if TYPE_CHECKING:
     pass
 
-from .common import _as_text, _fail, app, load_or_exit
+from .common import SHARDED_COMMANDS, SHARDED_ONLY, _as_text, _fail, app, load_or_exit
 
 
 def _print_version(value: bool) -> None:
@@ -59,6 +59,10 @@ def root(
     ] = False,
 ) -> None:
     """Chat with a local model in the terminal (the default when no command is given)."""
+    from kvchat.engine import distributed
+
+    if distributed.current() and ctx.invoked_subcommand not in SHARDED_COMMANDS:
+        raise _fail(SHARDED_ONLY, 2)
     if ctx.invoked_subcommand is not None:
         return
     from kvchat.tui.app import exit_now, run_tui
@@ -235,5 +239,21 @@ def eval_cache(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. Under ``mlx.launch`` (``kvchat launch``), rank 0 runs the
+    command and the other ranks follow it (kvchat/engine/distributed.py)."""
+    from kvchat.engine import distributed
+
+    link = distributed.start()
+    if link is None:
+        app()
+        return
+    if link.rank:
+        sys.exit(distributed.follow(link))
+    try:
+        app()
+    except SystemExit as exc:
+        if not link.broken:  # the followers wait for the next operation: tell them it is the end
+            link.broadcast({"op": "end"})
+        elif exc.code in (0, None):
+            raise SystemExit(1) from None  # a follower mid-turn: mlx.launch must end it
+        raise
