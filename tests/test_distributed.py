@@ -1,0 +1,188 @@
+"""A model sharded over MLX distributed ranks (issue 12): two local ranks over the ring
+backend on loopback, started by `kvchat launch`, against one process.
+
+Each launch costs a few seconds (every rank imports mlx-lm), so the scenarios share
+few launches: one replay, then three `ask --session` runs on one session (create,
+resume, lose rank 1 mid-turn). The rest are unit tests that launch nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import load_prompt_cache
+from typer.testing import CliRunner
+
+from kvchat import store
+from kvchat.cli import app
+from kvchat.engine.distributed import Link, OpError, decode_op, encode_op
+from kvchat.engine.model import ModelLoadError
+from kvchat.engine.session import Session, TurnDone
+from kvchat.engine.sharding import choose_mode, layout, layout_problem
+
+CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
+SCRIPT = {
+    "system": "You are terse.",
+    "turns": ["hello there", "what is a cache?", {"op": "regenerate"}, "tell me more",
+              {"op": "undo"}, {"op": "cache", "kind": "quantized:8"}, "and a map?"],
+}
+COMPARED = ("op", "reply", "prompt_tokens", "reused_tokens", "evaluated_tokens",
+            "generated_tokens", "cache_tokens", "rebuilt")
+
+
+def _free_port() -> int:
+    """A port such that it and the next one are free (the ring backend uses one per rank)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port < 65000:
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free pair of ports")
+
+
+def kvchat(*args, env=None, timeout=60):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def launched(*args, env=None):
+    """`kvchat launch -n 2 -- ARGS` over the ring backend on loopback."""
+    return kvchat("launch", "-n", "2", "--port", str(_free_port()), "--", *args, env=env)
+
+
+@pytest.mark.timeout(120)
+def test_replay_on_two_ranks_gives_the_replies_and_token_counts_of_one_process(tmp_path):
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(SCRIPT), encoding="utf-8")
+    args = ("replay", str(script), "--json", "--max-tokens", "12")
+    two = launched(*args)
+    assert two.returncode == 0, two.stderr
+    # The sharded model runs mlx-lm's generate_step; one process does too without
+    # the CPU fast path (whose eager decode leaves the last sampled token out of the cache).
+    one = kvchat(*args, env={"KVCHAT_CPU_FASTPATH": "0"})
+    assert one.returncode == 0, one.stderr
+    sharded, single = json.loads(two.stdout)["turns"], json.loads(one.stdout)["turns"]
+    assert [[t.get(k) for k in COMPARED] for t in sharded] == \
+        [[t.get(k) for k in COMPARED] for t in single]
+    replies = [t["reply"] for t in sharded if "reply" in t]
+    assert len(replies) == 5 and all(replies) and replies[1] == replies[2]  # greedy regenerate
+    assert sharded[1]["reused_tokens"] > 0 and sharded[2]["evaluated_tokens"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_ask_resumes_sharded_cache_files_and_a_lost_rank_damages_nothing(demo_model):
+    base = ("ask", "-s", "dist", "--json", "--max-tokens", "8")
+    first = launched(*base, "hello there")
+    assert first.returncode == 0, first.stderr
+    r1 = json.loads(first.stdout)
+    folder = store.session_dir("dist")
+    saved = json.loads((folder / "session.json").read_bytes())
+    assert saved["model_fingerprint"] == demo_model.fingerprint + "+pipeline2"
+    shard = (folder / "cache.rank1.safetensors").read_bytes()
+    assert saved["cache"]["shards"] == [hashlib.sha256(shard).hexdigest()]
+    for name in ("cache.safetensors", "cache.rank1.safetensors"):  # each rank's own layers
+        cache, meta = load_prompt_cache(str(folder / name), return_metadata=True)
+        assert meta["ledger"] == ",".join(map(str, saved["ledger"]))
+        assert len(cache) == 1 and cache[0].offset == len(saved["ledger"]) == r1["cache_tokens"]
+
+    second = launched(*base, "and more")
+    assert second.returncode == 0, second.stderr
+    r2 = json.loads(second.stdout)
+    messages = [*saved["messages"], {"role": "user", "content": "and more"}]
+    prompt = Session(demo_model, messages=messages).render(messages, True)
+    assert r2["resumed_from_disk"] is True and r2["notice"] is None
+    assert r2["prompt_tokens"] == len(prompt)
+    assert r2["reused_tokens"] == len(saved["ledger"])  # only the new message is evaluated
+    assert r2["evaluated_tokens"] == len(prompt) - len(saved["ledger"])
+
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    lost = launched(*base, "a third question", env={"KVCHAT_TEST_DIE_RANK": "1"})
+    assert lost.returncode == 1 and lost.stdout == ""
+    assert lost.stderr.strip().splitlines()[-1] == (
+        "kvchat: rank 1 was killed by signal 9, so the run was ended on every rank; "
+        "saved sessions are as they were last saved.")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+    loaded = store.load("dist", demo_model)  # on one machine: rebuilt from the transcript
+    assert loaded.notice == (
+        "The saved cache was not used (it was saved sharded over 2 ranks (pipeline parallel) "
+        "and this run is on one machine); it was rebuilt from the transcript.")
+    assert loaded.session.messages == json.loads(before["session.json"])["messages"]
+    assert [m["content"] for m in loaded.session.messages[-4:]] == \
+        ["hello there", r1["reply"], "and more", r2["reply"]]
+
+
+# ------------------------------------------------------------- without launching
+
+
+def test_ops_travel_as_json_bytes_and_anything_else_is_refused():
+    op = {"op": "send", "text": "héllo ✓ \x00", "settings": {"temp": 0.0}}
+    assert decode_op(encode_op(op)) == op
+    assert encode_op({"op": "end"}) == b'{"op":"end"}'
+    for bad in (b"\xff\xfe", b"[1, 2]", b'{"op": "format-disk"}', b"{"):
+        with pytest.raises(OpError, match="out of step"):
+            decode_op(bad)
+    with pytest.raises(OpError):
+        encode_op({"op": "nope"})
+
+
+def test_a_link_of_one_rank_sends_ops_and_gathers_rows():
+    link = Link(mx.distributed.init())
+    assert link.size == 1
+    op = {"op": "load", "name": "x", "data": {"messages": [{"role": "user", "content": "é" * 999}]}}
+    assert link.broadcast(op) == op
+    assert link.gather(b"sha:abc") == [b"sha:abc"]
+    assert link.total(7) == 7
+
+
+def test_layouts_are_told_apart_in_words():
+    assert layout("abc") == "on one machine"
+    assert layout("abc+tensor2") == "sharded over 2 ranks (tensor parallel)"
+    assert layout_problem("abc+pipeline4", "abc+pipeline2") == (
+        "it was saved sharded over 4 ranks (pipeline parallel) and this run is sharded over "
+        "2 ranks (pipeline parallel)")
+    assert layout_problem("abc", "abc") is None
+    assert layout_problem("other+tensor2", "abc") is None  # another model: said elsewhere
+
+
+def test_a_session_saved_on_one_machine_resumed_sharded_is_rebuilt_with_a_notice(demo_model):
+    chat = Session(demo_model)
+    chat.settings.max_tokens = 4
+    next(e for e in chat.send("hello") if isinstance(e, TurnDone))
+    store.save(chat, "single")
+    sharded = replace(demo_model, fingerprint=demo_model.fingerprint + "+tensor2")
+    loaded = store.load("single", sharded)
+    assert loaded.notice == (
+        "The saved cache was not used (it was saved on one machine and this run is sharded "
+        "over 2 ranks (tensor parallel)); it was rebuilt from the transcript.")
+    assert loaded.session.ledger == chat.render(chat.messages, False)
+
+
+def test_sharding_is_tensor_where_heads_divide_else_pipeline_else_one_sentence(demo_model):
+    config = json.loads((demo_model.path / "config.json").read_text())
+    assert config["num_key_value_heads"] == 1  # the demo's one KV head cannot be split
+    assert choose_mode(demo_model.model, config, 2, "demo") == "pipeline"
+    assert choose_mode(demo_model.model, {**config, "num_key_value_heads": 2}, 2, "demo") == "tensor"
+    with pytest.raises(ModelLoadError, match=r"^'demo' cannot be sharded over 4 ranks: .*\.$"):
+        choose_mode(demo_model.model, config, 4, "demo")
+
+
+@pytest.mark.parametrize("args", [["launch"], ["launch", "--", "serve"], ["launch", "--", "sessions"]])
+def test_launch_runs_only_ask_and_replay(args):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert "runs only `kvchat ask` and `kvchat replay`" in result.output
