@@ -23,9 +23,16 @@ from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app
-from kvchat.engine.distributed import Link, OpError, decode_op, encode_op
+from kvchat.engine.distributed import (
+    DistributedSession,
+    Link,
+    OpError,
+    _bind,
+    decode_op,
+    encode_op,
+)
 from kvchat.engine.model import ModelLoadError
-from kvchat.engine.session import Session, TurnDone
+from kvchat.engine.session import Session, SessionError, TurnDone
 from kvchat.engine.sharding import choose_mode, layout, layout_problem
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
@@ -94,12 +101,10 @@ def test_ask_resumes_sharded_cache_files_and_a_lost_rank_damages_nothing(demo_mo
     assert saved["model_fingerprint"] == demo_model.fingerprint + "+pipeline2"
     shard = (folder / "cache.rank1.safetensors").read_bytes()
     assert saved["cache"]["shards"] == [hashlib.sha256(shard).hexdigest()]
-    for name in ("cache.safetensors", "cache.rank1.safetensors"):  # each rank's own layers
-        cache, meta = load_prompt_cache(str(folder / name), return_metadata=True)
-        assert meta["ledger"] == ",".join(map(str, saved["ledger"]))
-        assert len(cache) == 1 and cache[0].offset == len(saved["ledger"]) == r1["cache_tokens"]
+    assert len(saved["ledger"]) == r1["cache_tokens"]
 
-    second = launched(*base, "and more")
+    # Sampled at a temperature: every rank must still take the same tokens.
+    second = launched(*base, "--temp", "0.9", "and more")
     assert second.returncode == 0, second.stderr
     r2 = json.loads(second.stdout)
     messages = [*saved["messages"], {"role": "user", "content": "and more"}]
@@ -108,6 +113,11 @@ def test_ask_resumes_sharded_cache_files_and_a_lost_rank_damages_nothing(demo_mo
     assert r2["prompt_tokens"] == len(prompt)
     assert r2["reused_tokens"] == len(saved["ledger"])  # only the new message is evaluated
     assert r2["evaluated_tokens"] == len(prompt) - len(saved["ledger"])
+    saved = json.loads((folder / "session.json").read_bytes())
+    for name in ("cache.safetensors", "cache.rank1.safetensors"):  # each rank's own layer
+        cache, meta = load_prompt_cache(str(folder / name), return_metadata=True)
+        assert meta["ledger"] == ",".join(map(str, saved["ledger"]))
+        assert len(cache) == 1 and cache[0].offset == len(saved["ledger"]) == r2["cache_tokens"]
 
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     lost = launched(*base, "a third question", env={"KVCHAT_TEST_DIE_RANK": "1"})
@@ -186,3 +196,20 @@ def test_launch_runs_only_ask_and_replay(args):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
     assert "runs only `kvchat ask` and `kvchat replay`" in result.output
+
+
+def test_a_distributed_session_shares_its_stop_and_refuses_what_it_cannot_send(demo_model):
+    link = Link(mx.distributed.init())
+    chat = DistributedSession(link, _bind(Session(demo_model), link))
+    events = chat.send("hello there")
+    chat.stop()  # before the first token: every rank reads rank 0's flag at the same check
+    [done] = [e for e in events if isinstance(e, TurnDone)]
+    assert done.stopped and done.stats.generated_tokens == 0
+    assert chat.messages[-1] == {"role": "assistant", "content": "", "stopped": True}
+    with pytest.raises(SessionError, match="^A sharded run cannot switch branch yet;"):
+        chat.switch_branch(0, 1)
+    abandoned = chat.send("again")
+    next(abandoned)
+    abandoned.close()  # rank 0 left a turn the followers are still in: nothing more is sent
+    with pytest.raises(SessionError, match="out of step"):
+        chat.reset()

@@ -9,8 +9,8 @@ performs on its own :class:`Session`; each follower performs it on its own, in
 the same order. Every rank thus runs the same forward passes on the same tokens,
 so the collectives inside the sharded model meet, every rank's cache shard holds
 the one ledger, and greedy sampling agrees (the logits are the same on every
-rank after the model's own all-sum or all-gather); temperature sampling agrees
-because every rank seeds MLX's generator with rank 0's seed.
+rank after the model's own all-sum or all-gather), and every rank takes rank 0's
+sampled token all the same (temperature sampling is seeded alike on every rank too).
 
 A session's stop flag is shared (:class:`SharedStop`): each check of it during a
 turn is a collective carrying rank 0's flag, so a stop ends the turn after the
@@ -45,6 +45,9 @@ OPS = frozenset({
     "system", "save", "end",
 })
 ROW = 256  # bytes each rank reports after a save or a load
+# Session methods that change the cache and are not sent to the followers (the TUI's).
+UNSHARED = frozenset({"switch_branch", "delete_pair", "fork_prefix", "rebuild", "attach",
+                      "sync", "unload", "close"})
 DIE_ENV = "KVCHAT_TEST_DIE_RANK"  # tests: this rank kills itself in the middle of each turn
 
 
@@ -152,7 +155,22 @@ def load_model(spec: str) -> ShardedModel:
 
 
 def _bind(session: Session, link: Link) -> Session:
-    session._stop = SharedStop(link)  # every check of the flag is a collective from now on
+    """Make ``session`` keep in step with the other ranks: a shared stop flag (each check
+    is a collective from now on) and rank 0's sampled token on every rank (the logits
+    agree, but float sums over more than two ranks need not agree to the last bit)."""
+    session._stop = SharedStop(link)
+    own = session._sampler
+
+    def sampler():
+        sample = own()
+
+        def shared(logprobs: mx.array) -> mx.array:
+            token = sample(logprobs)
+            mine = token if link.rank == 0 else mx.zeros_like(token)
+            return mx.distributed.all_sum(mine, group=link.group, stream=mx.cpu)
+        return shared
+
+    session._sampler = sampler
     return session
 
 
@@ -227,6 +245,9 @@ class DistributedSession:
         self._link, self.local = link, local
 
     def __getattr__(self, name: str) -> Any:
+        if name in UNSHARED:
+            raise SessionError(f"A sharded run cannot {name.replace('_', ' ')} yet; run "
+                               "this session on one machine for that.")
         return getattr(self.local, name)
 
     def _send(self, op: str, **fields: Any) -> None:
