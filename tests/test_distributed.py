@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app
+from kvchat.cli.launch import _run
 from kvchat.engine.distributed import (
     DistributedSession,
     Link,
@@ -122,9 +123,9 @@ def test_ask_resumes_sharded_cache_files_and_a_lost_rank_damages_nothing(demo_mo
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     lost = launched(*base, "a third question", env={"KVCHAT_TEST_DIE_RANK": "1"})
     assert lost.returncode == 1 and lost.stdout == ""
-    assert lost.stderr.strip().splitlines()[-1] == (
+    assert lost.stderr == (  # one sentence: no traceback, no echo of the ring's errors
         "kvchat: rank 1 was killed by signal 9, so the run was ended on every rank; "
-        "saved sessions are as they were last saved.")
+        "saved sessions are as they were last saved.\n")
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
     loaded = store.load("dist", demo_model)  # on one machine: rebuilt from the transcript
@@ -213,3 +214,22 @@ def test_a_distributed_session_shares_its_stop_and_refuses_what_it_cannot_send(d
     abandoned.close()  # rank 0 left a turn the followers are still in: nothing more is sent
     with pytest.raises(SessionError, match="out of step"):
         chat.reset()
+
+
+LOST = (  # what mlx.launch relays when rank 1 is killed mid-turn (a line of rank 0's cut)
+    "kvchat: a notice\n", "[ring] Socket", "\x1b[33m[WARN] Node with rank 1 exited with code -9 "
+    "\x1b[0m\n", " 4 was closed by the peer\n", "kvchat (rank 0): the run failed: boom\n",
+    "\x1b[33m[WARN] Node with rank 0 exited with code -15 \x1b[0m\n")
+RANK0 = ("kvchat: No saved session named 'x'.\n", "[WARN] Node with rank 0 exited with code 2\n",
+         "[WARN] Node with rank 1 was killed\n")
+
+
+@pytest.mark.parametrize(("lines", "code", "err"), [
+    (LOST, 1, "kvchat: a notice\nkvchat: rank 1 was killed by signal 9, so the run was ended "
+              "on every rank; saved sessions are as they were last saved.\n"),
+    (RANK0, 2, "kvchat: No saved session named 'x'.\n"),
+])
+def test_launch_names_the_rank_that_ended_the_run_and_nothing_else(lines, code, err, capfd):
+    fake = f"import sys\nfor piece in {list(lines)!r}:\n    sys.stderr.write(piece); sys.stderr.flush()"
+    assert _run([sys.executable, "-c", fake]) == code
+    assert capfd.readouterr().err == err

@@ -17,6 +17,7 @@ SHARDED_ONLY = (
     "the TUI needs a terminal, which mlx.launch does not give rank 0, and serve, bench "
     "and the other commands run on one machine."
 )
+RANK0_FAILED = "kvchat (rank 0): the run failed: "  # kvchat launch drops it if a follower died
 
 app = typer.Typer(
     name="kvchat",

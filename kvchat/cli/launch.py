@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from .common import SHARDED_COMMANDS, SHARDED_ONLY, _fail, app
+from .common import RANK0_FAILED, SHARDED_COMMANDS, SHARDED_ONLY, _fail, app
 
 RANK_NOTE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -67,26 +68,34 @@ def _run(argv: list[str]) -> int:
     after one sentence naming the rank that ended it, when one did."""
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE)
     ended: list[tuple[int, int | None]] = []
-    ring: list[str] = []  # the ring backend's notes: only worth showing if no rank ended
+    # The ring's notes, rank 0's failure and anything after a follower failed: echoes of
+    # a lost rank, shown only if rank 0 is the one that ended the run. (mlx.launch
+    # relays output in pieces, so a line of theirs can be cut by one of its notes.)
+    held: list[str] = []
     for raw in proc.stderr:
         line = raw.decode("utf-8", "replace")
         note = RANK_NOTE.search(ANSI.sub("", line))
         if note:
             ended.append((int(note[1]), int(note[2]) if note[2] is not None else None))
-        elif line.startswith("[ring] "):
-            ring.append(line)
+        elif _lost(ended) or "[ring]" in line or RANK0_FAILED in line:
+            held.append(line)
         else:
             sys.stderr.write(line)
             sys.stderr.flush()
     proc.wait()
-    if not ended:
-        sys.stderr.write("".join(ring))
-        return proc.returncode
-    rank, code = ended[0]
-    if rank == 0 and code is not None and code > 0:
-        return code  # rank 0 failed and said why itself
+    lost = _lost(ended)
+    rank, code = lost[0] if lost else ended[0] if ended else (0, proc.returncode)
+    if rank == 0 and code is not None and code >= 0:
+        sys.stderr.write("".join(held))
+        return code  # rank 0 ended first and said why itself
     how = ("was killed" if code is None else f"was killed by signal {-code}" if code < 0
            else f"exited with status {code}")
     typer.echo(f"kvchat: rank {rank} {how}, so the run was ended on every rank; "
                "saved sessions are as they were last saved.", err=True)
     return 1
+
+
+def _lost(ended: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+    """The followers that failed by themselves (not ended by mlx.launch's SIGTERM after
+    another rank failed), in the order they ended."""
+    return [(r, c) for r, c in ended if r and c not in (None, -signal.SIGTERM)]

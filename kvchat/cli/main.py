@@ -19,7 +19,7 @@ from kvchat.safety import dumps_json
 if TYPE_CHECKING:
     pass
 
-from .common import SHARDED_COMMANDS, SHARDED_ONLY, _as_text, _fail, app, load_or_exit
+from .common import RANK0_FAILED, SHARDED_COMMANDS, SHARDED_ONLY, _as_text, _fail, app, load_or_exit
 
 
 def _print_version(value: bool) -> None:
@@ -251,6 +251,10 @@ def main() -> None:
         sys.exit(distributed.follow(link))
     try:
         app()
+    except Exception as exc:  # most often a collective failing because another rank died
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        typer.echo(f"{RANK0_FAILED}{first}", err=True)
+        raise SystemExit(1) from None
     except SystemExit as exc:
         if not link.broken:  # the followers wait for the next operation: tell them it is the end
             link.broadcast({"op": "end"})
