@@ -35,6 +35,8 @@ from kvchat.engine.distributed import (
 from kvchat.engine.model import ModelLoadError
 from kvchat.engine.session import Session, SessionError, TurnDone
 from kvchat.engine.sharding import choose_mode, layout, layout_problem
+from kvchat.store.cache_file import read_cache
+from kvchat.store.shards import write_shard
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 SCRIPT = {
@@ -233,3 +235,29 @@ def test_launch_names_the_rank_that_ended_the_run_and_nothing_else(lines, code, 
     fake = f"import sys\nfor piece in {list(lines)!r}:\n    sys.stderr.write(piece); sys.stderr.flush()"
     assert _run([sys.executable, "-c", fake]) == code
     assert capfd.readouterr().err == err
+
+
+def test_a_rank_reads_its_own_shard_only_as_session_json_vouches_for_it(demo_model):
+    chat = Session(demo_model)
+    chat.settings.max_tokens = 4
+    [_ for _ in chat.send("hello")]
+    sha = write_shard(chat, "shards", 1)  # what rank 1 writes (here the whole cache)
+    store.save(chat, "shards", shards=[sha])
+    folder, data = store.session_dir("shards"), store.read("shards")
+    assert data["cache"]["shards"] == [sha]
+
+    def read(rank=1):
+        return read_cache(folder, data, demo_model, data["ledger"], Session(demo_model), rank)
+
+    cache, ledger, problem = read()
+    assert problem is None and ledger == chat.ledger and cache[0].offset == len(chat.ledger)
+    assert read(rank=2)[2] == f"{folder / 'cache.rank2.safetensors'} is missing"
+    shard = folder / "cache.rank1.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    assert read()[2] == (f"{shard} is damaged (its checksum differs from the one in "
+                         "session.json)")
+    store.save(chat, "shards")  # saved again on one machine: the shard is of no use now
+    assert sorted(p.name for p in folder.iterdir()) == \
+        ["cache.safetensors", "cache.sha256", "session.json"]

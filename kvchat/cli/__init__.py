@@ -1,7 +1,8 @@
 """The ``kvchat`` command: the TUI by default, and sub-commands added to one Typer ``app``.
 
 ``common`` holds the app and what every command shares; ``main`` the TUI,
-``doctor``, ``replay`` and ``bench``; ``ask``, ``serve`` and ``sessions`` their commands.
+``doctor``, ``replay`` and ``bench``; ``ask``, ``launch``, ``serve`` and ``sessions`` their
+commands.
 Importing this package registers them all.
 """
 
