@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -59,10 +60,11 @@ def root(
     ] = False,
 ) -> None:
     """Chat with a local model in the terminal (the default when no command is given)."""
-    from kvchat.engine import distributed
+    if "MLX_RANK" in os.environ and ctx.invoked_subcommand not in SHARDED_COMMANDS:
+        from kvchat.engine import distributed  # (imports mlx-lm: only under mlx.launch)
 
-    if distributed.current() and ctx.invoked_subcommand not in SHARDED_COMMANDS:
-        raise _fail(SHARDED_ONLY, 2)
+        if distributed.current():
+            raise _fail(SHARDED_ONLY, 2)
     if ctx.invoked_subcommand is not None:
         return
     from kvchat.tui.app import exit_now, run_tui
@@ -241,6 +243,9 @@ def eval_cache(
 def main() -> None:
     """Console-script entry point. Under ``mlx.launch`` (``kvchat launch``), rank 0 runs the
     command and the other ranks follow it (kvchat/engine/distributed.py)."""
+    if "MLX_RANK" not in os.environ:  # not started by mlx.launch
+        app()
+        return
     from kvchat.engine import distributed
 
     link = distributed.start()

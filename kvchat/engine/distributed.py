@@ -131,10 +131,9 @@ _link: Link | None = None
 
 
 def start() -> Link | None:
-    """The link of this process when ``mlx.launch`` started it as one rank of several."""
+    """The link of this process when ``mlx.launch`` started it as one rank of several
+    (call it only under ``mlx.launch``: it joins the group the environment names)."""
     global _link
-    if "MLX_RANK" not in os.environ:
-        return None
     group = mx.distributed.init()
     if group.size() < 2:
         return None
