@@ -19,11 +19,13 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import load_prompt_cache
+from mlx_lm.utils import load_model
 from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app
 from kvchat.cli.launch import _run
+from kvchat.engine import demo
 from kvchat.engine.distributed import (
     DistributedSession,
     Link,
@@ -37,6 +39,7 @@ from kvchat.engine.session import Session, SessionError, TurnDone
 from kvchat.engine.sharding import choose_mode, layout, layout_problem
 from kvchat.store.cache_file import read_cache
 from kvchat.store.shards import write_shard
+from tests.arch_models import TINY
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 SCRIPT = {
@@ -91,6 +94,31 @@ def test_replay_on_two_ranks_gives_the_replies_and_token_counts_of_one_process(t
     replies = [t["reply"] for t in sharded if "reply" in t]
     assert len(replies) == 5 and all(replies) and replies[1] == replies[2]  # greedy regenerate
     assert sharded[1]["reused_tokens"] > 0 and sharded[2]["evaluated_tokens"] == 0
+
+
+@pytest.mark.timeout(90)
+def test_tensor_parallel_replay_gives_the_replies_of_one_process(tmp_path):
+    """The demo's one KV head only allows a pipeline; this tiny qwen2 has two, so its
+    attention and MLP are split over the ranks and every layer ends in an all-sum."""
+    folder = tmp_path / "qwen2-kv2"
+    folder.mkdir()
+    tokenizer = demo.train_tokenizer()
+    config = demo.model_config({**TINY, "model_type": "qwen2", "num_attention_heads": 2,
+                                "num_key_value_heads": 2, "head_dim": 32}, tokenizer)
+    demo.write_model(folder, config, tokenizer)
+    assert choose_mode(*load_model(folder, lazy=True), 2, "tiny") == "tensor"
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"turns": ["hello there", "and then?", {"op": "regenerate"}]}))
+    args = ("replay", str(script), "--model", str(folder), "--json", "--max-tokens", "6")
+    two = launched(*args)
+    assert two.returncode == 0, two.stderr
+    one = kvchat(*args, env={"KVCHAT_CPU_FASTPATH": "0"})
+    assert one.returncode == 0, one.stderr
+    sharded, single = json.loads(two.stdout)["turns"], json.loads(one.stdout)["turns"]
+    assert [[t.get(k) for k in COMPARED] for t in sharded] == \
+        [[t.get(k) for k in COMPARED] for t in single]
+    assert sharded[1]["reused_tokens"] > 0 and sharded[1]["reply"] == sharded[2]["reply"]
+    assert [t["generated_tokens"] for t in sharded] == [6, 6, 6]  # random weights: no end token
 
 
 @pytest.mark.timeout(180)
