@@ -19,8 +19,9 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
+from .engine.distributed import new_session
 from .engine.kinds import CacheKindError, parse_kind
-from .engine.session import GenerationSettings, Session, SessionError, TurnDone
+from .engine.session import GenerationSettings, SessionError, TurnDone
 from .safety import printable, read_limited
 
 OPS = ("regenerate", "undo", "cache", "reset")
@@ -106,7 +107,7 @@ def run_script(
     no_cache: bool = False,
 ) -> dict:
     """Run every step; with ``no_cache`` each turn starts from an empty cache (the baseline)."""
-    session = Session(lm, kind=kind, system=script.system, settings=settings)
+    session = new_session(lm, kind=kind, system=script.system, settings=settings)
     steps = []
     for step in script.steps:
         entry: dict = {"op": step.op}

@@ -42,8 +42,9 @@ def ask(
 
     from kvchat import store
     from kvchat.config import ConfigError, load_config
+    from kvchat.engine.distributed import load_session, new_session, save_session
     from kvchat.engine.kinds import CacheKindError, parse_kind
-    from kvchat.engine.session import GenerationSettings, Session, SessionError
+    from kvchat.engine.session import GenerationSettings, SessionError
 
     text = _as_text(sys.stdin.buffer.read() if text == "-" else text, "the message")
     system = _as_text(system, "--system") if system is not None else None
@@ -65,7 +66,7 @@ def ask(
             lm = load_or_exit(spec)
             resumed, notice = False, None
             if saved is not None:
-                loaded = store.load(session, lm)
+                loaded = load_session(session, lm)
                 chat, resumed, notice = loaded.session, loaded.resumed_from_disk, loaded.notice
                 chat.settings.max_tokens = config.max_tokens if max_tokens else chat.settings.max_tokens
                 chat.settings.temp = config.temp if temp is not None else chat.settings.temp
@@ -76,9 +77,9 @@ def ask(
                                err=True)
             else:
                 settings = GenerationSettings(max_tokens=config.max_tokens, temp=config.temp)
-                chat = Session(lm, kind=kind or config.cache,
-                               system=system if system is not None else config.system or None,
-                               settings=settings)
+                chat = new_session(lm, kind=kind or config.cache,
+                                   system=system if system is not None else config.system or None,
+                                   settings=settings)
                 notice = store.set_aside(session) if session else None  # a cache left alone
             if notice:
                 typer.echo(f"kvchat: {printable(notice)}", err=True)
@@ -88,14 +89,14 @@ def ask(
             except KeyboardInterrupt:
                 events.close()  # between tokens this keeps the reply as stopped
                 if session:  # keep the partial reply (marked stopped) with the transcript
-                    store.save(chat, session)
+                    save_session(chat, session)
                 typer.echo("\nkvchat: interrupted" + (f"; saved session {session}."
                                                        if session else "."), err=True)
                 raise typer.Exit(130) from None
             save_error = None
             if session:
                 try:
-                    store.save(chat, session)
+                    save_session(chat, session)
                 except store.StoreError as exc:  # the reply is shown all the same
                     save_error = str(exc)
     except (store.StoreError, SessionError, CacheKindError) as exc:

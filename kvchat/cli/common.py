@@ -11,6 +11,14 @@ from kvchat.safety import printable
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
 
+SHARDED_COMMANDS = ("ask", "replay")
+SHARDED_ONLY = (
+    "A sharded run (kvchat launch, mlx.launch) runs only `kvchat ask` and `kvchat replay`: "
+    "the TUI needs a terminal, which mlx.launch does not give rank 0, and serve, bench "
+    "and the other commands run on one machine."
+)
+RANK0_FAILED = "kvchat (rank 0): the run failed: "  # kvchat launch drops it if a follower died
+
 app = typer.Typer(
     name="kvchat",
     help="A terminal chat for local LLMs on MLX with a live KV cache per conversation.",
@@ -21,10 +29,11 @@ app = typer.Typer(
 
 def load_or_exit(spec: str) -> LoadedModel:
     """Load a model, or print the one-line reason to stderr and exit with status 2."""
+    from kvchat.engine import distributed
     from kvchat.engine.model import ModelLoadError, load_model
 
     try:
-        return load_model(spec)
+        return distributed.load_model(spec) if distributed.current() else load_model(spec)
     except ModelLoadError as exc:
         typer.echo(f"kvchat: {printable(str(exc))}", err=True)
         raise typer.Exit(2) from None

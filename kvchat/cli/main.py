@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -19,7 +20,7 @@ from kvchat.safety import dumps_json
 if TYPE_CHECKING:
     pass
 
-from .common import _as_text, _fail, app, load_or_exit
+from .common import RANK0_FAILED, SHARDED_COMMANDS, SHARDED_ONLY, _as_text, _fail, app, load_or_exit
 
 
 def _print_version(value: bool) -> None:
@@ -59,6 +60,11 @@ def root(
     ] = False,
 ) -> None:
     """Chat with a local model in the terminal (the default when no command is given)."""
+    if "MLX_RANK" in os.environ and ctx.invoked_subcommand not in SHARDED_COMMANDS:
+        from kvchat.engine import distributed  # (imports mlx-lm: only under mlx.launch)
+
+        if distributed.current():
+            raise _fail(SHARDED_ONLY, 2)
     if ctx.invoked_subcommand is not None:
         return
     from kvchat.tui.app import exit_now, run_tui
@@ -235,5 +241,28 @@ def eval_cache(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. Under ``mlx.launch`` (``kvchat launch``), rank 0 runs the
+    command and the other ranks follow it (kvchat/engine/distributed.py)."""
+    if "MLX_RANK" not in os.environ:  # not started by mlx.launch
+        app()
+        return
+    from kvchat.engine import distributed
+
+    link = distributed.start()
+    if link is None:
+        app()
+        return
+    if link.rank:
+        sys.exit(distributed.follow(link))
+    try:
+        app()
+    except Exception as exc:  # most often a collective failing because another rank died
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        typer.echo(f"{RANK0_FAILED}{first}", err=True)
+        raise SystemExit(1) from None
+    except SystemExit as exc:
+        if not link.broken:  # the followers wait for the next operation: tell them it is the end
+            link.broadcast({"op": "end"})
+        elif exc.code in (0, None):
+            raise SystemExit(1) from None  # a follower mid-turn: mlx.launch must end it
+        raise

@@ -235,7 +235,7 @@ class Session(CacheMaintenance, BranchOps):
         self._keep_turns(messages)
 
         max_new = max(1, min(self.settings.max_tokens, self.lm.context_length - len(prompt)))
-        sampler = make_sampler(temp=self.settings.temp, top_p=self._top_p())
+        sampler = self._sampler()
         tokens: list[int] = []
         text = ReplyText(self.lm.tokenizer)
         first_at = prompt_eval_s = None
@@ -331,6 +331,10 @@ class Session(CacheMaintenance, BranchOps):
         """Keep one stats entry per reply in ``messages``: an undone or replaced
         reply takes its turn's stats with it."""
         del self.turns[sum(m["role"] == "assistant" for m in messages) :]
+
+    def _sampler(self) -> Callable[[mx.array], mx.array]:
+        """This turn's sampler (a sharded run makes every rank take rank 0's token)."""
+        return make_sampler(temp=self.settings.temp, top_p=self._top_p())
 
     def _top_p(self) -> float:
         return self.settings.top_p if 0.0 < self.settings.top_p < 1.0 else 0.0

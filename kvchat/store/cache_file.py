@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat import __version__
-from kvchat.store.base import CACHE_FILE, CACHE_SUM_FILE, StoreError, ledger_hash, one_line
+from kvchat.store.base import CACHE_SUM_FILE, StoreError, ledger_hash, one_line
 from kvchat.store.files import open_regular, read_regular, sha256_of
 
 if TYPE_CHECKING:
@@ -17,10 +17,12 @@ if TYPE_CHECKING:
 
 
 def read_cache(
-    folder: Path, data: dict, lm: LoadedModel, ledger: list[int], empty: Session
+    folder: Path, data: dict, lm: LoadedModel, ledger: list[int], empty: Session, rank: int = 0
 ) -> tuple[list | None, list[int] | None, str | None]:
     """(cache, its ledger, None) if the saved cache is sound for ``lm`` and ``ledger``,
     else (None, None, why not); (None, None, None) when an empty cache was saved.
+
+    A rank other than 0 of a sharded run reads its own shard (``store/shards.py``).
     """
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
@@ -28,13 +30,15 @@ def read_cache(
     from kvchat.engine.cache_check import cache_problem
     from kvchat.engine.kinds import cache_offset, trim_to
     from kvchat.engine.session import common_prefix
+    from kvchat.engine.sharding import layout_problem
+    from kvchat.store.shards import shard_file, shard_sha
 
     info = data.get("cache")
-    path = folder / CACHE_FILE
+    path = folder / shard_file(rank)
     if not ledger and not info:  # an empty cache (an imported session): any model will do
         return None, None, None
     if data.get("model_fingerprint") != lm.fingerprint:
-        return None, None, (
+        return None, None, layout_problem(data.get("model_fingerprint"), lm.fingerprint) or (
             f"it was made with model {data.get('model_id')!r}, which differs from "
             f"{lm.model_id!r} now"
         )
@@ -66,6 +70,8 @@ def read_cache(
     if problem:
         return None, None, f"{path} does not fit the model: {problem}"
 
+    if meta.get("ledger_sha256") != ledger_hash(ledger) and rank:
+        return None, None, f"{path} does not belong with session.json (a save was cut short?)"
     if meta.get("ledger_sha256") != ledger_hash(ledger):
         # The cache was replaced but session.json was not (a save cut short): the
         # newer cache still holds the tokens it shares with this transcript's ledger.
@@ -83,7 +89,7 @@ def read_cache(
         if ledger_hash(cached) == meta.get("ledger_sha256") and n and trim_to(cache, n):
             return cache, ledger[:n], None
         return None, None, f"{path} does not belong with session.json (a save was cut short?)"
-    if sha != info.get("sha256"):
+    if sha != shard_sha(info, rank):
         return None, None, f"{path} is damaged (its checksum differs from the one in session.json)"
     held = cache_offset(cache)
     if held is None:  # recurrent state only: the file's own count stands for the position

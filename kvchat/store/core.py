@@ -38,6 +38,7 @@ from kvchat.store.files import (
 from kvchat.store.lock import session_lock
 from kvchat.store.search import index_session
 from kvchat.store.session_file import read, read_json
+from kvchat.store.shards import drop_shards
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
@@ -46,23 +47,25 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 
 
-def save(session: Session, name: str) -> Path:
+def save(session: Session, name: str, shards: list[str] | None = None) -> Path:
     """Write ``session`` under ``name`` (cache first, then ``session.json``); return the folder.
 
     Takes the session's lock. A crash at any point leaves the previous save
     loadable: at worst its cache is rebuilt from its transcript. A write that
     fails (a full disk, a file size limit) is a :class:`StoreError` in one
     sentence, with the previous save as it was and no temporary file left.
+    ``shards`` are the checksums of the other ranks' cache shards, written already
+    (``store/shards.py``), for a sharded run.
     """
     with session_lock(name) as folder:
         try:
-            return _save_locked(session, name, folder)
+            return _save_locked(session, name, folder, shards)
         except OSError as exc:  # mlx writes the cache through the file object: OSError too
             reason = "no space left on device" if exc.errno in NO_SPACE else one_line(exc)
         raise StoreError(f"Could not save session {name}: {reason}; the previous save is intact.")
 
 
-def _save_locked(session: Session, name: str, folder: Path) -> Path:
+def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | None) -> Path:
     """:func:`save` once the lock is held (a failure leaves no temporary file behind)."""
     make_dir(folder)
     remove_stale_temps(folder)
@@ -78,15 +81,7 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
     ledger = list(session.ledger)
     cache_info = None
     if ledger:
-        metadata = {
-            "kvchat_version": __version__,
-            "format": str(FORMAT),
-            "model_fingerprint": session.lm.fingerprint,
-            "cache_kind": session.kind.name,
-            "ledger_len": str(len(ledger)),
-            "ledger_sha256": ledger_hash(ledger),
-            "ledger": ",".join(map(str, ledger)),
-        }
+        metadata = cache_metadata(session)
         if os.path.isdir(cache_path) and not os.path.islink(cache_path):
             _keep_aside(cache_path)  # a folder in the way: a file cannot replace it
 
@@ -104,6 +99,7 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
             "bytes": size,
             "tokens": session.cache_tokens,
             "ledger_sha256": metadata["ledger_sha256"],
+            **({"shards": shards} if shards else {}),
         }
     points = write_checkpoints(folder, session) if ledger else None
 
@@ -126,7 +122,22 @@ def _save_locked(session: Session, name: str, folder: Path) -> Path:
         (folder / CACHE_SUM_FILE).unlink(missing_ok=True)
     if points is None:
         (folder / CHECKPOINTS_FILE).unlink(missing_ok=True)
+    drop_shards(folder, len(cache_info.get("shards", [])) if cache_info else 0)
     return folder
+
+
+def cache_metadata(session: Session) -> dict[str, str]:
+    """What a cache file's safetensors metadata says of the cache and the ledger it holds."""
+    ledger = session.ledger
+    return {
+        "kvchat_version": __version__,
+        "format": str(FORMAT),
+        "model_fingerprint": session.lm.fingerprint,
+        "cache_kind": session.kind.name,
+        "ledger_len": str(len(ledger)),
+        "ledger_sha256": ledger_hash(ledger),
+        "ledger": ",".join(map(str, ledger)),
+    }
 
 
 def transcript(session: Session, name: str) -> dict:
@@ -174,12 +185,15 @@ def _keep_aside(path: Path) -> Path:
     return kept
 
 
-def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded:
+def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
+         data: dict | None = None, reader: Callable = read_cache) -> Loaded:
     """Load session ``name`` for model ``lm``, cache included when it is sound.
 
     When the cache cannot be used, the transcript still loads, the cache is
     rebuilt from it (``progress(done, total)`` reports the prefill) and
-    ``notice`` says why in one sentence.
+    ``notice`` says why in one sentence. A sharded run passes the parsed
+    ``session.json`` (``data``, which rank 0 sent) and a ``reader`` that reads this
+    rank's shard (:func:`~kvchat.store.cache_file.read_cache`'s signature).
     """
     from kvchat.engine.branches import Branches
     from kvchat.engine.kinds import CacheKindError
@@ -187,7 +201,7 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
     from kvchat.engine.stats import TurnStats
 
     folder = session_dir(name)
-    data = read(name)
+    data = read(name) if data is None else data
     # the schema (store/schema.py) has checked every field's type and range by now
     settings = _settings(GenerationSettings, data.get("settings", {}))
     turns = [TurnStats.from_dict(t) for t in data.get("turns", [])]
@@ -210,7 +224,7 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
     problem = kind_notice
     cache = None
     if problem is None:
-        cache, ledger, problem = read_cache(folder, data, lm, ledger, empty)
+        cache, ledger, problem = reader(folder, data, lm, ledger, empty)
     session = Session.restore(
         lm, messages=messages, kind=empty.kind, settings=settings,
         ledger=ledger, cache=cache,

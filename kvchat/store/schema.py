@@ -65,6 +65,7 @@ class CacheInfo(_Strict):
     bytes: Count = 0
     tokens: Count = 0
     ledger_sha256: str = ""
+    shards: list[str] = []  # a sharded run's: the sha256 of rank 1's, 2's, ... cache shard
 
 
 class CheckpointsInfo(_Strict):

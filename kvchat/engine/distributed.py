@@ -1,0 +1,367 @@
+"""One kvchat driving a model sharded over MLX distributed ranks (``kvchat launch``).
+
+Rank 0 runs the command (``ask``, ``replay``); every other rank runs
+:func:`follow`. Each engine operation that changes a cache (load the model, new
+session, load, send, regenerate, edit, undo, reset, cache kind, trim, system
+prompt, save) is a small JSON object that rank 0 sends to every rank with
+``mx.distributed.all_sum`` over a uint8 buffer (its length first), and then
+performs on its own :class:`Session`; each follower performs it on its own, in
+the same order. Every rank thus runs the same forward passes on the same tokens,
+so the collectives inside the sharded model meet, every rank's cache shard holds
+the one ledger, and greedy sampling agrees (the logits are the same on every
+rank after the model's own all-sum or all-gather), and every rank takes rank 0's
+sampled token all the same (temperature sampling is seeded alike on every rank too).
+
+A session's stop flag is shared (:class:`SharedStop`): each check of it during a
+turn is a collective carrying rank 0's flag, so a stop ends the turn after the
+same token everywhere.
+
+A rank that dies makes ``mlx.launch`` end the others; ``kvchat launch``
+(kvchat/cli/launch.py) says which rank it was in one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .events import Event, GenerationSettings, SessionError, TurnDone
+from .kinds import CacheKindError, parse_kind
+from .session import Session
+from .sharding import ShardedModel, load_sharded
+
+OPS = frozenset({
+    "model", "new", "load", "send", "regenerate", "edit", "undo", "reset", "kind", "trim",
+    "system", "save", "end",
+})
+ROW = 256  # bytes each rank reports after a save or a load
+# Session methods that change the cache and are not sent to the followers (the TUI's).
+UNSHARED = frozenset({"switch_branch", "delete_pair", "fork_prefix", "rebuild", "attach",
+                      "sync", "unload", "close"})
+DIE_ENV = "KVCHAT_TEST_DIE_RANK"  # tests: this rank kills itself in the middle of each turn
+
+
+class OpError(ValueError):
+    """Bytes that are not an engine operation (ranks out of step, or another program)."""
+
+
+def encode_op(op: dict) -> bytes:
+    """The bytes of ``op`` as they travel between ranks."""
+    if not isinstance(op, dict) or op.get("op") not in OPS:
+        raise OpError(f"not an engine operation: {op!r:.80}")
+    return json.dumps(op, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def decode_op(data: bytes) -> dict:
+    """The operation ``data`` holds, or :class:`OpError` in one sentence."""
+    try:
+        op = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise OpError("The ranks are out of step: an operation arrived damaged.") from None
+    if not isinstance(op, dict) or op.get("op") not in OPS:
+        raise OpError(f"The ranks are out of step: {op!r:.60} is not an engine operation.")
+    return op
+
+
+class Link:
+    """Rank 0's channel to every rank of ``group``: operations out, short reports back."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.rank, self.size = group.rank(), group.size()
+        self.broken = False  # rank 0 walked away mid-turn: the followers are not at an op
+
+    def _sum(self, values: mx.array) -> mx.array:
+        out = mx.distributed.all_sum(values, group=self.group, stream=mx.cpu)
+        mx.eval(out)
+        return out
+
+    def total(self, value: int) -> int:
+        """The sum of ``value`` over the ranks."""
+        return int(self._sum(mx.array([value], dtype=mx.int32)).item())
+
+    def broadcast(self, op: dict | None = None) -> dict:
+        """Rank 0 sends ``op``; every rank (rank 0 too) returns it."""
+        if self.rank == 0 and self.broken:
+            raise SessionError("The ranks are out of step after a reply left unfinished; "
+                               "start the run again.")
+        data = encode_op(op) if self.rank == 0 else b""
+        length = self.total(len(data))
+        buffer = np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.zeros(length, np.uint8)
+        return decode_op(bytes(np.array(self._sum(mx.array(buffer)))))
+
+    def gather(self, row: bytes) -> list[bytes]:
+        """Every rank's ``row`` (at most ROW bytes, no NUL), in rank order."""
+        table = np.zeros((self.size, ROW), np.uint8)
+        table[self.rank, : len(row[:ROW])] = np.frombuffer(row[:ROW], np.uint8)
+        summed = np.array(self._sum(mx.array(table)))
+        return [bytes(r).rstrip(b"\0") for r in summed]
+
+
+class SharedStop:
+    """A session's stop flag (``threading.Event``'s methods), the same on every rank:
+    ``is_set`` is a collective that carries rank 0's flag, so every rank must check it
+    at the same points, as the same turn on every rank does."""
+
+    def __init__(self, link: Link):
+        self._link, self._flag = link, threading.Event()
+
+    def set(self) -> None:
+        self._flag.set()
+
+    def clear(self) -> None:
+        self._flag.clear()
+
+    def is_set(self) -> bool:
+        mine = self._link.rank == 0 and self._flag.is_set()
+        return self._link.total(int(mine)) > 0
+
+
+_link: Link | None = None
+
+
+def start() -> Link | None:
+    """The link of this process when ``mlx.launch`` started it as one rank of several
+    (call it only under ``mlx.launch``: it joins the group the environment names)."""
+    global _link
+    group = mx.distributed.init()
+    if group.size() < 2:
+        return None
+    _link = Link(group)
+    return _link
+
+
+def current() -> Link | None:
+    return _link
+
+
+def load_model(spec: str) -> ShardedModel:
+    """Rank 0: load ``spec`` sharded over every rank (ModelLoadError as load_model)."""
+    seed = time.time_ns() % (1 << 31)
+    _link.broadcast({"op": "model", "spec": spec, "seed": seed})
+    mx.random.seed(seed)
+    return load_sharded(spec, _link.group)
+
+
+def _bind(session: Session, link: Link) -> Session:
+    """Make ``session`` keep in step with the other ranks: a shared stop flag (each check
+    is a collective from now on) and rank 0's sampled token on every rank (the logits
+    agree, but float sums over more than two ranks need not agree to the last bit)."""
+    session._stop = SharedStop(link)
+    own = session._sampler
+
+    def sampler():
+        sample = own()
+
+        def shared(logprobs: mx.array) -> mx.array:
+            token = sample(logprobs)
+            mine = token if link.rank == 0 else mx.zeros_like(token)
+            return mx.distributed.all_sum(mine, group=link.group, stream=mx.cpu)
+        return shared
+
+    session._sampler = sampler
+    return session
+
+
+def new_session(lm, *, kind, system: str | None, settings: GenerationSettings | None = None):
+    """A new :class:`Session`, on every rank when ``lm`` is sharded."""
+    session = Session(lm, kind=kind, system=system, settings=settings)
+    if not isinstance(lm, ShardedModel):
+        return session
+    _link.broadcast({"op": "new", "kind": session.kind.name, "system": system,
+                     "settings": asdict(session.settings)})
+    return DistributedSession(_link, _bind(session, _link))
+
+
+def load_session(name: str, lm):
+    """``store.load``, on every rank when ``lm`` is sharded: each rank reads its own cache
+    shard, and when any rank cannot use its shard every rank rebuilds from the transcript."""
+    from kvchat import store
+
+    if not isinstance(lm, ShardedModel):
+        return store.load(name, lm)
+    data = store.read(name)
+    _link.broadcast({"op": "load", "name": name, "data": data})
+    loaded = _load_here(name, lm, data, _link)
+    loaded.session = DistributedSession(_link, loaded.session)
+    return loaded
+
+
+def _load_here(name: str, lm, data: dict, link: Link):
+    from kvchat import store
+    from kvchat.store.cache_file import read_cache
+
+    def reader(folder, data, lm, ledger, empty):
+        cache, kept, problem = read_cache(folder, data, lm, ledger, empty, rank=link.rank)
+        if problem is None and kept is not None and len(kept) != len(ledger):
+            cache, kept, problem = None, None, "a save was cut short"
+        rows = link.gather(problem.encode("utf-8")[:ROW] if problem else b"")
+        if problem is None:
+            bad = [(r, row) for r, row in enumerate(rows) if row]
+            if bad:
+                rank, why = bad[0]
+                return None, None, (f"rank {rank}'s cache shard could not be used: "
+                                    f"{why.decode('utf-8', 'ignore')}")
+        return cache, kept, problem
+
+    loaded = store.load(name, lm, data=data, reader=reader)
+    _bind(loaded.session, link)
+    return loaded
+
+
+def save_session(session, name: str):
+    """``store.save``; for a sharded session every rank first writes its own shard."""
+    from kvchat import store
+
+    if not isinstance(session, DistributedSession):
+        return store.save(session, name)
+    _link.broadcast({"op": "save", "name": name})
+    rows = _link.gather(b"")
+    for rank, row in enumerate(rows[1:], 1):
+        if not row.startswith((b"sha:", b"empty")):
+            raise store.StoreError(
+                f"Could not save session {name}: rank {rank} could not write its cache shard "
+                f"({row.decode('utf-8', 'ignore')}); session.json was not changed.")
+    shas = [row[4:].decode() for row in rows[1:] if row.startswith(b"sha:")]
+    return store.save(session.local, name, shards=shas or None)
+
+
+class DistributedSession:
+    """Rank 0's :class:`Session` of a sharded run: each call that changes the cache is
+    sent to every rank first; everything else is the local session's."""
+
+    def __init__(self, link: Link, local: Session):
+        self._link, self.local = link, local
+
+    def __getattr__(self, name: str) -> Any:
+        if name in UNSHARED:
+            raise SessionError(f"A sharded run cannot {name.replace('_', ' ')} yet; run "
+                               "this session on one machine for that.")
+        return getattr(self.local, name)
+
+    def _send(self, op: str, **fields: Any) -> None:
+        self._link.broadcast({"op": op, **fields})
+
+    def _turn(self, op: str, **fields: Any) -> Iterator[Event]:
+        self._send(op, settings=asdict(self.local.settings), **fields)
+        return _perform(self.local, {"op": op, **fields}, self._link)
+
+    def send(self, text: str) -> Iterator[Event]:
+        return self._turn("send", text=text)
+
+    def regenerate(self, index: int | None = None) -> Iterator[Event]:
+        return self._turn("regenerate", index=index)
+
+    def edit(self, index: int, text: str) -> Iterator[Event]:
+        return self._turn("edit", index=index, text=text)
+
+    def stop(self) -> None:
+        self.local.stop()
+
+    def undo(self, turns: int = 1) -> None:
+        self._send("undo", turns=turns)
+        self.local.undo(turns)
+
+    def reset(self) -> bool:
+        self._send("reset")
+        return self.local.reset()
+
+    def set_kind(self, kind, progress=None) -> str | None:
+        name = parse_kind(kind).name
+        self._send("kind", kind=name)
+        return self.local.set_kind(name, progress)
+
+    def trim_history(self, max_tokens: int, progress=None) -> int:
+        self._send("trim", max_tokens=max_tokens)
+        return self.local.trim_history(max_tokens, progress)
+
+    def set_system(self, text: str | None) -> int:
+        self._send("system", text=text)
+        return self.local.set_system(text)
+
+
+def _perform(session: Session, op: dict, link: Link) -> Any:
+    """Run ``op`` on ``session``: what rank 0 and the followers both do."""
+    name = op["op"]
+    if "settings" in op:
+        session.settings = GenerationSettings(**op["settings"])
+    if name in ("send", "regenerate", "edit"):
+        events = (session.send(op["text"]) if name == "send" else
+                  session.regenerate(op["index"]) if name == "regenerate" else
+                  session.edit(op["index"], op["text"]))
+        return _watched(events, link)
+    if name == "undo":
+        return session.undo(op["turns"])
+    if name == "reset":
+        return session.reset()
+    if name == "kind":
+        return session.set_kind(op["kind"])
+    if name == "trim":
+        return session.trim_history(op["max_tokens"])
+    if name == "system":
+        return session.set_system(op["text"])
+    raise OpError(f"The ranks are out of step: {name!r} is not a session operation.")
+
+
+def _watched(events: Iterator[Event], link: Link) -> Iterator[Event]:
+    """The turn's events; a turn left before its end leaves the ranks out of step."""
+    finished = False
+    try:
+        for event in events:
+            finished = isinstance(event, TurnDone)
+            yield event
+    finally:
+        if not finished:
+            link.broken = True
+
+
+def follow(link: Link) -> int:
+    """A follower rank: perform every operation rank 0 sends until it sends "end"."""
+    from kvchat.engine.model import ModelLoadError
+    from kvchat.store import StoreError
+    from kvchat.store.shards import write_shard
+
+    lm = session = None
+    while True:
+        op = link.broadcast()
+        name = op["op"]
+        if name == "end":
+            return 0
+        if name == "model":
+            mx.random.seed(op["seed"])
+            try:
+                lm = load_sharded(op["spec"], link.group)
+            except ModelLoadError as exc:
+                print(f"kvchat (rank {link.rank}): {exc}", file=sys.stderr, flush=True)
+                return 2
+        elif name == "new":
+            settings = GenerationSettings(**op["settings"])
+            session = _bind(Session(lm, kind=op["kind"], system=op["system"],
+                                    settings=settings), link)
+        elif name == "load":
+            session = _load_here(op["name"], lm, op["data"], link).session
+        elif name == "save":
+            try:
+                sha = write_shard(session, op["name"], link.rank)
+                row = b"sha:" + sha.encode() if sha else b"empty"
+            except (OSError, StoreError) as exc:
+                row = str(exc).encode("utf-8", "ignore")[:ROW] or b"error"
+            link.gather(row)
+        else:
+            try:
+                result = _perform(session, op, link)
+                for i, _ in enumerate(result if name in ("send", "regenerate", "edit") else ()):
+                    if i == 2 and os.environ.get(DIE_ENV) == str(link.rank):
+                        os.kill(os.getpid(), signal.SIGKILL)  # tests: a rank lost mid-turn
+            except (SessionError, CacheKindError):
+                pass  # rank 0 meets the same error on the same state and reports it

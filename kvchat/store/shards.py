@@ -1,0 +1,73 @@
+"""Cache shards of a sharded run: each rank's part of the prompt cache, beside ``session.json``.
+
+Rank 0 writes ``cache.safetensors`` and ``session.json`` as on one machine
+(:func:`kvchat.store.core.save`); rank ``r`` > 0 writes ``cache.rank<r>.safetensors``
+in its own sessions folder (the same one when the ranks share a machine) with
+:func:`write_shard`, atomically, *before* rank 0 writes ``session.json``, which
+records each shard's sha256 under ``cache.shards``. A shard is read by
+:func:`~kvchat.store.cache_file.read_cache` with its rank; one that does not match
+(missing, damaged, another layout, a save cut short) makes every rank rebuild
+the cache from the transcript.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvchat.store.base import CACHE_FILE, session_dir
+from kvchat.store.files import finish_temp, make_dir, new_temp, rename_into_place
+
+if TYPE_CHECKING:
+    from kvchat.engine.session import Session
+
+
+def shard_file(rank: int) -> str:
+    """The file name of rank ``rank``'s cache (rank 0's is the ordinary cache file)."""
+    return CACHE_FILE if rank == 0 else f"cache.rank{rank}.safetensors"
+
+
+SHARD_RE = re.compile(r"cache\.rank([1-9][0-9]*)\.safetensors")
+
+
+def drop_shards(folder: Path, keep: int) -> None:
+    """Remove the shards of ranks past ``keep`` (a save by fewer ranks, or one machine)."""
+    for path in folder.iterdir():
+        found = SHARD_RE.fullmatch(path.name)
+        if found and int(found[1]) > keep and path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
+
+
+def shard_sha(info: dict, rank: int) -> str | None:
+    """The sha256 ``session.json``'s cache record lists for rank ``rank``'s file."""
+    if rank == 0:
+        return info.get("sha256")
+    shards = info.get("shards") or []
+    return shards[rank - 1] if rank <= len(shards) else None
+
+
+def write_shard(session: Session, name: str, rank: int) -> str | None:
+    """Write this rank's cache of ``session`` for session ``name`` atomically; return its
+    sha256 (None, and the old shard removed, when the cache is empty)."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from kvchat.engine.kinds import compacted
+    from kvchat.store.core import cache_metadata
+
+    folder = session_dir(name)
+    make_dir(folder)
+    path = folder / shard_file(rank)
+    if not session.ledger:
+        path.unlink(missing_ok=True)
+        return None
+    tmp, f = new_temp(folder, ".safetensors")
+    try:
+        with f:
+            save_prompt_cache(f, compacted(session.cache), cache_metadata(session))
+            sha, _ = finish_temp(f)
+        rename_into_place(tmp, path, "shard")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return sha

@@ -1,0 +1,291 @@
+"""A model sharded over MLX distributed ranks (issue 12): two local ranks over the ring
+backend on loopback, started by `kvchat launch`, against one process.
+
+Each launch costs a few seconds (every rank imports mlx-lm), so the scenarios share
+few launches: one replay, then three `ask --session` runs on one session (create,
+resume, lose rank 1 mid-turn). The rest are unit tests that launch nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import load_prompt_cache
+from mlx_lm.utils import load_model
+from typer.testing import CliRunner
+
+from kvchat import store
+from kvchat.cli import app
+from kvchat.cli.launch import _run
+from kvchat.engine import demo
+from kvchat.engine.distributed import (
+    DistributedSession,
+    Link,
+    OpError,
+    _bind,
+    decode_op,
+    encode_op,
+)
+from kvchat.engine.model import ModelLoadError
+from kvchat.engine.session import Session, SessionError, TurnDone
+from kvchat.engine.sharding import choose_mode, layout, layout_problem
+from kvchat.store.cache_file import read_cache
+from kvchat.store.shards import write_shard
+from tests.arch_models import TINY
+
+CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
+SCRIPT = {
+    "system": "You are terse.",
+    "turns": ["hello there", "what is a cache?", {"op": "regenerate"}, "tell me more",
+              {"op": "undo"}, {"op": "cache", "kind": "quantized:8"}, "and a map?"],
+}
+COMPARED = ("op", "reply", "prompt_tokens", "reused_tokens", "evaluated_tokens",
+            "generated_tokens", "cache_tokens", "rebuilt")
+
+
+def _free_port() -> int:
+    """A port such that it and the next one are free (the ring backend uses one per rank)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port < 65000:
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free pair of ports")
+
+
+def kvchat(*args, env=None, timeout=60):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def launched(*args, env=None):
+    """`kvchat launch -n 2 -- ARGS` over the ring backend on loopback."""
+    return kvchat("launch", "-n", "2", "--port", str(_free_port()), "--", *args, env=env)
+
+
+@pytest.mark.timeout(120)
+def test_replay_on_two_ranks_gives_the_replies_and_token_counts_of_one_process(tmp_path):
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(SCRIPT), encoding="utf-8")
+    args = ("replay", str(script), "--json", "--max-tokens", "12")
+    two = launched(*args)
+    assert two.returncode == 0, two.stderr
+    # The sharded model runs mlx-lm's generate_step; one process does too without
+    # the CPU fast path (whose eager decode leaves the last sampled token out of the cache).
+    one = kvchat(*args, env={"KVCHAT_CPU_FASTPATH": "0"})
+    assert one.returncode == 0, one.stderr
+    sharded, single = json.loads(two.stdout)["turns"], json.loads(one.stdout)["turns"]
+    assert [[t.get(k) for k in COMPARED] for t in sharded] == \
+        [[t.get(k) for k in COMPARED] for t in single]
+    replies = [t["reply"] for t in sharded if "reply" in t]
+    assert len(replies) == 5 and all(replies) and replies[1] == replies[2]  # greedy regenerate
+    assert sharded[1]["reused_tokens"] > 0 and sharded[2]["evaluated_tokens"] == 0
+
+
+@pytest.mark.timeout(90)
+def test_tensor_parallel_replay_gives_the_replies_of_one_process(tmp_path):
+    """The demo's one KV head only allows a pipeline; this tiny qwen2 has two, so its
+    attention and MLP are split over the ranks and every layer ends in an all-sum."""
+    folder = tmp_path / "qwen2-kv2"
+    folder.mkdir()
+    tokenizer = demo.train_tokenizer()
+    config = demo.model_config({**TINY, "model_type": "qwen2", "num_attention_heads": 2,
+                                "num_key_value_heads": 2, "head_dim": 32}, tokenizer)
+    demo.write_model(folder, config, tokenizer)
+    assert choose_mode(*load_model(folder, lazy=True), 2, "tiny") == "tensor"
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"turns": ["hello there", "and then?", {"op": "regenerate"}]}))
+    args = ("replay", str(script), "--model", str(folder), "--json", "--max-tokens", "6")
+    two = launched(*args)
+    assert two.returncode == 0, two.stderr
+    one = kvchat(*args, env={"KVCHAT_CPU_FASTPATH": "0"})
+    assert one.returncode == 0, one.stderr
+    sharded, single = json.loads(two.stdout)["turns"], json.loads(one.stdout)["turns"]
+    assert [[t.get(k) for k in COMPARED] for t in sharded] == \
+        [[t.get(k) for k in COMPARED] for t in single]
+    assert sharded[1]["reused_tokens"] > 0 and sharded[1]["reply"] == sharded[2]["reply"]
+    assert [t["generated_tokens"] for t in sharded] == [6, 6, 6]  # random weights: no end token
+
+
+@pytest.mark.timeout(180)
+def test_ask_resumes_sharded_cache_files_and_a_lost_rank_damages_nothing(demo_model):
+    base = ("ask", "-s", "dist", "--json", "--max-tokens", "8")
+    first = launched(*base, "hello there")
+    assert first.returncode == 0, first.stderr
+    r1 = json.loads(first.stdout)
+    folder = store.session_dir("dist")
+    saved = json.loads((folder / "session.json").read_bytes())
+    assert saved["model_fingerprint"] == demo_model.fingerprint + "+pipeline2"
+    shard = (folder / "cache.rank1.safetensors").read_bytes()
+    assert saved["cache"]["shards"] == [hashlib.sha256(shard).hexdigest()]
+    assert len(saved["ledger"]) == r1["cache_tokens"]
+
+    # Sampled at a temperature: every rank must still take the same tokens.
+    second = launched(*base, "--temp", "0.9", "and more")
+    assert second.returncode == 0, second.stderr
+    r2 = json.loads(second.stdout)
+    messages = [*saved["messages"], {"role": "user", "content": "and more"}]
+    prompt = Session(demo_model, messages=messages).render(messages, True)
+    assert r2["resumed_from_disk"] is True and r2["notice"] is None
+    assert r2["prompt_tokens"] == len(prompt)
+    assert r2["reused_tokens"] == len(saved["ledger"])  # only the new message is evaluated
+    assert r2["evaluated_tokens"] == len(prompt) - len(saved["ledger"])
+    saved = json.loads((folder / "session.json").read_bytes())
+    for name in ("cache.safetensors", "cache.rank1.safetensors"):  # each rank's own layer
+        cache, meta = load_prompt_cache(str(folder / name), return_metadata=True)
+        assert meta["ledger"] == ",".join(map(str, saved["ledger"]))
+        assert len(cache) == 1 and cache[0].offset == len(saved["ledger"]) == r2["cache_tokens"]
+
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    lost = launched(*base, "a third question", env={"KVCHAT_TEST_DIE_RANK": "1"})
+    assert lost.returncode == 1 and lost.stdout == ""
+    assert lost.stderr == (  # one sentence: no traceback, no echo of the ring's errors
+        "kvchat: rank 1 was killed by signal 9, so the run was ended on every rank; "
+        "saved sessions are as they were last saved.\n")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+    loaded = store.load("dist", demo_model)  # on one machine: rebuilt from the transcript
+    assert loaded.notice == (
+        "The saved cache was not used (it was saved sharded over 2 ranks (pipeline parallel) "
+        "and this run is on one machine); it was rebuilt from the transcript.")
+    assert loaded.session.messages == json.loads(before["session.json"])["messages"]
+    assert [m["content"] for m in loaded.session.messages[-4:]] == \
+        ["hello there", r1["reply"], "and more", r2["reply"]]
+
+
+# ------------------------------------------------------------- without launching
+
+
+def test_ops_travel_as_json_bytes_and_anything_else_is_refused():
+    op = {"op": "send", "text": "héllo ✓ \x00", "settings": {"temp": 0.0}}
+    assert decode_op(encode_op(op)) == op
+    assert encode_op({"op": "end"}) == b'{"op":"end"}'
+    for bad in (b"\xff\xfe", b"[1, 2]", b'{"op": "format-disk"}', b"{"):
+        with pytest.raises(OpError, match="out of step"):
+            decode_op(bad)
+    with pytest.raises(OpError):
+        encode_op({"op": "nope"})
+
+
+def test_a_link_of_one_rank_sends_ops_and_gathers_rows():
+    link = Link(mx.distributed.init())
+    assert link.size == 1
+    op = {"op": "load", "name": "x", "data": {"messages": [{"role": "user", "content": "é" * 999}]}}
+    assert link.broadcast(op) == op
+    assert link.gather(b"sha:abc") == [b"sha:abc"]
+    assert link.total(7) == 7
+
+
+def test_layouts_are_told_apart_in_words():
+    assert layout("abc") == "on one machine"
+    assert layout("abc+tensor2") == "sharded over 2 ranks (tensor parallel)"
+    assert layout_problem("abc+pipeline4", "abc+pipeline2") == (
+        "it was saved sharded over 4 ranks (pipeline parallel) and this run is sharded over "
+        "2 ranks (pipeline parallel)")
+    assert layout_problem("abc", "abc") is None
+    assert layout_problem("other+tensor2", "abc") is None  # another model: said elsewhere
+
+
+def test_a_session_saved_on_one_machine_resumed_sharded_is_rebuilt_with_a_notice(demo_model):
+    chat = Session(demo_model)
+    chat.settings.max_tokens = 4
+    next(e for e in chat.send("hello") if isinstance(e, TurnDone))
+    store.save(chat, "single")
+    sharded = replace(demo_model, fingerprint=demo_model.fingerprint + "+tensor2")
+    loaded = store.load("single", sharded)
+    assert loaded.notice == (
+        "The saved cache was not used (it was saved on one machine and this run is sharded "
+        "over 2 ranks (tensor parallel)); it was rebuilt from the transcript.")
+    assert loaded.session.ledger == chat.render(chat.messages, False)
+
+
+def test_sharding_is_tensor_where_heads_divide_else_pipeline_else_one_sentence(demo_model):
+    config = json.loads((demo_model.path / "config.json").read_text())
+    assert config["num_key_value_heads"] == 1  # the demo's one KV head cannot be split
+    assert choose_mode(demo_model.model, config, 2, "demo") == "pipeline"
+    assert choose_mode(demo_model.model, {**config, "num_key_value_heads": 2}, 2, "demo") == "tensor"
+    with pytest.raises(ModelLoadError, match=r"^'demo' cannot be sharded over 4 ranks: .*\.$"):
+        choose_mode(demo_model.model, config, 4, "demo")
+
+
+@pytest.mark.parametrize("args", [["launch"], ["launch", "--", "serve"], ["launch", "--", "sessions"]])
+def test_launch_runs_only_ask_and_replay(args):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert "runs only `kvchat ask` and `kvchat replay`" in result.output
+
+
+def test_a_distributed_session_shares_its_stop_and_refuses_what_it_cannot_send(demo_model):
+    link = Link(mx.distributed.init())
+    chat = DistributedSession(link, _bind(Session(demo_model), link))
+    events = chat.send("hello there")
+    chat.stop()  # before the first token: every rank reads rank 0's flag at the same check
+    [done] = [e for e in events if isinstance(e, TurnDone)]
+    assert done.stopped and done.stats.generated_tokens == 0
+    assert chat.messages[-1] == {"role": "assistant", "content": "", "stopped": True}
+    with pytest.raises(SessionError, match="^A sharded run cannot switch branch yet;"):
+        chat.switch_branch(0, 1)
+    abandoned = chat.send("again")
+    next(abandoned)
+    abandoned.close()  # rank 0 left a turn the followers are still in: nothing more is sent
+    with pytest.raises(SessionError, match="out of step"):
+        chat.reset()
+
+
+LOST = (  # what mlx.launch relays when rank 1 is killed mid-turn (a line of rank 0's cut)
+    "kvchat: a notice\n", "[ring] Socket", "\x1b[33m[WARN] Node with rank 1 exited with code -9 "
+    "\x1b[0m\n", " 4 was closed by the peer\n", "kvchat (rank 0): the run failed: boom\n",
+    "\x1b[33m[WARN] Node with rank 0 exited with code -15 \x1b[0m\n")
+RANK0 = ("kvchat: No saved session named 'x'.\n", "[WARN] Node with rank 0 exited with code 2\n",
+         "[WARN] Node with rank 1 was killed\n")
+
+
+@pytest.mark.parametrize(("lines", "code", "err"), [
+    (LOST, 1, "kvchat: a notice\nkvchat: rank 1 was killed by signal 9, so the run was ended "
+              "on every rank; saved sessions are as they were last saved.\n"),
+    (RANK0, 2, "kvchat: No saved session named 'x'.\n"),
+])
+def test_launch_names_the_rank_that_ended_the_run_and_nothing_else(lines, code, err, capfd):
+    fake = f"import sys\nfor piece in {list(lines)!r}:\n    sys.stderr.write(piece); sys.stderr.flush()"
+    assert _run([sys.executable, "-c", fake]) == code
+    assert capfd.readouterr().err == err
+
+
+def test_a_rank_reads_its_own_shard_only_as_session_json_vouches_for_it(demo_model):
+    chat = Session(demo_model)
+    chat.settings.max_tokens = 4
+    [_ for _ in chat.send("hello")]
+    sha = write_shard(chat, "shards", 1)  # what rank 1 writes (here the whole cache)
+    store.save(chat, "shards", shards=[sha])
+    folder, data = store.session_dir("shards"), store.read("shards")
+    assert data["cache"]["shards"] == [sha]
+
+    def read(rank=1):
+        return read_cache(folder, data, demo_model, data["ledger"], Session(demo_model), rank)
+
+    cache, ledger, problem = read()
+    assert problem is None and ledger == chat.ledger and cache[0].offset == len(chat.ledger)
+    assert read(rank=2)[2] == f"{folder / 'cache.rank2.safetensors'} is missing"
+    shard = folder / "cache.rank1.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    assert read()[2] == (f"{shard} is damaged (its checksum differs from the one in "
+                         "session.json)")
+    store.save(chat, "shards")  # saved again on one machine: the shard is of no use now
+    assert sorted(p.name for p in folder.iterdir()) == \
+        ["cache.safetensors", "cache.sha256", "session.json"]
