@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from kvchat import store
-from kvchat.engine.branches import BranchError, Branches
+from kvchat.engine.branches import BranchError, Branches, talk
 from kvchat.engine.kinds import cache_offset
 from kvchat.engine.maintenance import common_prefix
 from kvchat.engine.session import GenerationSettings, Session, SessionError, TurnDone
@@ -40,6 +40,17 @@ def fresh_reply(lm, messages: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------ the tree
+
+
+def test_talk_is_the_messages_without_the_system_prompt(demo_model):
+    plain = msgs("a", "A")
+    with_system = [{"role": "system", "content": SYSTEM}, *plain]
+    assert talk(with_system) == plain and talk(plain) == plain and talk([]) == []
+    assert talk(plain) is not plain  # a new list: the caller may change it
+    session = Session(demo_model, system=SYSTEM, messages=plain)
+    assert session.talk() == plain
+    session.set_system("Be brief.")
+    assert session.messages == [{"role": "system", "content": "Be brief."}, *plain]
 
 
 def test_record_adds_a_branch_where_the_messages_part():

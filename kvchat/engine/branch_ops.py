@@ -14,7 +14,7 @@ import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .branches import Branches
+from .branches import Branches, talk
 from .events import Event, SessionError
 
 Progress = Callable[[int, int], None]
@@ -35,7 +35,7 @@ class BranchOps:
 
     def talk(self) -> list[dict]:
         """The messages without the system prompt: what the branches are made of."""
-        return self.messages[1:] if self.system is not None else list(self.messages)
+        return talk(self.messages)
 
     def _offset(self) -> int:
         return 1 if self.system is not None else 0

@@ -35,6 +35,11 @@ def _key(message: dict) -> tuple:
     return message["role"], message["content"], bool(message.get("stopped"))
 
 
+def talk(messages: list[dict]) -> list[dict]:
+    """``messages`` without the system prompt: what the branches are made of."""
+    return messages[1:] if messages and messages[0]["role"] == "system" else list(messages)
+
+
 def _plain(message: dict) -> dict:
     out = {"role": message["role"], "content": message["content"]}
     if message.get("stopped"):

@@ -181,7 +181,7 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
     rebuilt from it (``progress(done, total)`` reports the prefill) and
     ``notice`` says why in one sentence.
     """
-    from kvchat.engine.branches import Branches
+    from kvchat.engine.branches import Branches, talk
     from kvchat.engine.kinds import CacheKindError
     from kvchat.engine.session import GenerationSettings, Session
     from kvchat.engine.stats import TurnStats
@@ -194,9 +194,9 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
     messages = [dict(m) for m in data["messages"]]
     archived = list(data.get("archived", []))
     ledger = list(data.get("ledger", []))
-    talk = messages[1:] if messages and messages[0]["role"] == "system" else messages
     # checked against the messages by the schema already
-    branches = Branches.from_record(data["branches"], talk) if "branches" in data else None
+    branches = (Branches.from_record(data["branches"], talk(messages))
+                if "branches" in data else None)
     kind = data.get("cache_kind", "standard")
 
     kind_notice = None

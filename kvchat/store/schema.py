@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvchat.engine.branches import BranchError, Branches
+from kvchat.engine.branches import BranchError, Branches, talk
 from kvchat.engine.stats import TurnStats
 from kvchat.store.base import StoreError
 
@@ -106,12 +106,10 @@ class SessionFile(_Strict):
 
     def tree(self) -> Branches:
         """The branch tree, checked against ``messages`` (linear when none was saved)."""
-        talk = [m.model_dump(exclude_unset=True) for m in self.messages]
-        if talk and talk[0]["role"] == "system":
-            talk = talk[1:]
+        messages = talk([m.model_dump(exclude_unset=True) for m in self.messages])
         if self.branches is None:
-            return Branches.linear(talk)
-        return Branches.from_record(self.branches.model_dump(exclude_unset=True), talk)
+            return Branches.linear(messages)
+        return Branches.from_record(self.branches.model_dump(exclude_unset=True), messages)
 
 
 def parse_session(raw: bytes, path: Path) -> dict:
