@@ -220,6 +220,25 @@ def test_branches_are_saved_loaded_and_exported(demo_model, home):
     assert "2 message(s) on other branches" in store.export("tree", "md")
 
 
+def test_a_load_builds_the_saved_tree_once(demo_model, home, monkeypatch):
+    session = three_turns(demo_model)
+    finish(session.edit(3, "second, edited"))
+    store.save(session, "once")
+    saved = json.loads((session_dir("once") / SESSION_FILE).read_text())["branches"]
+    built = []
+    real = Branches.from_record.__func__
+
+    def counted(cls, record, messages):
+        built.append(len(record["nodes"]))
+        return real(cls, record, messages)
+
+    monkeypatch.setattr(Branches, "from_record", classmethod(counted))
+    loaded = store.load("once", demo_model).session
+    assert built == [len(saved["nodes"])]  # by the schema's check, then handed to the session
+    assert loaded.branches.to_record() == saved
+    assert loaded.messages == session.messages and loaded.branch_position(3) == (2, 2)
+
+
 def test_a_session_without_branches_saves_as_before(demo_model, home):
     session = three_turns(demo_model)
     store.save(session, "plain")

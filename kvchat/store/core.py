@@ -37,7 +37,7 @@ from kvchat.store.files import (
 )
 from kvchat.store.lock import session_lock
 from kvchat.store.search import index_session
-from kvchat.store.session_file import read, read_json
+from kvchat.store.session_file import read_json, read_with_tree
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
@@ -181,22 +181,18 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
     rebuilt from it (``progress(done, total)`` reports the prefill) and
     ``notice`` says why in one sentence.
     """
-    from kvchat.engine.branches import Branches, talk
     from kvchat.engine.kinds import CacheKindError
     from kvchat.engine.session import GenerationSettings, Session
     from kvchat.engine.stats import TurnStats
 
     folder = session_dir(name)
-    data = read(name)
+    data, branches = read_with_tree(name)  # the tree checked against the messages
     # the schema (store/schema.py) has checked every field's type and range by now
     settings = _settings(GenerationSettings, data.get("settings", {}))
     turns = [TurnStats.from_dict(t) for t in data.get("turns", [])]
     messages = [dict(m) for m in data["messages"]]
     archived = list(data.get("archived", []))
     ledger = list(data.get("ledger", []))
-    # checked against the messages by the schema already
-    branches = (Branches.from_record(data["branches"], talk(messages))
-                if "branches" in data else None)
     kind = data.get("cache_kind", "standard")
 
     kind_notice = None
