@@ -62,6 +62,21 @@ def test_record_adds_a_branch_where_the_messages_part():
     assert len(tree.nodes) == 6 and tree.position(2) == (1, 2)
 
 
+def test_positions_of_every_message_in_one_pass(demo_model):
+    tree = Branches.linear(msgs("a", "A", "b", "B1"))
+    tree.record(msgs("a", "A", "b", "B2"))
+    tree.record(msgs("a", "A", "c", "C"))
+    tree.record(msgs("a", "A", "b", "B3", "d"))
+    assert tree.positions() == [(1, 1), (1, 1), (1, 2), (3, 3), (1, 1)]
+    assert [tree.position(i) for i in range(5)] == tree.positions()
+    session = Session(demo_model, system=SYSTEM, messages=msgs("a", "A", "c", "C"))
+    session.branches = tree
+    assert session.branch_positions() == [(1, 1)] * 5  # the tree has not caught up
+    session.messages = session.messages[:1] + tree.messages()
+    assert session.branch_positions() == [(1, 1), *tree.positions()]
+    assert session.branch_position(4) == (3, 3)
+
+
 def test_switch_goes_down_the_branch_as_it_was_left():
     tree = Branches.linear(msgs("a", "A", "b", "B1"))
     tree.record(msgs("a", "A", "b", "B2"))

@@ -52,13 +52,16 @@ class BranchOps:
             tree.record(talk)
         return tree.to_record() if tree.forked else None
 
+    def branch_positions(self) -> list[tuple[int, int]]:
+        """(k, n) for each message of ``messages``: it is version k of n (1 of 1 for the
+        system prompt, and for all while the tree has not caught up with the messages)."""
+        if not self.branches.holds(self.talk()):
+            return [(1, 1)] * len(self.messages)
+        return [(1, 1)] * self._offset() + self.branches.positions()
+
     def branch_position(self, index: int) -> tuple[int, int]:
-        """(k, n): the message at ``index`` of ``messages`` is version k of n (1 of 1 while
-        the tree has not caught up with the messages)."""
-        at = index - self._offset()
-        if at < 0 or not self.branches.holds(self.talk()):
-            return 1, 1
-        return self.branches.position(at)
+        """(k, n): the message at ``index`` of ``messages`` is version k of n."""
+        return self.branch_positions()[index]
 
     def _message(self, index: int, role: str, what: str) -> None:
         if not self._offset() <= index < len(self.messages) \

@@ -75,11 +75,18 @@ class Branches:
     def children(self, parent: int) -> list[int]:
         return [i for i, node in enumerate(self.nodes) if node.parent == parent]
 
+    def positions(self) -> list[tuple[int, int]]:
+        """(k, n) for each message of the path: it is branch k of n (from 1) there. One
+        pass over the tree, however long the path."""
+        place: dict[int, int] = {}  # node -> its place among its parent's children
+        count: dict[int, int] = {}  # parent -> how many children it has
+        for i, node in enumerate(self.nodes):
+            count[node.parent] = place[i] = count.get(node.parent, 0) + 1
+        return [(place[i], count[self.nodes[i].parent]) for i in self.path]
+
     def position(self, index: int) -> tuple[int, int]:
         """(k, n): the message at ``index`` on the path is branch k of n (from 1) there."""
-        node = self.path[index]
-        siblings = self.children(self.nodes[node].parent)
-        return siblings.index(node) + 1, len(siblings)
+        return self.positions()[index]
 
     def holds(self, messages: list[dict]) -> bool:
         """True when ``messages`` are the current path."""
