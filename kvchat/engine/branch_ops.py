@@ -76,7 +76,7 @@ class BranchOps:
             raise SessionError("An edited message cannot be empty; it was left as it was.")
         self._record()
         messages = [*self.messages[:index], {"role": "user", "content": text}]
-        return self._turn(messages, self._fitting_prompt(messages))
+        return self._turn(messages, *self._fitting_prompt(messages))
 
     def regenerate(self, index: int | None = None) -> Iterator[Event]:
         """A new version of the reply at ``index`` (the last message by default); the old
@@ -89,7 +89,7 @@ class BranchOps:
         self._message(index, "assistant", "a reply")
         self._record()
         messages = self.messages[:index]
-        return self._turn(messages, self._fitting_prompt(messages))
+        return self._turn(messages, *self._fitting_prompt(messages))
 
     def switch_branch(self, index: int, step: int, progress: Progress | None = None) -> Refilled:
         """Make the version ``step`` away from the message at ``index`` the current path
