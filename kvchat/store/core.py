@@ -40,6 +40,7 @@ from kvchat.store.search import index_session
 from kvchat.store.session_file import read_json, read_with_tree
 
 if TYPE_CHECKING:
+    from kvchat.engine.cache_check import Reference
     from kvchat.engine.model import LoadedModel
     from kvchat.engine.session import Session
 
@@ -181,6 +182,7 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
     rebuilt from it (``progress(done, total)`` reports the prefill) and
     ``notice`` says why in one sentence.
     """
+    from kvchat.engine.cache_check import Reference
     from kvchat.engine.kinds import CacheKindError
     from kvchat.engine.session import GenerationSettings, Session
     from kvchat.engine.stats import TurnStats
@@ -205,27 +207,30 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None) -> Loaded
 
     problem = kind_notice
     cache = None
+    reference = Reference(empty.cache, lm.model)  # the model runs on it only when asked
     if problem is None:
-        cache, ledger, problem = read_cache(folder, data, lm, ledger, empty)
+        cache, ledger, problem = read_cache(folder, data, lm, ledger, empty, reference)
     session = Session.restore(
         lm, messages=messages, kind=empty.kind, settings=settings,
         ledger=ledger, cache=cache,
         turns=turns, archived=archived, branches=branches,
     )
     if problem is None:
-        return _with_checkpoints(folder, data, session, resumed=cache is not None)
+        return _with_checkpoints(folder, data, session, reference, resumed=cache is not None)
     session.rebuild(f"the saved cache was not used: {problem}", progress,
                     next_turn_counts=True)
     notice = f"The saved cache was not used ({problem}); it was rebuilt from the transcript."
     return Loaded(session, resumed_from_disk=False, notice=notice)
 
 
-def _with_checkpoints(folder: Path, data: dict, session: Session, resumed: bool) -> Loaded:
-    """``session``, resumed with its cache, given the checkpoints saved with it; a
-    checkpoints file that cannot be used is left out with a notice."""
+def _with_checkpoints(folder: Path, data: dict, session: Session, reference: Reference,
+                      resumed: bool) -> Loaded:
+    """``session``, resumed with its cache (checked against ``reference``), given the
+    checkpoints saved with it; a checkpoints file that cannot be used is left out with a
+    notice."""
     if not resumed:
         return Loaded(session, resumed_from_disk=False, notice=None)
-    points, problem = read_checkpoints(folder, data.get("checkpoints"), session)
+    points, problem = read_checkpoints(folder, data.get("checkpoints"), session, reference)
     session.checkpoints.adopt(points)
     notice = None if problem is None else (
         f"The saved checkpoints were not used ({problem}); the cache was, so undo and "
