@@ -121,16 +121,11 @@ class ActionsMixin:
             return
         name = conversation.session_name
 
-        async def close() -> None:
-            await self.close_conversation(conversation)
-
         async def chosen(where: str | None) -> None:
             if where is None:
                 return
             if where == "disk":
-                await close()
-                if store.exists(name):
-                    store.delete(name)
+                await self.close_conversation(conversation, disk="delete")
                 self.notify(f"Dropped {name} from memory and disk.", markup=False)
                 return
 
@@ -140,7 +135,7 @@ class ActionsMixin:
                     store.save(conversation.session, name)
 
             async def closed() -> None:
-                await close()
+                await self.close_conversation(conversation)
                 self.notify(f"Saved as {name} and closed; reopen it with Ctrl+O.",
                             markup=False)
 
