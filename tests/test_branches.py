@@ -77,6 +77,26 @@ def test_positions_of_every_message_in_one_pass(demo_model):
     assert session.branch_position(4) == (3, 3)
 
 
+def test_a_new_path_is_recorded_without_searching_the_nodes_it_adds(monkeypatch):
+    """A linear tree (every load and new session makes one) takes one pass, not a search
+    of the tree per message."""
+    searched = []
+    real = Branches.children
+
+    def counted(tree, parent):
+        searched.append(parent)
+        return real(tree, parent)
+
+    monkeypatch.setattr(Branches, "children", counted)
+    texts = [f"m{i}" for i in range(40)]
+    tree = Branches.linear(msgs(*texts))
+    assert searched == [-1] and tree.messages() == msgs(*texts)
+    searched.clear()
+    tree.record(msgs(*texts[:20], "other", "reply"))  # a fork: found, then new ones added
+    assert searched == [tree.path[19]]
+    assert tree.positions()[20] == (2, 2) and len(tree.nodes) == 42
+
+
 def test_switch_goes_down_the_branch_as_it_was_left():
     tree = Branches.linear(msgs("a", "A", "b", "B1"))
     tree.record(msgs("a", "A", "b", "B2"))

@@ -105,6 +105,7 @@ class Branches:
         """Make ``messages`` the current path, adding the ones the tree lacks."""
         path: list[int] = []
         parent = -1
+        added = False  # the parent was added just now: it has no children to search
         for i, message in enumerate(messages):
             key = _key(message)
             on_path = self.path[i] if i < len(self.path) else None
@@ -112,8 +113,9 @@ class Branches:
                     and _key(self.nodes[on_path].message) == key:
                 node = on_path
             else:
-                node = next((c for c in self.children(parent)
-                             if _key(self.nodes[c].message) == key), None)
+                node = None if added else next((c for c in self.children(parent)
+                                                if _key(self.nodes[c].message) == key), None)
+            added = node is None
             if node is None:
                 self.nodes.append(Node(parent, _plain(message)))
                 node = len(self.nodes) - 1
