@@ -288,7 +288,8 @@ def test_a_resume_with_saved_log_probabilities_runs_the_model_once(arch, home, m
     assert steps == [(1, 1)]
     assert loaded.resumed_from_disk and loaded.notice is None
     at, logprobs = loaded.session.prompt_logprobs  # checked, and taken
-    assert at == session.prompt_logprobs[0] and (logprobs == session.prompt_logprobs[1]).all().item()
+    saved_at, saved = session.prompt_logprobs
+    assert at == saved_at and (logprobs == saved).all().item()
 
 
 def _forge(session: Session, damage: str) -> None:
