@@ -241,7 +241,8 @@ class SessionPool:
 
     def drop(self, name: str, delete_from_disk: bool = False,
              keep_hold: bool = False) -> LoadedModel | None:
-        """Close ``name`` without saving; with ``delete_from_disk`` its saved copy goes too.
+        """Close ``name`` without saving; with ``delete_from_disk`` its copy on disk goes
+        too (the one place a close deletes it: :meth:`discard` decides through here).
         Its model is unloaded if no other open session uses it. With ``keep_hold`` the
         session's hold on its model passes to the caller instead, who gives it back with
         ``pool.models.release`` (an unload takes time: a UI does it in a worker); the
@@ -259,7 +260,8 @@ class SessionPool:
         """Close ``name`` without saving: as :meth:`drop`, and a copy on disk that only an
         offload wrote (the session was never opened from or saved to disk) goes too."""
         entry = self._entries.get(name)
-        return self.drop(name, entry is not None and not entry.kept, keep_hold)
+        return self.drop(name, delete_from_disk=entry is not None and not entry.kept,
+                         keep_hold=keep_hold)
 
     def expire(self, now: float | None = None) -> list[str]:
         """Offload every cache idle for longer than ``ttl_s``; return their names."""

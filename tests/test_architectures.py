@@ -271,6 +271,27 @@ def test_checkpoints_are_saved_with_the_session(arch, home, name):
     assert turn(fresh, THIRD).reply == third.reply
 
 
+def test_a_resume_with_saved_log_probabilities_runs_the_model_once(arch, home, monkeypatch):
+    """The cache and the log-probabilities are both checked against one model step."""
+    lm = arch("gemma3_text")
+    session, _ = _conversed(lm)
+    store.save(session, "chat")
+    steps = []
+    real = type(lm.model).__call__
+
+    def counted(model, inputs, *args, **kwargs):
+        steps.append(inputs.shape)
+        return real(model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(lm.model), "__call__", counted)
+    loaded = store.load("chat", lm)
+    assert steps == [(1, 1)]
+    assert loaded.resumed_from_disk and loaded.notice is None
+    at, logprobs = loaded.session.prompt_logprobs  # checked, and taken
+    saved_at, saved = session.prompt_logprobs
+    assert at == saved_at and (logprobs == saved).all().item()
+
+
 def _forge(session: Session, damage: str) -> None:
     """Cut the last axis of one array of the newest checkpoint, or of the log-probabilities
     at the last prompt's end (a shape the model never makes)."""

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from kvchat import store
-from kvchat.engine.branches import BranchError, Branches
+from kvchat.engine.branches import BranchError, Branches, talk
 from kvchat.engine.kinds import cache_offset
 from kvchat.engine.maintenance import common_prefix
 from kvchat.engine.session import GenerationSettings, Session, SessionError, TurnDone
@@ -42,6 +42,17 @@ def fresh_reply(lm, messages: list[dict]) -> str:
 # ------------------------------------------------------------------ the tree
 
 
+def test_talk_is_the_messages_without_the_system_prompt(demo_model):
+    plain = msgs("a", "A")
+    with_system = [{"role": "system", "content": SYSTEM}, *plain]
+    assert talk(with_system) == plain and talk(plain) == plain and talk([]) == []
+    assert talk(plain) is not plain  # a new list: the caller may change it
+    session = Session(demo_model, system=SYSTEM, messages=plain)
+    assert session.talk() == plain
+    session.set_system("Be brief.")
+    assert session.messages == [{"role": "system", "content": "Be brief."}, *plain]
+
+
 def test_record_adds_a_branch_where_the_messages_part():
     tree = Branches.linear(msgs("a", "A", "b", "B"))
     tree.record(msgs("a", "A", "c", "C"))
@@ -49,6 +60,41 @@ def test_record_adds_a_branch_where_the_messages_part():
     assert tree.position(2) == (2, 2) and tree.position(1) == (1, 1)
     tree.record(msgs("a", "A", "b", "B"))  # an existing path adds nothing
     assert len(tree.nodes) == 6 and tree.position(2) == (1, 2)
+
+
+def test_positions_of_every_message_in_one_pass(demo_model):
+    tree = Branches.linear(msgs("a", "A", "b", "B1"))
+    tree.record(msgs("a", "A", "b", "B2"))
+    tree.record(msgs("a", "A", "c", "C"))
+    tree.record(msgs("a", "A", "b", "B3", "d"))
+    assert tree.positions() == [(1, 1), (1, 1), (1, 2), (3, 3), (1, 1)]
+    assert [tree.position(i) for i in range(5)] == tree.positions()
+    session = Session(demo_model, system=SYSTEM, messages=msgs("a", "A", "c", "C"))
+    session.branches = tree
+    assert session.branch_positions() == [(1, 1)] * 5  # the tree has not caught up
+    session.messages = session.messages[:1] + tree.messages()
+    assert session.branch_positions() == [(1, 1), *tree.positions()]
+    assert session.branch_position(4) == (3, 3)
+
+
+def test_a_new_path_is_recorded_without_searching_the_nodes_it_adds(monkeypatch):
+    """A linear tree (every load and new session makes one) takes one pass, not a search
+    of the tree per message."""
+    searched = []
+    real = Branches.children
+
+    def counted(tree, parent):
+        searched.append(parent)
+        return real(tree, parent)
+
+    monkeypatch.setattr(Branches, "children", counted)
+    texts = [f"m{i}" for i in range(40)]
+    tree = Branches.linear(msgs(*texts))
+    assert searched == [-1] and tree.messages() == msgs(*texts)
+    searched.clear()
+    tree.record(msgs(*texts[:20], "other", "reply"))  # a fork: found, then new ones added
+    assert searched == [tree.path[19]]
+    assert tree.positions()[20] == (2, 2) and len(tree.nodes) == 42
 
 
 def test_switch_goes_down_the_branch_as_it_was_left():
@@ -207,6 +253,25 @@ def test_branches_are_saved_loaded_and_exported(demo_model, home):
     exported = json.loads(store.export("tree", "json"))
     assert exported["branches"] == data["branches"]
     assert "2 message(s) on other branches" in store.export("tree", "md")
+
+
+def test_a_load_builds_the_saved_tree_once(demo_model, home, monkeypatch):
+    session = three_turns(demo_model)
+    finish(session.edit(3, "second, edited"))
+    store.save(session, "once")
+    saved = json.loads((session_dir("once") / SESSION_FILE).read_text())["branches"]
+    built = []
+    real = Branches.from_record.__func__
+
+    def counted(cls, record, messages):
+        built.append(len(record["nodes"]))
+        return real(cls, record, messages)
+
+    monkeypatch.setattr(Branches, "from_record", classmethod(counted))
+    loaded = store.load("once", demo_model).session
+    assert built == [len(saved["nodes"])]  # by the schema's check, then handed to the session
+    assert loaded.branches.to_record() == saved
+    assert loaded.messages == session.messages and loaded.branch_position(3) == (2, 2)
 
 
 def test_a_session_without_branches_saves_as_before(demo_model, home):

@@ -16,7 +16,7 @@ from mlx_lm.models import gemma3_text, mamba
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from kvchat import store
-from kvchat.engine.cache_check import cache_problem
+from kvchat.engine.cache_check import Reference, cache_problem
 from kvchat.engine.kinds import compacted, make_cache, parse_kind
 from kvchat.engine.session import GenerationSettings, Session
 
@@ -138,8 +138,9 @@ def test_sound_caches_pass_and_layer_count_is_checked(demo_model, kind):
         turn(session, text)
     fresh = Session(demo_model, kind=kind, system=SYSTEM).cache
     loaded = _round_trip(session.cache)
-    assert cache_problem(loaded, fresh, demo_model.model) is None
-    assert cache_problem(loaded[:1], fresh, demo_model.model) == "it has 1 layers, the model 2"
+    reference = Reference(fresh, demo_model.model)
+    assert cache_problem(loaded, reference) is None
+    assert cache_problem(loaded[:1], reference) == "it has 1 layers, the model 2"
     assert all(c.keys is None for c in fresh)  # the reference is a copy: fresh is left alone
 
 
@@ -179,14 +180,15 @@ def test_models_with_their_own_cache_layers(build, kind):
         model(mx.array([[token]]), cache=cache)
     fresh = make_cache(model, parse_kind(kind))
     loaded = _round_trip(cache)
-    assert cache_problem(loaded, fresh, model) is None
+    reference = Reference(fresh, model)
+    assert cache_problem(loaded, reference) is None
 
     layer = loaded[0]
     if hasattr(layer, "offset"):  # the sliding-window layer: one position for all layers
         layer.offset += 1
-        assert cache_problem(loaded, fresh, model).startswith("its layers disagree on the position")
+        assert cache_problem(loaded, reference).startswith("its layers disagree on the position")
     else:  # a state-space layer: its whole state has a fixed shape
         layer.cache[1] = layer.cache[1][..., :4]
-        assert "state 0.1 of shape" in cache_problem(loaded, fresh, model)
+        assert "state 0.1 of shape" in cache_problem(loaded, reference)
         layer.cache[1] = None
-        assert cache_problem(loaded, fresh, model) == "layer 0 has no array for its state 0.1"
+        assert cache_problem(loaded, reference) == "layer 0 has no array for its state 0.1"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvchat.engine import session as session_module
+from kvchat.engine import template
 from kvchat.engine.maintenance import common_prefix
 from kvchat.engine.session import GenerationSettings, Session, TurnDone
 from kvchat.engine.thoughts import Thoughts, reevaluated_note, split_thoughts
@@ -72,6 +74,22 @@ def test_the_turn_after_dropped_thoughts_counts_the_reevaluated_reply(dropping_m
     assert session.ledger[: len(prompt)] == prompt
     _, after = _turn(session, "Fine.")
     assert after.reevaluated_reply_tokens == 0
+
+
+def test_the_turn_renders_its_prompt_once(dropping_model, monkeypatch):
+    session = _restored(dropping_model, THOUGHTFUL)
+    rendered = []
+    real = template.template_text
+
+    def counted(lm, messages, generation_prompt):
+        rendered.append((len(messages), generation_prompt))
+        return real(lm, messages, generation_prompt)
+
+    monkeypatch.setattr(template, "template_text", counted)
+    monkeypatch.setattr(session_module, "template_text", counted)
+    _, stats = _turn(session, "And how are you?")
+    assert stats.reevaluated_reply_tokens > 0  # the reply was looked at
+    assert rendered.count((3, True)) == 1  # the prompt, once; its text serves the count too
 
 
 def test_a_reply_without_thoughts_is_reused_whole(dropping_model):

@@ -14,7 +14,7 @@ import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .branches import Branches
+from .branches import Branches, talk
 from .events import Event, SessionError
 
 Progress = Callable[[int, int], None]
@@ -35,7 +35,7 @@ class BranchOps:
 
     def talk(self) -> list[dict]:
         """The messages without the system prompt: what the branches are made of."""
-        return self.messages[1:] if self.system is not None else list(self.messages)
+        return talk(self.messages)
 
     def _offset(self) -> int:
         return 1 if self.system is not None else 0
@@ -52,13 +52,16 @@ class BranchOps:
             tree.record(talk)
         return tree.to_record() if tree.forked else None
 
+    def branch_positions(self) -> list[tuple[int, int]]:
+        """(k, n) for each message of ``messages``: it is version k of n (1 of 1 for the
+        system prompt, and for all while the tree has not caught up with the messages)."""
+        if not self.branches.holds(self.talk()):
+            return [(1, 1)] * len(self.messages)
+        return [(1, 1)] * self._offset() + self.branches.positions()
+
     def branch_position(self, index: int) -> tuple[int, int]:
-        """(k, n): the message at ``index`` of ``messages`` is version k of n (1 of 1 while
-        the tree has not caught up with the messages)."""
-        at = index - self._offset()
-        if at < 0 or not self.branches.holds(self.talk()):
-            return 1, 1
-        return self.branches.position(at)
+        """(k, n): the message at ``index`` of ``messages`` is version k of n."""
+        return self.branch_positions()[index]
 
     def _message(self, index: int, role: str, what: str) -> None:
         if not self._offset() <= index < len(self.messages) \
@@ -73,7 +76,7 @@ class BranchOps:
             raise SessionError("An edited message cannot be empty; it was left as it was.")
         self._record()
         messages = [*self.messages[:index], {"role": "user", "content": text}]
-        return self._turn(messages, self._fitting_prompt(messages))
+        return self._turn(messages, *self._fitting_prompt(messages))
 
     def regenerate(self, index: int | None = None) -> Iterator[Event]:
         """A new version of the reply at ``index`` (the last message by default); the old
@@ -86,7 +89,7 @@ class BranchOps:
         self._message(index, "assistant", "a reply")
         self._record()
         messages = self.messages[:index]
-        return self._turn(messages, self._fitting_prompt(messages))
+        return self._turn(messages, *self._fitting_prompt(messages))
 
     def switch_branch(self, index: int, step: int, progress: Progress | None = None) -> Refilled:
         """Make the version ``step`` away from the message at ``index`` the current path

@@ -35,6 +35,11 @@ def _key(message: dict) -> tuple:
     return message["role"], message["content"], bool(message.get("stopped"))
 
 
+def talk(messages: list[dict]) -> list[dict]:
+    """``messages`` without the system prompt: what the branches are made of."""
+    return messages[1:] if messages and messages[0]["role"] == "system" else list(messages)
+
+
 def _plain(message: dict) -> dict:
     out = {"role": message["role"], "content": message["content"]}
     if message.get("stopped"):
@@ -70,11 +75,18 @@ class Branches:
     def children(self, parent: int) -> list[int]:
         return [i for i, node in enumerate(self.nodes) if node.parent == parent]
 
+    def positions(self) -> list[tuple[int, int]]:
+        """(k, n) for each message of the path: it is branch k of n (from 1) there. One
+        pass over the tree, however long the path."""
+        place: dict[int, int] = {}  # node -> its place among its parent's children
+        count: dict[int, int] = {}  # parent -> how many children it has
+        for i, node in enumerate(self.nodes):
+            count[node.parent] = place[i] = count.get(node.parent, 0) + 1
+        return [(place[i], count[self.nodes[i].parent]) for i in self.path]
+
     def position(self, index: int) -> tuple[int, int]:
         """(k, n): the message at ``index`` on the path is branch k of n (from 1) there."""
-        node = self.path[index]
-        siblings = self.children(self.nodes[node].parent)
-        return siblings.index(node) + 1, len(siblings)
+        return self.positions()[index]
 
     def holds(self, messages: list[dict]) -> bool:
         """True when ``messages`` are the current path."""
@@ -93,6 +105,7 @@ class Branches:
         """Make ``messages`` the current path, adding the ones the tree lacks."""
         path: list[int] = []
         parent = -1
+        added = False  # the parent was added just now: it has no children to search
         for i, message in enumerate(messages):
             key = _key(message)
             on_path = self.path[i] if i < len(self.path) else None
@@ -100,8 +113,9 @@ class Branches:
                     and _key(self.nodes[on_path].message) == key:
                 node = on_path
             else:
-                node = next((c for c in self.children(parent)
-                             if _key(self.nodes[c].message) == key), None)
+                node = None if added else next((c for c in self.children(parent)
+                                                if _key(self.nodes[c].message) == key), None)
+            added = node is None
             if node is None:
                 self.nodes.append(Node(parent, _plain(message)))
                 node = len(self.nodes) - 1

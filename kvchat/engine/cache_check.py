@@ -16,6 +16,7 @@ overflows the next turn into NaN).
 from __future__ import annotations
 
 import copy
+from functools import cached_property
 from typing import Any
 
 import mlx.core as mx
@@ -32,15 +33,46 @@ MAX_KV_MAGNITUDE = 1e6  # keys and values of real models stay far below (fp16 to
 TOKEN_AXIS = 2  # of the rank-4 (batch, heads, tokens, dims) arrays of key/value layers
 
 
-def cache_problem(cache: list[Any], fresh: list[Any], model: nn.Module) -> str | None:
-    """None when ``cache`` can stand in for ``fresh``, an unused cache made for this
-    session and ``model`` (by ``make_cache``), else why not, as a clause for a sentence.
+class Reference:
+    """What ``model`` makes of one token on a copy of ``fresh``, an unused cache made for
+    the session (by ``make_cache``; not changed): the cache, and the logits there, that a
+    cache and log-probabilities read from disk are checked against. The model runs once,
+    the first time either is asked for, so a load checks both for the price of one step."""
 
-    ``fresh`` is not changed: the reference is a copy of it that has seen one token.
-    """
-    expected = copy.deepcopy(fresh)
-    model(mx.array([[0]]), cache=expected)
-    settle(expected)
+    def __init__(self, fresh: list[Any], model: nn.Module) -> None:
+        self._fresh, self._model = fresh, model
+
+    @cached_property
+    def _ran(self) -> tuple[list[Any], mx.array]:
+        cache = copy.deepcopy(self._fresh)
+        logits = self._model(mx.array([[0]]), cache=cache)[0, -1]
+        settle(cache)
+        return cache, logits
+
+    @property
+    def cache(self) -> list[Any]:
+        return self._ran[0]
+
+    @property
+    def logits(self) -> mx.array:
+        return self._ran[1]
+
+
+def logprobs_problem(x: Any, reference: Reference) -> str | None:
+    """None when ``x``, log-probabilities read from disk, could be the model's (its shape
+    and dtype, finite, summing to 1), else why not, as a clause."""
+    ref = reference.logits
+    if not isinstance(x, mx.array) or (x.shape, x.dtype) != (ref.shape, ref.dtype):
+        return "its log-probabilities are not the model's"
+    if not (mx.isfinite(x).all() & (mx.abs(mx.logsumexp(x)) < 1e-2)).item():
+        return "its log-probabilities are not finite ones that sum to 1"
+    return None
+
+
+def cache_problem(cache: list[Any], reference: Reference) -> str | None:
+    """None when ``cache`` can stand in for the reference's fresh cache, else why not, as
+    a clause for a sentence."""
+    expected = reference.cache
     if len(cache) != len(expected):
         return f"it has {len(cache)} layers, the model {len(expected)}"
     offsets: list[int] = []

@@ -201,8 +201,9 @@ def _load_here(name: str, lm, data: dict, link: Link):
     from kvchat import store
     from kvchat.store.cache_file import read_cache
 
-    def reader(folder, data, lm, ledger, empty):
-        cache, kept, problem = read_cache(folder, data, lm, ledger, empty, rank=link.rank)
+    def reader(folder, data, lm, ledger, empty, reference):
+        cache, kept, problem = read_cache(folder, data, lm, ledger, empty, reference,
+                                          rank=link.rank)
         if problem is None and kept is not None and len(kept) != len(ledger):
             cache, kept, problem = None, None, "a save was cut short"
         rows = link.gather(problem.encode("utf-8")[:ROW] if problem else b"")

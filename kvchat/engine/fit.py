@@ -28,16 +28,23 @@ _FOUND: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
 
 def group_size(model: nn.Module) -> int | str:
     """The group size quantized caches use for ``model``, or why none fits (a clause)."""
-    return _once(model, "group size", lambda: _group_size(model))
+    return once(model, "group size", lambda: _group_size(model))
 
 
 def problem(model: nn.Module, key: str, make: Callable[[], list[Any]]) -> str | None:
     """None when ``model`` runs with a cache from ``make()`` (a fresh one each call),
     else the exception's type name; ``key`` names the kind for the record."""
-    return _once(model, key, lambda: _problem(model, make))
+    return once(model, key, lambda: _problem(model, make))
 
 
-def _once(model: nn.Module, key: str, find: Callable[[], Any]) -> Any:
+def known(model: nn.Module, key: str) -> bool:
+    """True when the answer to ``key`` for ``model`` was found already."""
+    ref, found = _FOUND.get(id(model), (None, {}))
+    return ref is not None and ref() is model and key in found
+
+
+def once(model: nn.Module, key: str, find: Callable[[], Any]) -> Any:
+    """``find()``'s answer to ``key`` for ``model``, found the first time and then kept."""
     slot = id(model)
     ref, found = _FOUND.get(slot, (None, None))
     if ref is None or ref() is not model:

@@ -185,15 +185,25 @@ def _cannot(kind: CacheKind, why: str) -> CacheKindError:
 
 
 def applicable_kinds(model: nn.Module, names: list[str]) -> list[str]:
-    """The kind names of ``names`` that can apply to ``model``."""
-    fits = []
-    for name in names:
-        try:
-            make_cache(model, parse_kind(name))
-        except CacheKindError:
-            continue
-        fits.append(name)
-    return fits
+    """The kind names of ``names`` that can apply to ``model`` (each found out once per
+    model: :mod:`kvchat.engine.fit` keeps the answers)."""
+    return [n for n in names if fit.once(model, f"applies {n}", lambda n=n: _applies(model, n))]
+
+
+def known_applicable_kinds(model: nn.Module, names: list[str]) -> list[str] | None:
+    """:func:`applicable_kinds` when every answer is known already (no model run), else
+    None: finding them runs the model, work for a worker thread."""
+    if all(fit.known(model, f"applies {n}") for n in names):
+        return applicable_kinds(model, names)
+    return None
+
+
+def _applies(model: nn.Module, name: str) -> bool:
+    try:
+        make_cache(model, parse_kind(name))
+    except CacheKindError:
+        return False
+    return True
 
 
 def _class_names(cache: list[Any]) -> str:

@@ -196,8 +196,7 @@ class CacheMaintenance:
     def set_system(self, text: str | None) -> int:
         """Replace the system prompt (``""`` or None: none) and trim the cache to the tokens
         that still match; return how many it keeps. The next turn evaluates only the rest."""
-        has_system = bool(self.messages) and self.messages[0]["role"] == "system"
-        rest = self.messages[1:] if has_system else list(self.messages)
+        rest = self.talk()
         kept_head = self._system_tokens()
         self.messages = ([{"role": "system", "content": text}] if text else []) + rest
         if self.kind.family == "rotating" and self._system_tokens() != kept_head:

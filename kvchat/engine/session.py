@@ -183,38 +183,42 @@ class Session(CacheMaintenance, BranchOps):
         if not isinstance(text, str) or not text.strip():
             raise SessionError("Nothing to send: the message is empty.")
         messages = [*self.messages, {"role": "user", "content": text}]
-        return self._turn(messages, self._fitting_prompt(messages))
+        return self._turn(messages, *self._fitting_prompt(messages))
 
     def stop(self) -> None:
         """Ask the running turn to stop after its current token (thread-safe)."""
         self._stop.set()
 
-    def _fitting_prompt(self, messages: list[dict]) -> list[int]:
-        prompt = self.render(messages, True)
+    def _fitting_prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
+        """The template's text of ``messages`` with the generation prompt, and its tokens."""
+        text = template_text(self.lm, messages, True)
+        prompt = encode(self.lm, text)
         limit = self.lm.context_length
         if len(prompt) >= limit:
             raise SessionError(
                 f"That message makes the conversation {len(prompt):,} tokens, over this "
                 f"model's context of {limit:,}; trim the history or start a new session."
             )
-        return prompt
+        return text, prompt
 
-    def _turn(self, messages: list[dict], prompt: list[int]) -> Iterator[Event]:
+    def _turn(self, messages: list[dict], prompt_text: str, prompt: list[int]) -> Iterator[Event]:
         """The turn's events, run as they are read. A :meth:`stop` from now on stops this
         turn, even one that comes before its first event is read."""
         if not self._busy.locked():  # a running turn keeps its own stop request
             self._stop.clear()
-        return self._events(messages, prompt)
+        return self._events(messages, prompt_text, prompt)
 
-    def _events(self, messages: list[dict], prompt: list[int]) -> Iterator[Event]:
+    def _events(self, messages: list[dict], prompt_text: str, prompt: list[int]) -> Iterator[Event]:
         if not self._busy.acquire(blocking=False):
             raise SessionBusy("This session is already answering; wait or stop it first.")
         try:
-            yield from self._run_turn(messages, prompt)
+            yield from self._run_turn(messages, prompt_text, prompt)
         finally:
             self._busy.release()
 
-    def _run_turn(self, messages: list[dict], prompt: list[int]) -> Iterator[Event]:
+    def _run_turn(
+        self, messages: list[dict], prompt_text: str, prompt: list[int]
+    ) -> Iterator[Event]:
         started = time.perf_counter()
         mx.reset_peak_memory()
         self.messages = messages
@@ -231,7 +235,8 @@ class Session(CacheMaintenance, BranchOps):
             n, zero_prefill = kept, False
         reused, evaluated = n, len(prompt) - n
         reevaluated = 0 if rebuilt else reevaluated_reply(
-            partial(template_text, self.lm), partial(encode, self.lm), messages, prompt, n)
+            partial(template_text, self.lm), partial(encode, self.lm),
+            messages, prompt_text, prompt, n)
         self._keep_turns(messages)
 
         max_new = max(1, min(self.settings.max_tokens, self.lm.context_length - len(prompt)))

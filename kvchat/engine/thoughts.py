@@ -68,14 +68,15 @@ def split_thoughts(text: str) -> Thoughts:
 
 
 def reevaluated_reply(template: Callable[[list[dict], bool], str],
-                      encode: Callable[[str], list[int]], messages: list[dict],
+                      encode: Callable[[str], list[int]], messages: list[dict], text: str,
                       prompt: list[int], reused: int) -> int:
     """Tokens of the last reply before the turn's new message that the turn evaluates
     again because the chat template renders it without its thoughts.
 
-    ``messages`` are the turn's, ``prompt`` their token ids and ``reused`` how many of
-    them the cache kept; ``template(messages, generation_prompt)`` is the template's
-    text and ``encode`` its token ids. 0 when that reply has no think block (an empty
+    ``messages`` are the turn's, ``text`` the template's text of them (with the
+    generation prompt), ``prompt`` its token ids and ``reused`` how many of them the
+    cache kept; ``template(messages, generation_prompt)`` renders the messages before
+    the reply and ``encode`` gives token ids. 0 when that reply has no think block (an empty
     one counts: templates drop it too), the template keeps it, or the cache did not
     reach the reply anyway (an edit before it).
     """
@@ -86,7 +87,6 @@ def reevaluated_reply(template: Callable[[list[dict], bool], str],
     content = messages[at]["content"]
     if OPEN not in content and CLOSE not in content:
         return 0
-    text = template(messages, True)
     before = template(messages[:at], True) if at else ""
     reply_at = len(commonprefix([before, text]))  # DeepSeek-R1's opening <think> is not in both
     if reused < common_prefix(encode(before), prompt):

@@ -12,15 +12,18 @@ from kvchat.store.base import CACHE_SUM_FILE, StoreError, ledger_hash, one_line
 from kvchat.store.files import open_regular, read_regular, sha256_of
 
 if TYPE_CHECKING:
+    from kvchat.engine.cache_check import Reference
     from kvchat.engine.model import LoadedModel
     from kvchat.engine.session import Session
 
 
 def read_cache(
-    folder: Path, data: dict, lm: LoadedModel, ledger: list[int], empty: Session, rank: int = 0
+    folder: Path, data: dict, lm: LoadedModel, ledger: list[int], empty: Session,
+    reference: Reference, rank: int = 0,
 ) -> tuple[list | None, list[int] | None, str | None]:
-    """(cache, its ledger, None) if the saved cache is sound for ``lm`` and ``ledger``,
-    else (None, None, why not); (None, None, None) when an empty cache was saved.
+    """(cache, its ledger, None) if the saved cache is sound for ``lm`` and ``ledger``
+    (checked against ``reference``, made from ``empty``'s cache), else (None, None, why
+    not); (None, None, None) when an empty cache was saved.
 
     A rank other than 0 of a sharded run reads its own shard (``store/shards.py``).
     """
@@ -66,7 +69,7 @@ def read_cache(
         return None, None, f"{path} was made with another model"
     if meta.get("cache_kind") != empty.kind.name:
         return None, None, f"{path} holds a {meta.get('cache_kind')} cache, not {empty.kind.name}"
-    problem = cache_problem(cache, empty.cache, lm.model)
+    problem = cache_problem(cache, reference)
     if problem:
         return None, None, f"{path} does not fit the model: {problem}"
 

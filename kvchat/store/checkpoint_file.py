@@ -32,6 +32,7 @@ from kvchat.store.files import open_regular, sha256_of, write_caches_atomic
 from kvchat.store.schema import Count
 
 if TYPE_CHECKING:
+    from kvchat.engine.cache_check import Reference
     from kvchat.engine.checkpoints import Checkpoint
     from kvchat.engine.session import Session
 
@@ -128,10 +129,11 @@ def _newest_within(kept: list[Checkpoint], budget: int) -> list[Checkpoint]:
 
 
 def read_checkpoints(
-    folder: Path, info: dict | None, session: Session
+    folder: Path, info: dict | None, session: Session, reference: Reference
 ) -> tuple[list[Checkpoint], str | None]:
-    """The checkpoints saved for ``session`` (just resumed with its cache), and None; or
-    none and why not, as a clause; none and None when none were saved."""
+    """The checkpoints saved for ``session`` (just resumed with its cache, checked against
+    ``reference``), and None; or none and why not, as a clause; none and None when none
+    were saved."""
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
 
@@ -156,7 +158,7 @@ def read_checkpoints(
     if meta.get("model_fingerprint") != session.lm.fingerprint:
         return [], f"{path} was made with another model"
     try:
-        logits = _logprobs(layers, meta, info["tokens"], session)
+        logits = _logprobs(layers, meta, info["tokens"], reference)
         points = _checkpoints(layers, meta, info["tokens"], session)
         if logits is not None:
             session.prompt_logprobs = logits  # ValueError where the ledger is not that long
@@ -169,12 +171,14 @@ def read_checkpoints(
 
 
 def _logprobs(
-    layers: list[Any], meta: dict, tokens: list[int], session: Session
+    layers: list[Any], meta: dict, tokens: list[int], reference: Reference
 ) -> tuple[int, Any] | None:
     """Take the log-probabilities off the end of ``layers``, with their position; None
-    when none were saved. ValueError when they are not what the model makes."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+    when none were saved. ValueError when they are not what the model makes (as the
+    ``reference`` the cache was checked against shows: no other model step)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    from kvchat.engine.cache_check import logprobs_problem
 
     at = meta.get("logprobs_at")
     if at is None:
@@ -182,14 +186,12 @@ def _logprobs(
     if not at.isdecimal() or int(at) not in tokens or not layers:
         raise ValueError(f"its log-probabilities are at {at[:20]!r}, not at a checkpoint")
     holder = layers.pop()
-    ref = session.lm.model(mx.array([[0]]), cache=make_prompt_cache(session.lm.model))[0, -1]
     state = holder.state if isinstance(holder, ArraysCache) else (None, None, None)
     arrays = state[0] if state[1] is None and state[2] is None else None
     x = arrays[0] if isinstance(arrays, list) and len(arrays) == 1 else None
-    if not isinstance(x, mx.array) or (x.shape, x.dtype) != (ref.shape, ref.dtype):
-        raise ValueError("its log-probabilities are not the model's")
-    if not (mx.isfinite(x).all() & (mx.abs(mx.logsumexp(x)) < 1e-2)).item():
-        raise ValueError("its log-probabilities are not finite ones that sum to 1")
+    problem = logprobs_problem(x, reference)
+    if problem:
+        raise ValueError(problem)
     return int(at), x
 
 

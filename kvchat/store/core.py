@@ -36,11 +36,13 @@ from kvchat.store.files import (
     write_caches_atomic,
 )
 from kvchat.store.lock import session_lock
+from kvchat.store.schema import SessionFile
 from kvchat.store.search import index_session
-from kvchat.store.session_file import read, read_json
+from kvchat.store.session_file import read_json, read_with_tree
 from kvchat.store.shards import drop_shards
 
 if TYPE_CHECKING:
+    from kvchat.engine.cache_check import Reference
     from kvchat.engine.model import LoadedModel
     from kvchat.engine.session import Session
 
@@ -195,22 +197,22 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
     ``session.json`` (``data``, which rank 0 sent) and a ``reader`` that reads this
     rank's shard (:func:`~kvchat.store.cache_file.read_cache`'s signature).
     """
-    from kvchat.engine.branches import Branches
+    from kvchat.engine.cache_check import Reference
     from kvchat.engine.kinds import CacheKindError
     from kvchat.engine.session import GenerationSettings, Session
     from kvchat.engine.stats import TurnStats
 
     folder = session_dir(name)
-    data = read(name) if data is None else data
+    if data is None:
+        data, branches = read_with_tree(name)  # the tree checked against the messages
+    else:  # rank 0's parsed file, sent to this rank of a sharded run: validated here too
+        branches = SessionFile.model_validate(data).tree
     # the schema (store/schema.py) has checked every field's type and range by now
     settings = _settings(GenerationSettings, data.get("settings", {}))
     turns = [TurnStats.from_dict(t) for t in data.get("turns", [])]
     messages = [dict(m) for m in data["messages"]]
     archived = list(data.get("archived", []))
     ledger = list(data.get("ledger", []))
-    talk = messages[1:] if messages and messages[0]["role"] == "system" else messages
-    # checked against the messages by the schema already
-    branches = Branches.from_record(data["branches"], talk) if "branches" in data else None
     kind = data.get("cache_kind", "standard")
 
     kind_notice = None
@@ -223,27 +225,30 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
 
     problem = kind_notice
     cache = None
+    reference = Reference(empty.cache, lm.model)  # the model runs on it only when asked
     if problem is None:
-        cache, ledger, problem = reader(folder, data, lm, ledger, empty)
+        cache, ledger, problem = reader(folder, data, lm, ledger, empty, reference)
     session = Session.restore(
         lm, messages=messages, kind=empty.kind, settings=settings,
         ledger=ledger, cache=cache,
         turns=turns, archived=archived, branches=branches,
     )
     if problem is None:
-        return _with_checkpoints(folder, data, session, resumed=cache is not None)
+        return _with_checkpoints(folder, data, session, reference, resumed=cache is not None)
     session.rebuild(f"the saved cache was not used: {problem}", progress,
                     next_turn_counts=True)
     notice = f"The saved cache was not used ({problem}); it was rebuilt from the transcript."
     return Loaded(session, resumed_from_disk=False, notice=notice)
 
 
-def _with_checkpoints(folder: Path, data: dict, session: Session, resumed: bool) -> Loaded:
-    """``session``, resumed with its cache, given the checkpoints saved with it; a
-    checkpoints file that cannot be used is left out with a notice."""
+def _with_checkpoints(folder: Path, data: dict, session: Session, reference: Reference,
+                      resumed: bool) -> Loaded:
+    """``session``, resumed with its cache (checked against ``reference``), given the
+    checkpoints saved with it; a checkpoints file that cannot be used is left out with a
+    notice."""
     if not resumed:
         return Loaded(session, resumed_from_disk=False, notice=None)
-    points, problem = read_checkpoints(folder, data.get("checkpoints"), session)
+    points, problem = read_checkpoints(folder, data.get("checkpoints"), session, reference)
     session.checkpoints.adopt(points)
     notice = None if problem is None else (
         f"The saved checkpoints were not used ({problem}); the cache was, so undo and "

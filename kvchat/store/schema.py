@@ -15,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from kvchat.engine.branches import BranchError, Branches
+from kvchat.engine.branches import BranchError, Branches, talk
 from kvchat.engine.stats import TurnStats
 from kvchat.store.base import StoreError
 
@@ -95,31 +95,31 @@ class SessionFile(_Strict):
     cache: CacheInfo | None = None
     checkpoints: CheckpointsInfo | None = None  # absent where none were kept (and before 0.x)
     branches: BranchTree | None = None  # absent while there is only one path (and before 0.x)
+    _tree: Branches | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _branches_fit(self) -> SessionFile:
         if self.branches is not None:
+            messages = talk([m.model_dump(exclude_unset=True) for m in self.messages])
             try:
-                self.tree()
+                self._tree = Branches.from_record(
+                    self.branches.model_dump(exclude_unset=True), messages)
             except BranchError as exc:
                 raise ValueError(str(exc)) from None
         return self
 
-    def tree(self) -> Branches:
-        """The branch tree, checked against ``messages`` (linear when none was saved)."""
-        talk = [m.model_dump(exclude_unset=True) for m in self.messages]
-        if talk and talk[0]["role"] == "system":
-            talk = talk[1:]
-        if self.branches is None:
-            return Branches.linear(talk)
-        return Branches.from_record(self.branches.model_dump(exclude_unset=True), talk)
+    @property
+    def tree(self) -> Branches | None:
+        """The saved branch tree, built and checked against ``messages`` once, by the
+        validation; None where none was saved (one path)."""
+        return self._tree
 
 
-def parse_session(raw: bytes, path: Path) -> dict:
-    """The validated content of ``session.json`` ``path`` as plain data (only the keys
-    the file has); any problem is a :class:`StoreError` naming the file and the field."""
+def parse_file(raw: bytes, path: Path) -> SessionFile:
+    """The validated ``session.json`` ``path``; any problem is a :class:`StoreError`
+    naming the file and the field."""
     try:
-        parsed = SessionFile.model_validate_json(raw)
+        return SessionFile.model_validate_json(raw)
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_input=False)
         first = errors[0]
@@ -128,7 +128,12 @@ def parse_session(raw: bytes, path: Path) -> dict:
         if len(errors) > 1:
             problem += f", and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''}"
         raise StoreError(f"{path} is damaged ({problem}); it was left as it is.") from None
-    return parsed.model_dump(exclude_unset=True)
+
+
+def parse_session(raw: bytes, path: Path) -> dict:
+    """The validated content of ``session.json`` ``path`` as plain data (only the keys
+    the file has); any problem is a :class:`StoreError` naming the file and the field."""
+    return parse_file(raw, path).model_dump(exclude_unset=True)
 
 
 def _location(loc: tuple[int | str, ...]) -> str:

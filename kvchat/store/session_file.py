@@ -5,26 +5,42 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvchat.engine.branches import Branches
 from kvchat.store.base import SESSION_FILE, StoreError, one_line, session_dir
 from kvchat.store.files import JSON_LIMIT, check_folder, read_regular
-from kvchat.store.schema import parse_session
+from kvchat.store.schema import SessionFile, parse_file
 
 
-def read_json(path: Path) -> dict:
-    """Parse a ``session.json``; any problem is a :class:`StoreError` naming the file."""
+def _parsed(path: Path) -> SessionFile:
     try:
         raw = read_regular(path, JSON_LIMIT)  # never a symlink, FIFO or device; capped
     except FileNotFoundError:
         raise StoreError(f"{path} is missing.") from None
     except OSError as exc:
         raise StoreError(f"{path} is damaged ({one_line(exc)}); it was left as it is.") from None
-    return parse_session(raw, path)
+    return parse_file(raw, path)
 
 
-def read(name: str) -> dict:
-    """The parsed ``session.json`` of ``name`` (no model needed)."""
+def _path(name: str) -> Path:
     folder = session_dir(name)
     path = folder / SESSION_FILE
     if not check_folder(folder) or not os.path.lexists(path):
         raise StoreError(f"No saved session named {name!r} (no {path}).")
-    return read_json(path)
+    return path
+
+
+def read_json(path: Path) -> dict:
+    """Parse a ``session.json``; any problem is a :class:`StoreError` naming the file."""
+    return _parsed(path).model_dump(exclude_unset=True)
+
+
+def read(name: str) -> dict:
+    """The parsed ``session.json`` of ``name`` (no model needed)."""
+    return read_json(_path(name))
+
+
+def read_with_tree(name: str) -> tuple[dict, Branches | None]:
+    """:func:`read`, with the branch tree the validation built from the file (None where
+    the file has none), so that a load does not build it again."""
+    parsed = _parsed(_path(name))
+    return parsed.model_dump(exclude_unset=True), parsed.tree

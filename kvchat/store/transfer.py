@@ -27,7 +27,7 @@ from kvchat.store.session_file import read
 if TYPE_CHECKING:
     from kvchat.engine.session import Session
 
-FORMATS = ("md", "json")
+FORMATS = ("md", "json")  # the export formats: render writes them, every caller offers these
 _EXPORTED = ("name", "model_id", "cache_kind", "created", "updated", "settings", "messages",
              "archived", "turns", "branches")
 
@@ -51,12 +51,12 @@ def export_session(session: Session, name: str, fmt: str = "md") -> str:
 
 def render(data: dict, fmt: str) -> str:
     """``data`` (as in ``session.json``) as the export format ``fmt``."""
+    if fmt not in FORMATS:
+        raise StoreError(f"Unknown export format {fmt!r}; use {' or '.join(FORMATS)}.")
     if fmt == "json":
         # branches only where there are some: an export without them reads as before
         return dumps_json({k: data.get(k) for k in _EXPORTED
                            if k != "branches" or data.get(k)}, indent=2)
-    if fmt != "md":
-        raise StoreError(f"Unknown export format {fmt!r}; use md or json.")
     name = data.get("name")
     lines = [
         f"# {name}",

@@ -7,7 +7,7 @@ A mixin of :class:`~kvchat.tui.app.KvChatApp`.
 from __future__ import annotations
 
 from kvchat import store
-from kvchat.engine.kinds import EXAMPLE_KINDS, applicable_kinds
+from kvchat.engine.kinds import EXAMPLE_KINDS, applicable_kinds, known_applicable_kinds
 
 from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
 from .widgets.sidebar import user_turns
@@ -79,13 +79,21 @@ class ActionsMixin:
                 "switching cache", lambda progress: session.set_kind(kind, progress), switched
             )
 
-        # Which kinds the model takes is found by running it on each (once per model, see
-        # kvchat.engine.fit): in the tab's worker, so the dialog opens with the answers.
         model = session.lm.model
+
+        def show(applicable: list[str]) -> None:
+            self.push_screen(KindDialog(session.kind.name, model, applicable), chosen)
+
+        # Which kinds the model takes is found by running it on each, once per model (see
+        # kvchat.engine.fit): in the tab's worker the first time, then from the answers kept.
+        known = known_applicable_kinds(model, list(EXAMPLE_KINDS))
+        if known is not None:
+            show(known)
+            return
         conversation.run_job(
             "checking cache kinds",
             lambda progress: applicable_kinds(model, list(EXAMPLE_KINDS)),
-            lambda _: self.push_screen(KindDialog(session.kind.name, model), chosen),
+            show,
             needs_cache=False,
         )
 
@@ -113,16 +121,11 @@ class ActionsMixin:
             return
         name = conversation.session_name
 
-        async def close() -> None:
-            await self.close_conversation(conversation)
-
         async def chosen(where: str | None) -> None:
             if where is None:
                 return
             if where == "disk":
-                await close()
-                if store.exists(name):
-                    store.delete(name)
+                await self.close_conversation(conversation, disk="delete")
                 self.notify(f"Dropped {name} from memory and disk.", markup=False)
                 return
 
@@ -132,7 +135,7 @@ class ActionsMixin:
                     store.save(conversation.session, name)
 
             async def closed() -> None:
-                await close()
+                await self.close_conversation(conversation)
                 self.notify(f"Saved as {name} and closed; reopen it with Ctrl+O.",
                             markup=False)
 

@@ -170,7 +170,7 @@ class TabsMixin:
             if choice == "save":
                 self._save_and_close(conversation)
             elif choice == "discard":
-                await self.close_conversation(conversation, discard=True)
+                await self.close_conversation(conversation, disk="discard")
                 self.notify(f"Closed {name} without saving.", markup=False)
 
         self.push_screen(CloseDialog(name, store.exists(name)), chosen)
@@ -186,14 +186,17 @@ class TabsMixin:
         conversation.run_job("saving", lambda progress: conversation.save_now(),
                              lambda _: self.call_later(closed), needs_cache=False)
 
-    async def close_conversation(self, conversation: Conversation, discard: bool = False) -> None:
-        """Remove a tab and its session from memory (a saved copy stays on disk; with
-        ``discard``, a copy only an offload wrote goes too); its model is unloaded, in a
-        worker, when no other tab uses it."""
+    async def close_conversation(self, conversation: Conversation, disk: str = "keep") -> None:
+        """Remove a tab and its session from memory; its copy on disk stays (``keep``), goes
+        if only an offload wrote it (``discard``) or goes whatever wrote it (``delete``).
+        Its model is unloaded, in a worker, when no other tab uses it."""
         if conversation.parent is not None:
             await self.tabs.remove_pane(conversation.parent.id)
-        drop = self.pool.discard if discard else self.pool.drop
-        held = drop(conversation.session_name, keep_hold=True)
+        name = conversation.session_name
+        if disk == "discard":
+            held = self.pool.discard(name, keep_hold=True)
+        else:
+            held = self.pool.drop(name, delete_from_disk=disk == "delete", keep_hold=True)
         self._let_go(conversation.session, held.model_id if held is not None else None)
         self.refresh_sidebar()
 

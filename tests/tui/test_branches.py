@@ -12,6 +12,7 @@ import pytest
 from textual.widgets import TextArea
 
 from kvchat import locations
+from kvchat.engine.branches import Branches
 from kvchat.engine.maintenance import common_prefix
 from kvchat.store.base import SESSION_FILE, session_dir
 from kvchat.tui.screens.message_dialogs import DeletePairDialog, EditDialog
@@ -207,3 +208,27 @@ async def test_after_an_edit_what_is_typed_goes_to_the_message_box(make_app):
         await settle(pilot, conversation)
         talk = [m["content"] for m in conversation.session.messages if m["role"] == "user"]
         assert talk == ["first question", "second question, edited", "third"]
+
+
+async def test_an_edit_draws_again_only_from_the_edit_point(make_app, monkeypatch):
+    """The messages before the edited one stay as they were drawn; the branch places are
+    computed once for the whole transcript, not once per message."""
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        conversation = await three_turns(pilot)
+        before = conversation.selectable()[:2]
+        passes = []
+        real = Branches.positions
+
+        def counted(tree):
+            passes.append(len(tree.path))
+            return real(tree)
+
+        monkeypatch.setattr(Branches, "positions", counted)
+        await edit(pilot, conversation, 2, "second, edited")
+        assert conversation.selectable()[:2] == before  # the same widgets, not drawn again
+        assert [w.text for w in before] == ["first question", conversation.session.messages[1][
+            "content"]]
+        assert user_texts(conversation) == ["first question", "second, edited"]
+        assert bars(conversation) == {2: "‹ 2/2 ›"}
+        assert passes == [4]  # one pass over the four messages

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvchat.engine import fit, kinds
 from kvchat.tui.screens.dialogs import KindDialog, kind_bytes_per_token
+from kvchat.tui.widgets.chat import Conversation
 from kvchat.tui.widgets.messages import NoticeMessage
 
 from .conftest import SIZE, send, settle, until, widget_text
@@ -92,3 +94,37 @@ async def test_kinds_a_model_cannot_take_are_refused_and_not_listed(arch, home):
             "Switching cache failed: CacheKindError: Cache kind 'chunked:1024' cannot apply to "
             "this model: its attention cannot read a chunked cache (ValueError). Use 'standard'.")
         assert session.kind.name == "standard" and session.cache is cache and session.ledger == ledger
+
+
+async def test_the_kinds_are_found_once_then_the_dialog_opens_without_a_job(
+        make_app, monkeypatch):
+    monkeypatch.setattr(fit, "_FOUND", {})  # nothing found about the model yet
+    made, jobs = [], []
+    real_make, real_job = kinds.make_cache, Conversation.run_job
+
+    def make(model, kind, keep=0):
+        made.append(kind.name)
+        return real_make(model, kind, keep)
+
+    def job(self, label, *args, **kwargs):
+        jobs.append(label)
+        return real_job(self, label, *args, **kwargs)
+
+    monkeypatch.setattr(kinds, "make_cache", make)
+    monkeypatch.setattr(Conversation, "run_job", job)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        made.clear()  # the configured kind, tried as the model loaded
+        dialog = await _open(pilot)
+        assert jobs == ["checking cache kinds"]
+        assert sorted(made) == sorted(kinds.EXAMPLE_KINDS)  # each kind tried once, no more
+        names = dialog.names
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, KindDialog))
+        made.clear()
+        jobs.clear()
+        await pilot.press("f4")
+        await pilot.pause()
+        assert isinstance(app.screen, KindDialog) and app.screen.names == names
+        assert jobs == [] and made == []  # shown from the answers kept

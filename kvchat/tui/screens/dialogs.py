@@ -19,7 +19,6 @@ from textual.widgets.option_list import Option
 from kvchat.engine.kinds import (
     EXAMPLE_KINDS,
     CacheKindError,
-    applicable_kinds,
     group_size,
     parse_kind,
 )
@@ -127,10 +126,11 @@ def kind_bytes_per_token(model, kind_name: str) -> float:
     return float(elements * size)
 
 
-def kind_choices(current: str, model) -> list[str]:
-    """The kinds the dialog lists: the examples that apply to ``model``, plus the current
-    kind after its family's example when its number differs (``rotating:1024``)."""
-    names = [n for n in EXAMPLE_KINDS if n == current or n in applicable_kinds(model, [n])]
+def kind_choices(current: str, applicable: list[str]) -> list[str]:
+    """The kinds the dialog lists: the examples in ``applicable`` (those that apply to the
+    model), plus the current kind after its family's example when its number differs
+    (``rotating:1024``)."""
+    names = [n for n in EXAMPLE_KINDS if n == current or n in applicable]
     if current not in names:
         family = parse_kind(current).family
         at = max((i for i, n in enumerate(names) if n.split(":")[0] == family), default=-1)
@@ -142,11 +142,11 @@ class KindDialog(Dialog):
     """Pick a cache kind, or type one (``rotating:1024``); each line shows its bytes per
     token for this model, and quantized kinds their share of a standard cache's."""
 
-    def __init__(self, current: str, model) -> None:
+    def __init__(self, current: str, model, applicable: list[str]) -> None:
         super().__init__()
         self.current = current
         self.model = model
-        self.names = kind_choices(current, model)
+        self.names = kind_choices(current, applicable)
 
     def _label(self, name: str) -> Text:
         kind = parse_kind(name)

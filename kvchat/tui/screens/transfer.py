@@ -9,9 +9,11 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Static
 
+from kvchat.store import FORMATS
+
 from .dialogs import Dialog
 
-SUFFIXES = {"md": ".md", "json": ".json"}
+SUFFIXES = {fmt: f".{fmt}" for fmt in FORMATS}
 
 
 class ExportDialog(Dialog):

@@ -39,6 +39,7 @@ class BranchingMixin:
         turns = session.turns[-replies:] if replies else []
         notes = [None] * (replies - len(turns)) + [rebuild_note(t.rebuilt) for t in turns]
         widgets: list = [] if any(m["role"] == "user" for m in messages) else [Welcome()]
+        positions = session.branch_positions()
         for index, message in enumerate(messages):
             role = message["role"]
             if role == "user":
@@ -50,10 +51,20 @@ class BranchingMixin:
             elif role == "system":
                 widgets.append(NoticeMessage(f"System prompt: {message['content']}", "system"))
                 continue
-            position = session.branch_position(index)
-            if position[1] > 1:
-                widgets.append(BranchBar(index, position, role))
+            if positions[index][1] > 1:
+                widgets.append(BranchBar(index, positions[index], role))
         return widgets
+
+    async def _show_branches_from(self, upto: int) -> None:
+        """After an edit or a regenerate at ``upto``: the messages before it are as they
+        were (their versions too: the new branch starts at ``upto``), so only those from
+        ``upto`` on, drawn by the turn, get their ‹ k/n › where they have other versions."""
+        positions = self.session.branch_positions()
+        for widget in self.selectable():
+            if widget.index >= upto and positions[widget.index][1] > 1:
+                role = self.session.messages[widget.index]["role"]
+                await self.log.mount(BranchBar(widget.index, positions[widget.index], role),
+                                     after=widget)
 
     def selectable(self) -> list[Selectable]:
         """The messages shown that can be selected, in order."""

@@ -72,7 +72,7 @@ class Conversation(BranchingMixin, Vertical):
         self._pending_text: str | None = None
         self._user_widget: UserMessage | None = None
         self._reply_index = -1  # where the reply being written goes in the transcript
-        self._redraw = False  # draw the transcript again when the turn ends
+        self._redraw: int | None = None  # an edit or regenerate point: redraw from there
         self._code_copies: dict[int, int] = {}
         # the running turn's prompt evaluation: tokens done, of how many (for the sidebar)
         self.prefill: tuple[int, int] | None = None
@@ -228,11 +228,11 @@ class Conversation(BranchingMixin, Vertical):
     async def start_turn(self, events, text: str | None = None, upto: int | None = None) -> None:
         """Show a turn starting and run it: ``text`` is the new message, if any; ``upto``
         cuts the transcript shown to that many messages first (an edit or a regenerate:
-        the transcript is drawn again, with its branches, when the turn ends)."""
+        the new messages get their branches when the turn ends)."""
         # Busy from here on, before the first await: a Ctrl+Q or Esc that comes while the
         # transcript is being drawn stops this turn instead of quitting past it.
         self.state = "waiting" if self.scheduler.running else "answering"
-        self._redraw = upto is not None
+        self._redraw = upto
         if upto is not None:
             for widget in [*self.selectable(), *self.log.query(BranchBar)]:
                 if widget.index >= upto:
@@ -353,9 +353,12 @@ class Conversation(BranchingMixin, Vertical):
         self._reply = None
         self._user_widget = None
         self._pending_text = None
-        if self._redraw:  # the branches and places of the messages changed
-            self._redraw = False
-            await self.reload()
+        if self._redraw is not None:  # the branches of the messages changed
+            upto, self._redraw = self._redraw, None
+            if event.done is not None and not (event.cancelled or event.error):
+                await self._show_branches_from(upto)
+            else:  # no reply: the transcript as the session has it, from the start
+                await self.reload()
         self.log.scroll_end(animate=False)
         self.touch_pool()
         self.state = "idle"
