@@ -153,8 +153,13 @@ async def test_while_a_reply_is_written_the_panel_shows_that_turn_not_the_last(m
 
         session.settings.max_tokens = 3000  # endless: it answers until stopped (or 3,000)
         assert await conversation.send("second")
+        def answering() -> bool:  # past the prompt's evaluation ("evaluated 0 of 15" before)
+            panel = widget_text(app.sidebar)
+            return ("this turn answering…" in flat(panel)
+                    and " of " not in (row(panel, "evaluated") or " of "))
+
         await until(pilot, lambda: conversation.query(AssistantMessage).last().index > 1
-                    and row(widget_text(app.sidebar), "evaluated") is not None)
+                    and answering())
         panel = widget_text(app.sidebar)
         assert "this turn answering…" in flat(panel) and row(panel, "last turn") is None
         for label in ("reused", "generated", "gen speed", "TTFT"):
