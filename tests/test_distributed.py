@@ -26,6 +26,7 @@ from kvchat import store
 from kvchat.cli import app
 from kvchat.cli.launch import _run
 from kvchat.engine import demo
+from kvchat.engine.cache_check import Reference
 from kvchat.engine.distributed import (
     DistributedSession,
     Link,
@@ -275,7 +276,9 @@ def test_a_rank_reads_its_own_shard_only_as_session_json_vouches_for_it(demo_mod
     assert data["cache"]["shards"] == [sha]
 
     def read(rank=1):
-        return read_cache(folder, data, demo_model, data["ledger"], Session(demo_model), rank)
+        empty = Session(demo_model)
+        reference = Reference(empty.cache, demo_model.model)
+        return read_cache(folder, data, demo_model, data["ledger"], empty, reference, rank)
 
     cache, ledger, problem = read()
     assert problem is None and ledger == chat.ledger and cache[0].offset == len(chat.ledger)

@@ -36,7 +36,7 @@ from kvchat.store.files import (
     write_caches_atomic,
 )
 from kvchat.store.lock import session_lock
-from kvchat.store.schema import SessionFile
+from kvchat.store.schema import parse_file
 from kvchat.store.search import index_session
 from kvchat.store.session_file import read_json, read_with_tree
 from kvchat.store.shards import drop_shards
@@ -206,7 +206,7 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
     if data is None:
         data, branches = read_with_tree(name)  # the tree checked against the messages
     else:  # rank 0's parsed file, sent to this rank of a sharded run: validated here too
-        branches = SessionFile.model_validate(data).tree
+        branches = parse_file(json.dumps(data).encode(), folder / "session.json").tree
     # the schema (store/schema.py) has checked every field's type and range by now
     settings = _settings(GenerationSettings, data.get("settings", {}))
     turns = [TurnStats.from_dict(t) for t in data.get("turns", [])]
