@@ -78,11 +78,9 @@ def launched(*args, env=None):
     return kvchat("launch", "-n", "2", "--port", str(_free_port()), "--", *args, env=env)
 
 
-@pytest.mark.timeout(120)
-def test_replay_on_two_ranks_gives_the_replies_and_token_counts_of_one_process(tmp_path):
-    script = tmp_path / "script.json"
-    script.write_text(json.dumps(SCRIPT), encoding="utf-8")
-    args = ("replay", str(script), "--json", "--max-tokens", "12")
+def replayed_alike(*args) -> list[dict]:
+    """The turns of `replay ARGS --json` on two ranks, after checking that their replies
+    and token counts are one process's."""
     two = launched(*args)
     assert two.returncode == 0, two.stderr
     # The sharded model runs mlx-lm's generate_step; one process does too without
@@ -92,6 +90,15 @@ def test_replay_on_two_ranks_gives_the_replies_and_token_counts_of_one_process(t
     sharded, single = json.loads(two.stdout)["turns"], json.loads(one.stdout)["turns"]
     assert [[t.get(k) for k in COMPARED] for t in sharded] == \
         [[t.get(k) for k in COMPARED] for t in single]
+    return sharded
+
+
+@pytest.mark.timeout(120)
+def test_replay_on_two_ranks_gives_the_replies_and_token_counts_of_one_process(tmp_path):
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(SCRIPT), encoding="utf-8")
+    args = ("replay", str(script), "--json", "--max-tokens", "12")
+    sharded = replayed_alike(*args)
     replies = [t["reply"] for t in sharded if "reply" in t]
     assert len(replies) == 5 and all(replies) and replies[1] == replies[2]  # greedy regenerate
     assert sharded[1]["reused_tokens"] > 0 and sharded[2]["evaluated_tokens"] == 0
@@ -111,13 +118,7 @@ def test_tensor_parallel_replay_gives_the_replies_of_one_process(tmp_path):
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"turns": ["hello there", "and then?", {"op": "regenerate"}]}))
     args = ("replay", str(script), "--model", str(folder), "--json", "--max-tokens", "6")
-    two = launched(*args)
-    assert two.returncode == 0, two.stderr
-    one = kvchat(*args, env={"KVCHAT_CPU_FASTPATH": "0"})
-    assert one.returncode == 0, one.stderr
-    sharded, single = json.loads(two.stdout)["turns"], json.loads(one.stdout)["turns"]
-    assert [[t.get(k) for k in COMPARED] for t in sharded] == \
-        [[t.get(k) for k in COMPARED] for t in single]
+    sharded = replayed_alike(*args)
     assert sharded[1]["reused_tokens"] > 0 and sharded[1]["reply"] == sharded[2]["reply"]
     assert [t["generated_tokens"] for t in sharded] == [6, 6, 6]  # random weights: no end token
 
