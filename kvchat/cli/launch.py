@@ -1,14 +1,18 @@
-"""``kvchat launch``: run ``kvchat ask`` or ``kvchat replay`` on a model sharded over several
-ranks (processes, machines), by way of MLX's own ``mlx.launch``.
+"""``kvchat launch``: run the TUI, ``kvchat ask`` or ``kvchat replay`` on a model sharded over
+several ranks (processes, machines).
 
 Every rank runs this same kvchat; rank 0 runs the command and the others follow
-it (kvchat/engine/distributed.py). ``mlx.launch`` ends every rank when one
-fails, but exits 0 whatever happened; this wrapper reads its notes and says
-which rank ended the run, in one sentence, with a non-zero status.
+it (kvchat/engine/distributed.py). ``ask`` and ``replay`` go by way of MLX's own
+``mlx.launch``, which ends every rank when one fails, but exits 0 whatever
+happened; this wrapper reads its notes and says which rank ended the run, in one
+sentence, with a non-zero status. The TUI needs the terminal, which
+``mlx.launch`` does not give rank 0: for it, this process is rank 0 and starts
+the other ranks itself (kvchat/cli/ring.py).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -19,12 +23,19 @@ from typing import Annotated
 
 import typer
 
-from .common import RANK0_FAILED, SHARDED_COMMANDS, SHARDED_ONLY, _fail, app
+from kvchat import locations
+
+from .common import RANK0_FAILED, SHARDED_COMMANDS, SHARDED_ONLY, _fail, app, load_or_exit
+from .ring import DEFAULT_PORT, ENTRY, Ring, RingError, ring_hosts
 
 RANK_NOTE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# What each rank runs: this kvchat's entry point (there is no script file to name).
-ENTRY = "from kvchat.cli import main; main()"
+TUI_FLAGS = ("model", "cache", "system", "resume", "max_tokens", "temp")  # kvchat's own
+
+
+def ranks_log() -> Path:
+    """Where the followers of a sharded TUI write their output."""
+    return locations.cache_dir() / "ranks.log"
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -40,19 +51,23 @@ def launch(
     backend: Annotated[str, typer.Option(help="ring (TCP) or mpi.")] = "ring",
     port: Annotated[int | None, typer.Option(help="First TCP port of the ring backend.")] = None,
 ) -> None:
-    """Run `ask` or `replay` on a model sharded over several ranks: kvchat launch -n 2 -- ask TEXT.
+    """Run the TUI, `ask` or `replay` on a model sharded over several ranks:
+    kvchat launch -n 2 -- [--model M ...] (the TUI), or kvchat launch -n 2 -- ask TEXT.
 
     Every host needs this Python at the same path, kvchat, and the same model
     folder (or Hugging Face id); each rank keeps its own cache shard beside the
-    session. Tensor parallel where the model allows it, else pipeline.
+    session. Tensor parallel where the model allows it, else pipeline. The TUI
+    runs here as rank 0, over the ring backend; the first host is this machine.
     """
     command = list(ctx.args)
-    if not command or command[0] not in SHARDED_COMMANDS:
-        raise _fail(SHARDED_ONLY, 2)
     if backend not in ("ring", "mpi"):
         raise _fail(f"--backend is ring or mpi, not {backend!r}.", 2)
     if ranks < 1:
         raise _fail("-n must be at least 1.", 2)
+    if not command or command[0].startswith("-"):
+        raise typer.Exit(_tui(command, ranks, hosts, hostfile, backend, port))
+    if command[0] not in SHARDED_COMMANDS:
+        raise _fail(SHARDED_ONLY, 2)
     runner = Path(sys.executable).with_name("mlx.launch")
     found = str(runner) if runner.is_file() else shutil.which("mlx.launch")
     if found is None:
@@ -88,10 +103,7 @@ def _run(argv: list[str]) -> int:
     if rank == 0 and code is not None and code >= 0:
         sys.stderr.write("".join(held))
         return code  # rank 0 ended first and said why itself
-    how = ("was killed" if code is None else f"was killed by signal {-code}" if code < 0
-           else f"exited with status {code}")
-    typer.echo(f"kvchat: rank {rank} {how}, so the run was ended on every rank; "
-               "saved sessions are as they were last saved.", err=True)
+    typer.echo(rank_ended(rank, code), err=True)
     return 1
 
 
@@ -99,3 +111,82 @@ def _lost(ended: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
     """The followers that failed by themselves (not ended by mlx.launch's SIGTERM after
     another rank failed), in the order they ended."""
     return [(r, c) for r, c in ended if r and c not in (None, -signal.SIGTERM)]
+
+
+def rank_ended(rank: int, code: int | None) -> str:
+    """The sentence that says a rank ended the run."""
+    how = ("was killed" if code is None else f"was killed by signal {-code}" if code < 0
+           else f"exited with status {code}")
+    return (f"kvchat: rank {rank} {how}, so the run was ended on every rank; "
+            "saved sessions are as they were last saved.")
+
+
+def tui_flags(args: list[str]) -> dict:
+    """The TUI's options (``kvchat``'s own, read by its own definitions) from ``args``."""
+    import click
+
+    command = typer.main.get_command(app)
+    try:
+        with command.make_context("kvchat", list(args), resilient_parsing=False) as ctx:
+            if ctx.protected_args or ctx.args:
+                raise _fail(SHARDED_ONLY, 2)
+            params = dict(ctx.params)
+    except click.UsageError as exc:
+        raise _fail(exc.format_message(), 2) from None
+    return {k: v for k, v in params.items() if k in TUI_FLAGS}
+
+
+def _tui(args: list[str], ranks: int, hosts: str | None, hostfile: Path | None, backend: str,
+         port: int | None) -> int:
+    """Run the TUI on rank 0 (this process) of a ring this process starts."""
+    flags = tui_flags(args)
+    if backend != "ring":
+        raise _fail("The TUI runs over the ring backend only (mlx.launch, which starts the "
+                    "MPI backend, gives rank 0 no terminal).", 2)
+    try:
+        ring = Ring(ring_hosts(ranks, hosts, hostfile), port or DEFAULT_PORT, ranks_log())
+    except RingError as exc:
+        raise _fail(str(exc), 2) from None
+    from kvchat.tui.app import exit_now
+
+    exit_now(sharded_tui(ring, flags))
+    return 0  # not reached
+
+
+def sharded_tui(ring: Ring, flags: dict, run=lambda app: app.run()) -> int:
+    """Start ``ring``, join it as rank 0, and ``run`` the TUI (built from ``flags``) on its
+    sharded model; end the followers afterwards. Returns the exit status. (Tests pass a
+    ``run`` that drives the app under ``App.run_test``.)"""
+    from kvchat import store
+    from kvchat.config import ConfigError
+    from kvchat.engine import distributed
+    from kvchat.tui.app import tui_app
+
+    def lost_early(rank: int, code: int) -> None:  # nothing to save yet: end at once
+        typer.echo(rank_ended(rank, code), err=True)
+        os._exit(1)
+
+    ring.on_lost = lost_early
+    ring.start()
+    link = None
+    try:
+        link = distributed.start()
+        app = tui_app(**flags)
+        app.shard(load_or_exit(app.config.model))
+        ring.on_lost = lambda rank, code: app.call_from_thread(app.exit, return_code=1)
+        status = run(app) or 0
+    except (store.StoreError, ConfigError) as exc:
+        typer.echo(f"kvchat: {exc}", err=True)
+        status = 2
+    except typer.Exit as exc:
+        status = exc.exit_code
+    finally:
+        ring.on_lost = lambda rank, code: None
+        ended = link is not None and ring.lost is None and not link.broken
+        if ended:
+            link.broadcast({"op": "end"})
+        ring.finish(ended)
+    if ring.lost is not None:
+        typer.echo(rank_ended(*ring.lost), err=True)
+        return 1
+    return status

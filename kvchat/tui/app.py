@@ -33,6 +33,7 @@ from .keys import KeysMixin
 from .models import ModelsMixin
 from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker
+from .sharded import ShardedMixin
 from .tabs import TabsMixin
 from .transfer import TransferMixin
 from .widgets.chat import Conversation
@@ -46,8 +47,8 @@ _TAB_ACTIONS = {
 }
 
 
-class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin, TransferMixin,
-                App):
+class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin,
+                TransferMixin, App):
     """kvchat's terminal UI.
 
     ``lm`` is a loaded model (tests pass the demo model); without it the app
@@ -338,6 +339,8 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin, Tr
         self.exit()
 
     def action_sessions(self) -> None:
+        if self._refused():
+            return
         self.push_screen(SessionPicker(store.list_sessions()), self._picked)
 
     def action_toggle_sidebar(self) -> None:

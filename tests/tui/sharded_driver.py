@@ -1,0 +1,58 @@
+"""Rank 0 of a two-rank sharded TUI, run by tests/tui/test_sharded.py in its own process
+(a process joins one ring, once): ``python -m tests.tui.sharded_driver PORT LOG TEXT``.
+
+It starts rank 1 through ``kvchat launch``'s own code, drives the real app under
+``App.run_test`` (one message, a refused tab, a refused branch switch, Ctrl+Q), and
+prints what it saw as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from kvchat.cli.launch import sharded_tui
+from kvchat.cli.ring import Ring, ring_hosts
+from kvchat.tui.app import exit_now
+
+from .conftest import SIZE, send, settle, widget_text
+
+
+def main() -> None:
+    port, log, text = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    seen: dict = {}
+
+    async def drive(app) -> int:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            conversation = app.active_conversation()
+            await send(pilot, text)
+            session = conversation.session
+            seen.update(
+                reply=session.messages[-1]["content"], ledger=session.ledger,
+                rank_bytes=session.rank_bytes, local_bytes=session.local.cache_bytes,
+                sidebar=widget_text(app.sidebar), session=conversation.session_name)
+            await pilot.press("ctrl+t")  # a second tab: refused in one sentence
+            conversation.run_job("switching", lambda progress: session.switch_branch(0, 1))
+            await settle(pilot, conversation)
+            seen["tabs"] = len(app.conversations())
+            seen["notices"] = [str(n.message) for n in app._notifications]
+            await pilot.press("ctrl+q")
+        return app.return_code
+
+    ring = Ring(ring_hosts(2, None, None), port, log)
+    status = sharded_tui(ring, {"model": "demo", "max_tokens": 8}, run=lambda app: _run(drive, app))
+    seen.update(status=status, followers=[p.returncode for p in ring.followers])
+    print(json.dumps(seen), flush=True)
+    exit_now(0)
+
+
+def _run(drive, app) -> int:
+    import asyncio
+
+    return asyncio.run(drive(app))
+
+
+if __name__ == "__main__":
+    main()
