@@ -123,15 +123,14 @@ def rank_ended(rank: int, code: int | None) -> str:
 
 def tui_flags(args: list[str]) -> dict:
     """The TUI's options (``kvchat``'s own, read by its own definitions) from ``args``."""
-    import click
-
-    command = typer.main.get_command(app)
+    options = typer.core.TyperCommand("kvchat", params=typer.main.get_command(app).params,
+                                      context_settings={"allow_extra_args": True})
     try:
-        with command.make_context("kvchat", list(args), resilient_parsing=False) as ctx:
-            if ctx.protected_args or ctx.args:
+        with options.make_context("kvchat", list(args)) as ctx:
+            if ctx.args:  # a command: not one this way runs
                 raise _fail(SHARDED_ONLY, 2)
             params = dict(ctx.params)
-    except click.UsageError as exc:
+    except typer.TyperException as exc:  # click's usage errors, as typer carries them
         raise _fail(exc.format_message(), 2) from None
     return {k: v for k, v in params.items() if k in TUI_FLAGS}
 

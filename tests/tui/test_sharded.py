@@ -1,0 +1,129 @@
+"""The TUI on a model sharded over two ranks (issue 12): rank 0 runs the real app under
+``App.run_test`` in its own process (tests/tui/sharded_driver.py), rank 1 follows, both
+started by ``kvchat launch``'s own code over the ring backend on loopback. The rest are
+unit tests of the ring's hosts, hostfile and commands, which launch nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+from mlx_lm.models.cache import load_prompt_cache
+from typer.testing import CliRunner
+
+from kvchat import store
+from kvchat.cli import app
+from kvchat.cli.launch import rank_ended, tui_flags
+from kvchat.cli.ring import LOCAL, RingError, follower_command, ring_hostfile, ring_hosts
+from kvchat.tui.sharded import ONE_TAB
+from kvchat.tui.widgets.sidebar import human_bytes
+from tests.test_distributed import _free_port, kvchat
+
+from .test_sidebar import flat
+
+
+@pytest.mark.timeout(90)
+def test_the_tui_on_two_ranks_answers_as_one_process_and_shows_each_ranks_cache(
+        demo_model, tmp_path):
+    text = "hello there"
+    driver = subprocess.run(
+        [sys.executable, "-m", "tests.tui.sharded_driver", str(_free_port()),
+         str(tmp_path / "ranks.log"), text],
+        capture_output=True, text=True, timeout=80, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert driver.returncode == 0, driver.stderr
+    seen = json.loads(driver.stdout.splitlines()[-1])
+    # The sharded model runs mlx-lm's generate_step; one process does too without the
+    # CPU fast path (see tests/test_distributed.py).
+    one = kvchat("ask", "--json", "--max-tokens", "8", text, env={"KVCHAT_CPU_FASTPATH": "0"})
+    assert one.returncode == 0, one.stderr
+    single = json.loads(one.stdout)
+    assert seen["reply"] == single["reply"] and seen["reply"]
+    assert len(seen["ledger"]) == single["cache_tokens"]
+
+    # Each rank's figure is its own cache's: rank 1's is that of the shard it saved (autosave).
+    folder = store.session_dir(seen["session"])
+    cache, meta = load_prompt_cache(str(folder / "cache.rank1.safetensors"), return_metadata=True)
+    assert meta["ledger"] == ",".join(map(str, seen["ledger"]))
+    assert [c.offset for c in cache] == [len(seen["ledger"])]  # its one layer of the two
+    rank1 = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+    assert seen["rank_bytes"] == [seen["local_bytes"], rank1] and rank1 > 0
+    assert ("ranks 2 ranks, pipeline parallel "
+            f"rank 0 {human_bytes(seen['local_bytes'])} rank 1 {human_bytes(rank1)} turns 1"
+            ) in flat(seen["sidebar"])
+
+    # What a sharded run cannot do is said in one sentence each, and nothing else happens.
+    assert seen["tabs"] == 1
+    assert seen["notices"] == [
+        ONE_TAB, "A sharded run cannot switch branch yet; run this session on one machine "
+                 "for that."]
+    assert seen["status"] == 0 and seen["followers"] == [0]  # Ctrl+Q ended rank 1 cleanly
+
+
+# ------------------------------------------------------------- without launching
+
+
+def test_local_ranks_get_a_ring_hostfile_of_loopback_ports_and_mlx_launchs_script():
+    hosts = ring_hosts(2, None, None)
+    assert [h.ssh_hostname for h in hosts] == [LOCAL, LOCAL]
+    text = ring_hostfile(hosts, 5000)
+    assert json.loads(text) == [["127.0.0.1:5000"], ["127.0.0.1:5001"]]
+    command = follower_command(1, hosts[1], text)
+    assert not command.startswith("ssh")
+    assert "export MLX_HOSTFILE=$fname;" in command
+    assert f"echo {shlex.quote(text)} >$fname;" in command
+    assert "export MLX_RANK=1;" in command
+    assert f"cmd=({shlex.quote(sys.executable)} -c " in command
+
+
+def test_other_hosts_are_reached_by_ssh_with_every_ip_a_port(tmp_path):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "mac1", "ips": ["10.0.0.1"]},
+                                    {"ssh": "mac2", "ips": ["10.0.0.2", "10.0.1.2"]}]))
+    hosts = ring_hosts(2, None, hostfile)  # -n counts for --hosts only, as in mlx.launch
+    text = ring_hostfile(hosts, 4000)
+    assert json.loads(text) == [["10.0.0.1:4000"], ["10.0.0.2:4001", "10.0.1.2:4002"]]
+    command = follower_command(1, hosts[1], text)
+    assert command.startswith("ssh -tt -o LogLevel=QUIET mac2 '")
+    assert "export MLX_RANK=1;" in shlex.split(command)[-1]
+    listed = ring_hosts(1, "10.0.0.1,10.0.0.2", None)
+    assert json.loads(ring_hostfile(listed, 7)) == [["10.0.0.1:7"], ["10.0.0.2:8"]]
+
+
+@pytest.mark.parametrize(("ranks", "hosts", "message"), [
+    (1, "mac1,mac2", "The ring backend needs IP addresses, not host names"),
+    (1, None, "A sharded run needs at least 2 ranks."),
+    (2, "10.0.0.1,,10.0.0.2", "Hostname cannot be empty."),
+])
+def test_hosts_the_ring_cannot_use_are_refused_in_one_sentence(ranks, hosts, message):
+    with pytest.raises(RingError, match=f"^{message}"):
+        ring_hosts(ranks, hosts, None)
+
+
+def test_tui_options_are_read_by_kvchats_own_definitions():
+    assert tui_flags(["--model", "demo", "--max-tokens", "8", "--resume", "chat-1"]) == {
+        "model": "demo", "cache": None, "system": None, "resume": "chat-1", "max_tokens": 8,
+        "temp": None}
+    assert tui_flags([]) == dict.fromkeys(("model", "cache", "system", "resume", "max_tokens",
+                                           "temp"))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--backend", "mpi", "--"], "kvchat: The TUI runs over the ring backend only"),
+    (["--hosts", "mac1,mac2", "--"], "kvchat: The ring backend needs IP addresses"),
+    (["--", "--max-tokens", "many"], "kvchat: Invalid value for '--max-tokens'"),
+    (["-n", "1", "--", "--model", "demo"], "kvchat: A sharded run needs at least 2 ranks."),
+])
+def test_a_sharded_tui_that_cannot_start_says_why_before_starting_any_rank(args, message):
+    result = CliRunner().invoke(app, ["launch", *args])
+    assert result.exit_code == 2
+    assert result.output.startswith(message)
+
+
+def test_a_lost_rank_is_named_in_one_sentence():
+    assert rank_ended(1, -9) == ("kvchat: rank 1 was killed by signal 9, so the run was ended "
+                                 "on every rank; saved sessions are as they were last saved.")
+    assert rank_ended(2, 3).startswith("kvchat: rank 2 exited with status 3, so")
