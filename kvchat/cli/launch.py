@@ -172,7 +172,7 @@ def sharded_tui(ring: Ring, flags: dict, run=lambda app: app.run()) -> int:
         link = distributed.start()
         app = tui_app(**flags)
         app.shard(load_or_exit(app.config.model))
-        ring.on_lost = lambda rank, code: app.call_from_thread(app.exit, return_code=1)
+        ring.on_lost = lambda rank, code: app.call_from_thread(app.rank_lost)
         status = run(app) or 0
     except (store.StoreError, ConfigError) as exc:
         typer.echo(f"kvchat: {exc}", err=True)

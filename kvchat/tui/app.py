@@ -333,10 +333,10 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
                     timeout=30, markup=False)
         self.run_worker(self._quit_when_idle(), group="quit")
 
-    async def _quit_when_idle(self) -> None:
+    async def _quit_when_idle(self, return_code: int = 0) -> None:
         while any(c.busy for c in self.conversations()):
             await asyncio.sleep(0.05)
-        self.exit()
+        self.exit(return_code=return_code)
 
     def action_sessions(self) -> None:
         if self._refused():

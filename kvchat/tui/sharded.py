@@ -36,6 +36,11 @@ class ShardedMixin:
         self.expire_every = 0
         self.picker_on_start = False
 
+    def rank_lost(self) -> None:
+        """Another rank ended: quit (status 1) as soon as the turn it was in has failed
+        too; ``kvchat launch`` then says which rank it was."""
+        self.run_worker(self._quit_when_idle(return_code=1), group="quit")
+
     def new_session(self, name=None, lm=None):
         if not self.sharded:
             return super().new_session(name, lm)

@@ -1,27 +1,36 @@
 """Rank 0 of a two-rank sharded TUI, run by tests/tui/test_sharded.py in its own process
-(a process joins one ring, once): ``python -m tests.tui.sharded_driver PORT LOG TEXT``.
+(a process joins one ring, once): ``python -m tests.tui.sharded_driver PORT LOG TEXT [lost]``.
 
 It starts rank 1 through ``kvchat launch``'s own code, drives the real app under
-``App.run_test`` (one message, a refused tab, a refused branch switch, Ctrl+Q), and
-prints what it saw as JSON.
+``App.run_test`` (one message, a refused tab, a refused branch switch, Ctrl+Q; or, with
+``lost``, one message during which rank 1 kills itself), and prints what it saw as JSON.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 from kvchat.cli.launch import sharded_tui
 from kvchat.cli.ring import Ring, ring_hosts
+from kvchat.engine.distributed import DIE_ENV
 from kvchat.tui.app import exit_now
 
-from .conftest import SIZE, send, settle, widget_text
+from .conftest import SIZE, send, settle, until, widget_text
 
 
 def main() -> None:
     port, log, text = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     seen: dict = {}
+
+    async def lose_rank_1(app) -> int:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            assert await app.active_conversation().send(text)
+            await until(pilot, lambda: app.return_code is not None, timeout=30)
+        return app.return_code
 
     async def drive(app) -> int:
         async with app.run_test(size=SIZE) as pilot:
@@ -41,8 +50,12 @@ def main() -> None:
             await pilot.press("ctrl+q")
         return app.return_code
 
+    lost = sys.argv[4:] == ["lost"]
+    if lost:
+        os.environ[DIE_ENV] = "1"  # rank 1 kills itself in the middle of each turn
     ring = Ring(ring_hosts(2, None, None), port, log)
-    status = sharded_tui(ring, {"model": "demo", "max_tokens": 8}, run=lambda app: _run(drive, app))
+    status = sharded_tui(ring, {"model": "demo", "max_tokens": 8},
+                         run=lambda app: _run(lose_rank_1 if lost else drive, app))
     seen.update(status=status, followers=[p.returncode for p in ring.followers])
     print(json.dumps(seen), flush=True)
     exit_now(0)

@@ -19,6 +19,7 @@ from kvchat import store
 from kvchat.cli import app
 from kvchat.cli.launch import rank_ended, tui_flags
 from kvchat.cli.ring import LOCAL, RingError, follower_command, ring_hostfile, ring_hosts
+from kvchat.engine.session import Session
 from kvchat.tui.sharded import ONE_TAB
 from kvchat.tui.widgets.sidebar import human_bytes
 from tests.test_distributed import _free_port, kvchat
@@ -28,12 +29,9 @@ from .test_sidebar import flat
 
 @pytest.mark.timeout(90)
 def test_the_tui_on_two_ranks_answers_as_one_process_and_shows_each_ranks_cache(
-        demo_model, tmp_path):
+        demo_model, home, tmp_path):
     text = "hello there"
-    driver = subprocess.run(
-        [sys.executable, "-m", "tests.tui.sharded_driver", str(_free_port()),
-         str(tmp_path / "ranks.log"), text],
-        capture_output=True, text=True, timeout=80, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    driver = _driver(tmp_path, text)
     assert driver.returncode == 0, driver.stderr
     seen = json.loads(driver.stdout.splitlines()[-1])
     # The sharded model runs mlx-lm's generate_step; one process does too without the
@@ -61,6 +59,33 @@ def test_the_tui_on_two_ranks_answers_as_one_process_and_shows_each_ranks_cache(
         ONE_TAB, "A sharded run cannot switch branch yet; run this session on one machine "
                  "for that."]
     assert seen["status"] == 0 and seen["followers"] == [0]  # Ctrl+Q ended rank 1 cleanly
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_lost_mid_reply_ends_the_tui_with_one_sentence_and_damages_nothing(
+        demo_model, home, tmp_path):
+    kept = Session(demo_model)
+    kept.settings.max_tokens = 4
+    [_ for _ in kept.send("hello")]
+    store.save(kept, "kept")
+    folder = store.session_dir("kept")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    driver = _driver(tmp_path, "a question", "lost")
+    assert driver.returncode == 0, driver.stderr
+    seen = json.loads(driver.stdout.splitlines()[-1])
+    assert seen["status"] == 1 and seen["followers"] == [-9]
+    assert driver.stderr.endswith(
+        "kvchat: rank 1 was killed by signal 9, so the run was ended on every rank; "
+        "saved sessions are as they were last saved.\n")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert [s.name for s in store.list_sessions()] == ["kept"]  # the broken turn: not saved
+
+
+def _driver(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.tui.sharded_driver", str(_free_port()),
+         str(tmp_path / "ranks.log"), *args],
+        capture_output=True, text=True, timeout=80, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 
 # ------------------------------------------------------------- without launching
