@@ -39,13 +39,13 @@ import mlx.core as mx
 import numpy as np
 
 from .events import Event, GenerationSettings, SessionError, TurnDone
-from .kinds import CacheKindError, parse_kind
+from .kinds import CacheKindError, applicable_kinds, parse_kind
 from .session import Session
 from .sharding import ShardedModel, load_sharded
 
 OPS = frozenset({
     "model", "new", "load", "send", "regenerate", "edit", "undo", "reset", "kind", "trim",
-    "system", "save", "bytes", "end",
+    "system", "save", "bytes", "kinds", "end",
 })
 ROW = 256  # bytes each rank reports after a save or a load
 # Session methods that change the cache and are not sent to the followers (the TUI's).
@@ -160,6 +160,14 @@ def load_model(spec: str) -> ShardedModel:
     _link.broadcast({"op": "model", "spec": spec, "seed": seed})
     mx.random.seed(seed)
     return load_sharded(spec, _link.group)
+
+
+def probe_kinds(lm: ShardedModel, names: list[str]) -> list[str]:
+    """Rank 0: which of the cache kinds ``names`` the sharded model takes, found out on
+    every rank at once (a probe runs the model, whose collectives need every rank). The
+    answers are kept (kvchat/engine/fit.py), so asking again later runs nothing."""
+    _link.broadcast({"op": "kinds", "names": names})
+    return applicable_kinds(lm.model, names)
 
 
 def _bind(session: Session, link: Link) -> Session:
@@ -391,6 +399,8 @@ def follow(link: Link) -> int:
             link.gather(row)
         elif name == "bytes":
             link.per_rank(session.cache_bytes)
+        elif name == "kinds":
+            applicable_kinds(lm.model, op["names"])
         else:
             try:
                 result = _perform(session, op, link)

@@ -29,7 +29,13 @@ class ShardedMixin:
 
     def shard(self, lm) -> None:
         """Before the app runs: use ``lm`` (a model loaded over every rank) for one tab.
-        Idle caches stay in memory (an offload is one rank's, not every rank's)."""
+        Idle caches stay in memory (an offload is one rank's, not every rank's). Which
+        cache kinds the model takes is found out now, on every rank together: the kind
+        dialog and new sessions then ask rank 0's kept answers, running nothing."""
+        from kvchat.engine.distributed import probe_kinds
+        from kvchat.engine.kinds import EXAMPLE_KINDS
+
+        probe_kinds(lm, list(dict.fromkeys([*EXAMPLE_KINDS, self.config.cache])))
         self.sharded = True
         self.lm = lm
         self.models.retain(lm)

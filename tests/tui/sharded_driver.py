@@ -2,7 +2,8 @@
 (a process joins one ring, once): ``python -m tests.tui.sharded_driver PORT LOG TEXT [lost]``.
 
 It starts rank 1 through ``kvchat launch``'s own code, drives the real app under
-``App.run_test`` (one message, a refused tab, a refused branch switch, Ctrl+Q; or, with
+``App.run_test`` (one message, the cache kind dialog and a switch to quantized:8, a
+refused tab, a refused branch switch, Ctrl+Q; or, with
 ``lost``, one message during which rank 1 kills itself), and prints what it saw as JSON.
 """
 
@@ -42,6 +43,14 @@ def main() -> None:
                 reply=session.messages[-1]["content"], ledger=session.ledger,
                 rank_bytes=session.rank_bytes, local_bytes=session.local.cache_bytes,
                 sidebar=widget_text(app.sidebar), session=conversation.session_name)
+            app.action_cache_kind()  # its kinds were found out on every rank at the start
+            await settle(pilot, conversation)
+            seen["dialog"] = type(app.screen).__name__
+            await pilot.press("escape")
+            conversation.run_job("switching cache",
+                                 lambda progress: session.set_kind("quantized:8", progress))
+            await settle(pilot, conversation)
+            seen["quantized_bytes"] = session.rank_bytes
             await pilot.press("ctrl+t")  # a second tab: refused in one sentence
             conversation.run_job("switching", lambda progress: session.switch_branch(0, 1))
             await settle(pilot, conversation)

@@ -53,6 +53,11 @@ def test_the_tui_on_two_ranks_answers_as_one_process_and_shows_each_ranks_cache(
             f"rank 0 {human_bytes(seen['local_bytes'])} rank 1 {human_bytes(rank1)} turns 1"
             ) in flat(seen["sidebar"])
 
+    # The kind dialog opens (no probe on rank 0 alone) and a switch converts every rank's.
+    assert seen["dialog"] == "KindDialog"
+    q8 = seen["quantized_bytes"]
+    assert len(q8) == 2 and q8[0] == q8[1] and 0 < q8[0] < seen["local_bytes"] / 1.5
+
     # What a sharded run cannot do is said in one sentence each, and nothing else happens.
     assert seen["tabs"] == 1
     assert seen["notices"] == [
