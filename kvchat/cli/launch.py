@@ -12,7 +12,6 @@ the other ranks itself (kvchat/cli/ring.py).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
@@ -161,13 +160,9 @@ def sharded_tui(ring: Ring, flags: dict, run=lambda app: app.run()) -> int:
     from kvchat.engine import distributed
     from kvchat.tui.app import tui_app
 
-    def lost_early(rank: int, code: int) -> None:  # nothing to save yet: end at once
-        typer.echo(rank_ended(rank, code), err=True)
-        os._exit(1)
-
-    ring.on_lost = lost_early
     ring.start()
-    link = None
+    link = failed = None
+    said = False  # rank 0 ended the run itself and said why
     try:
         link = distributed.start()
         app = tui_app(**flags)
@@ -176,16 +171,23 @@ def sharded_tui(ring: Ring, flags: dict, run=lambda app: app.run()) -> int:
         status = run(app) or 0
     except (store.StoreError, ConfigError) as exc:
         typer.echo(f"kvchat: {exc}", err=True)
-        status = 2
-    except typer.Exit as exc:
-        status = exc.exit_code
+        status, said = 2, True
+    except typer.Exit as exc:  # load_or_exit said why; each follower fails alike and ends
+        status, said, link = exc.exit_code, True, None
+    except RuntimeError as exc:  # a collective failed: most often, another rank died
+        status, failed = 1, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     finally:
         ring.on_lost = lambda rank, code: None
-        ended = link is not None and ring.lost is None and not link.broken
+        ended = link is not None and not link.broken and ring.running()
         if ended:
-            link.broadcast({"op": "end"})
+            try:
+                link.broadcast({"op": "end"})
+            except RuntimeError:  # a follower went in the meantime
+                ended = False
         ring.finish(ended)
-    if ring.lost is not None:
+    if ring.lost is not None and not said:
         typer.echo(rank_ended(*ring.lost), err=True)
         return 1
+    if failed is not None:
+        typer.echo(f"{RANK0_FAILED}{failed}", err=True)
     return status

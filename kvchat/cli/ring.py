@@ -26,6 +26,7 @@ LOCAL = "127.0.0.1"  # a host mlx.launch runs without ssh
 DEFAULT_PORT = 32323  # mlx.launch's --starting-port
 ENTRY = "from kvchat.cli import main; main()"  # what each rank runs (no script file to name)
 ENDING_S = 10.0  # how long the followers get to end by themselves after "end"
+LOST_S = 1.0  # how long they get otherwise (one may be going down with a lost rank)
 
 
 class RingError(ValueError):
@@ -81,6 +82,7 @@ class Ring:
     environment (for ``mx.distributed.init``) and starts the followers, their
     output appended to ``log``. ``on_lost(rank, code)`` is called, from a watcher
     thread, when a follower ends with a non-zero status before :meth:`finish`.
+    :meth:`finish` ends them all and says which was ``lost``.
     """
 
     def __init__(self, hosts: list, port: int, log: Path):
@@ -109,18 +111,23 @@ class Ring:
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
-        if code and not self._ending and self.lost is None:
-            self.lost = (rank, code)
+        if code and not self._ending:
             self.on_lost(rank, code)
 
+    def running(self) -> bool:
+        """True while every follower runs."""
+        return all(proc.poll() is None for proc in self.followers)
+
     def finish(self, ended: bool) -> list[int | None]:
-        """Wait for the followers (that were sent "end" when ``ended``), ending the ones
-        still running after that; return their exit statuses (None: had to be ended)."""
+        """Wait for the followers (that were sent "end" when ``ended``; otherwise a moment,
+        for one going down with a lost rank), ending the ones still running after that;
+        return their exit statuses (None: had to be ended). ``lost`` is then the first
+        follower that ended by itself with a non-zero status, and its status."""
         self._ending = True
         codes: list[int | None] = []
         for proc in self.followers:
             try:
-                codes.append(proc.wait(ENDING_S if ended else 0))
+                codes.append(proc.wait(ENDING_S if ended else LOST_S))
             except subprocess.TimeoutExpired:
                 proc.terminate()
                 try:
@@ -131,4 +138,5 @@ class Ring:
                 codes.append(None)
         if self._hostfile is not None:
             self._hostfile.unlink(missing_ok=True)
+        self.lost = next(((rank, code) for rank, code in enumerate(codes, 1) if code), None)
         return codes

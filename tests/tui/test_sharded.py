@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlx_lm.models.cache import load_prompt_cache
@@ -84,6 +85,18 @@ def test_a_rank_lost_mid_reply_ends_the_tui_with_one_sentence_and_damages_nothin
         "saved sessions are as they were last saved.\n")
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert [s.name for s in store.list_sessions()] == ["kept"]  # the broken turn: not saved
+
+
+@pytest.mark.timeout(60)
+def test_a_model_no_rank_can_load_ends_the_run_with_rank_0s_sentence_only(home, tmp_path):
+    missing = tmp_path / "no-model"
+    run = kvchat("launch", "-n", "2", "--port", str(_free_port()), "--", "--model", str(missing))
+    assert run.returncode == 2
+    assert run.stderr == (f"kvchat: Could not load model '{missing}': there is no such folder, "
+                          "and it is not a Hugging Face model id either. Use --model demo, or "
+                          "pass the path of a downloaded mlx-lm model folder.\n")
+    log = Path(os.environ["KVCHAT_CACHE_DIR"]) / "ranks.log"  # rank 1's output: not shown
+    assert f"kvchat (rank 1): Could not load model '{missing}'" in log.read_text()
 
 
 def _driver(tmp_path, *args: str) -> subprocess.CompletedProcess:
