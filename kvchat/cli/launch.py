@@ -167,7 +167,7 @@ def sharded_tui(ring: Ring, flags: dict, run=lambda app: app.run()) -> int:
         link = distributed.start()
         app = tui_app(**flags)
         app.shard(load_or_exit(app.config.model))
-        ring.on_lost = lambda rank, code: app.call_from_thread(app.rank_lost)
+        ring.on_lost = lambda rank, code: _tell(app)
         status = run(app) or 0
     except (store.StoreError, ConfigError) as exc:
         typer.echo(f"kvchat: {exc}", err=True)
@@ -191,3 +191,11 @@ def sharded_tui(ring: Ring, flags: dict, run=lambda app: app.run()) -> int:
     if failed is not None:
         typer.echo(f"{RANK0_FAILED}{failed}", err=True)
     return status
+
+
+def _tell(app) -> None:
+    """From a watcher thread: tell the running app that a rank was lost."""
+    try:
+        app.call_from_thread(app.rank_lost)
+    except RuntimeError:  # the app has closed already
+        pass

@@ -1,10 +1,11 @@
 """Rank 0 of a two-rank sharded TUI, run by tests/tui/test_sharded.py in its own process
-(a process joins one ring, once): ``python -m tests.tui.sharded_driver PORT LOG TEXT [lost]``.
+(a process joins one ring, once): ``python -m tests.tui.sharded_driver PORT LOG TEXT [lost|resume=NAME]``.
 
 It starts rank 1 through ``kvchat launch``'s own code, drives the real app under
 ``App.run_test`` (one message, the cache kind dialog and a switch to quantized:8, a
-refused tab, a refused branch switch, Ctrl+Q; or, with
-``lost``, one message during which rank 1 kills itself), and prints what it saw as JSON.
+refused tab, a refused branch switch, Ctrl+Q; with ``lost``, one message during which
+rank 1 kills itself; with ``resume=NAME``, that saved session resumed and one message),
+and prints what it saw as JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +26,18 @@ from .conftest import SIZE, send, settle, until, widget_text
 def main() -> None:
     port, log, text = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     seen: dict = {}
+
+    async def resume(app) -> int:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            conversation = app.active_conversation()
+            notices = [str(n.content) for n in conversation.query("NoticeMessage")]
+            await send(pilot, text)
+            session = conversation.session
+            seen.update(name=conversation.session_name, notices=notices,
+                        stats=session.last_stats.__dict__, rank_bytes=session.rank_bytes)
+            await pilot.press("ctrl+q")
+        return app.return_code
 
     async def lose_rank_1(app) -> int:
         async with app.run_test(size=SIZE) as pilot:
@@ -59,12 +72,15 @@ def main() -> None:
             await pilot.press("ctrl+q")
         return app.return_code
 
-    lost = sys.argv[4:] == ["lost"]
-    if lost:
+    mode = sys.argv[4] if len(sys.argv) > 4 else None  # None, "lost" or "resume=NAME"
+    if mode == "lost":
         os.environ[DIE_ENV] = "1"  # rank 1 kills itself in the middle of each turn
+    flags = {"model": "demo", "max_tokens": 8}
+    if mode and mode.startswith("resume="):
+        flags["resume"] = mode.partition("=")[2]
     ring = Ring(ring_hosts(2, None, None), port, log)
-    status = sharded_tui(ring, {"model": "demo", "max_tokens": 8},
-                         run=lambda app: _run(lose_rank_1 if lost else drive, app))
+    how = {None: drive, "lost": lose_rank_1}.get(mode, resume)
+    status = sharded_tui(ring, flags, run=lambda app: _run(how, app))
     seen.update(status=status, followers=[p.returncode for p in ring.followers])
     print(json.dumps(seen), flush=True)
     exit_now(0)

@@ -23,7 +23,7 @@ from kvchat.cli.ring import LOCAL, RingError, follower_command, ring_hostfile, r
 from kvchat.engine.session import Session
 from kvchat.tui.sharded import ONE_TAB
 from kvchat.tui.widgets.sidebar import human_bytes
-from tests.test_distributed import _free_port, kvchat
+from tests.test_distributed import _free_port, kvchat, launched
 
 from .test_sidebar import flat
 
@@ -85,6 +85,22 @@ def test_a_rank_lost_mid_reply_ends_the_tui_with_one_sentence_and_damages_nothin
         "saved sessions are as they were last saved.\n")
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert [s.name for s in store.list_sessions()] == ["kept"]  # the broken turn: not saved
+
+
+@pytest.mark.timeout(90)
+def test_a_session_saved_by_two_ranks_resumes_in_the_tui_with_every_ranks_shard(
+        demo_model, home, tmp_path):
+    first = launched("ask", "-s", "big", "--json", "--max-tokens", "6", "hello there")
+    assert first.returncode == 0, first.stderr
+    ledger = json.loads((store.session_dir("big") / "session.json").read_bytes())["ledger"]
+    driver = _driver(tmp_path, "and more", "resume=big")
+    assert driver.returncode == 0, driver.stderr
+    seen = json.loads(driver.stdout.splitlines()[-1])
+    assert seen["name"] == "big" and seen["status"] == 0 and seen["followers"] == [0]
+    assert seen["notices"] == [f"Resumed with its cache from disk ({len(ledger):,} tokens): "
+                               "the next turn evaluates only the new message."]
+    assert seen["stats"]["reused_tokens"] == len(ledger) > 0  # rank 1 read its shard too
+    assert seen["stats"]["rebuilt"] is None and min(seen["rank_bytes"]) > 0
 
 
 @pytest.mark.timeout(60)
