@@ -16,9 +16,7 @@ A session's stop flag is shared (:class:`SharedStop`): each check of it during a
 turn is a collective carrying rank 0's flag, so a stop ends the turn after the
 same token everywhere.
 
-After each operation, rank 0 asks every rank for its cache bytes ("bytes"), so
-the TUI's sidebar shows each rank's part of the cache.
-
+After each operation rank 0 gathers every rank's cache bytes ("bytes", for the sidebar).
 A rank that dies makes ``mlx.launch`` (or, for the TUI, kvchat/cli/ring.py) end
 the others; ``kvchat launch`` (kvchat/cli/launch.py) says which rank it was in one sentence.
 """
@@ -301,9 +299,6 @@ class DistributedSession:
 
     def edit(self, index: int, text: str) -> Iterator[Event]:
         return self._turn("edit", index=index, text=text)
-
-    def stop(self) -> None:
-        self.local.stop()
 
     def _then_count(self, op: str, call, **fields: Any) -> Any:
         """Send ``op``, make ``call()`` here, then count every rank's cache bytes."""
