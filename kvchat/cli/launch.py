@@ -24,7 +24,15 @@ import typer
 
 from kvchat import locations
 
-from .common import RANK0_FAILED, SHARDED_COMMANDS, SHARDED_ONLY, _fail, app, load_or_exit
+from .common import (
+    RANK0_FAILED,
+    SHARDED_COMMANDS,
+    SHARDED_ONLY,
+    _as_text,
+    _fail,
+    app,
+    load_or_exit,
+)
 from .ring import DEFAULT_PORT, ENTRY, Ring, RingError, ring_hosts
 
 RANK_NOTE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
@@ -131,6 +139,8 @@ def tui_flags(args: list[str]) -> dict:
             params = dict(ctx.params)
     except typer.TyperException as exc:  # click's usage errors, as typer carries them
         raise _fail(exc.format_message(), 2) from None
+    if params["system"] is not None:
+        params["system"] = _as_text(params["system"], "--system")
     return {k: v for k, v in params.items() if k in TUI_FLAGS}
 
 

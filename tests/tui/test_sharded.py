@@ -166,6 +166,7 @@ def test_tui_options_are_read_by_kvchats_own_definitions():
     assert tui_flags(["--model", "demo", "--max-tokens", "8", "--resume", "chat-1"]) == {
         "model": "demo", "cache": None, "system": None, "resume": "chat-1", "max_tokens": 8,
         "temp": None}
+    assert tui_flags(["--system", "be brief ✓"])["system"] == "be brief ✓"
     assert tui_flags([]) == dict.fromkeys(("model", "cache", "system", "resume", "max_tokens",
                                            "temp"))
 
