@@ -33,9 +33,10 @@ class RingError(ValueError):
     """Hosts the ring backend cannot use, in one sentence."""
 
 
-def ring_hosts(ranks: int, hosts: str | None, hostfile: Path | None) -> list:
-    """The hosts of the run, one per rank (mlx.launch's ``Host``), as ``mlx.launch`` reads
-    ``-n``, ``--hosts`` and ``--hostfile``."""
+def ring_hosts(ranks: int, hosts: str | None, hostfile: Path | None):
+    """The hosts of the run, one per rank, and the environment a hostfile sets for them
+    (mlx.launch's ``Hostfile``), as ``mlx.launch`` reads ``-n``, ``--hosts`` and
+    ``--hostfile``."""
     from mlx._distributed_utils.common import Hostfile
 
     try:
@@ -48,7 +49,7 @@ def ring_hosts(ranks: int, hosts: str | None, hostfile: Path | None) -> list:
                         "(or \"ips\" for every host of the hostfile).")
     if len(parsed.hosts) < 2:
         raise RingError("A sharded run needs at least 2 ranks.")
-    return parsed.hosts
+    return parsed
 
 
 def ring_hostfile(hosts: list, port: int) -> str:
@@ -61,15 +62,15 @@ def ring_hostfile(hosts: list, port: int) -> str:
     return json.dumps(ring)
 
 
-def follower_command(rank: int, host, hostfile: str) -> str:
+def follower_command(rank: int, host, hostfile: str, envs: list[str] = ()) -> str:
     """The shell command that starts rank ``rank`` on ``host``: mlx.launch's own launch
-    script (environment, hostfile in a temporary file, ``MLX_RANK``, this Python),
-    through ``ssh`` when the host is another machine."""
+    script (``envs``, hostfile in a temporary file, ``MLX_RANK``, this Python), through
+    ``ssh`` when the host is another machine."""
     from mlx._distributed_utils.launch import RemoteProcess
 
     local = host.ssh_hostname == LOCAL
     script = RemoteProcess.make_launch_script(
-        rank, sys.executable, None, {"MLX_HOSTFILE": hostfile}, [], ["-c", ENTRY], local)
+        rank, sys.executable, None, {"MLX_HOSTFILE": hostfile}, list(envs), ["-c", ENTRY], local)
     if local:
         return script
     return f"ssh -tt -o LogLevel=QUIET {shlex.quote(host.ssh_hostname)} {shlex.quote(script)}"
@@ -78,15 +79,17 @@ def follower_command(rank: int, host, hostfile: str) -> str:
 class Ring:
     """The followers of a run (ranks 1 and up) and rank 0's place in the ring.
 
-    :meth:`start` writes the hostfile, names it and rank 0 in this process's
-    environment (for ``mx.distributed.init``) and starts the followers, their
+    :meth:`start` writes the ring's hostfile, names it and rank 0 in this process's
+    environment (for ``mx.distributed.init``) with the ``envs`` of ``hostfile`` (an
+    mlx.launch ``Hostfile``), and starts the followers, their
     output appended to ``log``. ``on_lost(rank, code)`` is called, from a watcher
     thread, when a follower ends with a non-zero status before :meth:`finish`.
     :meth:`finish` ends them all and says which was ``lost``.
     """
 
-    def __init__(self, hosts: list, port: int, log: Path):
-        self.hosts, self.port, self.log = hosts, port, log
+    def __init__(self, hostfile, port: int, log: Path):
+        self.hosts, self.envs = hostfile.hosts, list(hostfile.envs)
+        self.port, self.log = port, log
         self.followers: list[subprocess.Popen] = []
         self.on_lost: Callable[[int, int], None] = lambda rank, code: None
         self.lost: tuple[int, int] | None = None
@@ -99,12 +102,14 @@ class Ring:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         self._hostfile = Path(name)
+        os.environ.update(e.split("=", 1) for e in self.envs if "=" in e)
         os.environ.update(MLX_HOSTFILE=name, MLX_RANK="0")
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             for rank, host in enumerate(self.hosts[1:], 1):
                 proc = subprocess.Popen(
-                    follower_command(rank, host, text), shell=True, executable="/bin/bash",
+                    follower_command(rank, host, text, self.envs), shell=True,
+                    executable="/bin/bash",
                     stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
                 self.followers.append(proc)
                 threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()

@@ -126,7 +126,7 @@ def _driver(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_local_ranks_get_a_ring_hostfile_of_loopback_ports_and_mlx_launchs_script():
-    hosts = ring_hosts(2, None, None)
+    hosts = ring_hosts(2, None, None).hosts
     assert [h.ssh_hostname for h in hosts] == [LOCAL, LOCAL]
     text = ring_hostfile(hosts, 5000)
     assert json.loads(text) == [["127.0.0.1:5000"], ["127.0.0.1:5001"]]
@@ -140,16 +140,17 @@ def test_local_ranks_get_a_ring_hostfile_of_loopback_ports_and_mlx_launchs_scrip
 
 def test_other_hosts_are_reached_by_ssh_with_every_ip_a_port(tmp_path):
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([{"ssh": "mac1", "ips": ["10.0.0.1"]},
-                                    {"ssh": "mac2", "ips": ["10.0.0.2", "10.0.1.2"]}]))
-    hosts = ring_hosts(2, None, hostfile)  # -n counts for --hosts only, as in mlx.launch
-    text = ring_hostfile(hosts, 4000)
+    hostfile.write_text(json.dumps({"envs": ["MLX_X=a b"], "hosts": [
+        {"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2", "10.0.1.2"]}]}))
+    parsed = ring_hosts(2, None, hostfile)  # -n counts for --hosts only, as in mlx.launch
+    text = ring_hostfile(parsed.hosts, 4000)
     assert json.loads(text) == [["10.0.0.1:4000"], ["10.0.0.2:4001", "10.0.1.2:4002"]]
-    command = follower_command(1, hosts[1], text)
+    command = follower_command(1, parsed.hosts[1], text, parsed.envs)
     assert command.startswith("ssh -tt -o LogLevel=QUIET mac2 '")
-    assert "export MLX_RANK=1;" in shlex.split(command)[-1]
+    script = shlex.split(command)[-1]
+    assert "export MLX_X='a b'; " in script and "export MLX_RANK=1;" in script
     listed = ring_hosts(1, "10.0.0.1,10.0.0.2", None)
-    assert json.loads(ring_hostfile(listed, 7)) == [["10.0.0.1:7"], ["10.0.0.2:8"]]
+    assert json.loads(ring_hostfile(listed.hosts, 7)) == [["10.0.0.1:7"], ["10.0.0.2:8"]]
 
 
 @pytest.mark.parametrize(("ranks", "hosts", "message"), [
