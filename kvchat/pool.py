@@ -220,7 +220,9 @@ class SessionPool:
     def _write(self, name: str) -> None:
         entry = self.entry(name)
         if entry.in_memory and (entry.dirty or not store.exists(name)):
-            store.save(entry.session, name)
+            from kvchat.engine.distributed import save_session  # a sharded run's: every rank's
+
+            save_session(entry.session, name)
             entry.saved_state = _signature(entry.session)
 
     # ------------------------------------------------------------- letting go

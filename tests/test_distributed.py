@@ -224,11 +224,12 @@ def test_sharding_is_tensor_where_heads_divide_else_pipeline_else_one_sentence(d
         choose_mode(demo_model.model, config, 4, "demo")
 
 
-@pytest.mark.parametrize("args", [["launch"], ["launch", "--", "serve"], ["launch", "--", "sessions"]])
-def test_launch_runs_only_ask_and_replay(args):
+@pytest.mark.parametrize("args", [["launch", "--", "serve"], ["launch", "--", "sessions"],
+                                  ["launch", "--", "--model", "demo", "doctor"]])
+def test_launch_runs_only_the_tui_ask_and_replay(args):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
-    assert "runs only `kvchat ask` and `kvchat replay`" in result.output
+    assert "A sharded run runs the TUI (`kvchat launch -n N -- [options]`;" in result.output
 
 
 def test_a_distributed_session_shares_its_stop_and_refuses_what_it_cannot_send(demo_model):

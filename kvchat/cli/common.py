@@ -13,9 +13,9 @@ if TYPE_CHECKING:
 
 SHARDED_COMMANDS = ("ask", "replay")
 SHARDED_ONLY = (
-    "A sharded run (kvchat launch, mlx.launch) runs only `kvchat ask` and `kvchat replay`: "
-    "the TUI needs a terminal, which mlx.launch does not give rank 0, and serve, bench "
-    "and the other commands run on one machine."
+    "A sharded run runs the TUI (`kvchat launch -n N -- [options]`; mlx.launch gives rank 0 "
+    "no terminal), `kvchat ask` and `kvchat replay`; serve, bench and the other commands "
+    "run on one machine."
 )
 RANK0_FAILED = "kvchat (rank 0): the run failed: "  # kvchat launch drops it if a follower died
 

@@ -1,10 +1,13 @@
-"""``kvchat launch``: run ``kvchat ask`` or ``kvchat replay`` on a model sharded over several
-ranks (processes, machines), by way of MLX's own ``mlx.launch``.
+"""``kvchat launch``: run the TUI, ``kvchat ask`` or ``kvchat replay`` on a model sharded over
+several ranks (processes, machines).
 
 Every rank runs this same kvchat; rank 0 runs the command and the others follow
-it (kvchat/engine/distributed.py). ``mlx.launch`` ends every rank when one
-fails, but exits 0 whatever happened; this wrapper reads its notes and says
-which rank ended the run, in one sentence, with a non-zero status.
+it (kvchat/engine/distributed.py). ``ask`` and ``replay`` go by way of MLX's own
+``mlx.launch``, which ends every rank when one fails, but exits 0 whatever
+happened; this wrapper reads its notes and says which rank ended the run, in one
+sentence, with a non-zero status. The TUI needs the terminal, which
+``mlx.launch`` does not give rank 0: for it, this process is rank 0 and starts
+the other ranks itself (kvchat/cli/ring.py).
 """
 
 from __future__ import annotations
@@ -19,12 +22,27 @@ from typing import Annotated
 
 import typer
 
-from .common import RANK0_FAILED, SHARDED_COMMANDS, SHARDED_ONLY, _fail, app
+from kvchat import locations
+
+from .common import (
+    RANK0_FAILED,
+    SHARDED_COMMANDS,
+    SHARDED_ONLY,
+    _as_text,
+    _fail,
+    app,
+    load_or_exit,
+)
+from .ring import DEFAULT_PORT, ENTRY, Ring, RingError, ring_hosts
 
 RANK_NOTE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# What each rank runs: this kvchat's entry point (there is no script file to name).
-ENTRY = "from kvchat.cli import main; main()"
+TUI_FLAGS = ("model", "cache", "system", "resume", "max_tokens", "temp")  # kvchat's own
+
+
+def ranks_log() -> Path:
+    """Where the followers of a sharded TUI write their output."""
+    return locations.cache_dir() / "ranks.log"
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -40,19 +58,23 @@ def launch(
     backend: Annotated[str, typer.Option(help="ring (TCP) or mpi.")] = "ring",
     port: Annotated[int | None, typer.Option(help="First TCP port of the ring backend.")] = None,
 ) -> None:
-    """Run `ask` or `replay` on a model sharded over several ranks: kvchat launch -n 2 -- ask TEXT.
+    """Run the TUI, `ask` or `replay` on a model sharded over several ranks:
+    kvchat launch -n 2 -- [--model M ...] (the TUI), or kvchat launch -n 2 -- ask TEXT.
 
     Every host needs this Python at the same path, kvchat, and the same model
     folder (or Hugging Face id); each rank keeps its own cache shard beside the
-    session. Tensor parallel where the model allows it, else pipeline.
+    session. Tensor parallel where the model allows it, else pipeline. The TUI
+    runs here as rank 0, over the ring backend; the first host is this machine.
     """
     command = list(ctx.args)
-    if not command or command[0] not in SHARDED_COMMANDS:
-        raise _fail(SHARDED_ONLY, 2)
     if backend not in ("ring", "mpi"):
         raise _fail(f"--backend is ring or mpi, not {backend!r}.", 2)
     if ranks < 1:
         raise _fail("-n must be at least 1.", 2)
+    if not command or command[0].startswith("-"):
+        raise typer.Exit(_tui(command, ranks, hosts, hostfile, backend, port))
+    if command[0] not in SHARDED_COMMANDS:
+        raise _fail(SHARDED_ONLY, 2)
     runner = Path(sys.executable).with_name("mlx.launch")
     found = str(runner) if runner.is_file() else shutil.which("mlx.launch")
     if found is None:
@@ -88,10 +110,7 @@ def _run(argv: list[str]) -> int:
     if rank == 0 and code is not None and code >= 0:
         sys.stderr.write("".join(held))
         return code  # rank 0 ended first and said why itself
-    how = ("was killed" if code is None else f"was killed by signal {-code}" if code < 0
-           else f"exited with status {code}")
-    typer.echo(f"kvchat: rank {rank} {how}, so the run was ended on every rank; "
-               "saved sessions are as they were last saved.", err=True)
+    typer.echo(rank_ended(rank, code), err=True)
     return 1
 
 
@@ -99,3 +118,94 @@ def _lost(ended: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
     """The followers that failed by themselves (not ended by mlx.launch's SIGTERM after
     another rank failed), in the order they ended."""
     return [(r, c) for r, c in ended if r and c not in (None, -signal.SIGTERM)]
+
+
+def rank_ended(rank: int, code: int | None) -> str:
+    """The sentence that says a rank ended the run."""
+    how = ("was killed" if code is None else f"was killed by signal {-code}" if code < 0
+           else f"exited with status {code}")
+    return (f"kvchat: rank {rank} {how}, so the run was ended on every rank; "
+            "saved sessions are as they were last saved.")
+
+
+def tui_flags(args: list[str]) -> dict:
+    """The TUI's options (``kvchat``'s own, read by its own definitions) from ``args``."""
+    options = typer.core.TyperCommand("kvchat", params=typer.main.get_command(app).params,
+                                      context_settings={"allow_extra_args": True})
+    try:
+        with options.make_context("kvchat", list(args)) as ctx:
+            if ctx.args:  # a command: not one this way runs
+                raise _fail(SHARDED_ONLY, 2)
+            params = dict(ctx.params)
+    except typer.TyperException as exc:  # click's usage errors, as typer carries them
+        raise _fail(exc.format_message(), 2) from None
+    if params["system"] is not None:
+        params["system"] = _as_text(params["system"], "--system")
+    return {k: v for k, v in params.items() if k in TUI_FLAGS}
+
+
+def _tui(args: list[str], ranks: int, hosts: str | None, hostfile: Path | None, backend: str,
+         port: int | None) -> int:
+    """Run the TUI on rank 0 (this process) of a ring this process starts."""
+    flags = tui_flags(args)
+    if backend != "ring":
+        raise _fail("The TUI runs over the ring backend only (mlx.launch, which starts the "
+                    "MPI backend, gives rank 0 no terminal).", 2)
+    try:
+        ring = Ring(ring_hosts(ranks, hosts, hostfile), port or DEFAULT_PORT, ranks_log())
+    except RingError as exc:
+        raise _fail(str(exc), 2) from None
+    from kvchat.tui.app import exit_now
+
+    exit_now(sharded_tui(ring, flags))
+    return 0  # not reached
+
+
+def sharded_tui(ring: Ring, flags: dict, run=lambda app: app.run()) -> int:
+    """Start ``ring``, join it as rank 0, and ``run`` the TUI (built from ``flags``) on its
+    sharded model; end the followers afterwards. Returns the exit status. (Tests pass a
+    ``run`` that drives the app under ``App.run_test``.)"""
+    from kvchat import store
+    from kvchat.config import ConfigError
+    from kvchat.engine import distributed
+    from kvchat.tui.app import tui_app
+
+    ring.start()
+    link = failed = None
+    said = False  # rank 0 ended the run itself and said why
+    try:
+        link = distributed.start()
+        app = tui_app(**flags)
+        app.shard(load_or_exit(app.config.model))
+        ring.on_lost = lambda rank, code: _tell(app)
+        status = run(app) or 0
+    except (store.StoreError, ConfigError) as exc:
+        typer.echo(f"kvchat: {exc}", err=True)
+        status, said = 2, True
+    except typer.Exit as exc:  # load_or_exit said why; each follower fails alike and ends
+        status, said, link = exc.exit_code, True, None
+    except RuntimeError as exc:  # a collective failed: most often, another rank died
+        status, failed = 1, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    finally:
+        ring.on_lost = lambda rank, code: None
+        ended = link is not None and not link.broken and ring.running()
+        if ended:
+            try:
+                link.broadcast({"op": "end"})
+            except RuntimeError:  # a follower went in the meantime
+                ended = False
+        ring.finish(ended)
+    if ring.lost is not None and not said:
+        typer.echo(rank_ended(*ring.lost), err=True)
+        return 1
+    if failed is not None:
+        typer.echo(f"{RANK0_FAILED}{failed}", err=True)
+    return status
+
+
+def _tell(app) -> None:
+    """From a watcher thread: tell the running app that a rank was lost."""
+    try:
+        app.call_from_thread(app.rank_lost)
+    except RuntimeError:  # the app has closed already
+        pass

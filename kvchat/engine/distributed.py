@@ -16,8 +16,9 @@ A session's stop flag is shared (:class:`SharedStop`): each check of it during a
 turn is a collective carrying rank 0's flag, so a stop ends the turn after the
 same token everywhere.
 
-A rank that dies makes ``mlx.launch`` end the others; ``kvchat launch``
-(kvchat/cli/launch.py) says which rank it was in one sentence.
+After each operation rank 0 gathers every rank's cache bytes ("bytes", for the sidebar).
+A rank that dies makes ``mlx.launch`` (or, for the TUI, kvchat/cli/ring.py) end
+the others; ``kvchat launch`` (kvchat/cli/launch.py) says which rank it was in one sentence.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ import mlx.core as mx
 import numpy as np
 
 from .events import Event, GenerationSettings, SessionError, TurnDone
-from .kinds import CacheKindError, parse_kind
+from .kinds import CacheKindError, applicable_kinds, parse_kind
 from .session import Session
 from .sharding import ShardedModel, load_sharded
 
 OPS = frozenset({
     "model", "new", "load", "send", "regenerate", "edit", "undo", "reset", "kind", "trim",
-    "system", "save", "end",
+    "system", "save", "bytes", "kinds", "end",
 })
 ROW = 256  # bytes each rank reports after a save or a load
 # Session methods that change the cache and are not sent to the followers (the TUI's).
@@ -100,6 +101,12 @@ class Link:
         buffer = np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.zeros(length, np.uint8)
         return decode_op(bytes(np.array(self._sum(mx.array(buffer)))))
 
+    def per_rank(self, value: int) -> list[int]:
+        """Every rank's ``value``, in rank order (one all-sum of a vector indexed by rank)."""
+        vector = np.zeros(self.size, np.int64)
+        vector[self.rank] = value
+        return [int(v) for v in np.array(self._sum(mx.array(vector)))]
+
     def gather(self, row: bytes) -> list[bytes]:
         """Every rank's ``row`` (at most ROW bytes, no NUL), in rank order."""
         table = np.zeros((self.size, ROW), np.uint8)
@@ -131,8 +138,8 @@ _link: Link | None = None
 
 
 def start() -> Link | None:
-    """The link of this process when ``mlx.launch`` started it as one rank of several
-    (call it only under ``mlx.launch``: it joins the group the environment names)."""
+    """The link of this process when ``mlx.launch`` (or kvchat/cli/ring.py) started it as
+    one rank of several (call it only then: it joins the group the environment names)."""
     global _link
     group = mx.distributed.init()
     if group.size() < 2:
@@ -151,6 +158,14 @@ def load_model(spec: str) -> ShardedModel:
     _link.broadcast({"op": "model", "spec": spec, "seed": seed})
     mx.random.seed(seed)
     return load_sharded(spec, _link.group)
+
+
+def probe_kinds(lm: ShardedModel, names: list[str]) -> list[str]:
+    """Rank 0: which of the cache kinds ``names`` the sharded model takes, found out on
+    every rank at once (a probe runs the model, whose collectives need every rank). The
+    answers are kept (kvchat/engine/fit.py), so asking again later runs nothing."""
+    _link.broadcast({"op": "kinds", "names": names})
+    return applicable_kinds(lm.model, names)
 
 
 def _bind(session: Session, link: Link) -> Session:
@@ -180,7 +195,7 @@ def new_session(lm, *, kind, system: str | None, settings: GenerationSettings | 
         return session
     _link.broadcast({"op": "new", "kind": session.kind.name, "system": system,
                      "settings": asdict(session.settings)})
-    return DistributedSession(_link, _bind(session, _link))
+    return DistributedSession(_link, _bind(session, _link)).count_bytes()
 
 
 def load_session(name: str, lm):
@@ -193,7 +208,7 @@ def load_session(name: str, lm):
     data = store.read(name)
     _link.broadcast({"op": "load", "name": name, "data": data})
     loaded = _load_here(name, lm, data, _link)
-    loaded.session = DistributedSession(_link, loaded.session)
+    loaded.session = DistributedSession(_link, loaded.session).count_bytes()
     return loaded
 
 
@@ -239,10 +254,26 @@ def save_session(session, name: str):
 
 class DistributedSession:
     """Rank 0's :class:`Session` of a sharded run: each call that changes the cache is
-    sent to every rank first; everything else is the local session's."""
+    sent to every rank first; everything else is the local session's. ``rank_bytes``
+    holds each rank's cache bytes as of the end of the last operation."""
 
     def __init__(self, link: Link, local: Session):
         self._link, self.local = link, local
+        self.rank_bytes: list[int] = [0] * link.size
+
+    @property
+    def settings(self) -> GenerationSettings:  # set by the TUI: sent with each turn
+        return self.local.settings
+
+    @settings.setter
+    def settings(self, value: GenerationSettings) -> None:
+        self.local.settings = value
+
+    def count_bytes(self) -> DistributedSession:
+        """Ask every rank for its cache bytes (into ``rank_bytes``)."""
+        self._send("bytes")
+        self.rank_bytes = self._link.per_rank(self.local.cache_bytes)
+        return self
 
     def __getattr__(self, name: str) -> Any:
         if name in UNSHARED:
@@ -255,7 +286,11 @@ class DistributedSession:
 
     def _turn(self, op: str, **fields: Any) -> Iterator[Event]:
         self._send(op, settings=asdict(self.local.settings), **fields)
-        return _perform(self.local, {"op": op, **fields}, self._link)
+        return self._counted(_perform(self.local, {"op": op, **fields}, self._link))
+
+    def _counted(self, events: Iterator[Event]) -> Iterator[Event]:
+        yield from events
+        self.count_bytes()
 
     def send(self, text: str) -> Iterator[Event]:
         return self._turn("send", text=text)
@@ -266,29 +301,29 @@ class DistributedSession:
     def edit(self, index: int, text: str) -> Iterator[Event]:
         return self._turn("edit", index=index, text=text)
 
-    def stop(self) -> None:
-        self.local.stop()
+    def _then_count(self, op: str, call, **fields: Any) -> Any:
+        """Send ``op``, make ``call()`` here, then count every rank's cache bytes."""
+        self._send(op, **fields)
+        result = call()
+        self.count_bytes()
+        return result
 
     def undo(self, turns: int = 1) -> None:
-        self._send("undo", turns=turns)
-        self.local.undo(turns)
+        self._then_count("undo", lambda: self.local.undo(turns), turns=turns)
 
     def reset(self) -> bool:
-        self._send("reset")
-        return self.local.reset()
+        return self._then_count("reset", self.local.reset)
 
     def set_kind(self, kind, progress=None) -> str | None:
         name = parse_kind(kind).name
-        self._send("kind", kind=name)
-        return self.local.set_kind(name, progress)
+        return self._then_count("kind", lambda: self.local.set_kind(name, progress), kind=name)
 
     def trim_history(self, max_tokens: int, progress=None) -> int:
-        self._send("trim", max_tokens=max_tokens)
-        return self.local.trim_history(max_tokens, progress)
+        return self._then_count("trim", lambda: self.local.trim_history(max_tokens, progress),
+                                max_tokens=max_tokens)
 
     def set_system(self, text: str | None) -> int:
-        self._send("system", text=text)
-        return self.local.set_system(text)
+        return self._then_count("system", lambda: self.local.set_system(text), text=text)
 
 
 def _perform(session: Session, op: dict, link: Link) -> Any:
@@ -358,6 +393,10 @@ def follow(link: Link) -> int:
             except (OSError, StoreError) as exc:
                 row = str(exc).encode("utf-8", "ignore")[:ROW] or b"error"
             link.gather(row)
+        elif name == "bytes":
+            link.per_rank(session.cache_bytes)
+        elif name == "kinds":
+            applicable_kinds(lm.model, op["names"])
         else:
             try:
                 result = _perform(session, op, link)

@@ -49,6 +49,11 @@ class ShardedModel(LoadedModel):
     def rank(self) -> int:
         return self.group.rank()
 
+    @property
+    def layout(self) -> str:
+        """The world size and mode, in words: "2 ranks, tensor parallel"."""
+        return f"{self.world} ranks, {self.mode} parallel"
+
 
 def load_sharded(spec: str, group: Any) -> ShardedModel:
     """Load ``spec`` (as :func:`~kvchat.engine.model.load_model` takes it) sharded over

@@ -33,6 +33,7 @@ from .keys import KeysMixin
 from .models import ModelsMixin
 from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker
+from .sharded import ShardedMixin
 from .tabs import TabsMixin
 from .transfer import TransferMixin
 from .widgets.chat import Conversation
@@ -46,8 +47,8 @@ _TAB_ACTIONS = {
 }
 
 
-class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin, TransferMixin,
-                App):
+class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin,
+                TransferMixin, App):
     """kvchat's terminal UI.
 
     ``lm`` is a loaded model (tests pass the demo model); without it the app
@@ -332,12 +333,14 @@ class KvChatApp(TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin, Tr
                     timeout=30, markup=False)
         self.run_worker(self._quit_when_idle(), group="quit")
 
-    async def _quit_when_idle(self) -> None:
+    async def _quit_when_idle(self, return_code: int = 0) -> None:
         while any(c.busy for c in self.conversations()):
             await asyncio.sleep(0.05)
-        self.exit()
+        self.exit(return_code=return_code)
 
     def action_sessions(self) -> None:
+        if self._refused():
+            return
         self.push_screen(SessionPicker(store.list_sessions()), self._picked)
 
     def action_toggle_sidebar(self) -> None:

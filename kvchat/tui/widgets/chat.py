@@ -393,6 +393,8 @@ class Conversation(BranchingMixin, Vertical):
                     self.ensure_cache(
                         lambda done, total: post(PrefillProgress(done, total, "loading")))
                 result = job(lambda done, total: post(PrefillProgress(done, total, label)))
+        except SessionError as error:  # a refusal, such as a sharded run's: nothing was done
+            post(JobFinished(label, None, None, None, refusal=str(error)))
         except Exception as error:
             post(JobFinished(label, None, f"{type(error).__name__}: {error}", None))
         else:
@@ -403,7 +405,9 @@ class Conversation(BranchingMixin, Vertical):
         event.stop()
         self.touch_pool()
         self.state = "idle"
-        if event.error:
+        if event.refusal:
+            self.notify(event.refusal, severity="warning", markup=False)
+        elif event.error:
             await self.add_notice(f"{event.label.capitalize()} failed: {event.error}", "error")
         elif event.then is not None:
             outcome = event.then(event.result)

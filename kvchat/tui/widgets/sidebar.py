@@ -50,6 +50,8 @@ class CacheInfo:
     rebuilt: str | None
     rebuild_pending: bool
     saved: bool
+    layout: str | None = None  # a sharded run's world size and mode
+    rank_bytes: tuple[int, ...] = ()  # a sharded run's cache bytes on each rank
 
     @classmethod
     def of(cls, conversation) -> CacheInfo:
@@ -75,6 +77,8 @@ class CacheInfo:
             rebuilt=session.pending_rebuild or (last.rebuilt if last else None),
             rebuild_pending=session.pending_rebuild is not None,
             saved=conversation.saved,
+            layout=getattr(session.lm, "layout", None),
+            rank_bytes=tuple(getattr(session, "rank_bytes", ())),
         )
 
 
@@ -157,6 +161,9 @@ class CacheSidebar(Vertical):
             ("bytes", human_bytes(info.cache_bytes)),
             ("turns", str(info.turns)),
         ]
+        if info.layout:  # a sharded run: each rank holds its part of the cache
+            cache[-1:-1] = [("ranks", info.layout), *(
+                (f"rank {rank}", human_bytes(n)) for rank, n in enumerate(info.rank_bytes))]
         count, size = info.checkpoints
         if count:  # sliding-window and recurrent models only: memory beside the cache
             cache.insert(-1, ("checkpoints", f"{count} · {human_bytes(size)}"))
