@@ -107,7 +107,9 @@ def test_replay_on_two_ranks_gives_the_replies_and_token_counts_of_one_process(t
 @pytest.mark.timeout(90)
 def test_tensor_parallel_replay_gives_the_replies_of_one_process(tmp_path):
     """The demo's one KV head only allows a pipeline; this tiny qwen2 has two, so its
-    attention and MLP are split over the ranks and every layer ends in an all-sum."""
+    attention and MLP are split over the ranks and every layer ends in an all-sum. The
+    session starts on a quantized cache, which the ranks try out on the model together
+    (rank 0 alone would wait on rank 1 forever)."""
     folder = tmp_path / "qwen2-kv2"
     folder.mkdir()
     tokenizer = demo.train_tokenizer()
@@ -117,7 +119,8 @@ def test_tensor_parallel_replay_gives_the_replies_of_one_process(tmp_path):
     assert choose_mode(*load_model(folder, lazy=True), 2, "tiny") == "tensor"
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"turns": ["hello there", "and then?", {"op": "regenerate"}]}))
-    args = ("replay", str(script), "--model", str(folder), "--json", "--max-tokens", "6")
+    args = ("replay", str(script), "--model", str(folder), "--json", "--max-tokens", "6",
+            "--cache", "quantized:8")
     sharded = replayed_alike(*args)
     assert sharded[1]["reused_tokens"] > 0 and sharded[1]["reply"] == sharded[2]["reply"]
     assert [t["generated_tokens"] for t in sharded] == [6, 6, 6]  # random weights: no end token

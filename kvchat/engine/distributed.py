@@ -189,12 +189,17 @@ def _bind(session: Session, link: Link) -> Session:
 
 
 def new_session(lm, *, kind, system: str | None, settings: GenerationSettings | None = None):
-    """A new :class:`Session`, on every rank when ``lm`` is sharded."""
-    session = Session(lm, kind=kind, system=system, settings=settings)
+    """A new :class:`Session`, on every rank when ``lm`` is sharded.
+
+    The ranks make it together: a kind other than ``standard`` runs the model once to
+    see that it fits (:func:`~kvchat.engine.kinds.make_cache`), a collective here.
+    """
     if not isinstance(lm, ShardedModel):
-        return session
-    _link.broadcast({"op": "new", "kind": session.kind.name, "system": system,
-                     "settings": asdict(session.settings)})
+        return Session(lm, kind=kind, system=system, settings=settings)
+    settings = settings or GenerationSettings()
+    _link.broadcast({"op": "new", "kind": parse_kind(kind).name, "system": system,
+                     "settings": asdict(settings)})
+    session = Session(lm, kind=kind, system=system, settings=settings)
     return DistributedSession(_link, _bind(session, _link)).count_bytes()
 
 
@@ -382,8 +387,11 @@ def follow(link: Link) -> int:
                 return 2
         elif name == "new":
             settings = GenerationSettings(**op["settings"])
-            session = _bind(Session(lm, kind=op["kind"], system=op["system"],
-                                    settings=settings), link)
+            try:
+                session = _bind(Session(lm, kind=op["kind"], system=op["system"],
+                                        settings=settings), link)
+            except CacheKindError:
+                pass  # rank 0 meets it too, and says so
         elif name == "load":
             session = _load_here(op["name"], lm, op["data"], link).session
         elif name == "save":
