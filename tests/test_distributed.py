@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import socket
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -41,6 +40,7 @@ from kvchat.engine.sharding import choose_mode, layout, layout_problem
 from kvchat.store.cache_file import read_cache
 from kvchat.store.shards import write_shard
 from tests.arch_models import TINY
+from tests.helpers import run_bounded
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 SCRIPT = {
@@ -69,8 +69,7 @@ def _free_port() -> int:
 
 
 def kvchat(*args, env=None, timeout=60):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return run_bounded([*CLI, *args], timeout, {**os.environ, **(env or {})})
 
 
 def launched(*args, env=None):

@@ -23,6 +23,7 @@ from kvchat.cli.ring import LOCAL, RingError, follower_command, ring_hostfile, r
 from kvchat.engine.session import Session
 from kvchat.tui.sharded import ONE_TAB
 from kvchat.tui.widgets.sidebar import human_bytes
+from tests.helpers import run_bounded
 from tests.test_distributed import _free_port, kvchat, launched
 
 from .test_sidebar import flat
@@ -116,10 +117,10 @@ def test_a_model_no_rank_can_load_ends_the_run_with_rank_0s_sentence_only(home, 
 
 
 def _driver(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_bounded(
         [sys.executable, "-m", "tests.tui.sharded_driver", str(_free_port()),
          str(tmp_path / "ranks.log"), *args],
-        capture_output=True, text=True, timeout=80, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        80, {**os.environ, "PYTHONPATH": os.getcwd()})
 
 
 # ------------------------------------------------------------- without launching
