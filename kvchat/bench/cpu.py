@@ -60,28 +60,29 @@ def _best(runs: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def _interleaved(choices: tuple, measure, repeats: int = 2) -> list[dict[str, float]]:
+    """``measure(choice)`` for each choice in turn, ``repeats`` rounds; the best of each."""
+    runs: list[list] = [[] for _ in choices]
+    for _ in range(repeats):
+        for i, choice in enumerate(choices):
+            runs[i].append(measure(choice))
+    return [_best(r) for r in runs]
+
+
 def _pair(measure, log: Log, label: str, repeats: int = 2) -> dict[str, Any]:
+    """``measure()`` with the fast path on and off, interleaved."""
     from kvchat.engine import cpu
 
-    runs: dict[bool, list] = {True: [], False: []}
+    def switched(on: bool) -> dict[str, float]:
+        log(f"cpu: {label}, fast path {'on' if on else 'off'}")
+        cpu.set_active(on)
+        return measure()
+
     try:
-        for _ in range(repeats):
-            for on in (True, False):
-                log(f"cpu: {label}, fast path {'on' if on else 'off'}")
-                cpu.set_active(on)
-                runs[on].append(measure())
+        on, off = _interleaved((True, False), switched, repeats)
     finally:
         cpu.set_active(True)
-    return {"on": _best(runs[True]), "off": _best(runs[False])}
-
-
-def _interleaved(models: tuple, measure, repeats: int = 2) -> list[dict[str, float]]:
-    """``measure(model)`` for each model in turn, ``repeats`` rounds; the best of each."""
-    runs: list[list] = [[] for _ in models]
-    for _ in range(repeats):
-        for i, model in enumerate(models):
-            runs[i].append(measure(model))
-    return [_best(r) for r in runs]
+    return {"on": on, "off": off}
 
 
 def roofline(lm: LoadedModel, rows: int, repeats: int = 2) -> dict[str, float]:
