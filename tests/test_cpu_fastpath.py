@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 
 from kvchat.engine import cpu
-from kvchat.engine.cpu import attention, decode
+from kvchat.engine.cpu import attention, decode, linear
 from kvchat.engine.cpu.linear import CpuEmbedding, CpuLinear, CpuOutput
 from kvchat.engine.kinds import make_cache, parse_kind
 from kvchat.engine.model import load_model
@@ -45,12 +45,13 @@ def masks(length: int, span: int, heads: int):
     }
 
 
-@pytest.mark.parametrize("block", [attention.BLOCK_FLOATS, 3000])
+@pytest.mark.parametrize("block", [(attention.BLOCK_FLOATS, attention.BLOCK_ROWS), (3000, 1)])
 @pytest.mark.parametrize("ratio", [1, 2, 7])
 @pytest.mark.parametrize("length,span", [(1, 1), (1, 300), (6, 6), (44, 500)])
 def test_attention_matches_mlx(ratio, length, span, block, monkeypatch):
     """Also in small blocks of query positions (several per call), as long prefills run."""
-    monkeypatch.setattr(attention, "BLOCK_FLOATS", block)
+    monkeypatch.setattr(attention, "BLOCK_FLOATS", block[0])
+    monkeypatch.setattr(attention, "BLOCK_ROWS", block[1])
     mx.random.seed(length * 1000 + span + ratio)
     kv_heads = 2
     heads = kv_heads * ratio
@@ -211,6 +212,19 @@ def test_quantized_weights_are_dequantized_at_load(demo_model, fast_path, monkey
                        atol=1e-3, rtol=1e-3).item()
     config = json.loads((unpacked.path / "config.json").read_text())
     assert config["quantization"]["bits"] == 4
+
+
+@pytest.mark.parametrize("rows", [1, 5, linear.SKINNY_ROWS, linear.SKINNY_ROWS + 1])
+def test_linear_layer_matches_mlx_for_every_row_count(rows, fast_path):
+    """One row (gemv), a cached turn's few rows (the weight as the long side) and a
+    prefill's many rows take three routes to the same product."""
+    mx.random.seed(rows)
+    layer = CpuLinear(48, 80)
+    x = mx.random.normal((1, rows, 48))
+    want = x @ layer.weight.T + layer.bias
+    got = layer(x)
+    assert got.shape == (1, rows, 80)
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item()
 
 
 def test_output_projection_stays_lazy_for_a_prefill(demo_model, fast_path):

@@ -24,6 +24,11 @@ from mlx.utils import tree_map_with_path
 from . import state
 from .attention import _numpy
 
+# Up to this many rows (a cached turn's new tokens), ``(W · xᵀ)ᵀ`` beats ``x · Wᵀ`` through
+# numpy's OpenBLAS: 44 rows through qwen2.5-0.5b's projections ran 10–25% faster on one
+# core and on two; at 128 rows the two were level.
+SKINNY_ROWS = 64
+
 
 def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
     """A numpy view of ``module``'s parameter ``name``, made once per array.
@@ -50,6 +55,8 @@ def _matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None:
     rows = xn.reshape(-1, xn.shape[-1])
     if rows.shape[0] == 1:
         out = (w @ rows[0])[None]  # a matrix-vector product: BLAS gemv
+    elif rows.shape[0] <= SKINNY_ROWS:
+        out = (w @ rows.T).T  # the weight as the long side of the product (see SKINNY_ROWS)
     else:
         out = rows @ w.T
     return mx.array(out.reshape(*xn.shape[:-1], w.shape[0]))
