@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 
 from kvchat.engine import cpu
-from kvchat.engine.cpu import attention, decode, linear
+from kvchat.engine.cpu import attention, decode, linear, parallel
 from kvchat.engine.cpu.linear import CpuEmbedding, CpuLinear, CpuOutput
 from kvchat.engine.kinds import make_cache, parse_kind
 from kvchat.engine.model import load_model
@@ -48,7 +48,7 @@ def masks(length: int, span: int, heads: int):
 @pytest.mark.parametrize("block", [(attention.BLOCK_FLOATS, attention.BLOCK_ROWS), (3000, 1)])
 @pytest.mark.parametrize("ratio", [1, 2, 7])
 @pytest.mark.parametrize("length,span", [(1, 1), (1, 300), (6, 6), (44, 500)])
-def test_attention_matches_mlx(ratio, length, span, block, monkeypatch):
+def test_attention_matches_mlx(ratio, length, span, block, threads, monkeypatch):
     """Also in small blocks of query positions (several per call), as long prefills run."""
     monkeypatch.setattr(attention, "BLOCK_FLOATS", block[0])
     monkeypatch.setattr(attention, "BLOCK_ROWS", block[1])
@@ -71,10 +71,26 @@ def test_attention_declines_what_it_cannot_take():
     assert attention.swiglu(q, q) is None
 
 
-def test_swiglu_matches_mlx():
+@pytest.fixture(params=[1, 3], ids=["one thread", "three parts"])
+def threads(request, monkeypatch):
+    """Element-wise work on this thread alone, or in three parts on three threads."""
+    monkeypatch.setattr(parallel, "cores", lambda: request.param)
+    monkeypatch.setattr(parallel, "MIN_FLOATS", 1)
+    return request.param
+
+
+def test_swiglu_matches_mlx(threads):
     gate = mx.random.normal((3, 5, 100)) * 30  # exp overflows for large negative gates
     x = mx.random.normal((3, 5, 100))
     assert mx.allclose(attention.swiglu(gate, x), nn.silu(gate) * x, atol=1e-5).item()
+    one = mx.array([-200.0, 0.5, 3.0])  # one row, fewer items than parts
+    assert mx.allclose(attention.swiglu(one, one), nn.silu(one) * one, atol=1e-5).item()
+
+
+def test_parts_cover_every_item_once():
+    assert parallel.bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert parallel.bounds(2, 1) == [(0, 2)]
+    assert parallel.run(lambda r: r * 2, [1, 2, 3, 4]) == [2, 4, 6, 8]
 
 
 def test_loaded_model_gets_cpu_layers_and_the_hooks(demo_model, fast_path):

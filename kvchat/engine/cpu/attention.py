@@ -28,6 +28,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from . import parallel
+
 _NEG_INF = np.float32(-np.inf)
 
 
@@ -102,24 +104,40 @@ def sdpa(queries, keys, values, scale: float, mask) -> mx.array | None:
                 np.copyto(scores5, _NEG_INF, where=~block)
             else:
                 scores5 += block
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        total = scores.sum(axis=-1, keepdims=True)
+        gr = scores.shape[2]
+        split = parallel.bounds(gr, parallel.parts(gr, batch * n_kv * seen))
+        total = np.concatenate(parallel.run(_softmax_rows, [scores[:, :, a:b] for a, b in split]),
+                               axis=2)
         part = np.matmul(scores, v[:, :, :seen])
         part /= total
         out[:, :, :, l0:l1] = part.reshape(batch, n_kv, groups, rows, -1)
     return mx.array(out.reshape(batch, n_q, length, v.shape[-1]))
 
 
+def _softmax_rows(scores: np.ndarray) -> np.ndarray:
+    """Exponentiate ``scores`` in place less each row's maximum; return the row sums."""
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    return scores.sum(axis=-1, keepdims=True)
+
+
 def swiglu(gate, x) -> mx.array | None:
-    """``silu(gate) * x``, or None (see module doc)."""
+    """``silu(gate) * x``, or None (see module doc); in parts over the cores for many rows."""
     g, u = _numpy(gate), _numpy(x)
     if g is None or u is None or g.shape != u.shape:
         return None
-    out = np.negative(g)
+    out = np.empty(g.shape, dtype=np.float32)
+    g2, u2, out2 = (a.reshape(-1, g.shape[-1]) if g.ndim else a.reshape(1, 1)
+                    for a in (g, u, out))
+    split = parallel.bounds(len(g2), parallel.parts(len(g2), g2.shape[-1]))
+    parallel.run(lambda r: _swiglu_rows(g2[r[0]:r[1]], u2[r[0]:r[1]], out2[r[0]:r[1]]), split)
+    return mx.array(out)
+
+
+def _swiglu_rows(g: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:
+    np.negative(g, out=out)
     with np.errstate(over="ignore"):  # exp(-g) = inf for very negative g: silu is then -0
         np.exp(out, out=out)
     out += np.float32(1)
     np.divide(g, out, out=out)
     out *= u
-    return mx.array(out)
