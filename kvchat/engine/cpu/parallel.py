@@ -10,6 +10,7 @@ an array on several Python threads runs on several cores.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -21,6 +22,7 @@ T = TypeVar("T")
 MIN_FLOATS = 1 << 16  # a part smaller than this costs more to hand over than it saves
 
 _pool: ThreadPoolExecutor | None = None
+_pool_made = threading.Lock()  # sessions of the server may answer on several threads at once
 
 
 def cores() -> int:
@@ -48,8 +50,9 @@ def run(fn: Callable[[T], object], pieces: Sequence[T]) -> list:
     global _pool
     if len(pieces) == 1:
         return [fn(pieces[0])]
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max(1, cores() - 1), thread_name_prefix="kvchat-cpu")
+    with _pool_made:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(1, cores() - 1), thread_name_prefix="kvchat-cpu")
     futures = [_pool.submit(fn, p) for p in pieces[1:]]
     first = fn(pieces[0])
     return [first, *(f.result() for f in futures)]
