@@ -104,8 +104,8 @@ def test_loaded_model_gets_cpu_layers_and_the_hooks(demo_model, fast_path):
     assert demo_model.weights == "float32"
 
 
-def logits_of(lm, tokens: list[int]) -> mx.array:
-    cache = make_cache(lm.model, parse_kind("standard"))
+def logits_of(lm, tokens: list[int], kind: str = "standard") -> mx.array:
+    cache = make_cache(lm.model, parse_kind(kind))
     out = lm.model(mx.array(tokens[:-1])[None], cache=cache)
     last = lm.model(mx.array(tokens[-1:])[None], cache=cache)
     return mx.concatenate([out, last], axis=1)
@@ -122,6 +122,24 @@ def test_on_and_off_compute_the_same_forward_pass(demo_model, fast_path, monkeyp
     calls.clear()
     stock = logits_of(demo_model, tokens)
     assert not calls, "switched off, mlx-lm's own attention ran"
+    assert mx.allclose(fast, stock, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("kind", ["quantized:8", "quantized:4", "rotated:4"])
+def test_quantized_caches_take_numpy_attention(demo_model, fast_path, kind, monkeypatch):
+    """Dequantized for numpy's attention (mlx's CPU quantized matmul runs at a few
+    GFLOP/s): the logits of a prefill and a decoding step are mlx-lm's quantized
+    attention's."""
+    tokens = demo_model.tokenizer.encode("Quantized keys and values, read back in full.")
+    calls = []
+    real = attention.sdpa
+    monkeypatch.setattr(attention, "sdpa", lambda *a: calls.append(1) or real(*a))
+    fast = logits_of(demo_model, tokens, kind)
+    assert len(calls) >= 2 * len(demo_model.model.layers), "every layer, both passes"
+    cpu.set_active(False)
+    calls.clear()
+    stock = logits_of(demo_model, tokens, kind)
+    assert not calls
     assert mx.allclose(fast, stock, atol=1e-4, rtol=1e-4).item()
 
 

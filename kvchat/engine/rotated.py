@@ -63,7 +63,8 @@ class RotatedKVCache(QuantizedKVCache):
 
     def attention(self, queries, keys, values, scale, mask, sdpa, sinks=None):
         """Attention over this cache's (rotated, quantized) ``keys`` and ``values``
-        through ``sdpa`` (mlx-lm's quantized attention), for unrotated ``queries``."""
+        through ``sdpa`` (an attention for quantized caches: numpy's on the CPU fast
+        path, mlx-lm's otherwise), for unrotated ``queries``."""
         out = sdpa(rotate(queries), keys, values, self, scale=scale, mask=mask, sinks=sinks)
         return unrotate(out)
 

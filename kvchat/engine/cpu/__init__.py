@@ -4,10 +4,11 @@ mlx-lm's models take their attention function from ``mlx_lm.models.base``
 and their SwiGLU from ``mlx_lm.models.activations``, by name at import time.
 :func:`install` puts kvchat's functions in both places once (and in any model
 module imported already); each calls :mod:`.attention` when the fast path is
-active and falls back to mlx-lm's own otherwise, so Metal and CUDA, quantized
-caches, attention sinks and other dtypes keep the stock path. Layers whose cache
-is a :class:`~kvchat.engine.rotated.RotatedKVCache` go to that cache's
-``attention`` on every device, which rotates around mlx-lm's quantized attention.
+active and falls back to mlx-lm's own otherwise, so Metal and CUDA, attention
+sinks and other dtypes keep the stock path. Quantized caches are dequantized for
+numpy's attention. Layers whose cache is a
+:class:`~kvchat.engine.rotated.RotatedKVCache` go to that cache's ``attention``
+on every device, which rotates around the same attention.
 :func:`prepare` gives a loaded model numpy-backed linear layers and, for
 Llama-family models, a decoding step computed in numpy (:mod:`.decode`).
 ``KVCHAT_CPU_FASTPATH=0`` turns all of it off.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import sys
 
+import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm.models.activations as activations
 import mlx_lm.models.base as base
@@ -33,12 +35,27 @@ _stock_swiglu = activations.swiglu
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's attention entry point, through numpy when the fast path is active."""
     if isinstance(cache, RotatedKVCache):
-        return cache.attention(queries, keys, values, scale, mask, _stock_sdpa, sinks)
-    if state.active() and sinks is None and not hasattr(cache, "bits"):
-        out = attention.sdpa(queries, keys, values, scale, mask)
+        return cache.attention(queries, keys, values, scale, mask, _attend, sinks)
+    return _attend(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _attend(queries, keys, values, cache, scale, mask, sinks=None):
+    if state.active() and sinks is None:
+        out = attention.sdpa(queries, *_unpacked(keys, values, cache), scale, mask)
         if out is not None:
             return out
     return _stock_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _unpacked(keys, values, cache) -> tuple:
+    """A quantized cache's keys and values dequantized (to its scales' dtype: float32 for a
+    float32 model), for numpy's attention: mlx's CPU ``quantized_matmul``, which mlx-lm's
+    quantized attention uses, runs at about 3 GFLOP/s, and dequantizing 8k tokens of a
+    layer takes about a millisecond. Other caches' arrays as they are."""
+    if not hasattr(cache, "bits"):
+        return keys, values
+    return tuple(mx.dequantize(*packed, group_size=cache.group_size, bits=cache.bits)
+                 for packed in (keys, values))
 
 
 def swiglu(gate, x):
@@ -102,8 +119,6 @@ def set_active(on: bool) -> None:
 def describe() -> str:
     """One line for ``kvchat doctor``: whether models run with the fast path, and why not."""
     import os
-
-    import mlx.core as mx
 
     if os.environ.get(state.ENV, "1") == "0":
         return f"off ({state.ENV}=0)"
