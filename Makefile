@@ -20,8 +20,9 @@ run: install
 demo: install
 	$(BIN)/kvchat --model demo
 
+# One worker per core; a test file stays on one worker (its module fixtures are built once).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 bench: install
 	$(BIN)/kvchat bench
