@@ -253,7 +253,9 @@ def main() -> None:
         app()
         return
     if link.rank:
-        sys.exit(distributed.follow(link))
+        from kvchat.engine.follower import follow
+
+        sys.exit(follow(link))
     try:
         app()
     except Exception as exc:  # most often a collective failing because another rank died
