@@ -5,6 +5,7 @@ unit tests of the ring's hosts, hostfile and commands, which launch nothing."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -44,9 +45,10 @@ def test_the_tui_on_two_ranks_answers_as_one_process_and_shows_each_ranks_cache(
     assert seen["reply"] == single["reply"] and seen["reply"]
     assert len(seen["ledger"]) == single["cache_tokens"]
 
-    # Each rank's figure is its own cache's: rank 1's is that of the shard it saved (autosave).
-    folder = store.session_dir(seen["session"])
-    cache, meta = load_prompt_cache(str(folder / "cache.rank1.safetensors"), return_metadata=True)
+    # Each rank's figure is its own cache's: rank 1's is that of the shard it saved (autosave,
+    # in a home of its own: the driver kept a copy before the drop).
+    cache, meta = load_prompt_cache(str(tmp_path / "cache.rank1.safetensors"),
+                                    return_metadata=True)
     assert meta["ledger"] == ",".join(map(str, seen["ledger"]))
     assert [c.offset for c in cache] == [len(seen["ledger"])]  # its one layer of the two
     rank1 = sum(c.keys.nbytes + c.values.nbytes for c in cache)
@@ -65,6 +67,26 @@ def test_the_tui_on_two_ranks_answers_as_one_process_and_shows_each_ranks_cache(
     assert seen["notices"] == [
         ONE_TAB, "A sharded run cannot switch branch yet; run this session on one machine "
                  "for that."]
+
+    # A drop from disk (F8, confirmed): every rank deletes its files of the session, and the
+    # one tab holds a new, empty session, made on every rank, which answers as one process.
+    name = seen["session"]
+    assert seen["before_drop"] == [
+        {name: ["cache.safetensors", "cache.sha256", "session.json"], ".locks": [f"{name}.lock"]},
+        {name: ["cache.rank1.safetensors"]}]  # rank 1's home: its shard only
+    assert f"Drop '{name}' and start a new session in its tab? It is saved on" in \
+        seen["drop_dialog"]
+    dropped = seen["after_drop"]
+    assert dropped["listed"] == [{".locks": []}, {}] and dropped["saved"] is False
+    assert dropped["notices"][-1] == f"Dropped {name} from memory and disk on every rank."
+    assert dropped["tabs"] == ["chat-2"] and dropped["widgets"] == ["Welcome"]
+    assert dropped["messages"] == [] and dropped["ledger"] == [] and dropped["rank_bytes"] == [0, 0]
+    again = seen["again"]
+    assert again["reply"] == single["reply"]
+    assert again["reused_tokens"] == 0 and again["evaluated_tokens"] == single["evaluated_tokens"]
+    assert again["cache_tokens"] == single["cache_tokens"]
+    assert [s.name for s in store.list_sessions()] == ["chat-2"]  # autosaved; chat-1 is gone
+    assert sorted(p.name for p in (tmp_path / "rank1-home" / "sessions").iterdir()) == ["chat-2"]
     assert seen["status"] == 0 and seen["followers"] == [0]  # Ctrl+Q ended rank 1 cleanly
 
 
@@ -102,6 +124,19 @@ def test_a_session_saved_by_two_ranks_resumes_in_the_tui_with_every_ranks_shard(
                                "the next turn evaluates only the new message."]
     assert seen["stats"]["reused_tokens"] == len(ledger) > 0  # rank 1 read its shard too
     assert seen["stats"]["rebuilt"] is None and min(seen["rank_bytes"]) > 0
+
+    # Dropped from memory only: every rank's files stay as saved (autosave, with the new
+    # turn); the one tab then holds a new session.
+    assert seen["after_drop"]["tabs"] == ["chat-1"]
+    assert seen["after_drop"]["notices"][-1] == (
+        "Saved big on every rank and dropped it from memory (kvchat launch -- --resume big "
+        "reopens it).")
+    folder = store.session_dir("big")
+    saved = json.loads((folder / "session.json").read_bytes())
+    assert saved["messages"][-2]["content"] == "and more"
+    shard = folder / "cache.rank1.safetensors"
+    assert saved["cache"]["shards"] == [hashlib.sha256(shard.read_bytes()).hexdigest()]
+    assert load_prompt_cache(str(shard))[0].offset == len(saved["ledger"]) > len(ledger)
 
 
 @pytest.mark.timeout(60)
