@@ -171,6 +171,12 @@ def sharded_tui(ring: Ring, flags: dict, run=lambda app: app.run()) -> int:
     from kvchat.tui.app import tui_app
 
     ring.start()
+    early = ring.wait_ready()  # mx.distributed.init waits for every rank; nothing wakes it
+    if early is not None:  # a rank that ended before joining: ssh could not reach its host
+        sentence = ring.unreachable(*early) or rank_ended(*early)
+        ring.finish(False)
+        typer.echo(sentence, err=True)
+        return 1
     link = failed = None
     said = False  # rank 0 ended the run itself and said why
     try:

@@ -248,6 +248,10 @@ def main() -> None:
         return
     from kvchat.engine import distributed
 
+    from .ring import READY, READY_ENV
+
+    if os.environ.get(READY_ENV):  # a follower kvchat/cli/ring.py started: rank 0 waits
+        print(READY, flush=True)
     link = distributed.start()
     if link is None:
         app()

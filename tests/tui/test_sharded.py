@@ -8,7 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +28,7 @@ from kvchat.engine.session import Session
 from kvchat.tui.sharded import ONE_TAB
 from kvchat.tui.widgets.sidebar import human_bytes
 from tests.helpers import run_bounded
-from tests.test_distributed import _free_port, kvchat, launched
+from tests.test_distributed import CLI, _free_port, kvchat, launched
 
 from .test_sidebar import flat
 
@@ -151,6 +154,40 @@ def test_a_model_no_rank_can_load_ends_the_run_with_rank_0s_sentence_only(home, 
     assert f"kvchat (rank 1): Could not load model '{missing}'" in log.read_text()
 
 
+@pytest.mark.skipif(shutil.which("ssh") is None,
+                    reason="no ssh client on this machine (CI installs openssh-client)")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("host", ["192.0.2.1", "silent"])
+def test_a_host_ssh_cannot_reach_ends_the_run_in_one_sentence_within_its_timeout(
+        demo_model, home, tmp_path, host):
+    """192.0.2.1 (TEST-NET-1) refuses here and drops packets elsewhere; a port that takes
+    the connection but never says a word is ssh's connect timeout at work."""
+    kept = Session(demo_model)
+    kept.settings.max_tokens = 2
+    [_ for _ in kept.send("hello")]
+    store.save(kept, "kept")
+    before = {p.name: p.read_bytes() for p in store.session_dir("kept").iterdir()}
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        if host == "silent":
+            host = f"ssh://127.0.0.1:{silent.getsockname()[1]}"
+            why = "Connection timed out during banner exchange"
+        else:
+            why = "ssh: connect to host 192.0.2.1 port 22: [^)]+"
+        hostfile = tmp_path / "hosts.json"
+        hostfile.write_text(json.dumps({"hosts": [{"ssh": LOCAL, "ips": [LOCAL]},
+                                                  {"ssh": host, "ips": ["127.0.0.1"]}]}))
+        run = run_bounded(  # the bound: ssh's 2 s, and the start and end of rank 0
+            [*CLI, "launch", "--hostfile", str(hostfile), "--port", str(_free_port()), "--",
+             "--model", "demo"], 30, {**os.environ, "KVCHAT_SSH_TIMEOUT": "2"})
+    assert run.returncode == 1 and run.stdout == ""
+    assert re.fullmatch(
+        f"kvchat: could not reach {re.escape(host)} over ssh within 2 s \\({why}\\), so the run "
+        "was ended on every rank; saved sessions are as they were last saved\\.\n", run.stderr)
+    assert {p.name: p.read_bytes() for p in store.session_dir("kept").iterdir()} == before
+
+
 def _driver(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return run_bounded(
         [sys.executable, "-m", "tests.tui.sharded_driver", str(_free_port()),
@@ -174,15 +211,18 @@ def test_local_ranks_get_a_ring_hostfile_of_loopback_ports_and_mlx_launchs_scrip
     assert f"cmd=({shlex.quote(sys.executable)} -c " in command
 
 
-def test_other_hosts_are_reached_by_ssh_with_every_ip_a_port(tmp_path):
+def test_other_hosts_are_reached_by_ssh_with_every_ip_a_port(tmp_path, monkeypatch):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps({"envs": ["MLX_X=a b"], "hosts": [
         {"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2", "10.0.1.2"]}]}))
     parsed = ring_hosts(2, None, hostfile)  # -n counts for --hosts only, as in mlx.launch
     text = ring_hostfile(parsed.hosts, 4000)
     assert json.loads(text) == [["10.0.0.1:4000"], ["10.0.0.2:4001", "10.0.1.2:4002"]]
-    command = follower_command(1, parsed.hosts[1], text, parsed.envs)
-    assert command.startswith("ssh -tt -o LogLevel=QUIET mac2 '")
+    command = follower_command(1, parsed.hosts[1], text, parsed.envs, tmp_path / "ssh log")
+    assert command.startswith("ssh -tt -o LogLevel=ERROR -o BatchMode=yes -o ConnectTimeout=10 "
+                              f"-E '{tmp_path / 'ssh log'}' mac2 '")
+    monkeypatch.setenv("KVCHAT_SSH_TIMEOUT", "3")
+    assert " -o ConnectTimeout=3 " in follower_command(1, parsed.hosts[1], text)
     script = shlex.split(command)[-1]
     assert "export MLX_X='a b'; " in script and "export MLX_RANK=1;" in script
     listed = ring_hosts(1, "10.0.0.1,10.0.0.2", None)
@@ -197,6 +237,17 @@ def test_other_hosts_are_reached_by_ssh_with_every_ip_a_port(tmp_path):
 def test_hosts_the_ring_cannot_use_are_refused_in_one_sentence(ranks, hosts, message):
     with pytest.raises(RingError, match=f"^{message}"):
         ring_hosts(ranks, hosts, None)
+
+
+def test_without_ssh_a_run_on_other_hosts_is_refused_before_any_rank_starts(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ssh here
+    assert [h.ssh_hostname for h in ring_hosts(2, None, None).hosts] == [LOCAL, LOCAL]
+    result = CliRunner().invoke(app, ["launch", "-n", "1", "--hosts", "10.0.0.1,10.0.0.2", "--"])
+    assert result.exit_code == 2
+    assert result.output == ("kvchat: Starting a rank on 10.0.0.2 needs ssh, which is not "
+                             "installed here (on Debian or Ubuntu: apt-get install "
+                             "openssh-client).\n")
 
 
 def test_tui_options_are_read_by_kvchats_own_definitions():
