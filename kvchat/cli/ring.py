@@ -15,7 +15,7 @@ Python's lock, so nothing in this process could end a wait for a rank that
 never comes. ``ssh`` runs in batch mode (keys only: it never asks for a
 password or about a host key) with a connect timeout, so a host that cannot be
 reached ends its follower within that time, and ssh's own messages go to a
-file of their own, for the sentence that says why (:meth:`Ring.unreachable`).
+file of their own, for the sentence that says why (:meth:`Ring.wait_ready`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ SSH_TIMEOUT_S = 10  # how long ssh may take to reach a host (KVCHAT_SSH_TIMEOUT 
 SSH_STATUS = 255  # ssh's own failures (it cannot connect or log in)
 READY_ENV = "KVCHAT_RING_READY"  # set for the followers: they say READY as they join
 READY = "kvchat: this rank joins the ring"
+JOIN_S = 120.0  # how long a follower may take to say READY (ssh and Python's start)
+ENDED = "so the run was ended on every rank; saved sessions are as they were last saved."
 
 
 def ssh_timeout() -> int:
@@ -48,6 +50,13 @@ def ssh_timeout() -> int:
     number of seconds, else SSH_TIMEOUT_S."""
     value = os.environ.get("KVCHAT_SSH_TIMEOUT", "").strip()
     return int(value) if value.isdigit() and int(value) > 0 else SSH_TIMEOUT_S
+
+
+def rank_ended(rank: int, code: int | None) -> str:
+    """The sentence that says a rank ended the run."""
+    how = ("was killed" if code is None else f"was killed by signal {-code}" if code < 0
+           else f"exited with status {code}")
+    return f"kvchat: rank {rank} {how}, {ENDED}"
 
 
 class RingError(ValueError):
@@ -168,15 +177,23 @@ class Ring:
                         ready.set()
         proc.stdout.close()
 
-    def wait_ready(self) -> tuple[int, int] | None:
-        """Wait until every follower is joining the ring; return the first one that ended
-        before that, with its exit status (None: they all are)."""
+    def wait_ready(self) -> str | None:
+        """Wait until every follower is joining the ring. Returns None, or the sentence
+        saying why one is not: it ended (most often: ssh could not reach its host), or it
+        did not say READY within JOIN_S seconds."""
+        deadline = time.monotonic() + JOIN_S
         while True:
             for rank, proc in enumerate(self.followers, 1):
                 if proc.poll() is not None:
-                    return rank, proc.returncode
-            if all(ready.is_set() for ready in self._ready):
+                    return (self._unreachable(rank, proc.returncode)
+                            or rank_ended(rank, proc.returncode))
+            waiting = [r for r, ready in enumerate(self._ready, 1) if not ready.is_set()]
+            if not waiting:
                 return None
+            if time.monotonic() > deadline:
+                return (f"kvchat: rank {waiting[0]} ({self.hosts[waiting[0]].ssh_hostname}) "
+                        f"did not start within {JOIN_S:g} s (its output is in {self.log}), "
+                        f"{ENDED}")
             time.sleep(0.05)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
@@ -184,7 +201,7 @@ class Ring:
         if code and not self._ending:
             self.on_lost(rank, code)
 
-    def unreachable(self, rank: int, code: int) -> str | None:
+    def _unreachable(self, rank: int, code: int) -> str | None:
         """The sentence saying that ssh could not reach rank ``rank``'s host, when that is
         why it ended with status ``code`` (ssh's own failure), with ssh's last message."""
         log = self._ssh_logs.get(rank)
@@ -197,8 +214,7 @@ class Ring:
         said = [line.strip() for line in lines if line.strip()]
         why = said[-1].rstrip(".") if said else f"ssh exited with status {code}"
         return (f"kvchat: could not reach {self.hosts[rank].ssh_hostname} over ssh within "
-                f"{ssh_timeout()} s ({why}), so the run was ended on every rank; saved "
-                "sessions are as they were last saved.")
+                f"{ssh_timeout()} s ({why}), {ENDED}")
 
     def running(self) -> bool:
         """True while every follower runs."""

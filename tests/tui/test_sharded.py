@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,17 @@ from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app
-from kvchat.cli.launch import rank_ended, tui_flags
-from kvchat.cli.ring import LOCAL, RingError, follower_command, ring_hostfile, ring_hosts
+from kvchat.cli import ring as ring_module
+from kvchat.cli.launch import tui_flags
+from kvchat.cli.ring import (
+    LOCAL,
+    Ring,
+    RingError,
+    follower_command,
+    rank_ended,
+    ring_hostfile,
+    ring_hosts,
+)
 from kvchat.engine.session import Session
 from kvchat.tui.sharded import ONE_TAB
 from kvchat.tui.widgets.sidebar import human_bytes
@@ -237,6 +247,18 @@ def test_other_hosts_are_reached_by_ssh_with_every_ip_a_port(tmp_path, monkeypat
 def test_hosts_the_ring_cannot_use_are_refused_in_one_sentence(ranks, hosts, message):
     with pytest.raises(RingError, match=f"^{message}"):
         ring_hosts(ranks, hosts, None)
+
+
+def test_a_rank_that_never_says_it_joins_ends_the_run_after_a_while(tmp_path, monkeypatch):
+    monkeypatch.setattr(ring_module, "JOIN_S", 0.3)
+    ring = Ring(ring_hosts(2, None, None), _free_port(), tmp_path / "ranks.log")
+    ring.followers = [subprocess.Popen(["sleep", "30"])]  # alive, and silent
+    ring._ready = [threading.Event()]
+    assert ring.wait_ready() == (
+        f"kvchat: rank 1 (127.0.0.1) did not start within 0.3 s (its output is in "
+        f"{tmp_path / 'ranks.log'}), so the run was ended on every rank; saved sessions are "
+        "as they were last saved.")
+    assert ring.finish(False) == [None]  # ended by the ring
 
 
 def test_without_ssh_a_run_on_other_hosts_is_refused_before_any_rank_starts(
