@@ -40,6 +40,11 @@ class OwnHome(Ring):
         os.environ["KVCHAT_HOME"] = here
 
 
+def said(app, start: str) -> bool:
+    """Whether a notification that starts with ``start`` shows."""
+    return any(str(n.message).startswith(start) for n in app._notifications)
+
+
 def listed(*homes: Path) -> list[dict]:
     """Each home's saved sessions and their files."""
     return [{d.name: sorted(f.name for f in d.iterdir()) for d in (home / "sessions").iterdir()}
@@ -63,7 +68,7 @@ def main() -> None:
             await pilot.press("f8")
             await settle(pilot)
             await pilot.click("#drop-memory")
-            await until(pilot, lambda: app.active_conversation() not in (None, conversation))
+            await until(pilot, lambda: said(app, "Saved"), timeout=30)
             await settle(pilot)
             seen["after_drop"] = {"tabs": [c.session_name for c in app.conversations()],
                                   "notices": [str(n.message) for n in app._notifications]}
@@ -109,7 +114,7 @@ def main() -> None:
             await settle(pilot)
             seen["drop_dialog"] = widget_text(app.screen.query_one("#drop-dialog"))
             await pilot.click("#drop-disk")
-            await until(pilot, lambda: app.active_conversation() not in (None, conversation))
+            await until(pilot, lambda: said(app, "Dropped"), timeout=30)
             fresh = app.active_conversation()
             await settle(pilot, fresh)
             seen["after_drop"] = {
