@@ -1,7 +1,8 @@
 """The TUI on a model sharded over two ranks (issue 12): rank 0 runs the real app under
 ``App.run_test`` in its own process (tests/tui/sharded_driver.py), rank 1 follows, both
-started by ``kvchat launch``'s own code over the ring backend on loopback. The rest are
-unit tests of the ring's hosts, hostfile and commands, which launch nothing."""
+started by ``kvchat launch``'s own code over the ring backend on loopback; a run whose
+rank 1 is on a host ssh cannot reach ends before rank 0 joins. The rest are unit tests
+of the ring's hosts, hostfile and commands, which launch nothing."""
 
 from __future__ import annotations
 
@@ -251,6 +252,7 @@ def test_hosts_the_ring_cannot_use_are_refused_in_one_sentence(ranks, hosts, mes
 
 def test_a_rank_that_never_says_it_joins_ends_the_run_after_a_while(tmp_path, monkeypatch):
     monkeypatch.setattr(ring_module, "JOIN_S", 0.3)
+    monkeypatch.setattr(ring_module, "LOST_S", 0.1)
     ring = Ring(ring_hosts(2, None, None), _free_port(), tmp_path / "ranks.log")
     ring.followers = [subprocess.Popen(["sleep", "30"])]  # alive, and silent
     ring._ready = [threading.Event()]
