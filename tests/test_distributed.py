@@ -38,7 +38,7 @@ from kvchat.engine.model import ModelLoadError
 from kvchat.engine.session import Session, SessionError, TurnDone
 from kvchat.engine.sharding import choose_mode, layout, layout_problem
 from kvchat.store.cache_file import read_cache
-from kvchat.store.shards import write_shard
+from kvchat.store.shards import delete_shard, write_shard
 from tests.arch_models import TINY
 from tests.helpers import run_bounded
 
@@ -296,3 +296,24 @@ def test_a_rank_reads_its_own_shard_only_as_session_json_vouches_for_it(demo_mod
     store.save(chat, "shards")  # saved again on one machine: the shard is of no use now
     assert sorted(p.name for p in folder.iterdir()) == \
         ["cache.safetensors", "cache.sha256", "session.json"]
+
+
+def test_a_dropped_shard_takes_its_folder_only_where_nothing_else_is_in_it(
+        demo_model, home, tmp_path):
+    chat = Session(demo_model)
+    chat.settings.max_tokens = 4
+    [_ for _ in chat.send("hello")]
+    write_shard(chat, "alone", 1)  # a host that keeps rank 1's shard only
+    delete_shard("alone", 1)
+    assert not os.path.lexists(store.session_dir("alone"))
+    store.save(chat, "both", shards=[write_shard(chat, "both", 1)])  # ranks on one machine
+    delete_shard("both", 1)
+    assert sorted(p.name for p in store.session_dir("both").iterdir()) == \
+        ["cache.safetensors", "cache.sha256", "session.json"]  # rank 0's: store.delete's
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "cache.rank1.safetensors").write_bytes(b"kept")
+    store.session_dir("link").symlink_to(elsewhere)
+    with pytest.raises(store.StoreError, match="is a symbolic link, not a session folder"):
+        delete_shard("link", 1)
+    assert (elsewhere / "cache.rank1.safetensors").read_bytes() == b"kept"

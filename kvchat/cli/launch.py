@@ -33,7 +33,7 @@ from .common import (
     app,
     load_or_exit,
 )
-from .ring import DEFAULT_PORT, ENTRY, Ring, RingError, ring_hosts
+from .ring import DEFAULT_PORT, ENTRY, Ring, RingError, rank_ended, ring_hosts
 
 RANK_NOTE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -120,14 +120,6 @@ def _lost(ended: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
     return [(r, c) for r, c in ended if r and c not in (None, -signal.SIGTERM)]
 
 
-def rank_ended(rank: int, code: int | None) -> str:
-    """The sentence that says a rank ended the run."""
-    how = ("was killed" if code is None else f"was killed by signal {-code}" if code < 0
-           else f"exited with status {code}")
-    return (f"kvchat: rank {rank} {how}, so the run was ended on every rank; "
-            "saved sessions are as they were last saved.")
-
-
 def tui_flags(args: list[str]) -> dict:
     """The TUI's options (``kvchat``'s own, read by its own definitions) from ``args``."""
     options = typer.core.TyperCommand("kvchat", params=typer.main.get_command(app).params,
@@ -171,6 +163,15 @@ def sharded_tui(ring: Ring, flags: dict, run=lambda app: app.run()) -> int:
     from kvchat.tui.app import tui_app
 
     ring.start()
+    try:
+        late = ring.wait_ready()  # mx.distributed.init waits for every rank; nothing wakes it
+    except BaseException:  # Ctrl+C meanwhile: the followers end too
+        ring.finish(False)
+        raise
+    if late is not None:  # most often: ssh could not reach a host
+        ring.finish(False)
+        typer.echo(late, err=True)
+        return 1
     link = failed = None
     said = False  # rank 0 ended the run itself and said why
     try:

@@ -248,12 +248,18 @@ def main() -> None:
         return
     from kvchat.engine import distributed
 
+    from .ring import READY, READY_ENV
+
+    if os.environ.get(READY_ENV):  # a follower kvchat/cli/ring.py started: rank 0 waits
+        print(READY, flush=True)
     link = distributed.start()
     if link is None:
         app()
         return
     if link.rank:
-        sys.exit(distributed.follow(link))
+        from kvchat.engine.follower import follow
+
+        sys.exit(follow(link))
     try:
         app()
     except Exception as exc:  # most often a collective failing because another rank died

@@ -8,6 +8,14 @@ named by ``MLX_HOSTFILE``, ``MLX_RANK``, and the same launch script, run by
 bash here or by ``ssh`` on another host. Rank 0 is this process, in the
 foreground with the terminal; the followers are subprocesses whose output goes
 to a log file.
+
+Rank 0 joins the ring (``mx.distributed.init``) only once every follower has
+said that it is joining too: the ring backend waits for every rank, holding
+Python's lock, so nothing in this process could end a wait for a rank that
+never comes. ``ssh`` runs in batch mode (keys only: it never asks for a
+password or about a host key) with a connect timeout, so a host that cannot be
+reached ends its follower within that time, and ssh's own messages go to a
+file of their own, for the sentence that says why (:meth:`Ring.wait_ready`).
 """
 
 from __future__ import annotations
@@ -15,10 +23,12 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +37,26 @@ DEFAULT_PORT = 32323  # mlx.launch's --starting-port
 ENTRY = "from kvchat.cli import main; main()"  # what each rank runs (no script file to name)
 ENDING_S = 10.0  # how long the followers get to end by themselves after "end"
 LOST_S = 1.0  # how long they get otherwise (one may be going down with a lost rank)
+SSH_TIMEOUT_S = 10  # how long ssh may take to reach a host (KVCHAT_SSH_TIMEOUT overrides)
+SSH_STATUS = 255  # ssh's own failures (it cannot connect or log in)
+READY_ENV = "KVCHAT_RING_READY"  # set for the followers: they say READY as they join
+READY = "kvchat: this rank joins the ring"
+JOIN_S = 120.0  # how long a follower may take to say READY (ssh and Python's start)
+ENDED = "so the run was ended on every rank; saved sessions are as they were last saved."
+
+
+def ssh_timeout() -> int:
+    """Seconds ssh may take to reach a host: ``KVCHAT_SSH_TIMEOUT`` when it is a whole
+    number of seconds, else SSH_TIMEOUT_S."""
+    value = os.environ.get("KVCHAT_SSH_TIMEOUT", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else SSH_TIMEOUT_S
+
+
+def rank_ended(rank: int, code: int | None) -> str:
+    """The sentence that says a rank ended the run."""
+    how = ("was killed" if code is None else f"was killed by signal {-code}" if code < 0
+           else f"exited with status {code}")
+    return f"kvchat: rank {rank} {how}, {ENDED}"
 
 
 class RingError(ValueError):
@@ -49,6 +79,10 @@ def ring_hosts(ranks: int, hosts: str | None, hostfile: Path | None):
                         "(or \"ips\" for every host of the hostfile).")
     if len(parsed.hosts) < 2:
         raise RingError("A sharded run needs at least 2 ranks.")
+    remote = [h.ssh_hostname for h in parsed.hosts[1:] if h.ssh_hostname != LOCAL]
+    if remote and shutil.which("ssh") is None:
+        raise RingError(f"Starting a rank on {remote[0]} needs ssh, which is not installed "
+                        "here (on Debian or Ubuntu: apt-get install openssh-client).")
     return parsed
 
 
@@ -62,10 +96,12 @@ def ring_hostfile(hosts: list, port: int) -> str:
     return json.dumps(ring)
 
 
-def follower_command(rank: int, host, hostfile: str, envs: list[str] = ()) -> str:
+def follower_command(rank: int, host, hostfile: str, envs: list[str] = (),
+                     ssh_log: Path | None = None) -> str:
     """The shell command that starts rank ``rank`` on ``host``: mlx.launch's own launch
     script (``envs``, hostfile in a temporary file, ``MLX_RANK``, this Python), through
-    ``ssh`` when the host is another machine."""
+    ``ssh`` when the host is another machine (in batch mode, with a connect timeout,
+    its own messages appended to ``ssh_log``)."""
     from mlx._distributed_utils.launch import RemoteProcess
 
     local = host.ssh_hostname == LOCAL
@@ -73,7 +109,9 @@ def follower_command(rank: int, host, hostfile: str, envs: list[str] = ()) -> st
         rank, sys.executable, None, {"MLX_HOSTFILE": hostfile}, list(envs), ["-c", ENTRY], local)
     if local:
         return script
-    return f"ssh -tt -o LogLevel=QUIET {shlex.quote(host.ssh_hostname)} {shlex.quote(script)}"
+    log = f"-E {shlex.quote(str(ssh_log))} " if ssh_log is not None else ""
+    return (f"ssh -tt -o LogLevel=ERROR -o BatchMode=yes -o ConnectTimeout={ssh_timeout()} "
+            f"{log}{shlex.quote(host.ssh_hostname)} {shlex.quote(script)}")
 
 
 class Ring:
@@ -81,10 +119,10 @@ class Ring:
 
     :meth:`start` writes the ring's hostfile, names it and rank 0 in this process's
     environment (for ``mx.distributed.init``) with the ``envs`` of ``hostfile`` (an
-    mlx.launch ``Hostfile``), and starts the followers, their
-    output appended to ``log``. ``on_lost(rank, code)`` is called, from a watcher
-    thread, when a follower ends with a non-zero status before :meth:`finish`.
-    :meth:`finish` ends them all and says which was ``lost``.
+    mlx.launch ``Hostfile``), and starts the followers, their output appended to
+    ``log``; :meth:`wait_ready` waits until they join. ``on_lost(rank, code)`` is
+    called, from a watcher thread, when a follower ends with a non-zero status before
+    :meth:`finish`. :meth:`finish` ends them all and says which was ``lost``.
     """
 
     def __init__(self, hostfile, port: int, log: Path):
@@ -95,6 +133,9 @@ class Ring:
         self.lost: tuple[int, int] | None = None
         self._ending = False
         self._hostfile: Path | None = None
+        self._ssh_logs: dict[int, Path] = {}  # rank: where its ssh writes its own messages
+        self._ready: list[threading.Event] = []  # per follower: it said READY
+        self._relays: list[threading.Thread] = []
 
     def start(self) -> None:
         text = ring_hostfile(self.hosts, self.port)
@@ -107,17 +148,73 @@ class Ring:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             for rank, host in enumerate(self.hosts[1:], 1):
+                if host.ssh_hostname != LOCAL:
+                    fd, path = tempfile.mkstemp(prefix=f"kvchat-ssh-rank{rank}-", suffix=".log")
+                    os.close(fd)
+                    self._ssh_logs[rank] = Path(path)
+                command = follower_command(rank, host, text, [*self.envs, f"{READY_ENV}=1"],
+                                           self._ssh_logs.get(rank))
                 proc = subprocess.Popen(
-                    follower_command(rank, host, text, self.envs), shell=True,
-                    executable="/bin/bash",
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+                    command, shell=True, executable="/bin/bash", stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=out, start_new_session=True)
                 self.followers.append(proc)
+                self._ready.append(threading.Event())
+                relay = threading.Thread(target=self._relay, args=(proc, self._ready[-1]),
+                                         daemon=True)
+                relay.start()
+                self._relays.append(relay)
                 threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()
+
+    def _relay(self, proc: subprocess.Popen, ready: threading.Event) -> None:
+        """Append a follower's output to the log, noting when it says READY."""
+        seen = b""
+        with open(self.log, "ab", buffering=0) as out:
+            while chunk := os.read(proc.stdout.fileno(), 65536):
+                out.write(chunk)
+                if not ready.is_set():
+                    seen = seen[-len(READY):] + chunk
+                    if READY.encode() in seen:
+                        ready.set()
+        proc.stdout.close()
+
+    def wait_ready(self) -> str | None:
+        """Wait until every follower is joining the ring. Returns None, or the sentence
+        saying why one is not: it ended (most often: ssh could not reach its host), or it
+        did not say READY within JOIN_S seconds."""
+        deadline = time.monotonic() + JOIN_S
+        while True:
+            for rank, proc in enumerate(self.followers, 1):
+                if proc.poll() is not None:
+                    return (self._unreachable(rank, proc.returncode)
+                            or rank_ended(rank, proc.returncode))
+            waiting = [r for r, ready in enumerate(self._ready, 1) if not ready.is_set()]
+            if not waiting:
+                return None
+            if time.monotonic() > deadline:
+                return (f"kvchat: rank {waiting[0]} ({self.hosts[waiting[0]].ssh_hostname}) "
+                        f"did not start within {JOIN_S:g} s (its output is in {self.log}), "
+                        f"{ENDED}")
+            time.sleep(0.05)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
         if code and not self._ending:
             self.on_lost(rank, code)
+
+    def _unreachable(self, rank: int, code: int) -> str | None:
+        """The sentence saying that ssh could not reach rank ``rank``'s host, when that is
+        why it ended with status ``code`` (ssh's own failure), with ssh's last message."""
+        log = self._ssh_logs.get(rank)
+        if log is None or code != SSH_STATUS:
+            return None
+        try:
+            lines = log.read_text("utf-8", "replace").splitlines()
+        except OSError:
+            lines = []
+        said = [line.strip() for line in lines if line.strip()]
+        why = said[-1].rstrip(".") if said else f"ssh exited with status {code}"
+        return (f"kvchat: could not reach {self.hosts[rank].ssh_hostname} over ssh within "
+                f"{ssh_timeout()} s ({why}), {ENDED}")
 
     def running(self) -> bool:
         """True while every follower runs."""
@@ -141,7 +238,10 @@ class Ring:
                     proc.kill()
                     proc.wait()
                 codes.append(None)
-        if self._hostfile is not None:
-            self._hostfile.unlink(missing_ok=True)
+        for relay in self._relays:  # the followers' last words, into the log
+            relay.join(LOST_S)
+        for path in [self._hostfile, *self._ssh_logs.values()]:
+            if path is not None:
+                path.unlink(missing_ok=True)
         self.lost = next(((rank, code) for rank, code in enumerate(codes, 1) if code), None)
         return codes

@@ -1,12 +1,12 @@
 """One kvchat driving a model sharded over MLX distributed ranks (``kvchat launch``).
 
-Rank 0 runs the command (``ask``, ``replay``); every other rank runs
-:func:`follow`. Each engine operation that changes a cache (load the model, new
-session, load, send, regenerate, edit, undo, reset, cache kind, trim, system
-prompt, save) is a small JSON object that rank 0 sends to every rank with
-``mx.distributed.all_sum`` over a uint8 buffer (its length first), and then
-performs on its own :class:`Session`; each follower performs it on its own, in
-the same order. Every rank thus runs the same forward passes on the same tokens,
+Rank 0 runs the command (``ask``, ``replay``, the TUI); every other rank runs
+:func:`~kvchat.engine.follower.follow`. Each engine operation that changes a cache
+(load the model, new session, load, send, regenerate, edit, undo, reset, cache
+kind, trim, system prompt, save, drop) is a small JSON object that rank 0 sends
+to every rank with ``mx.distributed.all_sum`` over a uint8 buffer (its length
+first), and then performs on its own :class:`Session`; each follower performs it
+on its own, in the same order. Every rank thus runs the same forward passes on the same tokens,
 so the collectives inside the sharded model meet, every rank's cache shard holds
 the one ledger, and greedy sampling agrees (the logits are the same on every
 rank after the model's own all-sum or all-gather), and every rank takes rank 0's
@@ -24,9 +24,6 @@ the others; ``kvchat launch`` (kvchat/cli/launch.py) says which rank it was in o
 from __future__ import annotations
 
 import json
-import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -37,15 +34,15 @@ import mlx.core as mx
 import numpy as np
 
 from .events import Event, GenerationSettings, SessionError, TurnDone
-from .kinds import CacheKindError, applicable_kinds, parse_kind
+from .kinds import applicable_kinds, parse_kind
 from .session import Session
 from .sharding import ShardedModel, load_sharded
 
 OPS = frozenset({
     "model", "new", "load", "send", "regenerate", "edit", "undo", "reset", "kind", "trim",
-    "system", "save", "bytes", "kinds", "end",
+    "system", "save", "drop", "bytes", "kinds", "end",
 })
-ROW = 256  # bytes each rank reports after a save or a load
+ROW = 256  # bytes each rank reports after a save, a load or a drop
 # Session methods that change the cache and are not sent to the followers (the TUI's).
 UNSHARED = frozenset({"switch_branch", "delete_pair", "fork_prefix", "rebuild", "attach",
                       "sync", "unload", "close"})
@@ -257,6 +254,24 @@ def save_session(session, name: str):
     return store.save(session.local, name, shards=shas or None)
 
 
+def delete_session(name: str) -> str | None:
+    """Rank 0 of a sharded run, dropping saved session ``name``: delete it here with
+    ``store.delete``, as on one machine (a StoreError then leaves every rank's files as
+    they were), then every other rank deletes its own cache shard and forgets its
+    session (a new one is made on every rank next, :func:`new_session`). Returns the
+    sentence naming a rank whose shard could not be deleted, or None."""
+    from kvchat import store
+
+    if store.exists(name):
+        store.delete(name)
+    _link.broadcast({"op": "drop", "name": name})
+    for rank, row in enumerate(_link.gather(b"")[1:], 1):
+        if row:
+            return (f"Dropped {name}, but rank {rank} could not delete its cache shard "
+                    f"({row.decode('utf-8', 'ignore')}); it stays on that host.")
+    return None
+
+
 class DistributedSession:
     """Rank 0's :class:`Session` of a sharded run: each call that changes the cache is
     sent to every rank first; everything else is the local session's. ``rank_bytes``
@@ -364,52 +379,3 @@ def _watched(events: Iterator[Event], link: Link) -> Iterator[Event]:
     finally:
         if not finished:
             link.broken = True
-
-
-def follow(link: Link) -> int:
-    """A follower rank: perform every operation rank 0 sends until it sends "end"."""
-    from kvchat.engine.model import ModelLoadError
-    from kvchat.store import StoreError
-    from kvchat.store.shards import write_shard
-
-    lm = session = None
-    while True:
-        op = link.broadcast()
-        name = op["op"]
-        if name == "end":
-            return 0
-        if name == "model":
-            mx.random.seed(op["seed"])
-            try:
-                lm = load_sharded(op["spec"], link.group)
-            except ModelLoadError as exc:
-                print(f"kvchat (rank {link.rank}): {exc}", file=sys.stderr, flush=True)
-                return 2
-        elif name == "new":
-            settings = GenerationSettings(**op["settings"])
-            try:
-                session = _bind(Session(lm, kind=op["kind"], system=op["system"],
-                                        settings=settings), link)
-            except CacheKindError:
-                pass  # rank 0 meets it too, and says so
-        elif name == "load":
-            session = _load_here(op["name"], lm, op["data"], link).session
-        elif name == "save":
-            try:
-                sha = write_shard(session, op["name"], link.rank)
-                row = b"sha:" + sha.encode() if sha else b"empty"
-            except (OSError, StoreError) as exc:
-                row = str(exc).encode("utf-8", "ignore")[:ROW] or b"error"
-            link.gather(row)
-        elif name == "bytes":
-            link.per_rank(session.cache_bytes)
-        elif name == "kinds":
-            applicable_kinds(lm.model, op["names"])
-        else:
-            try:
-                result = _perform(session, op, link)
-                for i, _ in enumerate(result if name in ("send", "regenerate", "edit") else ()):
-                    if i == 2 and os.environ.get(DIE_ENV) == str(link.rank):
-                        os.kill(os.getpid(), signal.SIGKILL)  # tests: a rank lost mid-turn
-            except (SessionError, CacheKindError):
-                pass  # rank 0 meets the same error on the same state and reports it

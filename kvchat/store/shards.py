@@ -7,7 +7,8 @@ in its own sessions folder (the same one when the ranks share a machine) with
 records each shard's sha256 under ``cache.shards``. A shard is read by
 :func:`~kvchat.store.cache_file.read_cache` with its rank; one that does not match
 (missing, damaged, another layout, a save cut short) makes every rank rebuild
-the cache from the transcript.
+the cache from the transcript. A drop removes each rank's shard with
+:func:`delete_shard` (rank 0's, with the whole folder, by ``store.delete``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat.store.base import CACHE_FILE, session_dir
-from kvchat.store.files import finish_temp, make_dir, new_temp, rename_into_place
+from kvchat.store.files import check_folder, finish_temp, make_dir, new_temp, rename_into_place
 
 if TYPE_CHECKING:
     from kvchat.engine.session import Session
@@ -71,3 +72,17 @@ def write_shard(session: Session, name: str, rank: int) -> str | None:
         tmp.unlink(missing_ok=True)
         raise
     return sha
+
+
+def delete_shard(name: str, rank: int) -> None:
+    """Delete rank ``rank``'s cache shard of session ``name`` (dropped), and the session's
+    folder when that leaves it empty, as on a host that keeps no ``session.json``.
+    A symlink or file in place of the folder is refused (StoreError), never followed."""
+    folder = session_dir(name)
+    if not check_folder(folder):
+        return
+    (folder / shard_file(rank)).unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # not empty: rank 0's own files, which store.delete removes
+        pass

@@ -5,7 +5,8 @@ session (kvchat/engine/distributed.py). Its session is a
 :class:`~kvchat.engine.distributed.DistributedSession`, which sends every
 operation that changes the cache to every rank; what it cannot send (switching
 a branch, deleting a pair) it refuses in one sentence, shown as a notification.
-The actions that would open, close or move a tab say so in one sentence too.
+The actions that would open, close or move a tab say so in one sentence too. A
+drop (from memory, or from disk on every rank) leaves the tab on a new session.
 
 A mixin of :class:`~kvchat.tui.app.KvChatApp`, first among its bases.
 """
@@ -16,10 +17,11 @@ from textual import work
 
 from kvchat import store
 
+from .screens.dialogs import DropDialog
 from .screens.loading import LoadingScreen
 
 ONE_TAB = ("A sharded run has one tab, on its one model: other tabs, models and sessions, "
-           "closing, renaming and dropping need a run on one machine.")
+           "closing and renaming need a run on one machine.")
 
 
 class ShardedMixin:
@@ -107,7 +109,49 @@ class ShardedMixin:
         return self._one_tab("close_tab")
 
     def action_drop(self):
-        return self._one_tab("drop")
+        """Drop the tab's session, from memory (saved on every rank first) or from disk
+        too (on every rank), after the one-machine confirmation; the tab then holds a
+        new session, made on every rank together."""
+        if not self.sharded:
+            return super().action_drop()
+        conversation = self.idle_conversation()
+        if conversation is None:
+            return
+        name, fresh = conversation.session_name, self._unique_name()
+
+        def drop(from_disk: bool):
+            from kvchat.engine.distributed import delete_session
+
+            problem = None
+            if from_disk:
+                problem = delete_session(name)
+            else:
+                conversation.save_now()  # every rank's shard, through the pool
+            self.pool.drop(name)
+            conversation.session.local.unload()  # rank 0's cache goes now, as the others' do
+            return self.new_session(fresh), problem
+
+        def chosen(where: str | None) -> None:
+            if where is None:
+                return
+            said = (f"Dropped {name} from memory and disk on every rank." if where == "disk"
+                    else f"Saved {name} on every rank and dropped it from memory "
+                         f"(kvchat launch -- --resume {name} reopens it).")
+            conversation.run_job(
+                "dropping", lambda progress: drop(where == "disk"),
+                lambda made: self.call_later(self._swap_tab, conversation, fresh, *made, said),
+                needs_cache=False)
+
+        self.push_screen(DropDialog(name, store.exists(name), "start a new session in its tab"),
+                         chosen)
+
+    async def _swap_tab(self, conversation, name: str, session, problem: str | None,
+                        said: str) -> None:
+        """Put ``session`` (new, as ``name``) in the place of ``conversation``'s tab."""
+        await self.tabs.remove_pane(conversation.parent.id)
+        await self.add_conversation(session, name)
+        self.notify(problem or said, severity="warning" if problem else "information",
+                    markup=False)
 
     def action_rename(self):
         return self._one_tab("rename")

@@ -209,19 +209,21 @@ class KindDialog(Dialog):
 
 
 class DropDialog(Dialog):
-    """Confirm dropping a session: from memory only (it stays on disk) or from disk too."""
+    """Confirm dropping a session: from memory only (it stays on disk) or from disk too;
+    ``then`` says what becomes of its tab."""
 
-    def __init__(self, name: str, on_disk: bool) -> None:
+    def __init__(self, name: str, on_disk: bool, then: str = "close its tab") -> None:
         super().__init__()
         self.session_name = name
         self.on_disk = on_disk
+        self.then = then
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="drop-dialog") as box:
             box.border_title = "Drop session"
             where = "It is saved on disk." if self.on_disk else "It has not been saved."
             yield Static(
-                f"Drop {self.session_name!r} and close its tab? {where}", markup=False
+                f"Drop {self.session_name!r} and {self.then}? {where}", markup=False
             )
             with Horizontal(classes="row buttons"):
                 yield Button("Memory only", id="drop-memory", variant="warning")

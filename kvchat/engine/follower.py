@@ -1,0 +1,79 @@
+"""A follower rank of a sharded run (kvchat/engine/distributed.py): it performs every
+operation rank 0 sends, in the same order, on its own part of the model and its own
+:class:`Session`, until rank 0 sends "end"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import mlx.core as mx
+
+from .distributed import DIE_ENV, ROW, Link, _bind, _load_here, _perform
+from .events import GenerationSettings, SessionError
+from .kinds import CacheKindError, applicable_kinds
+from .session import Session
+from .sharding import load_sharded
+
+
+def follow(link: Link) -> int:
+    """A follower rank: perform every operation rank 0 sends until it sends "end"."""
+    from kvchat.engine.model import ModelLoadError
+    from kvchat.store import StoreError
+    from kvchat.store.shards import delete_shard, write_shard
+
+    lm = session = None
+    while True:
+        op = link.broadcast()
+        name = op["op"]
+        if name == "end":
+            return 0
+        if name == "model":
+            mx.random.seed(op["seed"])
+            try:
+                lm = load_sharded(op["spec"], link.group)
+            except ModelLoadError as exc:
+                print(f"kvchat (rank {link.rank}): {exc}", file=sys.stderr, flush=True)
+                return 2
+        elif name == "new":
+            settings = GenerationSettings(**op["settings"])
+            try:
+                session = _bind(Session(lm, kind=op["kind"], system=op["system"],
+                                        settings=settings), link)
+            except CacheKindError:
+                pass  # rank 0 meets it too, and says so
+        elif name == "load":
+            session = _load_here(op["name"], lm, op["data"], link).session
+        elif name == "save":
+            try:
+                sha = write_shard(session, op["name"], link.rank)
+                row = b"sha:" + sha.encode() if sha else b"empty"
+            except (OSError, StoreError) as exc:
+                row = _said(exc)
+            link.gather(row)
+        elif name == "drop":
+            session = None  # rank 0 sends "new" next
+            try:
+                delete_shard(op["name"], link.rank)
+                row = b""
+            except (OSError, StoreError) as exc:
+                row = _said(exc)
+            link.gather(row)
+        elif name == "bytes":
+            link.per_rank(session.cache_bytes)
+        elif name == "kinds":
+            applicable_kinds(lm.model, op["names"])
+        else:
+            try:
+                result = _perform(session, op, link)
+                for i, _ in enumerate(result if name in ("send", "regenerate", "edit") else ()):
+                    if i == 2 and os.environ.get(DIE_ENV) == str(link.rank):
+                        os.kill(os.getpid(), signal.SIGKILL)  # tests: a rank lost mid-turn
+            except (SessionError, CacheKindError):
+                pass  # rank 0 meets the same error on the same state and reports it
+
+
+def _said(exc: Exception) -> bytes:
+    """``exc`` as a row of :meth:`Link.gather`, never empty (empty: it worked)."""
+    return str(exc).encode("utf-8", "ignore")[:ROW] or b"error"
