@@ -10,11 +10,13 @@ rotary embedding, grouped-query attention, SwiGLU) runs in numpy on views of
 mlx's own parameters and of the cache's keys and values; only the cache
 update stays mlx's: once every layer has read its cache, the new keys and
 values go to ``cache.update_and_fetch`` in one evaluation, so the cache, its
-ledger, trimming and saving see nothing new.
+ledger, trimming and saving see nothing new. A quantized cache is updated
+first, a layer at a time, and read back dequantized (one hand-off a layer),
+so the token attends to its own key as stored, as in mlx-lm.
 
 :func:`attach` gives a model's inner module (``model.model``) a ``__call__``
-that takes this path for one token, batch 1, ``standard`` and ``concatenate``
-caches, while the fast path is active; anything else (prefill, other caches
+that takes this path for one token, batch 1, ``standard``, ``concatenate`` and
+``quantized:N`` caches, while the fast path is active; anything else (prefill, other caches
 or architectures, a layer numpy cannot take) goes through mlx-lm's own code.
 """
 
@@ -23,13 +25,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import ConcatenateKVCache, KVCache
+from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
 from . import state
 from .linear import CpuEmbedding, CpuLinear, param_view
 
 MODEL_TYPES = ("qwen2", "llama")  # blocks of x + attn(norm(x)), h + mlp(norm(h)), SwiGLU
-CACHES = (KVCache, ConcatenateKVCache)  # caches whose single-token mask is None
+CACHES = (KVCache, ConcatenateKVCache, QuantizedKVCache)  # a single token's mask is None
 
 
 def _eligible(inner: nn.Module) -> bool:
@@ -116,8 +118,10 @@ def _rope(x: np.ndarray, rope: nn.RoPE, cos: np.ndarray, sin: np.ndarray) -> np.
 
 
 def _attention(layer: nn.Module, x: np.ndarray, cache, turn) -> tuple[np.ndarray, ...]:
-    """The layer's attention output for one token, and its new key and value (which the
-    caller hands to the cache); the keys and values before it are read from the cache."""
+    """The layer's attention output for one token, and its new key and value for the
+    caller to hand to the cache (None when they are stored already: a quantized cache
+    stores them first, so that the token attends to its own key as stored, as in
+    mlx-lm); the keys and values before it are read from the cache."""
     attn = layer.self_attn
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
     cos, sin = turn
@@ -125,22 +129,43 @@ def _attention(layer: nn.Module, x: np.ndarray, cache, turn) -> tuple[np.ndarray
     k = _rope(_linear(attn.k_proj, x).reshape(kv_heads, -1), attn.rope, cos, sin)
     v = _linear(attn.v_proj, x).reshape(kv_heads, -1)
     grouped = q.reshape(kv_heads, heads // kv_heads, -1) * np.float32(attn.scale)
-    span = cache.offset
+    if type(cache) is QuantizedKVCache:
+        keys, values = _stored(cache, k, v)
+        own, span = False, keys.shape[1]
+    else:
+        own, span = True, cache.offset
+        keys = np.asarray(cache.keys)[0, :, :span] if span else None  # (kv heads, span, dim)
+        values = np.asarray(cache.values)[0, :, :span] if span else None
     # Scores as (kv heads, keys, group), the token's own key last: the cached keys are
     # the long side of the product, which BLAS streams twice as fast as grouped·keysᵀ.
-    scores = np.empty((kv_heads, span + 1, grouped.shape[1]), dtype=np.float32)
+    scores = np.empty((kv_heads, span + own, grouped.shape[1]), dtype=np.float32)
     if span:
-        keys = np.asarray(cache.keys)[0, :, :span]  # (kv heads, span, head dim)
         np.matmul(keys, grouped.swapaxes(-1, -2), out=scores[:, :span])
-    scores[:, span] = np.matmul(grouped, k[:, :, None])[..., 0]
+    if own:
+        scores[:, span] = np.matmul(grouped, k[:, :, None])[..., 0]
     scores -= scores.max(axis=1, keepdims=True)
     np.exp(scores, out=scores)
-    weights = scores.swapaxes(-1, -2)  # (kv heads, group, span + 1)
-    out = weights[..., span:] * v[:, None, :]
+    weights = scores.swapaxes(-1, -2)  # (kv heads, group, span + own)
+    out = np.zeros((kv_heads, grouped.shape[1], v.shape[-1]), dtype=np.float32)
     if span:
-        out += np.matmul(weights[..., :span], np.asarray(cache.values)[0, :, :span])
+        np.matmul(weights[..., :span], values, out=out)
+    if own:
+        out += weights[..., span:] * v[:, None, :]
     out /= weights.sum(axis=-1, keepdims=True)
+    if not own:
+        k = v = None
     return _linear(attn.o_proj, out.reshape(-1)), k, v
+
+
+def _stored(cache: QuantizedKVCache, k: np.ndarray, v: np.ndarray):
+    """Store a token's key and value in a quantized cache, then read every key and value
+    it holds back, dequantized (float32 for a float32 model), as ``(kv heads, tokens,
+    head dim)``: what mlx-lm's quantized attention computes with."""
+    keys, values = cache.update_and_fetch(mx.array(k[None, :, None]), mx.array(v[None, :, None]))
+    full = [mx.dequantize(*packed, group_size=cache.group_size, bits=cache.bits)
+            for packed in (keys, values)]
+    mx.eval(full)
+    return np.asarray(full[0])[0], np.asarray(full[1])[0]
 
 
 def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
@@ -155,7 +180,7 @@ def _numpy_inputs(inner: nn.Module, cache: list) -> bool:
     """Every parameter the step reads has a float32 numpy view and the caches hold
     float32 (checked before the step touches a cache, so a refusal leaves nothing
     half done)."""
-    if any(c.keys is not None and c.keys.dtype != mx.float32 for c in cache):
+    if any(c.keys is not None and _dtype(c.keys) != mx.float32 for c in cache):
         return False
     views = [param_view(inner.embed_tokens), param_view(inner.norm)]
     for layer in inner.layers:
@@ -167,6 +192,11 @@ def _numpy_inputs(inner: nn.Module, cache: list) -> bool:
             if "bias" in module:
                 views.append(param_view(module, "bias"))
     return all(v is not None for v in views)
+
+
+def _dtype(stored) -> mx.Dtype:
+    """The dtype of a cache's keys: a quantized cache's scales (its values' dtype)."""
+    return stored[1].dtype if isinstance(stored, (tuple, list)) else stored.dtype
 
 
 def step(inner: nn.Module, inputs: mx.array, cache: list) -> mx.array | None:
@@ -188,5 +218,5 @@ def step(inner: nn.Module, inputs: mx.array, cache: list) -> mx.array | None:
         x = x + _mlp(layer.mlp, _rms(x, layer.post_attention_layernorm))
     # The caches grow once all layers have read them: one evaluation for the step.
     mx.eval([c.update_and_fetch(mx.array(k[None, :, None]), mx.array(v[None, :, None]))
-             for c, (k, v) in zip(cache, new)])
+             for c, (k, v) in zip(cache, new) if k is not None])
     return mx.array(_rms(x, inner.norm)[None, None])
