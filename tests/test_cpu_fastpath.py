@@ -181,6 +181,18 @@ def test_numpy_decoding_step_matches_mlx_lm(demo_model, fast_path, kind, monkeyp
     assert mx.allclose(fast, stock, atol=1e-4, rtol=1e-4).item()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_numpy_dequantize_is_mlxs_bit_for_bit(bits, group_size):
+    x = mx.random.normal((1, 2, 300, 128)) * 3
+    packed = mx.quantize(x, group_size=group_size, bits=bits)
+    want = mx.dequantize(*packed, group_size=group_size, bits=bits)
+    sliced = tuple(p[..., :257, :] for p in packed)  # as a cache hands them: cut to its offset
+    got = decode._dequantized(sliced, group_size, bits)
+    assert got.shape == (2, 257, 128)
+    assert np.array_equal(got, np.asarray(want)[0, :, :257])
+
+
 def test_numpy_decoding_step_from_an_empty_cache(demo_model, fast_path):
     logits = {}
     for on in (True, False):
