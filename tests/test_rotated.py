@@ -8,11 +8,9 @@ import numpy as np
 import pytest
 from helpers import turn
 from mlx_lm.models import base
-from mlx_lm.models.cache import KVCache
 
 from kvchat import store
 from kvchat.engine import rotated
-from kvchat.engine.cpu import decode
 from kvchat.engine.kinds import convert_cache, copy_cache, make_cache, parse_kind, trim_to
 from kvchat.engine.rotated import RotatedKVCache, rotation
 from kvchat.engine.session import GenerationSettings, Session
@@ -48,10 +46,7 @@ def test_the_rotation_is_orthogonal_and_fixed(dim):
 
 
 def test_identity_rotation_equals_quantized_exactly(demo_model, monkeypatch):
-    """The plumbing: with R = I, rotated:4 is quantized:4 bit for bit (both through the
-    model's modules: the CPU fast path's numpy decoding step takes quantized caches only,
-    and sums in another order)."""
-    monkeypatch.setattr(decode, "CACHES", (KVCache,))
+    """The plumbing: with R = I, rotated:4 is quantized:4 bit for bit."""
     tokens = prompt(demo_model)
     want = logits_of(demo_model, tokens, "quantized:4")
     monkeypatch.setattr(rotated, "rotation", lambda dim: mx.eye(dim))

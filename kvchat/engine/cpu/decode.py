@@ -15,8 +15,8 @@ first, a layer at a time, and read back dequantized (one hand-off a layer),
 so the token attends to its own key as stored, as in mlx-lm.
 
 :func:`attach` gives a model's inner module (``model.model``) a ``__call__``
-that takes this path for one token, batch 1, ``standard``, ``concatenate`` and
-``quantized:N`` caches, while the fast path is active; anything else (prefill, other caches
+that takes this path for one token, batch 1, ``standard``, ``concatenate``,
+``quantized:N`` and ``rotated:N`` caches, while the fast path is active; anything else (prefill, other caches
 or architectures, a layer numpy cannot take) goes through mlx-lm's own code.
 """
 
@@ -27,11 +27,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
+from .. import rotated
+from ..rotated import RotatedKVCache
 from . import state
 from .linear import CpuEmbedding, CpuLinear, param_view
 
 MODEL_TYPES = ("qwen2", "llama")  # blocks of x + attn(norm(x)), h + mlp(norm(h)), SwiGLU
-CACHES = (KVCache, ConcatenateKVCache, QuantizedKVCache)  # a single token's mask is None
+# caches whose single-token mask is None
+CACHES = (KVCache, ConcatenateKVCache, QuantizedKVCache, RotatedKVCache)
 
 
 def _eligible(inner: nn.Module) -> bool:
@@ -129,9 +132,13 @@ def _attention(layer: nn.Module, x: np.ndarray, cache, turn) -> tuple[np.ndarray
     k = _rope(_linear(attn.k_proj, x).reshape(kv_heads, -1), attn.rope, cos, sin)
     v = _linear(attn.v_proj, x).reshape(kv_heads, -1)
     grouped = q.reshape(kv_heads, heads // kv_heads, -1) * np.float32(attn.scale)
-    if type(cache) is QuantizedKVCache:
+    turned = None  # a rotated cache's rotation R: keys, values and queries times R
+    if isinstance(cache, QuantizedKVCache):
         keys, values = _stored(cache, k, v)
         own, span = False, keys.shape[1]
+        if isinstance(cache, RotatedKVCache):
+            turned = np.asarray(rotated.rotation(keys.shape[-1]))
+            grouped = grouped @ turned
     else:
         own, span = True, cache.offset
         keys = np.asarray(cache.keys)[0, :, :span] if span else None  # (kv heads, span, dim)
@@ -152,6 +159,8 @@ def _attention(layer: nn.Module, x: np.ndarray, cache, turn) -> tuple[np.ndarray
     if own:
         out += weights[..., span:] * v[:, None, :]
     out /= weights.sum(axis=-1, keepdims=True)
+    if turned is not None:  # a mix of rotated values, rotated back
+        out = out @ turned.T
     if not own:
         k = v = None
     return _linear(attn.o_proj, out.reshape(-1)), k, v
