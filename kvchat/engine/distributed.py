@@ -6,19 +6,21 @@ Rank 0 runs the command (``ask``, ``replay``, the TUI); every other rank runs
 kind, trim, system prompt, save, drop) is a small JSON object that rank 0 sends
 to every rank with ``mx.distributed.all_sum`` over a uint8 buffer (its length
 first), and then performs on its own :class:`Session`; each follower performs it
-on its own, in the same order. Every rank thus runs the same forward passes on the same tokens,
-so the collectives inside the sharded model meet, every rank's cache shard holds
-the one ledger, and greedy sampling agrees (the logits are the same on every
-rank after the model's own all-sum or all-gather), and every rank takes rank 0's
-sampled token all the same (temperature sampling is seeded alike on every rank too).
+on its own, in the same order. Every rank thus runs the same forward passes on
+the same tokens, so the collectives inside the sharded model meet, every rank's
+cache shard holds the one ledger, and greedy sampling agrees (the logits are the
+same on every rank after the model's own all-sum or all-gather), and every rank
+takes rank 0's sampled token all the same (temperature sampling is seeded alike on
+every rank too).
 
 A session's stop flag is shared (:class:`SharedStop`): each check of it during a
 turn is a collective carrying rank 0's flag, so a stop ends the turn after the
 same token everywhere.
 
-After each operation rank 0 gathers every rank's cache bytes ("bytes", for the sidebar).
-A rank that dies makes ``mlx.launch`` (or, for the TUI, kvchat/cli/ring.py) end
-the others; ``kvchat launch`` (kvchat/cli/launch.py) says which rank it was in one sentence.
+After each operation rank 0 gathers every rank's cache bytes ("bytes", for the
+sidebar). A rank that dies makes ``mlx.launch`` (or, for the TUI,
+kvchat/cli/ring.py) end the others; ``kvchat launch`` (kvchat/cli/launch.py)
+says which rank it was in one sentence.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ so the token attends to its own key as stored, as in mlx-lm.
 
 :func:`attach` gives a model's inner module (``model.model``) a ``__call__``
 that takes this path for one token, batch 1, ``standard``, ``concatenate``,
-``quantized:N`` and ``rotated:N`` caches, while the fast path is active; anything else (prefill, other caches
-or architectures, a layer numpy cannot take) goes through mlx-lm's own code.
+``quantized:N`` and ``rotated:N`` caches, while the fast path is active;
+anything else (prefill, other caches or architectures, a layer numpy cannot
+take) goes through mlx-lm's own code.
 """
 
 from __future__ import annotations
