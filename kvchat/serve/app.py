@@ -28,6 +28,7 @@ from .schema import ApiError, parse_request, session_name
 from .worker import Engine, Finished, Job, Started
 
 DEFAULT_MAX_BODY = 8 << 20
+DRAIN_FACTOR = 4  # an oversized body is read (and dropped) up to this many times the limit
 EXPIRE_EVERY_S = 30.0
 
 
@@ -48,7 +49,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     async def chat(request: Request) -> Response:
         _authorize(request, api_key)
         req = parse_request(await _body(request, max_body_bytes))
-        name = session_name(request.headers.get("x-session-id"), req.user)
+        name = session_name(request.headers.get("x-session-id"))
         req.last_user_text()  # refuse a conversation that does not end with the user now
         job = engine.submit(req, name)
         gone = asyncio.ensure_future(_disconnected(request))
@@ -135,10 +136,13 @@ async def _sse(engine: Engine, job: Job, gone: asyncio.Future, reply_id: str,
                 break
             elif isinstance(item, Finished):
                 finished = True
-                yield event([{"index": 0, "delta": {}, "finish_reason": item.finish_reason}],
-                            kvchat=item.kvchat)
+                # kvchat's object rides on the last chunk: the usage chunk when there is one
+                closing = {"index": 0, "delta": {}, "finish_reason": item.finish_reason}
                 if include_usage:
-                    yield event([], usage=item.usage)
+                    yield event([closing])
+                    yield event([], usage=item.usage, kvchat=item.kvchat)
+                else:
+                    yield event([closing], kvchat=item.kvchat)
                 break
         yield "data: [DONE]\n\n"
     except _ClientGone:
@@ -166,18 +170,27 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past ``limit`` bytes (before reading it all)."""
+    """The request body, refused with 413 past ``limit`` bytes.
+
+    A client that is still sending when the 413 goes out gets a reset instead
+    of the answer (Python's urllib raises ``BrokenPipeError``), so the rest of
+    the body is read and dropped first, up to :data:`DRAIN_FACTOR` times the
+    limit; past that the connection is closed, answer or not.
+    """
     too_big = ApiError(413, f"The request body is over the server's limit of {limit:,} bytes.",
                        code="body_too_large")
     declared = request.headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit * DRAIN_FACTOR:
         raise too_big
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+        if size > limit * DRAIN_FACTOR:
+            break
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise too_big
     return b"".join(chunks)
 
 

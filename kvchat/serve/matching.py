@@ -5,15 +5,20 @@ the live or saved session of the same model whose ledger (the tokens its cache
 holds) shares the longest prefix with the request rendered through the chat
 template, so any client gets its history's cache back without knowing about
 kvchat. A session whose transcript *is* the request's history is continued in
-place; otherwise the best match lends a copy of its cache, cut to the shared
-prefix, to a new session (:meth:`Session.fork_prefix`), so a conversation is
-never overwritten by another that merely starts the same way.
+place. An anonymous session that holds only this very request's answer (the
+same prompt sent again) takes the new answer in place as a branch, its old
+answer kept (:mod:`kvchat.engine.branches`), so reruns leave no new sessions.
+Otherwise the best match lends a copy of its cache, cut to the prefix it
+shares with the whole prompt, the new message included, to a new session
+(:meth:`Session.fork_prefix`), so a conversation is never overwritten by
+another that merely starts the same way.
 
-A request that names a session (``X-Session-Id`` or ``user``) gets that
-session, from the pool, the sessions folder (the TUI's) or new. When its
-history holds no reply, its messages are added to the saved conversation (a
-client can continue a TUI or ``kvchat ask`` conversation by name alone);
-otherwise its history is the conversation.
+A request that names a session (``X-Session-Id``) gets that session, from the
+pool, the sessions folder (the TUI's) or new. When it sends no history (only
+the new message, perhaps a system prompt), the message is added to the saved
+conversation (a client continues a TUI or ``kvchat ask`` conversation by name
+alone); otherwise its history is the conversation, and one that does not
+extend the saved one starts a branch there, the old line kept.
 
 Call it from the thread that holds the model: it loads caches and forks them.
 """
@@ -21,13 +26,15 @@ Call it from the thread that holds the model: it loads caches and forks them.
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvchat import locations, store
+from kvchat.engine.branches import talk
 from kvchat.engine.maintenance import common_prefix
 from kvchat.engine.template import render
+
+from . import anonymous
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
@@ -41,7 +48,7 @@ class Match:
 
     name: str
     session: Session
-    how: str  # "named", "continued", "forked" or "new"
+    how: str  # "named", "continued", "branched", "forked" or "new"
     resumed_from_disk: bool = False
     notice: str | None = None
     previous: list[dict] | None = None  # its transcript before this request's history
@@ -75,7 +82,8 @@ class Matcher:
         ``history`` (or, for a named session, what the rules above say)."""
         if name is not None:
             return self._named(name, history)
-        prompt = render(self.lm, [*history, {"role": "user", "content": text}], True)
+        asked = [*history, {"role": "user", "content": text}]
+        prompt = render(self.lm, asked, True)
         wanted = _pairs(history)
         scored = [(common_prefix(c.ledger, prompt), c) for c in self._candidates()]
         same = [(n, c) for n, c in scored if c.messages == wanted]
@@ -84,17 +92,24 @@ class Matcher:
             match = self._open(best.name, "continued")
             match.adopt(list(history))
             return match
+        rerun = [(n, c) for n, c in scored if anonymous.owns(c.name)
+                 and c.messages[:-1] == _pairs(asked) and c.messages[-1][0] == "assistant"]
+        if rerun:
+            _, best = max(rerun, key=lambda s: s[0])
+            match = self._open(best.name, "branched")
+            match.adopt(list(history))
+            return match
         if scored:
             n, best = max(scored, key=lambda s: s[0])
             if n > 0:
                 source = self._open(best.name, "forked")
-                child = source.session.fork_prefix(history)
+                child = source.session.fork_prefix(asked)  # the new message's tokens too
                 child.messages = list(history)
-                name = self._new_name()
+                name = anonymous.new_name(self.pool)
                 self.pool.add(name, child)
                 return Match(name, child, "forked", source.resumed_from_disk, source.notice)
         system = history[0]["content"] if history and history[0]["role"] == "system" else None
-        name = self._new_name()
+        name = anonymous.new_name(self.pool)
         session = self.pool.new_session(self.lm, self.kind, system=system, name=name)
         session.messages = list(history)
         return Match(name, session, "new")
@@ -109,7 +124,7 @@ class Matcher:
             session = self.pool.new_session(self.lm, self.kind, system=system, name=name)
             match = Match(name, session, "named")
         kept = match.session.messages
-        if any(m["role"] == "assistant" for m in history):
+        if talk(history):  # the conversation as the client has it (a branch if it differs)
             match.adopt(list(history))
         else:
             match.adopt([*kept, *(m for m in history if m["role"] != "system" or not kept)])
@@ -171,9 +186,3 @@ class Matcher:
                                    _pairs(data["messages"])) if same_model else None
         self._saved[name] = (stamp, candidate)
         return candidate
-
-    def _new_name(self) -> str:
-        while True:
-            name = f"serve-{secrets.token_hex(4)}"
-            if name not in self.pool and not store.exists(name):
-                return name

@@ -1,16 +1,17 @@
 """What ``POST /v1/chat/completions`` accepts, checked with pydantic before anything runs.
 
-Strict types (``"0.5"`` is not a temperature, ``true`` is not a token count);
-fields kvchat does not use are ignored, as OpenAI's own server ignores what it
-does not know, but the ones it does use are checked. Every problem becomes
+Strict types (``"0.5"`` is not a temperature, ``true`` is not a token count).
+A field kvchat does not honour is refused with a 400 that names it, never
+accepted and ignored; a field sent as ``null`` is taken as not sent (clients
+echo back ``"tool_calls": null`` and the like). Every problem becomes
 :class:`ApiError`, which the app turns into OpenAI's error shape.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvchat import store
 from kvchat.store.schema import _location
@@ -32,22 +33,45 @@ class ApiError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_nulls(cls, data):
+        """A field this model lacks, sent as ``null``, is not sent."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Strict):
+    """A part of a message's content; only ``text`` parts are taken (see :meth:`check`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    type: str
+    text: str | None = None
+
+    def check(self, where: str) -> str:
+        """The part's text, or an :class:`ApiError` saying why it cannot be taken."""
+        if self.type == "text" and self.text is not None:
+            return self.text
+        if self.type == "text":
+            raise ApiError(400, f"'{where}.text': a text part needs its text.",
+                           param=f"{where}.text")
+        what = self.type.removesuffix("_url").replace("_", " ")
+        raise ApiError(400, f"This model takes text only: {what} content parts are not "
+                       f"supported ('{where}' is of type {self.type!r}).", param=where,
+                       code="unsupported_content")
 
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
     def plain(self) -> dict:
         """The message as a Session keeps it (``developer`` is the newer name for ``system``)."""
@@ -76,7 +100,7 @@ class ChatRequest(_Strict):
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: Seed | None = None
     n: int = Field(1, ge=1, le=1)
-    user: str | None = None
+    user: str | None = None  # the end user's id: any string; it names no session
 
     @field_validator("stop")
     @classmethod
@@ -101,17 +125,30 @@ class ChatRequest(_Strict):
         return self.max_completion_tokens or self.max_tokens
 
 
-def parse_request(raw: bytes) -> ChatRequest:
-    """Validate a request body; any problem is an :class:`ApiError` naming the field."""
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def parse_request(raw: bytes, model: type[RequestT] = ChatRequest) -> RequestT:
+    """Validate a request body as ``model``; any problem is an :class:`ApiError` naming
+    the field."""
     try:
-        return ChatRequest.model_validate_json(raw)
+        request = model.model_validate_json(raw)
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_input=False)
+    else:
+        for i, message in enumerate(getattr(request, "messages", ())):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                part.check(f"messages[{i}].content[{j}]")
+        return request
     first = errors[0]
     if first["type"] == "json_invalid":
         raise ApiError(400, f"The body is not valid JSON: {first['msg']}.")
     loc = _field_path(first["loc"])
     where = _location(loc) or "body"
+    if first["type"] == "extra_forbidden":
+        raise ApiError(400, f"'{where}' is not supported by kvchat serve: send the request "
+                       "without it (docs/serve-api.md lists what is).", param=where,
+                       code="unsupported_field")
     if where == "messages" and first["type"] == "too_short":
         raise ApiError(400, "'messages' is empty: send at least one message.", param="messages")
     # a union (``stop``: a string or a list) fails once per member: say them together
@@ -127,13 +164,13 @@ def _field_path(loc: tuple) -> tuple:
 _TAGS = {"str", "int", "float", "bool", "none"}
 
 
-def session_name(header: str | None, user: str | None) -> str | None:
-    """The session a request names (``X-Session-Id`` first, then ``user``), checked."""
-    name = header if header is not None else user
-    if name is None:
+def session_name(header: str | None) -> str | None:
+    """The session a request names with ``X-Session-Id``, checked. (OpenAI's ``user`` is
+    the end user's id: one user has many conversations, so it names none.)"""
+    if header is None:
         return None
     try:
-        return store.check_name(name)
+        return store.check_name(header)
     except store.StoreError as exc:
-        param = "X-Session-Id" if header is not None else "user"
-        raise ApiError(400, str(exc), param=param, code="invalid_session_name") from None
+        raise ApiError(400, str(exc), param="X-Session-Id",
+                       code="invalid_session_name") from None

@@ -27,6 +27,7 @@ from kvchat import store
 from kvchat.engine.events import Chunk, SessionError, TurnDone
 from kvchat.engine.scheduler import Cancelled, Scheduler, Ticket
 
+from . import anonymous
 from .matching import Match, Matcher
 from .schema import ApiError, ChatRequest
 
@@ -73,12 +74,16 @@ class Engine:
     """One loaded model behind the HTTP API: its pool, scheduler, matcher and thread.
 
     ``max_queue`` requests may wait behind the running one; more are refused.
+    ``keep_anonymous`` is how many of the sessions it names itself stay saved
+    (:mod:`kvchat.serve.anonymous`; 0: all).
     """
 
     def __init__(self, lm: LoadedModel, pool: SessionPool, *, kind: str = "standard",
                  max_tokens: int = 512, temp: float = 0.0, max_queue: int = 16,
-                 scheduler: Scheduler | None = None):
+                 scheduler: Scheduler | None = None,
+                 keep_anonymous: int = anonymous.DEFAULT_BUDGET):
         self.lm, self.pool = lm, pool
+        self.keep_anonymous = keep_anonymous
         self.scheduler = scheduler or Scheduler()
         self.matcher = Matcher(pool, lm, kind)
         self.max_tokens, self.temp, self.max_queue = max_tokens, temp, max_queue
@@ -189,6 +194,7 @@ class Engine:
         except store.StoreError as exc:
             saved, notice = False, str(exc)
         self.pool.enforce_budget()
+        anonymous.keep_within(self.pool, self.keep_anonymous, keep=match.name)
         return self._finished(match, done, reply, hit_stop, saved, notice)
 
     def _stream(self, job: Job, session: Session, events, stops: list[str]):
