@@ -72,7 +72,7 @@ def test_path_like_session_header_oversized_body_unknown_route(demo_model, home)
         big = {**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]}
         status, _, reply = server.raw("/v1/chat/completions", json.dumps(big).encode())
         assert "2,000 bytes" in assert_openai_error(status, reply, 413)
-        status, _, reply = server.raw("/v1/completions", json.dumps(GOOD).encode())
+        status, _, reply = server.raw("/v1/embeddings", json.dumps(GOOD).encode())
         assert_openai_error(status, reply, 404)
         status, _, reply = server.raw("/v1/chat/completions", method="GET")
         assert_openai_error(status, reply, 405)

@@ -29,3 +29,9 @@ def template_text(lm: LoadedModel, messages: list[dict], generation_prompt: bool
 
 def encode(lm: LoadedModel, text: str) -> list[int]:
     return list(lm.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def encode_plain(lm: LoadedModel, text: str) -> list[int]:
+    """Token ids of a plain prompt (no chat template), with the special tokens the
+    tokenizer adds by itself (a beginning-of-sequence token), as mlx-lm's server does."""
+    return list(lm.tokenizer.encode(text)) if text else []

@@ -99,22 +99,31 @@ class Matcher:
             match = self._open(best.name, "branched")
             match.adopt(list(history))
             return match
-        if scored:
-            n, best = max(scored, key=lambda s: s[0])
-            if n > 0:
-                source = self._open(best.name, "forked")
-                child = source.session.fork_prefix(asked)  # the new message's tokens too
-                child.messages = list(history)
-                name = anonymous.new_name(self.pool)
-                self.pool.add(name, child)
-                return Match(name, child, "forked", source.resumed_from_disk, source.notice)
-        system = history[0]["content"] if history and history[0]["role"] == "system" else None
+        return self._fork_or_new(scored, history, prompt)
+
+    def choose_completion(self, prompt: list[int]) -> Match:
+        """A new session for a plain completion of ``prompt`` (its tokens), starting
+        from a copy of the cache that shares the longest prefix with it, if any."""
+        scored = [(common_prefix(c.ledger, prompt), c) for c in self._candidates()]
+        return self._fork_or_new(scored, [], prompt)
+
+    # ------------------------------------------------------------ internal
+
+    def _fork_or_new(self, scored: list[tuple[int, _Candidate]], history: list[dict],
+                     prompt: list[int]) -> Match:
+        """A new session holding ``history``, its cache copied from the best of
+        ``scored`` up to what it shares with ``prompt`` (the new message's tokens too)."""
         name = anonymous.new_name(self.pool)
+        n, best = max(scored, key=lambda s: s[0], default=(0, None))
+        if n > 0:
+            source = self._open(best.name, "forked")
+            child = source.session.fork_prefix(history, tokens=prompt)
+            self.pool.add(name, child)
+            return Match(name, child, "forked", source.resumed_from_disk, source.notice)
+        system = history[0]["content"] if history and history[0]["role"] == "system" else None
         session = self.pool.new_session(self.lm, self.kind, system=system, name=name)
         session.messages = list(history)
         return Match(name, session, "new")
-
-    # ------------------------------------------------------------ internal
 
     def _named(self, name: str, history: list[dict]) -> Match:
         if name in self.pool or store.exists(name):

@@ -86,17 +86,15 @@ class StreamOptions(_Strict):
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
 
 
-class ChatRequest(_Strict):
-    """The fields of a chat completion request that kvchat honours."""
+class _Generation(_Strict):
+    """The fields every generating request shares (chat and plain completions)."""
 
     model: str | None = None
-    messages: list[Message] = Field(min_length=1, max_length=100_000)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1, lt=1 << 31)
-    max_completion_tokens: int | None = Field(None, ge=1, lt=1 << 31)
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: Seed | None = None
     n: int = Field(1, ge=1, le=1)
@@ -109,6 +107,26 @@ class ChatRequest(_Strict):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("up to 4 non-empty strings")
         return stops
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        """How many alternatives to report with each token's log probability; None: no
+        log probabilities."""
+        return None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Generation):
+    """The fields of a chat completion request that kvchat honours."""
+
+    messages: list[Message] = Field(min_length=1, max_length=100_000)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=1 << 31)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def history(self) -> list[dict]:
         """Every message but the last, as plain role/content dicts."""
@@ -123,6 +141,28 @@ class ChatRequest(_Strict):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Generation):
+    """The fields of a plain (legacy) completion request that kvchat honours."""
+
+    prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    def text(self) -> str:
+        """The one prompt (a list must hold exactly one: kvchat answers one at a time)."""
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if len(prompts) != 1 or not prompts[0]:
+            raise ApiError(400, "'prompt' must be one non-empty string.", param="prompt")
+        return prompts[0]
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 RequestT = TypeVar("RequestT", bound=BaseModel)

@@ -5,8 +5,8 @@ Generation is blocking MLX work, so it runs on one worker thread per model
 bytes. A request takes a :class:`~kvchat.engine.scheduler.Scheduler` ticket
 when it arrives, so the queue's length is known at once and a full queue is
 refused (429) before any work. Each job reports back to the event loop
-through an :class:`asyncio.Queue`: a :class:`Started`, the reply's text
-pieces, then a :class:`Finished` (or an :class:`~kvchat.serve.schema.ApiError`).
+through an :class:`asyncio.Queue`: a :class:`Started`, the reply's
+:class:`Piece` s, then a :class:`Finished` (or an :class:`~kvchat.serve.schema.ApiError`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from kvchat import store
-from kvchat.engine.events import Chunk, SessionError, TurnDone
+from kvchat.engine.events import Chunk, SessionError, TokenLogprobs, TurnDone
 from kvchat.engine.scheduler import Cancelled, Scheduler, Ticket
+from kvchat.engine.template import encode_plain
 
 from . import anonymous
+from .logprobs import chat_entry
 from .matching import Match, Matcher
-from .schema import ApiError, ChatRequest
+from .schema import ApiError, ChatRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
@@ -45,20 +47,31 @@ class Started:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """A piece of the reply's text, with its tokens' log probabilities when asked for
+    (chat-shaped entries, :mod:`kvchat.serve.logprobs`)."""
+
+    text: str
+    logprobs: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
 class Finished:
-    """The reply as the client gets it, why it ended, and the turn's figures."""
+    """The reply as the client gets it, why it ended, and the turn's figures;
+    ``logprobs`` holds every token's entry when they were asked for, else None."""
 
     text: str
     finish_reason: str
     usage: dict
     kvchat: dict
+    logprobs: list[dict] | None = None
 
 
 @dataclass(eq=False)
 class Job:
     """One chat completion request on its way through the model thread."""
 
-    request: ChatRequest
+    request: ChatRequest | CompletionRequest
     name: str | None
     ticket: Ticket
     loop: asyncio.AbstractEventLoop
@@ -91,7 +104,7 @@ class Engine:
         self._owners = count(1)
         self._durations: deque[float] = deque(maxlen=20)
 
-    def submit(self, request: ChatRequest, name: str | None) -> Job:
+    def submit(self, request: ChatRequest | CompletionRequest, name: str | None) -> Job:
         """Queue ``request`` (call from the event loop); raise 429 when the queue is full."""
         if len(self.scheduler.waiting()) >= self.max_queue:
             raise ApiError(429, "The server is busy: too many requests are waiting; retry later.",
@@ -153,9 +166,13 @@ class Engine:
 
     def _turn(self, job: Job) -> Finished:
         req = job.request
-        text = req.last_user_text()
         try:
-            match = self.matcher.choose(req.history(), text, job.name)
+            if isinstance(req, CompletionRequest):
+                text = req.text()
+                match = self.matcher.choose_completion(encode_plain(self.lm, text))
+            else:
+                text = req.last_user_text()
+                match = self.matcher.choose(req.history(), text, job.name)
         except store.StoreError as exc:
             raise ApiError(500, str(exc), type="server_error") from None
         session = match.session
@@ -166,25 +183,28 @@ class Engine:
             temp=self.temp if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
         )
+        session.report_logprobs = req.logprobs_wanted()
         try:
-            events = session.send(text)
+            events = session.complete(text) if isinstance(req, CompletionRequest) \
+                else session.send(text)
         except SessionError as exc:  # nothing ran: the session is as it was
-            session.settings = kept_settings
+            session.settings, session.report_logprobs = kept_settings, None
             if match.previous is not None:
                 session.messages = match.previous
             if not store.exists(match.name):  # created for this request
                 self.pool.drop(match.name)
             code = "context_length_exceeded" if "context" in str(exc) else None
-            raise ApiError(400, str(exc), param="messages", code=code) from None
+            param = "prompt" if isinstance(req, CompletionRequest) else "messages"
+            raise ApiError(400, str(exc), param=param, code=code) from None
         if req.seed is not None:
             mx.random.seed(req.seed % (1 << 64))
         job.session = session
         job.emit(Started(match))
         try:
-            done, reply, hit_stop = self._stream(job, session, events, req.stop)
+            done, reply, hit_stop, logprobs = self._stream(job, session, events, req.stop)
         finally:
             job.session = None
-            session.settings = kept_settings
+            session.settings, session.report_logprobs = kept_settings, None
         if hit_stop:  # the transcript keeps what the client got, and the cache follows it
             session.messages[-1] = {"role": "assistant", "content": reply}
             session.sync()
@@ -195,15 +215,28 @@ class Engine:
             saved, notice = False, str(exc)
         self.pool.enforce_budget()
         anonymous.keep_within(self.pool, self.keep_anonymous, keep=match.name)
-        return self._finished(match, done, reply, hit_stop, saved, notice)
+        finished = self._finished(match, done, reply, hit_stop, saved, notice)
+        wanted = req.logprobs_wanted() is not None
+        return replace(finished, logprobs=logprobs if wanted else None)
 
     def _stream(self, job: Job, session: Session, events, stops: list[str]):
         """Forward the reply's text to the client, holding back what could begin a stop
-        string; stop the turn when one appears or the client leaves."""
+        string; stop the turn when one appears or the client leaves. A piece carries the
+        log probabilities of the tokens generated since the last piece."""
         hold = max((len(s) for s in stops), default=1) - 1
         reply, sent, hit_stop, done = "", 0, False, None
+        entries: list[dict] = []
+        reported = 0  # entries already sent with a piece
+
+        def emit(text: str) -> None:
+            nonlocal reported
+            job.emit(Piece(text, tuple(entries[reported:])))
+            reported = len(entries)
+
         for event in events:
-            if isinstance(event, Chunk) and not hit_stop:
+            if isinstance(event, TokenLogprobs) and not hit_stop:
+                entries.append(chat_entry(self.lm.tokenizer, event))
+            elif isinstance(event, Chunk) and not hit_stop:
                 reply += event.text
                 cut = min((i for i in (reply.find(s, max(0, sent - hold)) for s in stops)
                            if i >= 0), default=-1)
@@ -212,15 +245,15 @@ class Engine:
                     session.stop()
                 upto = len(reply) if hit_stop else max(sent, len(reply) - hold)
                 if upto > sent:
-                    job.emit(reply[sent:upto])
+                    emit(reply[sent:upto])
                     sent = upto
             elif isinstance(event, TurnDone):
                 done = event
             if job.cancelled.is_set():
                 session.stop()
-        if sent < len(reply) and not job.cancelled.is_set():
-            job.emit(reply[sent:])
-        return done, reply, hit_stop
+        if (sent < len(reply) or reported < len(entries)) and not job.cancelled.is_set():
+            emit(reply[sent:])
+        return done, reply, hit_stop, entries
 
     def _finished(self, match: Match, done: TurnDone, reply: str, hit_stop: bool,
                   saved: bool, notice: str | None) -> Finished:
