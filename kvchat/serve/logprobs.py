@@ -3,8 +3,10 @@
 Chat completions give one entry per token, ``{"token", "logprob", "bytes",
 "top_logprobs": [...]}``; plain completions the older parallel lists
 (``tokens``, ``token_logprobs``, ``top_logprobs`` as ``{token: logprob}``,
-``text_offset``). A token's text is what the tokenizer decodes it to alone;
-its ``bytes`` are that text's UTF-8 (a piece of a character shows as U+FFFD).
+``text_offset``). A sampled token's text is what it added to the streamed reply (so the tokens
+join to the reply; a token that ends inside a character adds nothing, the one
+that completes it the whole character); an alternative's is what the tokenizer
+decodes it to alone. ``bytes`` are the text's UTF-8.
 """
 
 from __future__ import annotations
@@ -15,13 +17,20 @@ from kvchat.engine.events import TokenLogprobs
 
 
 def chat_entry(tokenizer: Any, event: TokenLogprobs) -> dict:
-    """One token's entry of a chat completion's ``logprobs.content``."""
+    """One token's entry of a chat completion's ``logprobs.content``, its text empty
+    until :func:`text_of` gives it."""
     def one(token: int, logprob: float) -> dict:
         text = tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return {**one(event.token, event.logprob),
+    return {"token": "", "logprob": event.logprob, "bytes": [],
             "top_logprobs": [one(t, lp) for t, lp in event.top]}
+
+
+def text_of(entry: dict, text: str) -> None:
+    """Add ``text`` (streamed after the entry's token) to the entry's token text."""
+    entry["token"] += text
+    entry["bytes"] = list(entry["token"].encode())
 
 
 def completion_shape(entries: list[dict], offset: int = 0) -> dict:

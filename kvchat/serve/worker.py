@@ -29,7 +29,7 @@ from kvchat.engine.scheduler import Cancelled, Scheduler, Ticket
 from kvchat.engine.template import encode_plain
 
 from . import anonymous
-from .logprobs import chat_entry
+from .logprobs import chat_entry, text_of
 from .matching import Match, Matcher
 from .schema import ApiError, ChatRequest, CompletionRequest
 
@@ -237,6 +237,8 @@ class Engine:
             if isinstance(event, TokenLogprobs) and not hit_stop:
                 entries.append(chat_entry(self.lm.tokenizer, event))
             elif isinstance(event, Chunk) and not hit_stop:
+                if entries:  # the text a token adds is the chunk that follows it
+                    text_of(entries[-1], event.text)
                 reply += event.text
                 cut = min((i for i in (reply.find(s, max(0, sent - hold)) for s in stops)
                            if i >= 0), default=-1)
