@@ -1,6 +1,8 @@
 """The decoding steps of a Session: the prompt's last token, the first sampled token and
 the rest of the reply. Each sampled token comes with the log-probability vector it was
 sampled from (:data:`Step`); a turn asked for them reports them as :class:`TokenLogprobs`.
+A session's ``logits_processors`` (mlx-lm's kind) shape every sampled token's logits,
+the first included; each is called once per sampled token, in order.
 
 A mixin of :class:`~kvchat.engine.session.Session` (it uses the session's ``lm``,
 ``cache``, ``ledger``, ``settings``, ``checkpoints`` and ``_logits``). The ledger
@@ -19,10 +21,26 @@ from .cpu import state as cpu_state
 from .events import TokenLogprobs
 
 Step = tuple[int, mx.array]  # a sampled token and the log probabilities it was sampled from
+# mlx-lm's logits processor: (the tokens so far, one position's logits) -> new logits
+Processor = Callable[[mx.array, mx.array], mx.array]
 
 
 class Decoding:
     """Sample a reply token by token into the session's cache."""
+
+    def _processors(self) -> list[Processor]:
+        """This turn's mlx-lm logits processors: the session's ``logits_processors``."""
+        return list(self.logits_processors)
+
+    def _processed(self, logits: mx.array, processors: list[Processor]) -> mx.array:
+        """``logits`` (one position's) through ``processors``, as log probabilities again:
+        each processor sees the ledger so far, its last token the previous sample."""
+        if not processors:
+            return logits
+        tokens = mx.array(self.ledger)
+        for processor in processors:
+            logits = processor(tokens, logits)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def _sampler(self) -> Callable[[mx.array], mx.array]:
         """This turn's sampler (a sharded run makes every rank take rank 0's token)."""
@@ -46,7 +64,7 @@ class Decoding:
         the reply's first token from the last prompt position's log probabilities
         (returned with it)."""
         self.checkpoints.keep(self.cache, len(self.ledger))
-        logprobs = self._logits[1]
+        logprobs = self._processed(self._logits[1][None], self._processors())[0]
         return int(sampler(logprobs[None]).item()), logprobs
 
     def _continue(self, prompt: list[int], max_tokens: int, sampler) -> Iterator[Step]:
@@ -70,7 +88,7 @@ class Decoding:
         self.ledger.extend(prompt)
         gen = generate_step(
             mx.array(prompt), self.lm.model, prompt_cache=self.cache,
-            sampler=sampler, max_tokens=max_tokens,
+            sampler=sampler, max_tokens=max_tokens, logits_processors=self._processors(),
         )
         try:
             for token, logprobs in gen:
@@ -84,11 +102,13 @@ class Decoding:
         so the last one sampled (at a stop, an end token or the length limit) is not in
         the cache, and the next turn's prefix match evaluates it with the new message."""
         feed = list(prompt)
+        processors = self._processors()
         with mx.stream(generation_stream):
             for _ in range(max_tokens):
                 self.ledger.extend(feed)
                 logits = self.lm.model(mx.array(feed)[None], cache=self.cache)[:, -1, :]
                 logprobs = logits - mx.logsumexp(logits, keepdims=True)
+                logprobs = self._processed(logprobs, processors)
                 sampled = sampler(logprobs)
                 mx.eval(sampled, logprobs)  # nothing lazy survives into another thread's turn
                 token = int(sampled.item())

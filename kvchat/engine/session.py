@@ -89,6 +89,8 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         self._logits: tuple[int, mx.array] | None = None
         # set to a count to have turns yield TokenLogprobs with that many alternatives
         self.report_logprobs: int | None = None
+        # mlx-lm logits processors every sampled token goes through (constrained decoding)
+        self.logits_processors: list[Callable[[mx.array, mx.array], mx.array]] = []
         self._stop = threading.Event()
         self._busy = threading.Lock()
 

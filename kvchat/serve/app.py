@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .constrain import schema_grammar
 from .schema import ApiError, ChatRequest, CompletionRequest, parse_request, session_name
 from .shapes import ChatShape, CompletionShape
 from .worker import Engine, Finished, Job, Piece, Started
@@ -55,7 +56,10 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         name = session_name(request.headers.get("x-session-id"))
         req.last_user_text()  # refuse a conversation that does not end with the user now
         shape = ChatShape(req.logprobs_wanted() is not None)
-        return await _reply(engine, request, req, name, shape)
+        schema = req.response_format.required_schema() if req.response_format else None
+        grammar = None if schema is None else schema_grammar(
+            schema, "response_format.json_schema.schema")
+        return await _reply(engine, request, req, name, shape, grammar)
 
     async def completions(request: Request) -> Response:
         _authorize(request, api_key)
@@ -99,9 +103,10 @@ class _ClientGone(Exception):
 
 
 async def _reply(engine: Engine, request: Request, req: ChatRequest | CompletionRequest,
-                 name: str | None, shape: Shape) -> Response:
-    """Queue ``req`` and answer with its reply in ``shape``, whole or streamed."""
-    job = engine.submit(req, name)
+                 name: str | None, shape: Shape, grammar: str | None = None) -> Response:
+    """Queue ``req`` and answer with its reply in ``shape``, whole or streamed (held to
+    ``grammar`` if given)."""
+    job = engine.submit(req, name, grammar)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         first = await _next(job, gone)

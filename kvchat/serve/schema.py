@@ -86,6 +86,30 @@ class StreamOptions(_Strict):
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    json_schema: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: plain text, any JSON object, or JSON valid against a schema
+    (held to it by constrained decoding, :mod:`kvchat.serve.constrain`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def required_schema(self) -> dict | None:
+        """The JSON schema the reply must validate against; None for plain text."""
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ApiError(400, "'response_format.json_schema' is needed with type "
+                           "json_schema.", param="response_format.json_schema")
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.json_schema if self.type == "json_schema" else None
+
+
 class _Generation(_Strict):
     """The fields every generating request shares (chat and plain completions)."""
 
@@ -127,6 +151,7 @@ class ChatRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1, lt=1 << 31)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
 
     def history(self) -> list[dict]:
         """Every message but the last, as plain role/content dicts."""

@@ -24,11 +24,18 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from kvchat import store
-from kvchat.engine.events import Chunk, SessionError, TokenLogprobs, TurnDone
+from kvchat.engine.events import (
+    Chunk,
+    GenerationSettings,
+    SessionError,
+    TokenLogprobs,
+    TurnDone,
+)
 from kvchat.engine.scheduler import Cancelled, Scheduler, Ticket
 from kvchat.engine.template import encode_plain
 
 from . import anonymous
+from .constrain import JsonConstraint
 from .logprobs import chat_entry, text_of
 from .matching import Match, Matcher
 from .schema import ApiError, ChatRequest, CompletionRequest
@@ -75,6 +82,7 @@ class Job:
     name: str | None
     ticket: Ticket
     loop: asyncio.AbstractEventLoop
+    grammar: str | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     session: Session | None = None
@@ -104,14 +112,16 @@ class Engine:
         self._owners = count(1)
         self._durations: deque[float] = deque(maxlen=20)
 
-    def submit(self, request: ChatRequest | CompletionRequest, name: str | None) -> Job:
-        """Queue ``request`` (call from the event loop); raise 429 when the queue is full."""
+    def submit(self, request: ChatRequest | CompletionRequest, name: str | None,
+               grammar: str | None = None) -> Job:
+        """Queue ``request`` (call from the event loop), its reply held to ``grammar`` (an
+        llguidance grammar) if given; raise 429 when the queue is full."""
         if len(self.scheduler.waiting()) >= self.max_queue:
             raise ApiError(429, "The server is busy: too many requests are waiting; retry later.",
                            type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.retry_after())})
         ticket = self.scheduler.request(f"http-{next(self._owners)}")
-        job = Job(request, name, ticket, asyncio.get_running_loop())
+        job = Job(request, name, ticket, asyncio.get_running_loop(), grammar=grammar)
         self._thread.submit(self._run, job)
         return job
 
@@ -184,11 +194,12 @@ class Engine:
             top_p=1.0 if req.top_p is None else req.top_p,
         )
         session.report_logprobs = req.logprobs_wanted()
+        session.logits_processors = [JsonConstraint(self.lm, job.grammar)] if job.grammar else []
         try:
             events = session.complete(text) if isinstance(req, CompletionRequest) \
                 else session.send(text)
         except SessionError as exc:  # nothing ran: the session is as it was
-            session.settings, session.report_logprobs = kept_settings, None
+            self._unset(session, kept_settings)
             if match.previous is not None:
                 session.messages = match.previous
             if not store.exists(match.name):  # created for this request
@@ -204,7 +215,7 @@ class Engine:
             done, reply, hit_stop, logprobs = self._stream(job, session, events, req.stop)
         finally:
             job.session = None
-            session.settings, session.report_logprobs = kept_settings, None
+            self._unset(session, kept_settings)
         if hit_stop:  # the transcript keeps what the client got, and the cache follows it
             session.messages[-1] = {"role": "assistant", "content": reply}
             session.sync()
@@ -218,6 +229,11 @@ class Engine:
         finished = self._finished(match, done, reply, hit_stop, saved, notice)
         wanted = req.logprobs_wanted() is not None
         return replace(finished, logprobs=logprobs if wanted else None)
+
+    @staticmethod
+    def _unset(session: Session, settings: GenerationSettings) -> None:
+        """Give ``session`` back its own settings, without this request's extras."""
+        session.settings, session.report_logprobs, session.logits_processors = settings, None, []
 
     def _stream(self, job: Job, session: Session, events, stops: list[str]):
         """Forward the reply's text to the client, holding back what could begin a stop
