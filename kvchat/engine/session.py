@@ -89,6 +89,8 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         self._logits: tuple[int, mx.array] | None = None
         # set to a count to have turns yield TokenLogprobs with that many alternatives
         self.report_logprobs: int | None = None
+        # the tools (OpenAI function specs) the chat template offers the model, if any
+        self.tools: list[dict] | None = None
         # mlx-lm logits processors every sampled token goes through (constrained decoding)
         self.logits_processors: list[Callable[[mx.array, mx.array], mx.array]] = []
         self._stop = threading.Event()
@@ -204,13 +206,21 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         self._check_fits(prompt, "That prompt is")
         return self._turn([{"role": "user", "content": text}], text, prompt)
 
+    def answer(self) -> Iterator[Event]:
+        """Reply to the transcript as it stands: its last message is a tool's result (the
+        model called a tool, the caller ran it and added what it returned)."""
+        if not self.messages or self.messages[-1]["role"] != "tool":
+            raise SessionError("Nothing to answer: the last message is not a tool's result.")
+        messages = list(self.messages)
+        return self._turn(messages, *self._fitting_prompt(messages))
+
     def stop(self) -> None:
         """Ask the running turn to stop after its current token (thread-safe)."""
         self._stop.set()
 
     def _fitting_prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
         """The template's text of ``messages`` with the generation prompt, and its tokens."""
-        text = template_text(self.lm, messages, True)
+        text = template_text(self.lm, messages, True, self.tools)
         prompt = encode(self.lm, text)
         self._check_fits(prompt, "That message makes the conversation")
         return text, prompt

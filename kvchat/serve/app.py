@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import tools
 from .constrain import schema_grammar
 from .schema import ApiError, ChatRequest, CompletionRequest, parse_request, session_name
 from .shapes import ChatShape, CompletionShape
@@ -54,11 +55,17 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         _authorize(request, api_key)
         req = parse_request(await _body(request, max_body_bytes))
         name = session_name(request.headers.get("x-session-id"))
-        req.last_user_text()  # refuse a conversation that does not end with the user now
+        req.history()  # refuse a conversation that does not end with the user or a tool now
+        if req.tool_specs() is not None:
+            tools.check_offered(engine.lm)
         shape = ChatShape(req.logprobs_wanted() is not None)
         schema = req.response_format.required_schema() if req.response_format else None
-        grammar = None if schema is None else schema_grammar(
-            schema, "response_format.json_schema.schema")
+        if forced := req.forced_tools():
+            grammar = tools.forced_grammar(engine.lm, forced)
+        elif schema is not None:
+            grammar = schema_grammar(schema, "response_format.json_schema.schema")
+        else:
+            grammar = None
         return await _reply(engine, request, req, name, shape, grammar)
 
     async def completions(request: Request) -> Response:
@@ -159,6 +166,8 @@ async def _sse(engine: Engine, job: Job, gone: asyncio.Future, reply_id: str, sh
                 break
             elif isinstance(item, Finished):
                 finished = True
+                if (calls := shape.calls(item)) is not None:
+                    yield event([calls])
                 # kvchat's object rides on the last chunk: the usage chunk when there is one
                 if include_usage:
                     yield event([shape.closing(item)])

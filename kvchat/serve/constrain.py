@@ -42,6 +42,18 @@ def schema_grammar(schema: dict, param: str) -> str:
     except ValueError as exc:
         raise ApiError(400, f"'{param}' is not a JSON schema llguidance takes: {exc}.",
                        param=param) from None
+    return _checked(text, param)
+
+
+def lark_grammar(lark: str, param: str) -> str:
+    """An llguidance grammar from Lark text (JSON schemas inline as ``%json {...}``)."""
+    if llguidance is None:
+        raise ApiError(400, f"'{param}' needs the llguidance package, which this server "
+                       "lacks: pip install llguidance.", param=param, code="unsupported_field")
+    return _checked(llguidance.LLMatcher.grammar_from_lark(lark), param)
+
+
+def _checked(text: str, param: str) -> str:
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
     if failed:
         said = "; ".join(m.rstrip(".") for m in messages)

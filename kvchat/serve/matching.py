@@ -25,6 +25,7 @@ Call it from the thread that holds the model: it loads caches and forks them.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -63,11 +64,13 @@ class Match:
 class _Candidate:
     name: str
     ledger: list[int]
-    messages: list[tuple[str, str]]
+    messages: list[tuple[str, str, str]]
 
 
-def _pairs(messages: list[dict]) -> list[tuple[str, str]]:
-    return [(m["role"], m["content"]) for m in messages]
+def _pairs(messages: list[dict]) -> list[tuple[str, str, str]]:
+    """What makes two transcripts the same: each message's role, content and tool fields."""
+    return [(m["role"], m["content"], json.dumps([m.get("tool_calls"), m.get("tool_call_id")],
+                                                 sort_keys=True)) for m in messages]
 
 
 class Matcher:
@@ -77,13 +80,15 @@ class Matcher:
         self.pool, self.lm, self.kind = pool, lm, kind
         self._saved: dict[str, tuple[tuple[int, int], _Candidate | None]] = {}
 
-    def choose(self, history: list[dict], text: str, name: str | None) -> Match:
-        """The session to send ``text`` to after ``history``; its messages are set to
-        ``history`` (or, for a named session, what the rules above say)."""
+    def choose(self, history: list[dict], new: list[dict], name: str | None,
+               tools: list[dict] | None = None) -> Match:
+        """The session to add ``new`` (the user's message, or tools' results) to after
+        ``history``, with ``tools`` offered; its messages are set to ``history`` (or, for
+        a named session, what the rules above say)."""
         if name is not None:
             return self._named(name, history)
-        asked = [*history, {"role": "user", "content": text}]
-        prompt = render(self.lm, asked, True)
+        asked = [*history, *new]
+        prompt = render(self.lm, asked, True, tools)
         wanted = _pairs(history)
         scored = [(common_prefix(c.ledger, prompt), c) for c in self._candidates()]
         same = [(n, c) for n, c in scored if c.messages == wanted]

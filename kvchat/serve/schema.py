@@ -9,6 +9,7 @@ echo back ``"tool_calls": null`` and the like). Every problem becomes
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -64,19 +65,67 @@ class ContentPart(_Strict):
                        code="unsupported_content")
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def plain(self) -> dict:
+        """The call as chat templates take it (its arguments an object, not a string)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text or "" for part in self.content)
 
     def plain(self) -> dict:
         """The message as a Session keeps it (``developer`` is the newer name for ``system``)."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        out = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.plain() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Strict):
@@ -152,17 +201,53 @@ class ChatRequest(_Generation):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+
+    def _split(self) -> int:
+        """Where the new messages start: the last one if it is the user's, else the run
+        of tool results that ends the conversation."""
+        n = len(self.messages)
+        if self.messages[-1].role == "user":
+            return n - 1
+        at = n
+        while at > 0 and self.messages[at - 1].role == "tool":
+            at -= 1
+        if at == n:
+            raise ApiError(400, "The last message must be the user's or a tool's result: "
+                           "kvchat answers it.", param="messages")
+        return at
 
     def history(self) -> list[dict]:
-        """Every message but the last, as plain role/content dicts."""
-        return [m.plain() for m in self.messages[:-1]]
+        """The messages before the new ones, as the session keeps them."""
+        return [m.plain() for m in self.messages[:self._split()]]
 
-    def last_user_text(self) -> str:
-        last = self.messages[-1]
-        if last.role != "user":
-            raise ApiError(400, "The last message must be the user's: kvchat answers it.",
-                           param="messages")
-        return last.text()
+    def new_messages(self) -> list[dict]:
+        """What this request adds: the user's message, or the tools' results."""
+        return [m.plain() for m in self.messages[self._split():]]
+
+    def tool_specs(self) -> list[dict] | None:
+        """The tools offered to the model (OpenAI's function specs), checked against
+        ``tool_choice``."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise ApiError(400, "'tool_choice' names a tool, but 'tools' offers none.",
+                               param="tool_choice")
+            return None
+        names = [t.function.name for t in self.tools]
+        if isinstance(self.tool_choice, NamedChoice) and self.tool_choice.function.name \
+                not in names:
+            raise ApiError(400, f"'tool_choice' names {self.tool_choice.function.name!r}, "
+                           "which 'tools' does not offer.", param="tool_choice")
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def forced_tools(self) -> list[Tool]:
+        """The tools one of which the reply must call (``required`` or a named one)."""
+        if self.tool_choice == "required":
+            return list(self.tools or [])
+        if isinstance(self.tool_choice, NamedChoice):
+            return [t for t in self.tools or [] if t.function.name == self.tool_choice.function.name]
+        return []
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

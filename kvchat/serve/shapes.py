@@ -28,12 +28,22 @@ class ChatShape:
             choice["logprobs"] = {"content": list(piece.logprobs)}
         return choice
 
+    def calls(self, done: Finished) -> dict | None:
+        """The reply's tool calls as one delta (each whole, with its index), if any."""
+        if not done.tool_calls:
+            return None
+        calls = [{"index": i, **call} for i, call in enumerate(done.tool_calls)]
+        return {"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}
+
     def closing(self, done: Finished) -> dict:
         return {"index": 0, "delta": {}, "finish_reason": done.finish_reason}
 
     def whole(self, done: Finished) -> dict:
-        return {"index": 0, "finish_reason": done.finish_reason,
-                "message": {"role": "assistant", "content": done.text},
+        message = {"role": "assistant", "content": done.text or None if done.tool_calls
+                   else done.text}
+        if done.tool_calls:
+            message["tool_calls"] = done.tool_calls
+        return {"index": 0, "finish_reason": done.finish_reason, "message": message,
                 "logprobs": {"content": done.logprobs} if self.logprobs else None}
 
 
@@ -52,6 +62,9 @@ class CompletionShape:
         logprobs = completion_shape(list(piece.logprobs), self._offset) if self.logprobs else None
         self._offset += sum(len(e["token"]) for e in piece.logprobs)
         return {"index": 0, "text": piece.text, "finish_reason": None, "logprobs": logprobs}
+
+    def calls(self, done: Finished) -> dict | None:
+        return None
 
     def closing(self, done: Finished) -> dict:
         return {"index": 0, "text": "", "finish_reason": done.finish_reason, "logprobs": None}

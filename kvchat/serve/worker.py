@@ -39,6 +39,8 @@ from .constrain import JsonConstraint
 from .logprobs import chat_entry, text_of
 from .matching import Match, Matcher
 from .schema import ApiError, ChatRequest, CompletionRequest
+from .tools import marker as tool_marker
+from .tools import plain, split
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
@@ -72,6 +74,7 @@ class Finished:
     usage: dict
     kvchat: dict
     logprobs: list[dict] | None = None
+    tool_calls: list[dict] | None = None  # OpenAI's shape: arguments a JSON string
 
 
 @dataclass(eq=False)
@@ -176,13 +179,14 @@ class Engine:
 
     def _turn(self, job: Job) -> Finished:
         req = job.request
+        tools = None
         try:
             if isinstance(req, CompletionRequest):
                 text = req.text()
                 match = self.matcher.choose_completion(encode_plain(self.lm, text))
             else:
-                text = req.last_user_text()
-                match = self.matcher.choose(req.history(), text, job.name)
+                tools, new = req.tool_specs(), req.new_messages()
+                match = self.matcher.choose(req.history(), new, job.name, tools)
         except store.StoreError as exc:
             raise ApiError(500, str(exc), type="server_error") from None
         session = match.session
@@ -195,9 +199,15 @@ class Engine:
         )
         session.report_logprobs = req.logprobs_wanted()
         session.logits_processors = [JsonConstraint(self.lm, job.grammar)] if job.grammar else []
+        session.tools = tools
         try:
-            events = session.complete(text) if isinstance(req, CompletionRequest) \
-                else session.send(text)
+            if isinstance(req, CompletionRequest):
+                events = session.complete(text)
+            elif new[-1]["role"] == "user":
+                events = session.send(new[-1]["content"])
+            else:  # tools' results: the model answers them
+                session.messages = [*session.messages, *new]
+                events = session.answer()
         except SessionError as exc:  # nothing ran: the session is as it was
             self._unset(session, kept_settings)
             if match.previous is not None:
@@ -211,14 +221,21 @@ class Engine:
             mx.random.seed(req.seed % (1 << 64))
         job.session = session
         job.emit(Started(match))
+        calls_wanted = tools is not None and req.tool_choice != "none"
         try:
-            done, reply, hit_stop, logprobs = self._stream(job, session, events, req.stop)
+            done, reply, hit_stop, logprobs = self._stream(
+                job, session, events, req.stop, tool_marker(self.lm) if calls_wanted else None)
+            content, calls = split(self.lm, reply, tools) if calls_wanted else (reply, [])
+            if calls:  # kept as the client will send it back, the cache following it
+                session.messages[-1] = {"role": "assistant", "content": content,
+                                        "tool_calls": plain(calls)}
+                session.sync()
+            elif hit_stop:  # the transcript keeps what the client got, the cache follows
+                session.messages[-1] = {"role": "assistant", "content": reply}
+                session.sync()
         finally:
             job.session = None
             self._unset(session, kept_settings)
-        if hit_stop:  # the transcript keeps what the client got, and the cache follows it
-            session.messages[-1] = {"role": "assistant", "content": reply}
-            session.sync()
         saved, notice = True, match.notice
         try:
             self.pool.save(match.name)
@@ -226,20 +243,26 @@ class Engine:
             saved, notice = False, str(exc)
         self.pool.enforce_budget()
         anonymous.keep_within(self.pool, self.keep_anonymous, keep=match.name)
-        finished = self._finished(match, done, reply, hit_stop, saved, notice)
+        finished = self._finished(match, done, content if calls else reply, hit_stop, saved,
+                                  notice)
         wanted = req.logprobs_wanted() is not None
-        return replace(finished, logprobs=logprobs if wanted else None)
+        return replace(finished, logprobs=logprobs if wanted else None,
+                       tool_calls=calls or None,
+                       finish_reason="tool_calls" if calls else finished.finish_reason)
 
     @staticmethod
     def _unset(session: Session, settings: GenerationSettings) -> None:
         """Give ``session`` back its own settings, without this request's extras."""
         session.settings, session.report_logprobs, session.logits_processors = settings, None, []
+        session.tools = None
 
-    def _stream(self, job: Job, session: Session, events, stops: list[str]):
+    def _stream(self, job: Job, session: Session, events, stops: list[str],
+                marker: str | None = None):
         """Forward the reply's text to the client, holding back what could begin a stop
-        string; stop the turn when one appears or the client leaves. A piece carries the
-        log probabilities of the tokens generated since the last piece."""
-        hold = max((len(s) for s in stops), default=1) - 1
+        string; stop the turn when one appears or the client leaves. Text from ``marker``
+        (a tool call's start) on is not sent: the calls are, once parsed. A piece carries
+        the log probabilities of the tokens generated since the last piece."""
+        hold = max((len(s) for s in [*stops, *([marker] if marker else [])]), default=1) - 1
         reply, sent, hit_stop, done = "", 0, False, None
         entries: list[dict] = []
         reported = 0  # entries already sent with a piece
@@ -262,6 +285,8 @@ class Engine:
                     reply, hit_stop = reply[:cut], True
                     session.stop()
                 upto = len(reply) if hit_stop else max(sent, len(reply) - hold)
+                if marker is not None and (at := reply.find(marker)) >= 0:
+                    upto = min(upto, at)
                 if upto > sent:
                     emit(reply[sent:upto])
                     sent = upto
@@ -269,8 +294,12 @@ class Engine:
                 done = event
             if job.cancelled.is_set():
                 session.stop()
-        if (sent < len(reply) or reported < len(entries)) and not job.cancelled.is_set():
-            emit(reply[sent:])
+        if marker is not None and (at := reply.find(marker)) >= 0:
+            reply_end = max(sent, at)
+        else:
+            reply_end = len(reply)
+        if (sent < reply_end or reported < len(entries)) and not job.cancelled.is_set():
+            emit(reply[sent:reply_end])
         return done, reply, hit_stop, entries
 
     def _finished(self, match: Match, done: TurnDone, reply: str, hit_stop: bool,
