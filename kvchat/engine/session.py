@@ -78,6 +78,8 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         self.kind = parse_kind(kind)
         self.settings = settings or GenerationSettings()
         self.messages: list[dict] = list(messages or [])
+        # the tools (OpenAI function specs) the chat template offers the model, if any
+        self.tools: list[dict] | None = None
         if system and not (self.messages and self.messages[0]["role"] == "system"):
             self.messages.insert(0, {"role": "system", "content": system})
         self.turns: list[TurnStats] = []
@@ -89,8 +91,6 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         self._logits: tuple[int, mx.array] | None = None
         # set to a count to have turns yield TokenLogprobs with that many alternatives
         self.report_logprobs: int | None = None
-        # the tools (OpenAI function specs) the chat template offers the model, if any
-        self.tools: list[dict] | None = None
         # mlx-lm logits processors every sampled token goes through (constrained decoding)
         self.logits_processors: list[Callable[[mx.array, mx.array], mx.array]] = []
         self._stop = threading.Event()
@@ -175,8 +175,8 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         return self.turns[-1] if self.turns else None
 
     def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        """Token ids of ``messages`` through the model's chat template."""
-        return render(self.lm, messages, generation_prompt)
+        """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
+        return render(self.lm, messages, generation_prompt, self.tools)
 
     def _system_tokens(self) -> int:
         return len(self.render(self.messages[:1], False)) if self.system else 0

@@ -83,6 +83,25 @@ def plain(calls: list[dict]) -> list[dict]:
     return out
 
 
+# Templates write a call's arguments with Jinja's ``tojson`` (``json.dumps``' spacing, keys
+# sorted): a forced call is generated the same way, so the transcript renders to the
+# tokens the model produced and the next turn reuses them all.
+_AS_TEMPLATES_WRITE = {"whitespace_flexible": False, "item_separator": ", ",
+                       "key_separator": ": "}
+
+
+def _sorted(schema):
+    """``schema`` with every ``properties`` in key order (the order its JSON is written in)."""
+    if isinstance(schema, list):
+        return [_sorted(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _sorted(v) for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = dict(sorted(out["properties"].items()))
+    return out
+
+
 def forced_grammar(lm: LoadedModel, tools: list[Tool]) -> str:
     """The grammar of one call of one of ``tools``, its arguments valid against the
     function's parameters schema, in this model's format."""
@@ -94,11 +113,11 @@ def forced_grammar(lm: LoadedModel, tools: list[Tool]) -> str:
                        param="tool_choice")
     choices = [{"type": "object",
                 "properties": {"name": {"const": t.function.name},
-                               "arguments": t.function.parameters or {"type": "object"}},
+                               "arguments": _sorted(t.function.parameters or {"type": "object"})},
                 "required": ["name", "arguments"], "additionalProperties": False}
                for t in tools]
     schema = choices[0] if len(choices) == 1 else {"anyOf": choices}
-    call = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    call = {**schema, "x-guidance": _AS_TEMPLATES_WRITE}
     return lark_grammar(
         f'start: {json.dumps(tokenizer.tool_call_start + chr(10))} call '
         f'{json.dumps(chr(10) + tokenizer.tool_call_end)}\ncall: %json {json.dumps(call)}',
