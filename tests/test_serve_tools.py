@@ -104,7 +104,8 @@ def test_a_forced_call_validates_then_its_result_is_answered_from_the_cache(tool
     ask = [{"role": "user", "content": "Weather in Oslo?"}]
     with Server(tool_model) as server:
         _, body, _ = chat(server.client, ask, max_tokens=150, tools=[WEATHER, TIME],
-                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                          tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                          parallel_tool_calls=False)
         choice = body["choices"][0]
         assert choice["finish_reason"] == "tool_calls"
         [call] = choice["message"]["tool_calls"]

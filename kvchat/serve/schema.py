@@ -203,6 +203,7 @@ class ChatRequest(_Generation):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool = True  # false: a reply's first call is its only one
 
     def _split(self) -> int:
         """Where the new messages start: the last one if it is the user's, else the run

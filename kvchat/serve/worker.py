@@ -226,6 +226,7 @@ class Engine:
             done, reply, hit_stop, logprobs = self._stream(
                 job, session, events, req.stop, tool_marker(self.lm) if calls_wanted else None)
             content, calls = split(self.lm, reply, tools) if calls_wanted else (reply, [])
+            calls = calls if req.parallel_tool_calls else calls[:1]
             if calls:  # kept as the client will send it back, the cache following it
                 session.messages[-1] = {"role": "assistant", "content": content,
                                         "tool_calls": plain(calls)}
