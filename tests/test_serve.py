@@ -122,10 +122,10 @@ def test_a_session_written_by_kvchat_ask_is_continued_by_name(demo_model, home):
         assert body["usage"]["prompt_tokens"] == len(expected_prompt)
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == common_prefix(
             saved["ledger"], expected_prompt)
-        # the 'user' field names a session too; the whole history may also be sent
+        # the whole history may also be sent
         history = [*saved["messages"], follow, {"role": "assistant", "content": reply}]
         _, body3, _ = chat(server.client, [*history, {"role": "user", "content": "Again."}],
-                           max_tokens=6, user="notes")
+                           max_tokens=6, extra_headers={"X-Session-Id": "notes"})
         assert body3["kvchat"]["session"] == "notes"
         assert body3["kvchat"]["reused_tokens"] == held_after(
             body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])

@@ -45,7 +45,15 @@ def assert_openai_error(status: int, body: dict, expected: int, param: str | Non
         (json.dumps({**GOOD, "messages": [{"role": "user", "content": "hi"},
                                           {"role": "assistant", "content": "yo"}]}).encode(),
          "messages", "last message must be the user's"),
-        (json.dumps({**GOOD, "user": "../../etc"}).encode(), "user", "Invalid session name"),
+        (json.dumps({**GOOD, "audio": {"voice": "alloy"}}).encode(), "audio",
+         "'audio' is not supported by kvchat serve"),
+        (json.dumps({**GOOD, "messages": [{"role": "user", "content": "hi", "name": "bo"}]})
+         .encode(), "messages[0].name", "'messages[0].name' is not supported"),
+        (json.dumps({**GOOD, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+         .encode(), "messages[0].content[1]",
+         "This model takes text only: image content parts are not supported"),
         (json.dumps([1, 2]).encode(), "body", "object"),
     ],
 )
@@ -64,7 +72,7 @@ def test_path_like_session_header_oversized_body_unknown_route(demo_model, home)
         big = {**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]}
         status, _, reply = server.raw("/v1/chat/completions", json.dumps(big).encode())
         assert "2,000 bytes" in assert_openai_error(status, reply, 413)
-        status, _, reply = server.raw("/v1/completions", json.dumps(GOOD).encode())
+        status, _, reply = server.raw("/v1/embeddings", json.dumps(GOOD).encode())
         assert_openai_error(status, reply, 404)
         status, _, reply = server.raw("/v1/chat/completions", method="GET")
         assert_openai_error(status, reply, 405)
@@ -75,6 +83,9 @@ def test_path_like_session_header_oversized_body_unknown_route(demo_model, home)
         assert not any(p.name for p in store.list_sessions())
 
 
+KEPT = {"X-Session-Id": "kept"}
+
+
 def test_a_conversation_over_the_context_is_refused(demo_model, home):
     long = "word " * (demo_model.context_length + 10)
     with Server(demo_model) as server:
@@ -82,13 +93,13 @@ def test_a_conversation_over_the_context_is_refused(demo_model, home):
             chat(server.client, [{"role": "user", "content": long}])
         assert caught.value.body["code"] == "context_length_exceeded"
         assert server.pool.names() == []
-        chat(server.client, [{"role": "user", "content": "short"}], user="kept", max_tokens=3)
+        chat(server.client, [{"role": "user", "content": "short"}], extra_headers=KEPT, max_tokens=3)
         before = store.read("kept")["messages"]
         history = [{"role": "user", "content": "other"}, {"role": "assistant", "content": "x"}]
         with pytest.raises(openai.BadRequestError):  # a named session's transcript stays
-            chat(server.client, [*history, {"role": "user", "content": long}], user="kept")
+            chat(server.client, [*history, {"role": "user", "content": long}], extra_headers=KEPT)
         assert server.pool.entry("kept").session.messages == before
-        chat(server.client, [{"role": "user", "content": "next"}], user="kept", max_tokens=3)
+        chat(server.client, [{"role": "user", "content": "next"}], extra_headers=KEPT, max_tokens=3)
         assert [m["content"] for m in store.read("kept")["messages"]][:3] == [
             "short", before[1]["content"], "next"]
 

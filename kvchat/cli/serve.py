@@ -56,11 +56,15 @@ def serve(
     max_body: Annotated[
         str, typer.Option(help="Largest request body, e.g. 8MiB; larger ones get 413.")
     ] = "8MiB",
+    keep_anonymous: Annotated[
+        int, typer.Option(help="Sessions the server names itself (serve-*) kept saved, the "
+                          "most recently used; older ones are deleted (0: keep all).", min=0)
+    ] = 64,
 ) -> None:
     """Serve the model over OpenAI's chat completions API; every conversation keeps its cache.
 
-    Sessions are matched by name (X-Session-Id or 'user') or by the longest shared
-    prefix, saved after each reply in the same sessions folder as the TUI.
+    Sessions are matched by name (X-Session-Id) or by the longest shared prefix,
+    saved after each reply in the same sessions folder as the TUI.
     """
     import uvicorn
 
@@ -85,7 +89,7 @@ def serve(
     except CacheKindError as exc:
         raise _fail(str(exc), 2) from None
     engine = Engine(lm, serve_pool(lm, config), kind=kind, max_tokens=config.max_tokens,
-                    temp=config.temp, max_queue=max_queue)
+                    temp=config.temp, max_queue=max_queue, keep_anonymous=keep_anonymous)
     typer.echo(f"kvchat: serving {lm.model_id} on http://{host}:{port}/v1", err=True)
     try:
         uvicorn.run(create_app(engine, api_key=api_key, max_body_bytes=body_limit),

@@ -1,5 +1,8 @@
 """The decoding steps of a Session: the prompt's last token, the first sampled token and
-the rest of the reply.
+the rest of the reply. Each sampled token comes with the log-probability vector it was
+sampled from (:data:`Step`); a turn asked for them reports them as :class:`TokenLogprobs`.
+A session's ``logits_processors`` (mlx-lm's kind) shape every sampled token's logits,
+the first included; each is called once per sampled token, in order.
 
 A mixin of :class:`~kvchat.engine.session.Session` (it uses the session's ``lm``,
 ``cache``, ``ledger``, ``settings``, ``checkpoints`` and ``_logits``). The ledger
@@ -15,10 +18,29 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import make_sampler
 
 from .cpu import state as cpu_state
+from .events import TokenLogprobs
+
+Step = tuple[int, mx.array]  # a sampled token and the log probabilities it was sampled from
+# mlx-lm's logits processor: (the tokens so far, one position's logits) -> new logits
+Processor = Callable[[mx.array, mx.array], mx.array]
 
 
 class Decoding:
     """Sample a reply token by token into the session's cache."""
+
+    def _processors(self) -> list[Processor]:
+        """This turn's mlx-lm logits processors: the session's ``logits_processors``."""
+        return list(self.logits_processors)
+
+    def _processed(self, logits: mx.array, processors: list[Processor]) -> mx.array:
+        """``logits`` (one position's) through ``processors``, as log probabilities again:
+        each processor sees the ledger so far, its last token the previous sample."""
+        if not processors:
+            return logits
+        tokens = mx.array(self.ledger)
+        for processor in processors:
+            logits = processor(tokens, logits)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def _sampler(self) -> Callable[[mx.array], mx.array]:
         """This turn's sampler (a sharded run makes every rank take rank 0's token)."""
@@ -37,15 +59,18 @@ class Decoding:
             mx.eval(logprobs, [c.state for c in self.cache])
         self._logits = (len(self.ledger), logprobs)
 
-    def _first_token(self, sampler) -> int:
+    def _first_token(self, sampler) -> tuple[int, mx.array]:
         """Checkpoint the prompt (for a regenerate or an edit of this turn), then sample
-        the reply's first token from the last prompt position's log probabilities."""
+        the reply's first token from the last prompt position's log probabilities
+        (returned with it)."""
         self.checkpoints.keep(self.cache, len(self.ledger))
-        return int(sampler(self._logits[1][None]).item())
+        logprobs = self._processed(self._logits[1][None], self._processors())[0]
+        return int(sampler(logprobs[None]).item()), logprobs
 
-    def _continue(self, prompt: list[int], max_tokens: int, sampler) -> Iterator[int]:
+    def _continue(self, prompt: list[int], max_tokens: int, sampler) -> Iterator[Step]:
         """Feed ``prompt`` (the reply's first token) and yield up to ``max_tokens`` more
-        sampled tokens, keeping the ledger exact.
+        sampled tokens, each with the log probabilities it was sampled from, keeping
+        the ledger exact.
 
         mlx-lm's ``generate_step`` feeds every token it yields into the cache
         before yielding it (it computes the next step while the caller reads
@@ -63,32 +88,46 @@ class Decoding:
         self.ledger.extend(prompt)
         gen = generate_step(
             mx.array(prompt), self.lm.model, prompt_cache=self.cache,
-            sampler=sampler, max_tokens=max_tokens,
+            sampler=sampler, max_tokens=max_tokens, logits_processors=self._processors(),
         )
         try:
-            for token, _ in gen:
+            for token, logprobs in gen:
                 self.ledger.append(token)
-                yield token
+                yield token, logprobs
         finally:
             gen.close()
 
-    def _continue_eager(self, prompt: list[int], max_tokens: int, sampler) -> Iterator[int]:
+    def _continue_eager(self, prompt: list[int], max_tokens: int, sampler) -> Iterator[Step]:
         """:meth:`_continue` without look-ahead: a token joins the ledger when it is fed,
         so the last one sampled (at a stop, an end token or the length limit) is not in
         the cache, and the next turn's prefix match evaluates it with the new message."""
         feed = list(prompt)
+        processors = self._processors()
         with mx.stream(generation_stream):
             for _ in range(max_tokens):
                 self.ledger.extend(feed)
                 logits = self.lm.model(mx.array(feed)[None], cache=self.cache)[:, -1, :]
-                sampled = sampler(logits - mx.logsumexp(logits, keepdims=True))
-                mx.eval(sampled)  # nothing lazy survives into another thread's turn
+                logprobs = logits - mx.logsumexp(logits, keepdims=True)
+                logprobs = self._processed(logprobs, processors)
+                sampled = sampler(logprobs)
+                mx.eval(sampled, logprobs)  # nothing lazy survives into another thread's turn
                 token = int(sampled.item())
-                yield token
+                yield token, logprobs.squeeze(0)
                 feed = [token]
 
 
-def chain(first: list[int], rest: Iterator[int]) -> Iterator[int]:
-    """``first``'s tokens, then ``rest``'s."""
+def chain(first: list[Step], rest: Iterator[Step]) -> Iterator[Step]:
+    """``first``'s steps, then ``rest``'s."""
     yield from first
     yield from rest
+
+
+def token_logprobs(token: int, logprobs: mx.array, top: int) -> TokenLogprobs:
+    """The event reporting ``token``'s log probability and the ``top`` likeliest tokens'
+    (most likely first) from the vector it was sampled from."""
+    vector = logprobs.reshape(-1).astype(mx.float32)
+    alternatives: list[tuple[int, float]] = []
+    if top > 0:
+        ids = mx.argpartition(-vector, top - 1)[:top]
+        alternatives = sorted(zip(ids.tolist(), vector[ids].tolist()), key=lambda p: -p[1])
+    return TokenLogprobs(token, float(vector[token].item()), tuple(alternatives))

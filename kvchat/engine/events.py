@@ -1,8 +1,8 @@
 """What a turn yields and how replies are sampled: the plain data of the engine's API.
 
 :meth:`kvchat.engine.session.Session.send` yields :class:`Prefill` while the
-prompt is evaluated, :class:`Chunk` for each piece of streamed text and a final
-:class:`TurnDone`; :class:`SessionError` says, in one sentence, why a request
+prompt is evaluated, :class:`Chunk` for each piece of streamed text (with a
+:class:`TokenLogprobs` per token when asked) and a final :class:`TurnDone`; :class:`SessionError` says, in one sentence, why a request
 cannot be carried out.
 """
 
@@ -42,6 +42,18 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log probability and the likeliest tokens' at its position
+    (``top``: (token, log probability), most likely first). Yielded for each generated
+    token, before its text's :class:`Chunk`, by a turn of a session whose
+    ``report_logprobs`` is set (to how many alternatives to give)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TurnDone:
     """The turn is over: the reply as kept in the transcript, what it cost, and the
     token ids that were generated (an end-of-sequence token included)."""
@@ -52,7 +64,7 @@ class TurnDone:
     tokens: tuple[int, ...] = ()
 
 
-Event = Prefill | Chunk | TurnDone
+Event = Prefill | Chunk | TokenLogprobs | TurnDone
 
 
 class SessionError(Exception):

@@ -29,7 +29,7 @@ import mlx.core as mx
 from .branch_ops import BranchOps
 from .branches import Branches
 from .checkpoints import Checkpoints
-from .decoding import Decoding, chain
+from .decoding import Decoding, chain, token_logprobs
 from .events import (
     Chunk,
     Event,
@@ -52,7 +52,7 @@ from .kinds import (
 )
 from .maintenance import CacheMaintenance, common_prefix
 from .stats import TurnStats, memory
-from .template import encode, render, template_text
+from .template import encode, encode_plain, render, template_text
 from .text import ReplyText
 from .thoughts import reevaluated_reply
 
@@ -78,6 +78,8 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         self.kind = parse_kind(kind)
         self.settings = settings or GenerationSettings()
         self.messages: list[dict] = list(messages or [])
+        # the tools (OpenAI function specs) the chat template offers the model, if any
+        self.tools: list[dict] | None = None
         if system and not (self.messages and self.messages[0]["role"] == "system"):
             self.messages.insert(0, {"role": "system", "content": system})
         self.turns: list[TurnStats] = []
@@ -87,6 +89,10 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         self.cache: list[Any] = make_cache(lm.model, self.kind, keep=self._system_tokens())
         self.checkpoints = Checkpoints()  # of sliding-window and recurrent layers, by turn
         self._logits: tuple[int, mx.array] | None = None
+        # set to a count to have turns yield TokenLogprobs with that many alternatives
+        self.report_logprobs: int | None = None
+        # mlx-lm logits processors every sampled token goes through (constrained decoding)
+        self.logits_processors: list[Callable[[mx.array, mx.array], mx.array]] = []
         self._stop = threading.Event()
         self._busy = threading.Lock()
 
@@ -115,17 +121,21 @@ class Session(CacheMaintenance, BranchOps, Decoding):
             session.attach(cache, ledger)
         return session
 
-    def fork_prefix(self, messages: list[dict] | None = None) -> "Session":
+    def fork_prefix(self, messages: list[dict] | None = None,
+                    tokens: list[int] | None = None) -> "Session":
         """A new session whose cache starts as a copy of this one's, cut to the
-        common prefix with ``messages`` (by default this session's system prompt).
+        common prefix with ``tokens`` or else with ``messages`` rendered (by default
+        this session's system prompt); the new session's transcript is ``messages``.
 
         This is how a new conversation with the same model, kind and system
-        prompt skips evaluating the system prompt again. A cache that cannot be
-        cut that far starts from this one's nearest checkpoint before it, if any.
+        prompt skips evaluating the system prompt again (and a server's request
+        its whole prompt, given as ``tokens``). A cache that cannot be cut that
+        far starts from this one's nearest checkpoint before it, if any.
         """
         messages = list(messages if messages is not None else self.messages[:1] if self.system else [])
         child = Session(self.lm, kind=self.kind, settings=replace(self.settings), messages=messages)
-        n = common_prefix(self.ledger, child.render(messages, False))
+        wanted = tokens if tokens is not None else child.render(messages, False)
+        n = common_prefix(self.ledger, wanted)
         copied = copy_cache(self.cache)
         kept = n if n and trim_to(copied, n) else self.checkpoints.restore(copied, n)
         if kept and held_tokens(copied) == kept:
@@ -165,8 +175,8 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         return self.turns[-1] if self.turns else None
 
     def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        """Token ids of ``messages`` through the model's chat template."""
-        return render(self.lm, messages, generation_prompt)
+        """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
+        return render(self.lm, messages, generation_prompt, self.tools)
 
     def _system_tokens(self) -> int:
         return len(self.render(self.messages[:1], False)) if self.system else 0
@@ -183,21 +193,45 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         messages = [*self.messages, {"role": "user", "content": text}]
         return self._turn(messages, *self._fitting_prompt(messages))
 
+    def complete(self, text: str) -> Iterator[Event]:
+        """Continue ``text`` as written, without the chat template (a plain completion).
+
+        The transcript becomes ``text`` as one user message, then the reply, so
+        the session saves and loads like any other; its ledger is ``text``'s own
+        tokens, so a later prompt that extends ``text`` reuses the cache.
+        """
+        if not isinstance(text, str) or not text:
+            raise SessionError("Nothing to complete: the prompt is empty.")
+        prompt = encode_plain(self.lm, text)
+        self._check_fits(prompt, "That prompt is")
+        return self._turn([{"role": "user", "content": text}], text, prompt)
+
+    def answer(self) -> Iterator[Event]:
+        """Reply to the transcript as it stands: its last message is a tool's result (the
+        model called a tool, the caller ran it and added what it returned)."""
+        if not self.messages or self.messages[-1]["role"] != "tool":
+            raise SessionError("Nothing to answer: the last message is not a tool's result.")
+        messages = list(self.messages)
+        return self._turn(messages, *self._fitting_prompt(messages))
+
     def stop(self) -> None:
         """Ask the running turn to stop after its current token (thread-safe)."""
         self._stop.set()
 
     def _fitting_prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
         """The template's text of ``messages`` with the generation prompt, and its tokens."""
-        text = template_text(self.lm, messages, True)
+        text = template_text(self.lm, messages, True, self.tools)
         prompt = encode(self.lm, text)
+        self._check_fits(prompt, "That message makes the conversation")
+        return text, prompt
+
+    def _check_fits(self, prompt: list[int], what: str) -> None:
         limit = self.lm.context_length
         if len(prompt) >= limit:
             raise SessionError(
-                f"That message makes the conversation {len(prompt):,} tokens, over this "
-                f"model's context of {limit:,}; trim the history or start a new session."
+                f"{what} {len(prompt):,} tokens, over this model's context of {limit:,}; "
+                "trim the history or start a new session."
             )
-        return text, prompt
 
     def _turn(self, messages: list[dict], prompt_text: str, prompt: list[int]) -> Iterator[Event]:
         """The turn's events, run as they are read. A :meth:`stop` from now on stops this
@@ -253,18 +287,21 @@ class Session(CacheMaintenance, BranchOps, Decoding):
                 if not stopped:
                     self._evaluate_last(prompt[-1])
             first = [] if stopped else [self._first_token(sampler)]
-            steps = self._continue(first, max_new - len(first), sampler)
+            steps = self._continue([t for t, _ in first], max_new - len(first), sampler)
             stream = chain(first, steps)
+            report = self.report_logprobs
 
             eos = () if self.settings.ignore_eos else self.lm.tokenizer.eos_token_ids
             try:
-                for token in stream:
+                for token, logprobs in stream:
                     if first_at is None:
                         first_at = time.perf_counter()
                         prompt_eval_s = first_at - prefill_started
                     tokens.append(token)
                     if token in eos:
                         break
+                    if report is not None:
+                        yield token_logprobs(token, logprobs, report)
                     piece = text.add(token)
                     if piece:
                         yield Chunk(piece)

@@ -12,20 +12,34 @@ if TYPE_CHECKING:
     from .model import LoadedModel
 
 
-def render(lm: LoadedModel, messages: list[dict], generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` (role and content only) through ``lm``'s chat template."""
-    return encode(lm, template_text(lm, messages, generation_prompt))
+def render(lm: LoadedModel, messages: list[dict], generation_prompt: bool,
+           tools: list[dict] | None = None) -> list[int]:
+    """Token ids of ``messages`` through ``lm``'s chat template (see :func:`template_text`)."""
+    return encode(lm, template_text(lm, messages, generation_prompt, tools))
 
 
-def template_text(lm: LoadedModel, messages: list[dict], generation_prompt: bool) -> str:
-    """The text ``lm``'s chat template makes of ``messages`` (role and content only)."""
+def template_text(lm: LoadedModel, messages: list[dict], generation_prompt: bool,
+                  tools: list[dict] | None = None) -> str:
+    """The text ``lm``'s chat template makes of ``messages`` (role and content, and a tool
+    call's or a tool result's fields), offering ``tools`` (OpenAI's function specs) if given."""
     if not messages:
         return ""
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    plain = [{"role": m["role"], "content": m["content"],
+              **{k: m[k] for k in _TOOL_FIELDS if m.get(k) is not None}} for m in messages]
+    extra = {"tools": tools} if tools else {}
     return lm.tokenizer.apply_chat_template(
-        plain, tokenize=False, add_generation_prompt=generation_prompt
+        plain, tokenize=False, add_generation_prompt=generation_prompt, **extra
     )
+
+
+_TOOL_FIELDS = ("tool_calls", "tool_call_id")
 
 
 def encode(lm: LoadedModel, text: str) -> list[int]:
     return list(lm.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def encode_plain(lm: LoadedModel, text: str) -> list[int]:
+    """Token ids of a plain prompt (no chat template), with the special tokens the
+    tokenizer adds by itself (a beginning-of-sequence token), as mlx-lm's server does."""
+    return list(lm.tokenizer.encode(text)) if text else []

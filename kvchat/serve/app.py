@@ -1,4 +1,4 @@
-"""The HTTP routes: OpenAI's chat completions (streamed or not), models, health.
+"""The HTTP routes: OpenAI's chat and plain completions (streamed or not), models, health.
 
 Starlette on uvicorn. Every refusal is OpenAI's error shape,
 ``{"error": {"message", "type", "param", "code"}}``. The model work happens in
@@ -24,10 +24,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .schema import ApiError, parse_request, session_name
-from .worker import Engine, Finished, Job, Started
+from . import tools
+from .constrain import schema_grammar
+from .schema import ApiError, ChatRequest, CompletionRequest, parse_request, session_name
+from .shapes import ChatShape, CompletionShape
+from .worker import Engine, Finished, Job, Piece, Started
+
+Shape = ChatShape | CompletionShape
 
 DEFAULT_MAX_BODY = 8 << 20
+DRAIN_FACTOR = 4  # an oversized body is read (and dropped) up to this many times the limit
 EXPIRE_EVERY_S = 30.0
 
 
@@ -48,40 +54,29 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     async def chat(request: Request) -> Response:
         _authorize(request, api_key)
         req = parse_request(await _body(request, max_body_bytes))
-        name = session_name(request.headers.get("x-session-id"), req.user)
-        req.last_user_text()  # refuse a conversation that does not end with the user now
-        job = engine.submit(req, name)
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            first = await _next(job, gone)
-        except _ClientGone:
-            engine.cancel(job)
-            return Response(status_code=499)
-        if isinstance(first, ApiError):
-            gone.cancel()
-            raise first
-        headers = _headers(first)
-        reply_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _sse(engine, job, gone, reply_id, include_usage)
-            return StreamingResponse(body, media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
-        try:
-            while not isinstance(item := await _next(job, gone), (Finished, ApiError)):
-                pass
-        except _ClientGone:
-            engine.cancel(job)
-            return Response(status_code=499)
-        finally:
-            gone.cancel()
-        if isinstance(item, ApiError):
-            raise item
-        body = {**_envelope(engine, reply_id, "chat.completion"),
-                "choices": [{"index": 0, "finish_reason": item.finish_reason,
-                             "message": {"role": "assistant", "content": item.text}}],
-                "usage": item.usage, "kvchat": item.kvchat}
-        return JSONResponse(body, headers={**headers, **_stat_headers(item)})
+        name = session_name(request.headers.get("x-session-id"))
+        req.history()  # refuse a conversation that does not end with the user or a tool now
+        if req.tool_specs() is not None:
+            tools.check_offered(engine.lm)
+        shape = ChatShape(req.logprobs_wanted() is not None)
+        schema = req.response_format.required_schema() if req.response_format else None
+        if forced := req.forced_tools():
+            grammar = tools.forced_grammar(engine.lm, forced)
+        elif schema is not None:
+            grammar = schema_grammar(schema, "response_format.json_schema.schema")
+        else:
+            grammar = None
+        return await _reply(engine, request, req, name, shape, grammar)
+
+    async def completions(request: Request) -> Response:
+        _authorize(request, api_key)
+        req = parse_request(await _body(request, max_body_bytes), CompletionRequest)
+        if request.headers.get("x-session-id") is not None:
+            raise ApiError(400, "'X-Session-Id' names a chat session; plain completions "
+                           "find their cache by the prompt alone.", param="X-Session-Id")
+        req.text()  # refuse a prompt kvchat cannot take now
+        shape = CompletionShape(req.logprobs_wanted() is not None)
+        return await _reply(engine, request, req, None, shape)
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
@@ -104,6 +99,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=contextlib.asynccontextmanager(lifespan),
                      exception_handlers={ApiError: api_error, HTTPException: http_error})
@@ -113,32 +109,71 @@ class _ClientGone(Exception):
     """The client closed its connection."""
 
 
-async def _sse(engine: Engine, job: Job, gone: asyncio.Future, reply_id: str,
+async def _reply(engine: Engine, request: Request, req: ChatRequest | CompletionRequest,
+                 name: str | None, shape: Shape, grammar: str | None = None) -> Response:
+    """Queue ``req`` and answer with its reply in ``shape``, whole or streamed (held to
+    ``grammar`` if given)."""
+    job = engine.submit(req, name, grammar)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        first = await _next(job, gone)
+    except _ClientGone:
+        engine.cancel(job)
+        return Response(status_code=499)
+    if isinstance(first, ApiError):
+        gone.cancel()
+        raise first
+    headers = _headers(first)
+    reply_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+    if req.stream:
+        body = _sse(engine, job, gone, reply_id, shape, req.include_usage())
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache"})
+    try:
+        while not isinstance(item := await _next(job, gone), (Finished, ApiError)):
+            pass
+    except _ClientGone:
+        engine.cancel(job)
+        return Response(status_code=499)
+    finally:
+        gone.cancel()
+    if isinstance(item, ApiError):
+        raise item
+    body = {**_envelope(engine, reply_id, shape.object), "choices": [shape.whole(item)],
+            "usage": item.usage, "kvchat": item.kvchat}
+    return JSONResponse(body, headers={**headers, **_stat_headers(item)})
+
+
+async def _sse(engine: Engine, job: Job, gone: asyncio.Future, reply_id: str, shape: Shape,
                include_usage: bool) -> AsyncIterator[str]:
     """The reply as server-sent events, OpenAI's chunk shapes, ``[DONE]`` last."""
-    base = _envelope(engine, reply_id, "chat.completion.chunk")
+    base = _envelope(engine, reply_id, shape.chunk_object)
 
     def event(choices: list, **extra) -> str:
         return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
 
     finished = False
     try:
-        yield event([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                      "finish_reason": None}])
+        if (opening := shape.opening()) is not None:
+            yield event([opening])
         while True:
             item = await _next(job, gone)
-            if isinstance(item, str):
-                yield event([{"index": 0, "delta": {"content": item}, "finish_reason": None}])
+            if isinstance(item, Piece):
+                yield event([shape.piece(item)])
             elif isinstance(item, ApiError):
                 finished = True
                 yield f"data: {json.dumps(item.body())}\n\n"
                 break
             elif isinstance(item, Finished):
                 finished = True
-                yield event([{"index": 0, "delta": {}, "finish_reason": item.finish_reason}],
-                            kvchat=item.kvchat)
+                if (calls := shape.calls(item)) is not None:
+                    yield event([calls])
+                # kvchat's object rides on the last chunk: the usage chunk when there is one
                 if include_usage:
-                    yield event([], usage=item.usage)
+                    yield event([shape.closing(item)])
+                    yield event([], usage=item.usage, kvchat=item.kvchat)
+                else:
+                    yield event([shape.closing(item)], kvchat=item.kvchat)
                 break
         yield "data: [DONE]\n\n"
     except _ClientGone:
@@ -166,18 +201,27 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past ``limit`` bytes (before reading it all)."""
+    """The request body, refused with 413 past ``limit`` bytes.
+
+    A client that is still sending when the 413 goes out gets a reset instead
+    of the answer (Python's urllib raises ``BrokenPipeError``), so the rest of
+    the body is read and dropped first, up to :data:`DRAIN_FACTOR` times the
+    limit; past that the connection is closed, answer or not.
+    """
     too_big = ApiError(413, f"The request body is over the server's limit of {limit:,} bytes.",
                        code="body_too_large")
     declared = request.headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit * DRAIN_FACTOR:
         raise too_big
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+        if size > limit * DRAIN_FACTOR:
+            break
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise too_big
     return b"".join(chunks)
 
 

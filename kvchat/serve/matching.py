@@ -5,29 +5,37 @@ the live or saved session of the same model whose ledger (the tokens its cache
 holds) shares the longest prefix with the request rendered through the chat
 template, so any client gets its history's cache back without knowing about
 kvchat. A session whose transcript *is* the request's history is continued in
-place; otherwise the best match lends a copy of its cache, cut to the shared
-prefix, to a new session (:meth:`Session.fork_prefix`), so a conversation is
-never overwritten by another that merely starts the same way.
+place. An anonymous session that holds only this very request's answer (the
+same prompt sent again) takes the new answer in place as a branch, its old
+answer kept (:mod:`kvchat.engine.branches`), so reruns leave no new sessions.
+Otherwise the best match lends a copy of its cache, cut to the prefix it
+shares with the whole prompt, the new message included, to a new session
+(:meth:`Session.fork_prefix`), so a conversation is never overwritten by
+another that merely starts the same way.
 
-A request that names a session (``X-Session-Id`` or ``user``) gets that
-session, from the pool, the sessions folder (the TUI's) or new. When its
-history holds no reply, its messages are added to the saved conversation (a
-client can continue a TUI or ``kvchat ask`` conversation by name alone);
-otherwise its history is the conversation.
+A request that names a session (``X-Session-Id``) gets that session, from the
+pool, the sessions folder (the TUI's) or new. When it sends no history (only
+the new message, perhaps a system prompt), the message is added to the saved
+conversation (a client continues a TUI or ``kvchat ask`` conversation by name
+alone); otherwise its history is the conversation, and one that does not
+extend the saved one starts a branch there, the old line kept.
 
 Call it from the thread that holds the model: it loads caches and forks them.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvchat import locations, store
+from kvchat.engine.branches import talk
 from kvchat.engine.maintenance import common_prefix
 from kvchat.engine.template import render
+
+from . import anonymous
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
@@ -41,7 +49,7 @@ class Match:
 
     name: str
     session: Session
-    how: str  # "named", "continued", "forked" or "new"
+    how: str  # "named", "continued", "branched", "forked" or "new"
     resumed_from_disk: bool = False
     notice: str | None = None
     previous: list[dict] | None = None  # its transcript before this request's history
@@ -56,11 +64,13 @@ class Match:
 class _Candidate:
     name: str
     ledger: list[int]
-    messages: list[tuple[str, str]]
+    messages: list[tuple[str, str, str]]
 
 
-def _pairs(messages: list[dict]) -> list[tuple[str, str]]:
-    return [(m["role"], m["content"]) for m in messages]
+def _pairs(messages: list[dict]) -> list[tuple[str, str, str]]:
+    """What makes two transcripts the same: each message's role, content and tool fields."""
+    return [(m["role"], m["content"], json.dumps([m.get("tool_calls"), m.get("tool_call_id")],
+                                                 sort_keys=True)) for m in messages]
 
 
 class Matcher:
@@ -70,12 +80,15 @@ class Matcher:
         self.pool, self.lm, self.kind = pool, lm, kind
         self._saved: dict[str, tuple[tuple[int, int], _Candidate | None]] = {}
 
-    def choose(self, history: list[dict], text: str, name: str | None) -> Match:
-        """The session to send ``text`` to after ``history``; its messages are set to
-        ``history`` (or, for a named session, what the rules above say)."""
+    def choose(self, history: list[dict], new: list[dict], name: str | None,
+               tools: list[dict] | None = None) -> Match:
+        """The session to add ``new`` (the user's message, or tools' results) to after
+        ``history``, with ``tools`` offered; its messages are set to ``history`` (or, for
+        a named session, what the rules above say)."""
         if name is not None:
             return self._named(name, history)
-        prompt = render(self.lm, [*history, {"role": "user", "content": text}], True)
+        asked = [*history, *new]
+        prompt = render(self.lm, asked, True, tools)
         wanted = _pairs(history)
         scored = [(common_prefix(c.ledger, prompt), c) for c in self._candidates()]
         same = [(n, c) for n, c in scored if c.messages == wanted]
@@ -84,22 +97,38 @@ class Matcher:
             match = self._open(best.name, "continued")
             match.adopt(list(history))
             return match
-        if scored:
-            n, best = max(scored, key=lambda s: s[0])
-            if n > 0:
-                source = self._open(best.name, "forked")
-                child = source.session.fork_prefix(history)
-                child.messages = list(history)
-                name = self._new_name()
-                self.pool.add(name, child)
-                return Match(name, child, "forked", source.resumed_from_disk, source.notice)
+        rerun = [(n, c) for n, c in scored if anonymous.owns(c.name)
+                 and c.messages[:-1] == _pairs(asked) and c.messages[-1][0] == "assistant"]
+        if rerun:
+            _, best = max(rerun, key=lambda s: s[0])
+            match = self._open(best.name, "branched")
+            match.adopt(list(history))
+            return match
+        return self._fork_or_new(scored, history, prompt)
+
+    def choose_completion(self, prompt: list[int]) -> Match:
+        """A new session for a plain completion of ``prompt`` (its tokens), starting
+        from a copy of the cache that shares the longest prefix with it, if any."""
+        scored = [(common_prefix(c.ledger, prompt), c) for c in self._candidates()]
+        return self._fork_or_new(scored, [], prompt)
+
+    # ------------------------------------------------------------ internal
+
+    def _fork_or_new(self, scored: list[tuple[int, _Candidate]], history: list[dict],
+                     prompt: list[int]) -> Match:
+        """A new session holding ``history``, its cache copied from the best of
+        ``scored`` up to what it shares with ``prompt`` (the new message's tokens too)."""
+        name = anonymous.new_name(self.pool)
+        n, best = max(scored, key=lambda s: s[0], default=(0, None))
+        if n > 0:
+            source = self._open(best.name, "forked")
+            child = source.session.fork_prefix(history, tokens=prompt)
+            self.pool.add(name, child)
+            return Match(name, child, "forked", source.resumed_from_disk, source.notice)
         system = history[0]["content"] if history and history[0]["role"] == "system" else None
-        name = self._new_name()
         session = self.pool.new_session(self.lm, self.kind, system=system, name=name)
         session.messages = list(history)
         return Match(name, session, "new")
-
-    # ------------------------------------------------------------ internal
 
     def _named(self, name: str, history: list[dict]) -> Match:
         if name in self.pool or store.exists(name):
@@ -109,7 +138,7 @@ class Matcher:
             session = self.pool.new_session(self.lm, self.kind, system=system, name=name)
             match = Match(name, session, "named")
         kept = match.session.messages
-        if any(m["role"] == "assistant" for m in history):
+        if talk(history):  # the conversation as the client has it (a branch if it differs)
             match.adopt(list(history))
         else:
             match.adopt([*kept, *(m for m in history if m["role"] != "system" or not kept)])
@@ -171,9 +200,3 @@ class Matcher:
                                    _pairs(data["messages"])) if same_model else None
         self._saved[name] = (stamp, candidate)
         return candidate
-
-    def _new_name(self) -> str:
-        while True:
-            name = f"serve-{secrets.token_hex(4)}"
-            if name not in self.pool and not store.exists(name):
-                return name

@@ -1,16 +1,18 @@
 """What ``POST /v1/chat/completions`` accepts, checked with pydantic before anything runs.
 
-Strict types (``"0.5"`` is not a temperature, ``true`` is not a token count);
-fields kvchat does not use are ignored, as OpenAI's own server ignores what it
-does not know, but the ones it does use are checked. Every problem becomes
+Strict types (``"0.5"`` is not a temperature, ``true`` is not a token count).
+A field kvchat does not honour is refused with a 400 that names it, never
+accepted and ignored; a field sent as ``null`` is taken as not sent (clients
+echo back ``"tool_calls": null`` and the like). Every problem becomes
 :class:`ApiError`, which the app turns into OpenAI's error shape.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvchat import store
 from kvchat.store.schema import _location
@@ -32,27 +34,98 @@ class ApiError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_nulls(cls, data):
+        """A field this model lacks, sent as ``null``, is not sent."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Strict):
+    """A part of a message's content; only ``text`` parts are taken (see :meth:`check`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    type: str
+    text: str | None = None
+
+    def check(self, where: str) -> str:
+        """The part's text, or an :class:`ApiError` saying why it cannot be taken."""
+        if self.type == "text" and self.text is not None:
+            return self.text
+        if self.type == "text":
+            raise ApiError(400, f"'{where}.text': a text part needs its text.",
+                           param=f"{where}.text")
+        what = self.type.removesuffix("_url").replace("_", " ")
+        raise ApiError(400, f"This model takes text only: {what} content parts are not "
+                       f"supported ('{where}' is of type {self.type!r}).", param=where,
+                       code="unsupported_content")
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def plain(self) -> dict:
+        """The call as chat templates take it (its arguments an object, not a string)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments}}
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text or "" for part in self.content)
 
     def plain(self) -> dict:
         """The message as a Session keeps it (``developer`` is the newer name for ``system``)."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        out = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.plain() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Strict):
@@ -62,21 +135,43 @@ class StreamOptions(_Strict):
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
 
 
-class ChatRequest(_Strict):
-    """The fields of a chat completion request that kvchat honours."""
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    json_schema: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: plain text, any JSON object, or JSON valid against a schema
+    (held to it by constrained decoding, :mod:`kvchat.serve.constrain`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def required_schema(self) -> dict | None:
+        """The JSON schema the reply must validate against; None for plain text."""
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ApiError(400, "'response_format.json_schema' is needed with type "
+                           "json_schema.", param="response_format.json_schema")
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.json_schema if self.type == "json_schema" else None
+
+
+class _Generation(_Strict):
+    """The fields every generating request shares (chat and plain completions)."""
 
     model: str | None = None
-    messages: list[Message] = Field(min_length=1, max_length=100_000)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1, lt=1 << 31)
-    max_completion_tokens: int | None = Field(None, ge=1, lt=1 << 31)
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: Seed | None = None
     n: int = Field(1, ge=1, le=1)
-    user: str | None = None
+    user: str | None = None  # the end user's id: any string; it names no session
 
     @field_validator("stop")
     @classmethod
@@ -86,32 +181,125 @@ class ChatRequest(_Strict):
             raise ValueError("up to 4 non-empty strings")
         return stops
 
-    def history(self) -> list[dict]:
-        """Every message but the last, as plain role/content dicts."""
-        return [m.plain() for m in self.messages[:-1]]
+    def token_limit(self) -> int | None:
+        return self.max_tokens
 
-    def last_user_text(self) -> str:
-        last = self.messages[-1]
-        if last.role != "user":
-            raise ApiError(400, "The last message must be the user's: kvchat answers it.",
-                           param="messages")
-        return last.text()
+    def logprobs_wanted(self) -> int | None:
+        """How many alternatives to report with each token's log probability; None: no
+        log probabilities."""
+        return None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Generation):
+    """The fields of a chat completion request that kvchat honours."""
+
+    messages: list[Message] = Field(min_length=1, max_length=100_000)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=1 << 31)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool = True  # false: a reply's first call is its only one
+
+    def _split(self) -> int:
+        """Where the new messages start: the last one if it is the user's, else the run
+        of tool results that ends the conversation."""
+        n = len(self.messages)
+        if self.messages[-1].role == "user":
+            return n - 1
+        at = n
+        while at > 0 and self.messages[at - 1].role == "tool":
+            at -= 1
+        if at == n:
+            raise ApiError(400, "The last message must be the user's or a tool's result: "
+                           "kvchat answers it.", param="messages")
+        return at
+
+    def history(self) -> list[dict]:
+        """The messages before the new ones, as the session keeps them."""
+        return [m.plain() for m in self.messages[:self._split()]]
+
+    def new_messages(self) -> list[dict]:
+        """What this request adds: the user's message, or the tools' results."""
+        return [m.plain() for m in self.messages[self._split():]]
+
+    def tool_specs(self) -> list[dict] | None:
+        """The tools offered to the model (OpenAI's function specs), checked against
+        ``tool_choice``."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise ApiError(400, "'tool_choice' names a tool, but 'tools' offers none.",
+                               param="tool_choice")
+            return None
+        names = [t.function.name for t in self.tools]
+        if isinstance(self.tool_choice, NamedChoice) and self.tool_choice.function.name \
+                not in names:
+            raise ApiError(400, f"'tool_choice' names {self.tool_choice.function.name!r}, "
+                           "which 'tools' does not offer.", param="tool_choice")
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def forced_tools(self) -> list[Tool]:
+        """The tools one of which the reply must call (``required`` or a named one)."""
+        if self.tool_choice == "required":
+            return list(self.tools or [])
+        if isinstance(self.tool_choice, NamedChoice):
+            return [t for t in self.tools or [] if t.function.name == self.tool_choice.function.name]
+        return []
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
-def parse_request(raw: bytes) -> ChatRequest:
-    """Validate a request body; any problem is an :class:`ApiError` naming the field."""
+
+class CompletionRequest(_Generation):
+    """The fields of a plain (legacy) completion request that kvchat honours."""
+
+    prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    def text(self) -> str:
+        """The one prompt (a list must hold exactly one: kvchat answers one at a time)."""
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if len(prompts) != 1 or not prompts[0]:
+            raise ApiError(400, "'prompt' must be one non-empty string.", param="prompt")
+        return prompts[0]
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def parse_request(raw: bytes, model: type[RequestT] = ChatRequest) -> RequestT:
+    """Validate a request body as ``model``; any problem is an :class:`ApiError` naming
+    the field."""
     try:
-        return ChatRequest.model_validate_json(raw)
+        request = model.model_validate_json(raw)
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_input=False)
+    else:
+        for i, message in enumerate(getattr(request, "messages", ())):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                part.check(f"messages[{i}].content[{j}]")
+        return request
     first = errors[0]
     if first["type"] == "json_invalid":
         raise ApiError(400, f"The body is not valid JSON: {first['msg']}.")
     loc = _field_path(first["loc"])
     where = _location(loc) or "body"
+    if first["type"] == "extra_forbidden":
+        raise ApiError(400, f"'{where}' is not supported by kvchat serve: send the request "
+                       "without it (docs/serve-api.md lists what is).", param=where,
+                       code="unsupported_field")
     if where == "messages" and first["type"] == "too_short":
         raise ApiError(400, "'messages' is empty: send at least one message.", param="messages")
     # a union (``stop``: a string or a list) fails once per member: say them together
@@ -127,13 +315,13 @@ def _field_path(loc: tuple) -> tuple:
 _TAGS = {"str", "int", "float", "bool", "none"}
 
 
-def session_name(header: str | None, user: str | None) -> str | None:
-    """The session a request names (``X-Session-Id`` first, then ``user``), checked."""
-    name = header if header is not None else user
-    if name is None:
+def session_name(header: str | None) -> str | None:
+    """The session a request names with ``X-Session-Id``, checked. (OpenAI's ``user`` is
+    the end user's id: one user has many conversations, so it names none.)"""
+    if header is None:
         return None
     try:
-        return store.check_name(name)
+        return store.check_name(header)
     except store.StoreError as exc:
-        param = "X-Session-Id" if header is not None else "user"
-        raise ApiError(400, str(exc), param=param, code="invalid_session_name") from None
+        raise ApiError(400, str(exc), param="X-Session-Id",
+                       code="invalid_session_name") from None

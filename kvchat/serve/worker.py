@@ -5,8 +5,8 @@ Generation is blocking MLX work, so it runs on one worker thread per model
 bytes. A request takes a :class:`~kvchat.engine.scheduler.Scheduler` ticket
 when it arrives, so the queue's length is known at once and a full queue is
 refused (429) before any work. Each job reports back to the event loop
-through an :class:`asyncio.Queue`: a :class:`Started`, the reply's text
-pieces, then a :class:`Finished` (or an :class:`~kvchat.serve.schema.ApiError`).
+through an :class:`asyncio.Queue`: a :class:`Started`, the reply's
+:class:`Piece` s, then a :class:`Finished` (or an :class:`~kvchat.serve.schema.ApiError`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,23 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from kvchat import store
-from kvchat.engine.events import Chunk, SessionError, TurnDone
+from kvchat.engine.events import (
+    Chunk,
+    GenerationSettings,
+    SessionError,
+    TokenLogprobs,
+    TurnDone,
+)
 from kvchat.engine.scheduler import Cancelled, Scheduler, Ticket
+from kvchat.engine.template import encode_plain
 
+from . import anonymous
+from .constrain import JsonConstraint
+from .logprobs import chat_entry, text_of
 from .matching import Match, Matcher
-from .schema import ApiError, ChatRequest
+from .schema import ApiError, ChatRequest, CompletionRequest
+from .tools import marker as tool_marker
+from .tools import plain, split
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
@@ -44,23 +56,36 @@ class Started:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """A piece of the reply's text, with its tokens' log probabilities when asked for
+    (chat-shaped entries, :mod:`kvchat.serve.logprobs`)."""
+
+    text: str
+    logprobs: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
 class Finished:
-    """The reply as the client gets it, why it ended, and the turn's figures."""
+    """The reply as the client gets it, why it ended, and the turn's figures;
+    ``logprobs`` holds every token's entry when they were asked for, else None."""
 
     text: str
     finish_reason: str
     usage: dict
     kvchat: dict
+    logprobs: list[dict] | None = None
+    tool_calls: list[dict] | None = None  # OpenAI's shape: arguments a JSON string
 
 
 @dataclass(eq=False)
 class Job:
     """One chat completion request on its way through the model thread."""
 
-    request: ChatRequest
+    request: ChatRequest | CompletionRequest
     name: str | None
     ticket: Ticket
     loop: asyncio.AbstractEventLoop
+    grammar: str | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     session: Session | None = None
@@ -73,12 +98,16 @@ class Engine:
     """One loaded model behind the HTTP API: its pool, scheduler, matcher and thread.
 
     ``max_queue`` requests may wait behind the running one; more are refused.
+    ``keep_anonymous`` is how many of the sessions it names itself stay saved
+    (:mod:`kvchat.serve.anonymous`; 0: all).
     """
 
     def __init__(self, lm: LoadedModel, pool: SessionPool, *, kind: str = "standard",
                  max_tokens: int = 512, temp: float = 0.0, max_queue: int = 16,
-                 scheduler: Scheduler | None = None):
+                 scheduler: Scheduler | None = None,
+                 keep_anonymous: int = anonymous.DEFAULT_BUDGET):
         self.lm, self.pool = lm, pool
+        self.keep_anonymous = keep_anonymous
         self.scheduler = scheduler or Scheduler()
         self.matcher = Matcher(pool, lm, kind)
         self.max_tokens, self.temp, self.max_queue = max_tokens, temp, max_queue
@@ -86,14 +115,16 @@ class Engine:
         self._owners = count(1)
         self._durations: deque[float] = deque(maxlen=20)
 
-    def submit(self, request: ChatRequest, name: str | None) -> Job:
-        """Queue ``request`` (call from the event loop); raise 429 when the queue is full."""
+    def submit(self, request: ChatRequest | CompletionRequest, name: str | None,
+               grammar: str | None = None) -> Job:
+        """Queue ``request`` (call from the event loop), its reply held to ``grammar`` (an
+        llguidance grammar) if given; raise 429 when the queue is full."""
         if len(self.scheduler.waiting()) >= self.max_queue:
             raise ApiError(429, "The server is busy: too many requests are waiting; retry later.",
                            type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.retry_after())})
         ticket = self.scheduler.request(f"http-{next(self._owners)}")
-        job = Job(request, name, ticket, asyncio.get_running_loop())
+        job = Job(request, name, ticket, asyncio.get_running_loop(), grammar=grammar)
         self._thread.submit(self._run, job)
         return job
 
@@ -148,9 +179,14 @@ class Engine:
 
     def _turn(self, job: Job) -> Finished:
         req = job.request
-        text = req.last_user_text()
+        tools = None
         try:
-            match = self.matcher.choose(req.history(), text, job.name)
+            if isinstance(req, CompletionRequest):
+                text = req.text()
+                match = self.matcher.choose_completion(encode_plain(self.lm, text))
+            else:
+                tools, new = req.tool_specs(), req.new_messages()
+                match = self.matcher.choose(req.history(), new, job.name, tools)
         except store.StoreError as exc:
             raise ApiError(500, str(exc), type="server_error") from None
         session = match.session
@@ -161,43 +197,88 @@ class Engine:
             temp=self.temp if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
         )
+        session.report_logprobs = req.logprobs_wanted()
+        session.logits_processors = [JsonConstraint(self.lm, job.grammar)] if job.grammar else []
+        session.tools = tools
         try:
-            events = session.send(text)
+            if isinstance(req, CompletionRequest):
+                events = session.complete(text)
+            elif new[-1]["role"] == "user":
+                events = session.send(new[-1]["content"])
+            else:  # tools' results: the model answers them
+                session.messages = [*session.messages, *new]
+                events = session.answer()
         except SessionError as exc:  # nothing ran: the session is as it was
-            session.settings = kept_settings
+            self._unset(session, kept_settings)
             if match.previous is not None:
                 session.messages = match.previous
             if not store.exists(match.name):  # created for this request
                 self.pool.drop(match.name)
             code = "context_length_exceeded" if "context" in str(exc) else None
-            raise ApiError(400, str(exc), param="messages", code=code) from None
+            param = "prompt" if isinstance(req, CompletionRequest) else "messages"
+            raise ApiError(400, str(exc), param=param, code=code) from None
         if req.seed is not None:
             mx.random.seed(req.seed % (1 << 64))
         job.session = session
         job.emit(Started(match))
+        calls_wanted = tools is not None and req.tool_choice != "none"
         try:
-            done, reply, hit_stop = self._stream(job, session, events, req.stop)
+            done, reply, hit_stop, logprobs = self._stream(
+                job, session, events, req.stop, tool_marker(self.lm) if calls_wanted else None)
+            content, calls = split(self.lm, reply, tools) if calls_wanted else (reply, [])
+            calls = calls if req.parallel_tool_calls else calls[:1]
+            if calls:  # kept as the client will send it back, the cache following it
+                session.messages[-1] = {"role": "assistant", "content": content,
+                                        "tool_calls": plain(calls)}
+                session.sync()
+            elif hit_stop:  # the transcript keeps what the client got, the cache follows
+                session.messages[-1] = {"role": "assistant", "content": reply}
+                session.sync()
         finally:
             job.session = None
-            session.settings = kept_settings
-        if hit_stop:  # the transcript keeps what the client got, and the cache follows it
-            session.messages[-1] = {"role": "assistant", "content": reply}
-            session.sync()
+            self._unset(session, kept_settings)
         saved, notice = True, match.notice
         try:
             self.pool.save(match.name)
         except store.StoreError as exc:
             saved, notice = False, str(exc)
         self.pool.enforce_budget()
-        return self._finished(match, done, reply, hit_stop, saved, notice)
+        anonymous.keep_within(self.pool, self.keep_anonymous, keep=match.name)
+        finished = self._finished(match, done, content if calls else reply, hit_stop, saved,
+                                  notice)
+        wanted = req.logprobs_wanted() is not None
+        return replace(finished, logprobs=logprobs if wanted else None,
+                       tool_calls=calls or None,
+                       finish_reason="tool_calls" if calls else finished.finish_reason)
 
-    def _stream(self, job: Job, session: Session, events, stops: list[str]):
+    @staticmethod
+    def _unset(session: Session, settings: GenerationSettings) -> None:
+        """Give ``session`` back its own settings, without this request's extras."""
+        session.settings, session.report_logprobs, session.logits_processors = settings, None, []
+        session.tools = None
+
+    def _stream(self, job: Job, session: Session, events, stops: list[str],
+                marker: str | None = None):
         """Forward the reply's text to the client, holding back what could begin a stop
-        string; stop the turn when one appears or the client leaves."""
-        hold = max((len(s) for s in stops), default=1) - 1
+        string; stop the turn when one appears or the client leaves. Text from ``marker``
+        (a tool call's start) on is not sent: the calls are, once parsed. A piece carries
+        the log probabilities of the tokens generated since the last piece."""
+        hold = max((len(s) for s in [*stops, *([marker] if marker else [])]), default=1) - 1
         reply, sent, hit_stop, done = "", 0, False, None
+        entries: list[dict] = []
+        reported = 0  # entries already sent with a piece
+
+        def emit(text: str) -> None:
+            nonlocal reported
+            job.emit(Piece(text, tuple(entries[reported:])))
+            reported = len(entries)
+
         for event in events:
-            if isinstance(event, Chunk) and not hit_stop:
+            if isinstance(event, TokenLogprobs) and not hit_stop:
+                entries.append(chat_entry(self.lm.tokenizer, event))
+            elif isinstance(event, Chunk) and not hit_stop:
+                if entries:  # the text a token adds is the chunk that follows it
+                    text_of(entries[-1], event.text)
                 reply += event.text
                 cut = min((i for i in (reply.find(s, max(0, sent - hold)) for s in stops)
                            if i >= 0), default=-1)
@@ -205,16 +286,22 @@ class Engine:
                     reply, hit_stop = reply[:cut], True
                     session.stop()
                 upto = len(reply) if hit_stop else max(sent, len(reply) - hold)
+                if marker is not None and (at := reply.find(marker)) >= 0:
+                    upto = min(upto, at)
                 if upto > sent:
-                    job.emit(reply[sent:upto])
+                    emit(reply[sent:upto])
                     sent = upto
             elif isinstance(event, TurnDone):
                 done = event
             if job.cancelled.is_set():
                 session.stop()
-        if sent < len(reply) and not job.cancelled.is_set():
-            job.emit(reply[sent:])
-        return done, reply, hit_stop
+        if marker is not None and (at := reply.find(marker)) >= 0:
+            reply_end = max(sent, at)
+        else:
+            reply_end = len(reply)
+        if (sent < reply_end or reported < len(entries)) and not job.cancelled.is_set():
+            emit(reply[sent:reply_end])
+        return done, reply, hit_stop, entries
 
     def _finished(self, match: Match, done: TurnDone, reply: str, hit_stop: bool,
                   saved: bool, notice: str | None) -> Finished:

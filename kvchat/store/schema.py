@@ -30,9 +30,11 @@ class _Strict(BaseModel):
 
 
 class Message(_Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
     stopped: bool = False
+    tool_calls: list[dict] | None = None  # an assistant's calls of the tools it was offered
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
 
 class BranchNode(Message):

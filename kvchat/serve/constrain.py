@@ -1,0 +1,96 @@
+"""Constrained decoding for ``response_format`` (JSON, or JSON of a schema), by llguidance.
+
+:class:`JsonConstraint` is an mlx-lm logits processor: before each sampled token
+it asks llguidance's matcher which tokens may come next and masks the others
+to minus infinity, and it feeds the matcher each token that was sampled. Once
+the JSON is complete only an end token is allowed, so the reply is the JSON
+alone. The engine calls it once per sampled token, in order; each call after
+the first sees the previous sample as its tokens' last
+(:mod:`kvchat.engine.decoding`).
+"""
+
+from __future__ import annotations
+
+import json
+from copy import copy
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+
+from .schema import ApiError
+
+if TYPE_CHECKING:
+    from kvchat.engine.model import LoadedModel
+
+try:
+    import llguidance
+except ImportError:  # an optional dependency: without it response_format is refused
+    llguidance = None
+
+_tokenizers: dict[tuple, Any] = {}  # (model fingerprint, end tokens) -> llguidance's tokenizer
+
+
+def schema_grammar(schema: dict, param: str) -> str:
+    """The llguidance grammar of JSON that validates against ``schema``."""
+    if llguidance is None:
+        raise ApiError(400, f"'{param}' needs the llguidance package, which this server "
+                       "lacks: pip install llguidance.", param=param, code="unsupported_field")
+    try:
+        text = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False})
+    except ValueError as exc:
+        raise ApiError(400, f"'{param}' is not a JSON schema llguidance takes: {exc}.",
+                       param=param) from None
+    return _checked(text, param)
+
+
+def lark_grammar(lark: str, param: str) -> str:
+    """An llguidance grammar from Lark text (JSON schemas inline as ``%json {...}``)."""
+    if llguidance is None:
+        raise ApiError(400, f"'{param}' needs the llguidance package, which this server "
+                       "lacks: pip install llguidance.", param=param, code="unsupported_field")
+    return _checked(llguidance.LLMatcher.grammar_from_lark(lark), param)
+
+
+def _checked(text: str, param: str) -> str:
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    if failed:
+        said = "; ".join(m.rstrip(".") for m in messages)
+        raise ApiError(400, f"'{param}' is not a JSON schema llguidance takes: {said}.",
+                       param=param)
+    return text
+
+
+class JsonConstraint:
+    """An mlx-lm logits processor that allows only tokens continuing ``grammar``."""
+
+    def __init__(self, lm: LoadedModel, grammar_text: str):
+        self._matcher = llguidance.LLMatcher(_tokenizer(lm), grammar_text, log_level=0)
+        self._started = False
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._started:  # the previous call's sample is the tokens' last
+            self._matcher.consume_token(int(tokens[-1].item()))
+        self._started = True
+        if self._matcher.is_error():
+            return logits  # the matcher gave up (it says why); the reply goes on free
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little").astype(bool)
+        vocab = logits.shape[-1]
+        allowed = np.pad(allowed[:vocab], (0, max(0, vocab - allowed.size)))
+        return mx.where(mx.array(allowed), logits, -mx.inf)
+
+
+def _tokenizer(lm: LoadedModel):
+    """llguidance's view of ``lm``'s tokenizer, made once per model (it takes a while)."""
+    key = (lm.fingerprint, tuple(sorted(lm.tokenizer.eos_token_ids)))
+    found = _tokenizers.get(key)
+    if found is None:
+        backend = copy(lm.tokenizer.backend_tokenizer)  # Hugging Face's fast tokenizer
+        backend.no_padding()
+        backend.no_truncation()
+        found = llguidance.LLTokenizer(backend.to_str(),
+                                       eos_token=sorted(lm.tokenizer.eos_token_ids))
+        _tokenizers[key] = found
+    return found

@@ -1,0 +1,74 @@
+"""The reply's JSON in each endpoint's shape: chat completions and plain completions.
+
+A shape is made per request (a plain completion's streamed log probabilities
+count text offsets across chunks). ``whole`` is a non-streamed reply's choice;
+``opening`` (if any), ``piece`` and ``closing`` are a streamed reply's.
+"""
+
+from __future__ import annotations
+
+from .logprobs import completion_shape
+from .worker import Finished, Piece
+
+
+class ChatShape:
+    """``/v1/chat/completions``: a message, or deltas."""
+
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, logprobs: bool):
+        self.logprobs = logprobs
+
+    def opening(self) -> dict | None:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+
+    def piece(self, piece: Piece) -> dict:
+        choice = {"index": 0, "delta": {"content": piece.text}, "finish_reason": None}
+        if self.logprobs:
+            choice["logprobs"] = {"content": list(piece.logprobs)}
+        return choice
+
+    def calls(self, done: Finished) -> dict | None:
+        """The reply's tool calls as one delta (each whole, with its index), if any."""
+        if not done.tool_calls:
+            return None
+        calls = [{"index": i, **call} for i, call in enumerate(done.tool_calls)]
+        return {"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}
+
+    def closing(self, done: Finished) -> dict:
+        return {"index": 0, "delta": {}, "finish_reason": done.finish_reason}
+
+    def whole(self, done: Finished) -> dict:
+        message = {"role": "assistant", "content": done.text or None if done.tool_calls
+                   else done.text}
+        if done.tool_calls:
+            message["tool_calls"] = done.tool_calls
+        return {"index": 0, "finish_reason": done.finish_reason, "message": message,
+                "logprobs": {"content": done.logprobs} if self.logprobs else None}
+
+
+class CompletionShape:
+    """``/v1/completions``: text, or text pieces."""
+
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, logprobs: bool):
+        self.logprobs, self._offset = logprobs, 0
+
+    def opening(self) -> dict | None:
+        return None
+
+    def piece(self, piece: Piece) -> dict:
+        logprobs = completion_shape(list(piece.logprobs), self._offset) if self.logprobs else None
+        self._offset += sum(len(e["token"]) for e in piece.logprobs)
+        return {"index": 0, "text": piece.text, "finish_reason": None, "logprobs": logprobs}
+
+    def calls(self, done: Finished) -> dict | None:
+        return None
+
+    def closing(self, done: Finished) -> dict:
+        return {"index": 0, "text": "", "finish_reason": done.finish_reason, "logprobs": None}
+
+    def whole(self, done: Finished) -> dict:
+        return {"index": 0, "text": done.text, "finish_reason": done.finish_reason,
+                "logprobs": completion_shape(done.logprobs) if self.logprobs else None}
