@@ -69,11 +69,17 @@ def once(model: nn.Module, key: str, find: Callable[[], Any]) -> Any:
     return found[question]
 
 
-def device() -> str:
-    """MLX's default device and its backend, as a refusal names it: "cpu", "gpu (cuda)"."""
+def backend() -> str:
+    """The MLX backend that runs on the default device: "cpu", "cuda" or "metal"."""
     if mx.default_device() == mx.cpu:
         return "cpu"
-    return "gpu (cuda)" if mx.cuda.is_available() else "gpu (metal)"
+    return "cuda" if mx.cuda.is_available() else "metal"
+
+
+def device() -> str:
+    """MLX's default device and its backend, as a refusal names it: "cpu", "gpu (cuda)"."""
+    name = backend()
+    return name if name == "cpu" else f"gpu ({name})"
 
 
 def backend_problem(need: str, bits: int, group: int) -> str | None:
