@@ -44,15 +44,19 @@ def cuda_like(demo_model):
     return dataclasses.replace(demo_model, model=NoQuantizedAttention(demo_model.model))
 
 
-def test_kinds_say_what_they_need_of_the_backend_and_the_cpu_has_it():
+def test_kinds_say_what_they_need_of_the_backend():
     assert parse_kind("quantized:4").needs == (fit.QUANTIZED_ATTENTION,)
     assert parse_kind("rotated:8").needs == (fit.QUANTIZED_ATTENTION,)
     assert parse_kind("rotating:4096").needs == () and parse_kind("standard").needs == ()
+    # a group mlx does not quantize in: the backend's own words come back
+    assert fit.backend_problem(fit.QUANTIZED_ATTENTION, 8, 48).startswith("ValueError: ")
+
+
+@pytest.mark.cpu_only
+def test_the_cpu_backend_runs_quantized_attention():
     assert fit.device() == "cpu"
     for bits in (8, 4):
         assert fit.backend_problem(fit.QUANTIZED_ATTENTION, bits, 64) is None
-    # a group mlx does not quantize in: the backend's own words come back
-    assert fit.backend_problem(fit.QUANTIZED_ATTENTION, 8, 48).startswith("ValueError: ")
 
 
 def test_a_kind_the_attention_cannot_run_is_refused_when_chosen(cuda_like):
