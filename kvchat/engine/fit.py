@@ -10,10 +10,11 @@ does not). A probe runs the model on two tokens and then two more with a
 fresh cache of the kind; the answer is kept for the model's lifetime on each
 device (MLX's default device, the CPU or the GPU, decides which kernels run).
 
-A backend can lack what a kind needs whatever the model: MLX's CUDA backend
-cannot read a quantized cache in attention (``quantized_matmul`` with the
-scores). :func:`backend_problem` runs what a need names, on tiny arrays, once
-per device, so a refusal can say it is the backend and not the model.
+A backend can lack what a kind needs whatever the model: on MLX's CUDA backend
+(0.32.4) the models' attention failed on a quantized cache with a RuntimeError.
+:func:`backend_problem` runs what a need names (mlx-lm's quantized attention)
+on tiny arrays, once per device, so a refusal can say it is the backend and not
+the model; the model probe still runs after it passes.
 """
 
 from __future__ import annotations
