@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.install-stamp
 
-.PHONY: install run demo test bench lint
+.PHONY: install run demo test bench lint check-floors
 
 install: $(STAMP)
 
@@ -29,3 +29,18 @@ bench: install
 
 lint: install
 	$(BIN)/ruff check kvchat tests
+
+# The engine and store tests on the lowest versions pyproject.toml allows (.ci/floors.py
+# pins each floor), in a venv of their own made afresh: the floors it declares stay true.
+# One serve file and one TUI file hold the floors of starlette, uvicorn and textual.
+FLOORS := .venv-floors
+FLOOR_TESTS := tests/test_kinds.py tests/test_session.py tests/test_checkpoint_save.py \
+	tests/test_architectures.py tests/test_store.py tests/test_store_save.py tests/test_schema.py \
+	tests/test_serve.py tests/tui/test_kind_dialog.py
+check-floors: install
+	rm -rf $(FLOORS)
+	$(PY) -m venv $(FLOORS)
+	$(BIN)/python .ci/floors.py > $(FLOORS)/constraints.txt
+	$(FLOORS)/bin/python -m pip install -q --constraint $(FLOORS)/constraints.txt -e . pytest pytest-timeout openai
+	$(FLOORS)/bin/python -m pip list | grep -Ei '^(mlx|mlx-lm|mlx-cpu|textual|numpy|pydantic|starlette|uvicorn) '
+	$(FLOORS)/bin/python -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)

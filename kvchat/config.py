@@ -12,14 +12,10 @@ import math
 import os
 import re
 import tempfile
+import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
-
-try:  # Python 3.11+
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 from kvchat.engine.kinds import CacheKindError, parse_kind
 from kvchat.safety import ascii_int, read_limited

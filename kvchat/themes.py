@@ -9,13 +9,12 @@ of a shipped one replaces it.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import fields
 from pathlib import Path
 
 from textual.color import Color, ColorParseError
 from textual.theme import Theme
-
-from kvchat.config import tomllib
 
 _COLOURS = (
     "primary", "secondary", "warning", "error", "success", "accent",

@@ -11,6 +11,20 @@ import pytest
 import kvchat  # noqa: F401  first, so OpenBLAS is preloaded before any test imports mlx
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked ``cpu_only`` (the CPU fast path, the BLAS) where MLX's
+    default device is not the CPU: on a GPU neither is in the path."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    if device == mx.cpu:
+        return
+    skip = pytest.mark.skip(reason=f"about the CPU fast path or the BLAS; MLX runs on {device}")
+    for item in items:
+        if item.get_closest_marker("cpu_only"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kvchat_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Point KVCHAT_HOME, KVCHAT_CONFIG_DIR and KVCHAT_CACHE_DIR at a session tmp dir."""

@@ -123,6 +123,7 @@ def test_persistence_in_a_temporary_home(run):
     assert run["home_after"] == run["home_before"]
 
 
+@pytest.mark.cpu_only
 def test_blas_probe(run):
     b = run["result"]["blas"]
     if sys.platform.startswith("linux"):
@@ -135,6 +136,7 @@ def test_blas_probe(run):
         assert "skipped" in b
 
 
+@pytest.mark.cpu_only
 def test_cpu_fast_path_on_and_off(run, demo_model):
     rows = run["result"]["cpu"]["rows"]
     assert [r["what"] for r in rows] == [
@@ -155,6 +157,7 @@ def test_cpu_fast_path_on_and_off(run, demo_model):
     assert "## What this machine allows the float32 weights" in run["markdown"]
 
 
+@pytest.mark.cpu_only
 def test_quantized_weights_dequantized_and_packed(run):
     rows = run["result"]["quantized_weights"]["rows"]
     assert [r["weights"] for r in rows] == [

@@ -11,6 +11,8 @@ import pytest
 
 from kvchat import blas
 
+pytestmark = pytest.mark.cpu_only
+
 PROBE = """
 import json, kvchat, mlx.core
 from kvchat import blas

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 from typer.testing import CliRunner
 
 import kvchat
@@ -30,6 +31,12 @@ def test_doctor_json(kvchat_dirs):
     report = json.loads(result.output)
     assert report["kvchat"] == kvchat.__version__
     assert report["device"] in ("cpu", "gpu")
+    assert report["backend"] in (("cpu",) if report["device"] == "cpu" else ("cuda", "metal"))
+    assert report["backends"] in [f"metal {m}, cuda {c}" for m in ("yes", "no") for c in ("yes", "no")]
+    info = mx.device_info()
+    assert report["device_name"] == info["device_name"]
+    memory = info.get("total_memory", info.get("memory_size"))
+    assert report["device_memory"] == (f"{memory / 2**30:.1f} GiB" if memory else "not reported")
     assert report["matmul_gflops"] > 0
     assert report["cache_dir"] == kvchat_dirs["KVCHAT_CACHE_DIR"]
     assert report["data_dir"] == kvchat_dirs["KVCHAT_HOME"]

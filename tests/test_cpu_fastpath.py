@@ -22,6 +22,8 @@ from kvchat.engine.kinds import make_cache, parse_kind
 from kvchat.engine.model import load_model
 from kvchat.engine.session import GenerationSettings, Session, TurnDone
 
+pytestmark = pytest.mark.cpu_only
+
 TOL = 2e-5
 
 

@@ -55,7 +55,8 @@ def run_bench(
 
     Pass ``lm`` (and the seconds it took to load, ``load_s``) to reuse a loaded model.
     """
-    from kvchat.engine.fidelity import evaluate
+    from kvchat.engine.fidelity import DEFAULT_KINDS, evaluate
+    from kvchat.engine.kinds import applicable_kinds
     from kvchat.engine.model import load_model
 
     say = log or (lambda _m: None)
@@ -96,7 +97,8 @@ def run_bench(
                    "prefill_tps": first[0]["on"], "decode_tps": first[1]["on"]}
     result["quantized_weights"] = cpu_bench.quantized_weights(lm, bench.plan, say, float32)
     say("fidelity: KL divergence of each kind against standard")
-    result["fidelity"] = [f.as_dict() for f in evaluate(lm)]
+    runnable = applicable_kinds(lm.model, list(DEFAULT_KINDS))  # the rest: result["kinds"]
+    result["fidelity"] = [f.as_dict() for f in evaluate(lm, runnable)]
     result["profile"] = sweep["points"][-1]["profile"] | {
         "history_tokens": sweep["points"][-1]["history_tokens"],
         "session_ttft_s": sweep["points"][-1]["cached_ttft_s"],

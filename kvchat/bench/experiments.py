@@ -262,7 +262,7 @@ class Bench:
     def kinds(self) -> dict[str, Any]:
         import mlx.core as mx
 
-        from kvchat.engine.kinds import QUANT_GROUP_SIZE
+        from kvchat.engine.kinds import QUANT_GROUP_SIZE, CacheKindError
         from kvchat.engine.session import GenerationSettings
 
         plan = self.plan
@@ -274,6 +274,7 @@ class Bench:
             base = self._session(history)
             base.rebuild("bench")
         rows = []
+        unavailable: dict[str, str] = {}  # kind -> why this backend or model cannot run it
         reference: list[int] | None = None
         for name in plan["kinds"]:
             self._say(f"kinds: {name} at {target} tokens, {plan['agree_tokens']} greedy tokens")
@@ -282,7 +283,12 @@ class Bench:
                 max_tokens=plan["agree_tokens"], temp=0.0, ignore_eos=True
             )
             t0 = time.perf_counter()
-            rebuilt = child.set_kind(name)
+            try:
+                rebuilt = child.set_kind(name)
+            except CacheKindError as error:
+                self._say(f"kinds: {name} is not available on this backend: {error}")
+                unavailable[name] = str(error)
+                continue
             prepare_s = time.perf_counter() - t0
             bpt_history = bytes_per_token(child.cache)
             r = run_turn(child, FOLLOW_UP)
@@ -331,6 +337,7 @@ class Bench:
         return {
             "history_tokens": len(base.ledger),
             "rows": rows,
+            "unavailable": unavailable,
             "at_16_bit": {
                 "standard_bytes_per_token": fp16 * layers,
                 "ratios": keys16,

@@ -179,7 +179,8 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
         [[r["kind"], _f(r["bytes_per_token"]), _f(r["bytes_vs_standard"]),
           _f(r["cache_tokens_after_turn"]), _f(r["ttft_s"]),
           _f(r["gen_tps"]), f"{r['agree_with_standard']}/{r['agree_of']}",
-          _f(r["first_divergence"]), r["prepared"]] for r in k["rows"]],
+          _f(r["first_divergence"]), r["prepared"]] for r in k["rows"]]
+        + [[name, "not available on this backend", *[""] * 7] for name in k["unavailable"]],
         "Bytes per token: each layer's key and value buffers over their token slots, summed "
         "over layers (preallocation slack excluded); \"holds tokens\" is what the cache keeps "
         f"after the turn. The model runs in {result['model']['dtype']}; at 16 bits the standard "
@@ -187,7 +188,8 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
         f"quantized:4 {_f(k['at_16_bit']['ratios']['quantized:8'])} / "
         f"{_f(k['at_16_bit']['ratios']['quantized:4'])} of it. Rotating and chunked kinds "
         "keep only a window, so they diverge by design; quantized kinds were converted from "
-        "the standard cache, the way switching a live session does.",
+        "the standard cache, the way switching a live session does."
+        + "".join(f" {why}" for why in k["unavailable"].values()),
     ))
     ps = result["persistence"]["points"]
     if ps:

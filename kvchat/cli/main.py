@@ -28,8 +28,10 @@ def _print_version(value: bool) -> None:
         return
     import mlx.core as mx
 
+    from kvchat.engine import fit
+
     typer.echo(f"kvchat {kvchat.__version__}")
-    typer.echo(f"mlx {mx.__version__}, device {_device_name()}")
+    typer.echo(f"mlx {mx.__version__}, device {fit.device()}")
     typer.echo(f"BLAS: {blas.describe()}")
     raise typer.Exit()
 
@@ -100,7 +102,7 @@ def _doctor_report() -> dict[str, Any]:
         "mlx": mx.__version__,
         "mlx-lm": package_version("mlx-lm"),
         "textual": package_version("textual"),
-        "device": _device_name(),
+        **_device_report(),
         "blas": blas.describe(),
         "blas_status": blas.info.status,
         "cpu_fastpath": _fastpath(),
@@ -115,6 +117,24 @@ def _fastpath() -> str:
     from kvchat.engine import cpu
 
     return cpu.describe()
+
+
+def _device_report() -> dict[str, Any]:
+    """The default device, the backend that runs on it, and what that backend says of it."""
+    import mlx.core as mx
+
+    from kvchat.engine import fit
+
+    info = mx.device_info()
+    memory = info.get("total_memory", info.get("memory_size"))
+    return {
+        "device": _device_name(),
+        "backend": fit.backend(),
+        "backends": ", ".join(f"{name} {'yes' if up else 'no'}" for name, up in (
+            ("metal", mx.metal.is_available()), ("cuda", mx.cuda.is_available()))),
+        "device_name": str(info.get("device_name", "not reported")),
+        "device_memory": f"{memory / 2**30:.1f} GiB" if isinstance(memory, int) else "not reported",
+    }
 
 
 def _device_name() -> str:

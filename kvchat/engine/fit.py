@@ -7,7 +7,14 @@ and on a chunked one (a mask of the wrong shape). And mlx quantizes a cache
 in groups of 32, 64 or 128 values along the head dimension, so the group must
 divide the model's head size (Phi-3's is 96: 32 fits, mlx-lm's default 64
 does not). A probe runs the model on two tokens and then two more with a
-fresh cache of the kind; the answer is kept for the model's lifetime.
+fresh cache of the kind; the answer is kept for the model's lifetime on each
+device (MLX's default device, the CPU or the GPU, decides which kernels run).
+
+A backend can lack what a kind needs whatever the model: on MLX's CUDA backend
+(0.32.4) the models' attention failed on a quantized cache with a RuntimeError.
+:func:`backend_problem` runs what a need names (mlx-lm's quantized attention)
+on tiny arrays, once per device, so a refusal can say it is the backend and not
+the model; the model probe still runs after it passes.
 """
 
 from __future__ import annotations
@@ -18,12 +25,18 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 GROUP_SIZES = (64, 32)  # preferred first: 64 is mlx-lm's default
 
-# id(model) -> (a weak reference to it, {question: answer})
-_FOUND: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
+# id(model) -> (a weak reference to it, {(device, question): answer})
+_FOUND: dict[int, tuple[weakref.ref, dict[tuple[str, str], Any]]] = {}
+
+QUANTIZED_ATTENTION = "quantized attention"  # attention that reads a quantized cache
+
+# (device, need) -> None or what failed
+_BACKEND: dict[tuple[str, str], str | None] = {}
 
 
 def group_size(model: nn.Module) -> int | str:
@@ -38,21 +51,60 @@ def problem(model: nn.Module, key: str, make: Callable[[], list[Any]]) -> str | 
 
 
 def known(model: nn.Module, key: str) -> bool:
-    """True when the answer to ``key`` for ``model`` was found already."""
+    """True when the answer to ``key`` for ``model`` on this device was found already."""
     ref, found = _FOUND.get(id(model), (None, {}))
-    return ref is not None and ref() is model and key in found
+    return ref is not None and ref() is model and (device(), key) in found
 
 
 def once(model: nn.Module, key: str, find: Callable[[], Any]) -> Any:
-    """``find()``'s answer to ``key`` for ``model``, found the first time and then kept."""
+    """``find()``'s answer to ``key`` for ``model`` on this device, found the first time
+    and then kept."""
     slot = id(model)
     ref, found = _FOUND.get(slot, (None, None))
     if ref is None or ref() is not model:
         found = {}
         _FOUND[slot] = (weakref.ref(model, lambda _: _FOUND.pop(slot, None)), found)
-    if key not in found:
-        found[key] = find()
-    return found[key]
+    question = (device(), key)
+    if question not in found:
+        found[question] = find()
+    return found[question]
+
+
+def backend() -> str:
+    """The MLX backend that runs on the default device: "cpu", "cuda" or "metal"."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    return "cuda" if mx.cuda.is_available() else "metal"
+
+
+def device() -> str:
+    """MLX's default device and its backend, as a refusal names it: "cpu", "gpu (cuda)"."""
+    name = backend()
+    return name if name == "cpu" else f"gpu ({name})"
+
+
+def backend_problem(need: str, bits: int, group: int) -> str | None:
+    """None when MLX's backend on this device can do ``need`` with ``bits``-bit values in
+    groups of ``group``, else what failed (found once per device and need)."""
+    key = (device(), f"{need} {bits} {group}")
+    if key not in _BACKEND:
+        _BACKEND[key] = _backend_problem(need, bits, group)
+    return _BACKEND[key]
+
+
+def _backend_problem(need: str, bits: int, group: int) -> str | None:
+    if need != QUANTIZED_ATTENTION:
+        raise ValueError(f"no probe for {need!r}")
+    queries = mx.zeros((1, 2, 2, group))
+    try:
+        keys, values = (mx.quantize(mx.ones((1, 1, 4, group)), group_size=group, bits=bits)
+                        for _ in range(2))
+        mx.eval(quantized_scaled_dot_product_attention(
+            queries, keys, values, scale=1.0, mask="causal", group_size=group, bits=bits))
+    except Exception as exc:  # the backend says it in its own words
+        said = str(exc).strip().splitlines()[:1]
+        return f"{type(exc).__name__}: {said[0]}" if said else type(exc).__name__
+    return None
 
 
 def _group_size(model: nn.Module) -> int | str:

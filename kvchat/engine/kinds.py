@@ -81,6 +81,12 @@ class CacheKind:
     def description(self) -> str:
         return _FAMILIES[self.family][1]
 
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """What this kind needs of MLX's backend beyond plain attention
+        (:func:`kvchat.engine.fit.backend_problem` finds out whether it has it)."""
+        return (fit.QUANTIZED_ATTENTION,) if self.family in ("quantized", "rotated") else ()
+
     def make_layer(self, keep: int = 0, group_size: int = QUANT_GROUP_SIZE) -> Any:
         """One layer's empty cache of this kind.
 
@@ -154,6 +160,13 @@ def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
             f"cache kind {kind.name!r} cannot apply to it. Use 'standard'."
         )
     group = group_size(model, kind)
+    for need in kind.needs:
+        failed = fit.backend_problem(need, kind.size or 8, group)
+        if failed:
+            raise CacheKindError(
+                f"Cache kind {kind.name!r} is not available on this backend (MLX on "
+                f"{fit.device()}): it cannot run {need} ({failed}). Use 'standard'."
+            )
 
     def made(keep: int) -> list[Any]:
         return [kind.make_layer(keep, group) if type(c) is KVCache else c for c in _own_cache(model)]

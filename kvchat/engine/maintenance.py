@@ -280,6 +280,9 @@ class CacheMaintenance:
         old, self.kind = self.kind, new
         converted = convert_cache(self.cache, old, new, group_size(self.lm.model, new))
         if converted is not None:
-            self.attach(converted, self.ledger)
+            # Only plain key/value layers changed: the sliding-window and recurrent layers,
+            # which are all a checkpoint holds, are the same objects, so the checkpoints stay.
+            self.cache, self._logits = converted, None
+            settle(converted)
             return None
         return self.rebuild(f"cache kind changed from {old.name} to {new.name}", progress)

@@ -281,7 +281,8 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         try:
             prefill_started = time.perf_counter()
             if not zero_prefill:
-                for event in self._prefill(prompt[n:-1], total=evaluated):
+                marks = self._turn_ends(messages, prompt, n)  # checkpoints at the turns it passes
+                for event in self._prefill(prompt[n:-1], evaluated, marks):
                     yield event
                 stopped = self._stop.is_set()
                 if not stopped:
