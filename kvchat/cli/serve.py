@@ -78,7 +78,7 @@ def serve(
     except (ConfigError, CacheKindError) as exc:
         raise _fail(str(exc), 2) from None
     except ValueError as exc:
-        raise _fail(f"--max-body {max_body}: {exc}.", 2) from None
+        raise _fail(f"--max-body {max_body}: {exc}", 2) from None
     lm = load_or_exit(model or config.model)
     try:
         make_cache(lm.model, parse_kind(kind))  # a kind this model cannot use: say so now

@@ -200,6 +200,8 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
             self.config = self.config.override(theme=theme.name)
             try:
                 remember(self.config_path, theme=theme.name)
+            except ConfigError as error:  # the file does not parse: it was left alone
+                self.notify(str(error), severity="warning", markup=False)
             except OSError as error:
                 self.notify(f"Could not remember the theme: {error}", severity="warning")
 

@@ -305,3 +305,20 @@ async def test_themes_are_registered_and_the_choice_is_remembered(make_app, home
         app.theme = "kvchat-light"
         await pilot.pause()
     assert 'theme = "kvchat-light"' in (home / "config" / "config.toml").read_text()
+
+
+async def test_a_theme_change_leaves_a_broken_config_alone_and_says_where(make_app, home):
+    path = home / "config" / "config.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    broken = b'# mine\nmodel = "demo"\ntemp = 0.7x\n\n[keymap]\nsave = "f10"\n'
+    path.write_bytes(broken)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        app.theme = "kvchat-light"
+        await pilot.pause()
+        assert app.theme == "kvchat-light" and app.config.theme == "kvchat-light"
+        assert [n.message for n in app._notifications][-1] == (
+            "config.toml has an error at line 3 (Invalid number); your change applies to this "
+            "run only and the file was left alone.")
+    assert path.read_bytes() == broken
