@@ -12,9 +12,8 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
-from mlx_lm.sample_utils import make_sampler
-
 from .cpu import state as cpu_state
+from .sampling import LogitsProcessor, after, for_settings, process
 
 
 class Decoding:
@@ -22,10 +21,15 @@ class Decoding:
 
     def _sampler(self) -> Callable[[mx.array], mx.array]:
         """This turn's sampler (a sharded run makes every rank take rank 0's token)."""
-        return make_sampler(temp=self.settings.temp, top_p=self._top_p())
+        return for_settings(self.settings)[0]
 
-    def _top_p(self) -> float:
-        return self.settings.top_p if 0.0 < self.settings.top_p < 1.0 else 0.0
+    def _processors(self) -> list[LogitsProcessor]:
+        """This turn's logits processors (the penalties), applied before the sampler."""
+        return for_settings(self.settings)[1]
+
+    def _recent(self) -> list[int]:
+        """The ledger's last tokens, as many as the penalties look at."""
+        return list(self.ledger[-self.settings.repetition_context_size:])
 
     def _evaluate_last(self, token: int) -> None:
         """Evaluate the prompt's last token and keep the log probabilities at its position,
@@ -37,13 +41,15 @@ class Decoding:
             mx.eval(logprobs, [c.state for c in self.cache])
         self._logits = (len(self.ledger), logprobs)
 
-    def _first_token(self, sampler) -> int:
+    def _first_token(self, sampler, processors: list[LogitsProcessor] = ()) -> int:
         """Checkpoint the prompt (for a regenerate or an edit of this turn), then sample
         the reply's first token from the last prompt position's log probabilities."""
         self.checkpoints.keep(self.cache, len(self.ledger))
-        return int(sampler(self._logits[1][None]).item())
+        logits = process(processors, self._recent(), self._logits[1][None])
+        return int(sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item())
 
-    def _continue(self, prompt: list[int], max_tokens: int, sampler) -> Iterator[int]:
+    def _continue(self, prompt: list[int], max_tokens: int, sampler,
+                  processors: list[LogitsProcessor] = ()) -> Iterator[int]:
         """Feed ``prompt`` (the reply's first token) and yield up to ``max_tokens`` more
         sampled tokens, keeping the ledger exact.
 
@@ -58,12 +64,14 @@ class Decoding:
         if not prompt or max_tokens <= 0:
             return
         if cpu_state.active():
-            yield from self._continue_eager(prompt, max_tokens, sampler)
+            yield from self._continue_eager(prompt, max_tokens, sampler, processors)
             return
+        history = self._recent()
         self.ledger.extend(prompt)
         gen = generate_step(
             mx.array(prompt), self.lm.model, prompt_cache=self.cache,
             sampler=sampler, max_tokens=max_tokens,
+            logits_processors=after(history, processors, self.settings.repetition_context_size),
         )
         try:
             for token, _ in gen:
@@ -72,7 +80,8 @@ class Decoding:
         finally:
             gen.close()
 
-    def _continue_eager(self, prompt: list[int], max_tokens: int, sampler) -> Iterator[int]:
+    def _continue_eager(self, prompt: list[int], max_tokens: int, sampler,
+                        processors: list[LogitsProcessor] = ()) -> Iterator[int]:
         """:meth:`_continue` without look-ahead: a token joins the ledger when it is fed,
         so the last one sampled (at a stop, an end token or the length limit) is not in
         the cache, and the next turn's prefix match evaluates it with the new message."""
@@ -81,6 +90,7 @@ class Decoding:
             for _ in range(max_tokens):
                 self.ledger.extend(feed)
                 logits = self.lm.model(mx.array(feed)[None], cache=self.cache)[:, -1, :]
+                logits = process(processors, self._recent(), logits)
                 sampled = sampler(logits - mx.logsumexp(logits, keepdims=True))
                 mx.eval(sampled)  # nothing lazy survives into another thread's turn
                 token = int(sampled.item())
