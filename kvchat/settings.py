@@ -270,6 +270,25 @@ def apply_overrides(base: T, *layers: Mapping[str, Any]) -> T:
     return replace(base, **merged)  # type: ignore[type-var]
 
 
+def model_fields(settings: tuple[Setting, ...], *, api: bool = False) -> dict[str, Any]:
+    """pydantic fields (``create_model``'s keyword arguments) for ``settings``: named by
+    their API field when ``api`` (then optional, None meaning "not given"), with their
+    types and ranges."""
+    from pydantic import Field
+
+    out: dict[str, Any] = {}
+    for s in settings:
+        bounds: dict[str, Any] = {"gt" if s.low_open else "ge": s.low} if s.low is not None else {}
+        if s.high is not None:
+            bounds["le"] = s.high
+        elif s.type is int:
+            bounds["lt"] = 1 << 53
+        optional = api or s.optional
+        kind = (s.type | None) if optional else s.type
+        out[s.api if api else s.name] = (kind, Field(None if api else s.default, **bounds))
+    return out
+
+
 def generation_of(config: Any, **extra: Any) -> GenerationSettings:
     """The generation settings of a :class:`~kvchat.config.Config` (new sessions start so)."""
     return GenerationSettings(**{s.name: getattr(config, s.name) for s in GENERATION}, **extra)

@@ -67,6 +67,7 @@ def serve(
     from kvchat.config import ConfigError, load_config, parse_size
     from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
     from kvchat.serve import Engine, create_app
+    from kvchat.settings import generation_of
 
     if not is_loopback(host) and not api_key:
         raise _fail(f"--host {host} is reachable from other machines: give --api-key too "
@@ -84,8 +85,8 @@ def serve(
         make_cache(lm.model, parse_kind(kind))  # a kind this model cannot use: say so now
     except CacheKindError as exc:
         raise _fail(str(exc), 2) from None
-    engine = Engine(lm, serve_pool(lm, config), kind=kind, max_tokens=config.max_tokens,
-                    temp=config.temp, max_queue=max_queue)
+    engine = Engine(lm, serve_pool(lm, config), kind=kind,
+                    settings=generation_of(config), max_queue=max_queue)
     typer.echo(f"kvchat: serving {lm.model_id} on http://{host}:{port}/v1", err=True)
     try:
         uvicorn.run(create_app(engine, api_key=api_key, max_body_bytes=body_limit),

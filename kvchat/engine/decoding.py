@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
+
 from .cpu import state as cpu_state
 from .sampling import LogitsProcessor, after, for_settings, process
 

@@ -8,11 +8,12 @@ does not know, but the ones it does use are checked. Every problem becomes
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from kvchat import store
+from kvchat.settings import API, model_fields
 from kvchat.store.schema import _location
 
 
@@ -59,22 +60,20 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
+# the sampling fields (temperature, top_p, top_k, min_p, the penalties, seed, max_tokens),
+# with the ranges kvchat/settings.py declares for them
+_Sampling = create_model("_Sampling", __base__=_Strict, **model_fields(API, api=True))
 
 
-class ChatRequest(_Strict):
+class ChatRequest(_Sampling):
     """The fields of a chat completion request that kvchat honours."""
 
     model: str | None = None
     messages: list[Message] = Field(min_length=1, max_length=100_000)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1, lt=1 << 31)
     max_completion_tokens: int | None = Field(None, ge=1, lt=1 << 31)
     stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: Seed | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
 
@@ -99,6 +98,11 @@ class ChatRequest(_Strict):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def sampling(self) -> dict[str, object]:
+        """The generation settings this request gives, by setting name (None: not given)."""
+        given = {s.name: getattr(self, s.api) for s in API}
+        return {**given, "max_tokens": self.token_limit()}
 
 
 def parse_request(raw: bytes) -> ChatRequest:

@@ -21,11 +21,10 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-
 from kvchat import store
-from kvchat.engine.events import Chunk, SessionError, TurnDone
+from kvchat.engine.events import Chunk, GenerationSettings, SessionError, TurnDone
 from kvchat.engine.scheduler import Cancelled, Scheduler, Ticket
+from kvchat.settings import GENERATION, apply_overrides
 
 from .matching import Match, Matcher
 from .schema import ApiError, ChatRequest
@@ -76,12 +75,15 @@ class Engine:
     """
 
     def __init__(self, lm: LoadedModel, pool: SessionPool, *, kind: str = "standard",
-                 max_tokens: int = 512, temp: float = 0.0, max_queue: int = 16,
+                 settings: GenerationSettings | None = None, max_queue: int = 16,
                  scheduler: Scheduler | None = None):
         self.lm, self.pool = lm, pool
         self.scheduler = scheduler or Scheduler()
         self.matcher = Matcher(pool, lm, kind)
-        self.max_tokens, self.temp, self.max_queue = max_tokens, temp, max_queue
+        # the sampling of a request that gives none (the config's), whatever a session kept
+        given = settings or GenerationSettings()
+        self.sampling = {s.name: getattr(given, s.name) for s in GENERATION}
+        self.max_queue = max_queue
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvchat-model")
         self._owners = count(1)
         self._durations: deque[float] = deque(maxlen=20)
@@ -155,12 +157,9 @@ class Engine:
             raise ApiError(500, str(exc), type="server_error") from None
         session = match.session
         kept_settings = session.settings
-        session.settings = replace(
-            kept_settings,
-            max_tokens=req.token_limit() or self.max_tokens,
-            temp=self.temp if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-        )
+        # the server's settings, then the request's: a field it leaves out is the server's
+        session.settings = apply_overrides(replace(kept_settings, **self.sampling),
+                                           req.sampling())
         try:
             events = session.send(text)
         except SessionError as exc:  # nothing ran: the session is as it was
@@ -171,8 +170,6 @@ class Engine:
                 self.pool.drop(match.name)
             code = "context_length_exceeded" if "context" in str(exc) else None
             raise ApiError(400, str(exc), param="messages", code=code) from None
-        if req.seed is not None:
-            mx.random.seed(req.seed % (1 << 64))
         job.session = session
         job.emit(Started(match))
         try:
