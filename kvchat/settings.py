@@ -36,7 +36,12 @@ MAX_NUMBER = 1 << 60  # no count, size or time kvchat takes comes near this
 
 
 class ConfigError(ValueError):
-    """A setting that cannot be used; the message names where it came from and the key."""
+    """A setting that cannot be used; the message names where it came from and the key.
+    ``reason`` is the message's last part alone (why the value cannot be used), or ""."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ class Setting:
         except ValueError as error:
             shown = literal(value)
             shown = shown if len(shown) <= 40 else shown[:36] + "..."
-            raise ConfigError(f"{source} = {shown}: {error}") from None
+            raise ConfigError(f"{source} = {shown}: {error}", str(error)) from None
 
     def _check(self, value: Any) -> Any:
         if value is None and self.optional:
@@ -116,6 +121,9 @@ class Setting:
         stripped = text.strip()
         if self.optional and not stripped:
             return None
+        what = {bool: "true or false", int: "a whole number", float: "a number"}.get(self.type)
+        if what and not stripped:
+            raise ConfigError(f"{source} is empty: give {what}.")
         value: Any = text
         try:
             if self.type is bool and self.convert is None:
@@ -126,7 +134,6 @@ class Setting:
             elif self.type is float:
                 value = float(stripped)
         except (KeyError, ValueError):
-            what = {bool: "true or false", int: "a whole number", float: "a number"}[self.type]
             raise ConfigError(f"{source} must be {what}, not {stripped[:40]!r}.") from None
         return self.check(value, source)
 

@@ -53,11 +53,11 @@ class ShardedMixin:
         if not self.sharded:
             return super().new_session(name, lm)
         from kvchat.engine.distributed import new_session
-        from kvchat.engine.session import GenerationSettings
+        from kvchat.settings import generation_of
 
         c = self.config
         session = new_session(self.lm, kind=self._fitting_kind(self.lm), system=c.system or None,
-                              settings=GenerationSettings(max_tokens=c.max_tokens, temp=c.temp))
+                              settings=generation_of(c))
         if name is not None:
             self.pool.add(name, session)
         return session
