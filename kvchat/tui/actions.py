@@ -7,7 +7,7 @@ A mixin of :class:`~kvchat.tui.app.KvChatApp`.
 from __future__ import annotations
 
 from kvchat import store
-from kvchat.engine.kinds import EXAMPLE_KINDS, applicable_kinds, known_applicable_kinds
+from kvchat.engine.kinds import OFFERED_KINDS, applicable_kinds, known_applicable_kinds
 
 from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
 from .widgets.sidebar import user_turns
@@ -86,13 +86,13 @@ class ActionsMixin:
 
         # Which kinds the model takes is found by running it on each, once per model (see
         # kvchat.engine.fit): in the tab's worker the first time, then from the answers kept.
-        known = known_applicable_kinds(model, list(EXAMPLE_KINDS))
+        known = known_applicable_kinds(model, list(OFFERED_KINDS))
         if known is not None:
             show(known)
             return
         conversation.run_job(
             "checking cache kinds",
-            lambda progress: applicable_kinds(model, list(EXAMPLE_KINDS)),
+            lambda progress: applicable_kinds(model, list(OFFERED_KINDS)),
             show,
             needs_cache=False,
         )

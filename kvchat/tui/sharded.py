@@ -35,9 +35,9 @@ class ShardedMixin:
         cache kinds the model takes is found out now, on every rank together: the kind
         dialog and new sessions then ask rank 0's kept answers, running nothing."""
         from kvchat.engine.distributed import probe_kinds
-        from kvchat.engine.kinds import EXAMPLE_KINDS
+        from kvchat.engine.kinds import OFFERED_KINDS
 
-        probe_kinds(lm, list(dict.fromkeys([*EXAMPLE_KINDS, self.config.cache])))
+        probe_kinds(lm, list(dict.fromkeys([*OFFERED_KINDS, self.config.cache])))
         self.sharded = True
         self.lm = lm
         self.models.retain(lm)
