@@ -111,9 +111,13 @@ class ActionsMixin:
     async def action_regenerate(self) -> None:
         conversation = self.idle_conversation()
         if conversation is not None and await conversation.regenerate():
-            if conversation.session.settings.temp <= 0:
+            settings = conversation.session.settings
+            if settings.temp <= 0:
                 self.notify("Temperature is 0 (greedy): the same reply comes again; "
                             "raise it with --temp or temp in the config file.", timeout=8)
+            elif settings.seed is not None:
+                self.notify(f"Seed {settings.seed} is set: the same reply comes again; "
+                            "clear it in the tab's settings (F9).", timeout=8)
 
     def action_drop(self) -> None:
         conversation = self.idle_conversation()

@@ -194,7 +194,8 @@ async def test_cache_kind_switch_and_reset(make_app):
         await pilot.click("#btn-kind")
         await pilot.pause()
         await until(pilot, lambda: app.focused is app.screen.query_one("#kind-options"))
-        await pilot.press("down", "down", "down", "enter")  # past rotated:4 to rotating:4096,
+        await pilot.press("down", "down", "down", "down", "enter")  # past rotated:8 and :4 to
+        # rotating:4096,
         # which is rebuilt from the transcript
         await settle(pilot)
         assert session.kind.name == "rotating:4096"
