@@ -32,7 +32,6 @@ from tomlkit.items import String, StringType
 
 from kvchat.safety import read_limited
 from kvchat.settings import (
-    KEYS,
     SETTINGS,
     ConfigError,
     apply_overrides,
@@ -43,11 +42,9 @@ from kvchat.settings import (
     toml_string,
 )
 
-__all__ = ["KEYS", "Config", "ConfigError", "load_config", "parse_config", "parse_size",
-           "remember"]
+__all__ = ["Config", "ConfigError", "load_config", "parse_config", "parse_size", "remember",
+           "tomllib", "write_atomic"]
 
-DEFAULT_MODEL = "demo"
-DEFAULT_THEME = "kvchat-dark"
 MAX_FILE_BYTES = 1 << 20  # a settings file is a few hundred bytes
 
 

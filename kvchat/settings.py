@@ -74,12 +74,12 @@ class Setting:
     def out_of_range(self) -> str:
         if self.rule:
             return self.rule
+        more = "more than" if self.low_open else "at least"
         if self.low is not None and self.high is not None:
-            more = "more than" if self.low_open else "at least"
-            return f"must be {more} {self.low:g} and at most {self.high:g}."
+            return f"must be {more} {_number(self.low)} and at most {_number(self.high)}."
         if self.low is not None:
-            return f"must be {'more than' if self.low_open else 'at least'} {self.low:g}."
-        return f"must be at most {self.high:g}."
+            return f"must be {more} {_number(self.low)}."
+        return f"must be at most {_number(self.high)}."
 
     def check(self, value: Any, source: str) -> Any:
         """``value`` checked and normalised; :class:`ConfigError` says ``source = value: why``."""
@@ -109,7 +109,9 @@ class Setting:
                              "expected a whole number.")
         if not math.isfinite(value) or self._outside(value):
             raise ValueError(self.out_of_range())
-        return float(value) if self.type is float else _bounded(value)
+        if self.type is float:
+            return float(value)
+        return value if self.high is not None else _bounded(value)
 
     def _outside(self, value: float) -> bool:
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
@@ -136,6 +138,10 @@ class Setting:
         except (KeyError, ValueError):
             raise ConfigError(f"{source} must be {what}, not {stripped[:40]!r}.") from None
         return self.check(value, source)
+
+
+def _number(bound: float | None) -> str:
+    return str(int(bound)) if float(bound or 0).is_integer() else f"{bound:g}"
 
 
 def _bounded(value: int) -> int:

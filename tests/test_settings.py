@@ -52,7 +52,9 @@ def test_the_environment_sits_between_the_file_and_the_flags(tmp_path):
     path.write_text('model = "demo:random"\ntemp = 0.3\nseed = 5\n')
     config = load_config(path, environ={"KVCHAT_TEMP": "0.9", "KVCHAT_SEED": " "})
     assert (config.model, config.temp, config.seed) == ("demo:random", 0.9, 5)  # empty: unset
-    assert apply_overrides(config, {"temp": 0.1}).temp == 0.1
+    assert apply_overrides(config, {"temp": 0.1, "seed": 2**64 - 1}).seed == 2**64 - 1
+    with pytest.raises(ConfigError, match=r"^--seed = 18446744073709551616: must be at least"):
+        apply_overrides(config, {"seed": 2**64})
     assert generation_of(config) == GenerationSettings(temp=0.9, seed=5)
     assert from_env({"KVCHAT_MEMORY_BUDGET": "2GiB", "KVCHAT_CACHE": "Rotated:8",
                      "OTHER": "1"}) == {"memory_budget": 2 << 30, "cache": "rotated:8"}
