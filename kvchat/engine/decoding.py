@@ -8,7 +8,7 @@ stays exact: a token joins it when its keys and values join the cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
@@ -42,7 +42,7 @@ class Decoding:
             mx.eval(logprobs, [c.state for c in self.cache])
         self._logits = (len(self.ledger), logprobs)
 
-    def _first_token(self, sampler, processors: list[LogitsProcessor] = ()) -> int:
+    def _first_token(self, sampler, processors: Sequence[LogitsProcessor] = ()) -> int:
         """Checkpoint the prompt (for a regenerate or an edit of this turn), then sample
         the reply's first token from the last prompt position's log probabilities."""
         self.checkpoints.keep(self.cache, len(self.ledger))
@@ -50,7 +50,7 @@ class Decoding:
         return int(sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item())
 
     def _continue(self, prompt: list[int], max_tokens: int, sampler,
-                  processors: list[LogitsProcessor] = ()) -> Iterator[int]:
+                  processors: Sequence[LogitsProcessor] = ()) -> Iterator[int]:
         """Feed ``prompt`` (the reply's first token) and yield up to ``max_tokens`` more
         sampled tokens, keeping the ledger exact.
 
@@ -82,7 +82,7 @@ class Decoding:
             gen.close()
 
     def _continue_eager(self, prompt: list[int], max_tokens: int, sampler,
-                        processors: list[LogitsProcessor] = ()) -> Iterator[int]:
+                        processors: Sequence[LogitsProcessor] = ()) -> Iterator[int]:
         """:meth:`_continue` without look-ahead: a token joins the ledger when it is fed,
         so the last one sampled (at a stop, an end token or the length limit) is not in
         the cache, and the next turn's prefix match evaluates it with the new message."""
