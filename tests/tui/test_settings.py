@@ -198,3 +198,25 @@ async def test_max_tokens_and_temp_flags_win_over_a_resumed_sessions_saved_ones(
         await settle(pilot)
     assert store.read("chat")["settings"]["max_tokens"] == 3
     assert store.read("chat")["settings"]["temp"] == 0.0
+
+
+async def test_a_seed_set_in_f9_makes_a_regenerate_give_the_same_sampled_reply(make_app, endless):
+    app = make_app(max_tokens=12)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        session = app.active_conversation().session
+        await edit_settings(pilot, temp="1.5", seed="5")
+        await apply(pilot)
+        await send(pilot, "hello there")
+        first = session.messages[-1]["content"]
+        await pilot.press("f5")
+        await settle(pilot)
+        assert session.messages[-1]["content"] == first
+        assert ("Seed 5 is set: the same reply comes again; clear it in the tab's settings "
+                "(F9).") in notices(app)
+        await edit_settings(pilot, seed="")
+        await apply(pilot)
+        assert session.settings.seed is None
+        await pilot.press("f5")
+        await settle(pilot)
+        assert session.messages[-1]["content"] != first  # sampled at 1.5, unseeded
