@@ -15,6 +15,7 @@ import urllib.request
 import openai
 import uvicorn
 
+from kvchat.engine.events import GenerationSettings
 from kvchat.pool import SessionPool
 from kvchat.serve import DEFAULT_MAX_BODY, Engine, create_app
 
@@ -27,8 +28,9 @@ class Server:
     def __init__(self, lm, *, api_key: str | None = None, max_queue: int = 16,
                  max_body_bytes: int = DEFAULT_MAX_BODY, pool: SessionPool | None = None,
                  kind: str = "standard", keep_anonymous: int = 64):
-        self.engine = Engine(lm, pool or SessionPool(), kind=kind, max_tokens=16,
-                             max_queue=max_queue, keep_anonymous=keep_anonymous)
+        self.engine = Engine(lm, pool or SessionPool(), kind=kind,
+                             settings=GenerationSettings(max_tokens=16), max_queue=max_queue,
+                             keep_anonymous=keep_anonymous)
         app = create_app(self.engine, api_key=api_key, max_body_bytes=max_body_bytes)
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                 timeout_graceful_shutdown=5)

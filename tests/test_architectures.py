@@ -14,7 +14,7 @@ from kvchat import store
 from kvchat.cli import app
 from kvchat.engine import checkpoints
 from kvchat.engine.events import GenerationSettings, TurnDone
-from kvchat.engine.kinds import EXAMPLE_KINDS, CacheKindError, applicable_kinds
+from kvchat.engine.kinds import OFFERED_KINDS, CacheKindError, applicable_kinds
 from kvchat.engine.session import Session
 from tests.arch_models import SHAPES
 from tests.helpers import turn
@@ -50,8 +50,8 @@ FITTING = {  # the README's table
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_each_family_takes_the_kinds_the_readme_lists(arch, name):
     lm = arch(name)
-    fitting = applicable_kinds(lm.model, list(EXAMPLE_KINDS))
-    assert fitting == FITTING.get(name, list(EXAMPLE_KINDS))
+    fitting = applicable_kinds(lm.model, list(OFFERED_KINDS))
+    assert fitting == FITTING.get(name, list(OFFERED_KINDS))
     for kind in fitting:
         session = Session(lm, kind=kind, settings=GREEDY)
         turn(session, FIRST)
@@ -65,7 +65,7 @@ def test_gemma2_refuses_quantized_kinds_and_keeps_the_session(arch):
         Session(lm, kind="quantized:8")
     with pytest.raises(CacheKindError, match="attention cannot read a chunked cache"):
         Session(lm, kind="chunked:2048")  # its own mask does not fit a chunked cache
-    assert applicable_kinds(lm.model, list(EXAMPLE_KINDS)) == [
+    assert applicable_kinds(lm.model, list(OFFERED_KINDS)) == [
         "standard", "rotating:4096", "concatenate"]
 
     session = Session(lm, settings=GREEDY)

@@ -157,3 +157,21 @@ def test_sessions_commands(home):
     assert out.returncode == 0 and "Removed 0" in out.stdout
     assert inproc("sessions", "rm", "s1").returncode == 0
     assert [s.name for s in store.list_sessions()] == ["s2"]
+
+
+def test_every_generation_setting_is_a_flag_checked_and_saved(home):
+    from kvchat.settings import FLAGS
+
+    shown = " ".join(inproc("ask", "--help").stdout.split())
+    assert all(s.option in shown for s in FLAGS)  # --top-k, --min-p, --seed, ...
+    greedy = quick_ask("--temp", "0", "Tell me about the cache.")["reply"]
+    assert quick_ask("--temp", "1.5", "--top-k", "1", "Tell me about the cache.")["reply"] == greedy
+    ask("--session", "p", "--top-k", "5", "--repetition-penalty", "1.2", "--seed", "9", "Hi.",
+        run=inproc)
+    saved = store.read("p")["settings"]
+    assert (saved["top_k"], saved["repetition_penalty"], saved["seed"]) == (5, 1.2, 9)
+    ask("--session", "p", "--min-p", "0.1", "Go on.", run=inproc)  # the others stay saved
+    saved = store.read("p")["settings"]
+    assert (saved["top_k"], saved["seed"], saved["min_p"]) == (5, 9, 0.1)
+    out = inproc("ask", "--top-k", "-1", "Hi.")
+    assert out.returncode == 2 and "--top-k = -1: must be at least 0." in out.stderr

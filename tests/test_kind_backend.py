@@ -13,7 +13,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvchat.bench.experiments import Bench
 from kvchat.engine import fit
 from kvchat.engine.events import GenerationSettings
-from kvchat.engine.kinds import EXAMPLE_KINDS, CacheKindError, applicable_kinds, parse_kind
+from kvchat.engine.kinds import OFFERED_KINDS, CacheKindError, applicable_kinds, parse_kind
 from kvchat.engine.session import Session
 from tests.helpers import turn
 
@@ -60,8 +60,8 @@ def test_the_cpu_backend_runs_quantized_attention():
 
 
 def test_a_kind_the_attention_cannot_run_is_refused_when_chosen(cuda_like):
-    assert applicable_kinds(cuda_like.model, list(EXAMPLE_KINDS)) == [
-        k for k in EXAMPLE_KINDS if parse_kind(k).family not in ("quantized", "rotated")]
+    assert applicable_kinds(cuda_like.model, list(OFFERED_KINDS)) == [
+        k for k in OFFERED_KINDS if parse_kind(k).family not in ("quantized", "rotated")]
     with pytest.raises(CacheKindError, match=r"^Cache kind 'quantized:8' cannot apply to this "
                        r"model: its attention cannot read a quantized cache \(RuntimeError\)"):
         Session(cuda_like, kind="quantized:8")

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import (
 )
 
 from kvchat.engine.kinds import (
-    EXAMPLE_KINDS,
+    OFFERED_KINDS,
     CacheKindError,
     cache_bytes,
     make_cache,
@@ -51,8 +51,19 @@ def test_kind_parameters_reach_the_cache(demo_model):
     assert make_cache(demo_model.model, parse_kind("rotating:256"), keep=1000)[0].keep == 128
 
 
+def test_the_families_make_the_picker_list_and_the_error_text():
+    assert OFFERED_KINDS == ("standard", "quantized:8", "quantized:4", "rotated:8", "rotated:4",
+                             "rotating:4096", "chunked:2048", "concatenate")
+    with pytest.raises(CacheKindError) as error:
+        parse_kind("bogus")
+    assert str(error.value) == (
+        "Unknown cache kind 'bogus'; use one of: standard, quantized:8|4, rotated:8|4, "
+        "rotating:N, chunked:N, concatenate.")
+    assert parse_kind("rotated:8").quantized and not parse_kind("rotating:64").quantized
+
+
 def test_examples_parse_and_names_normalise():
-    assert [parse_kind(k).name for k in EXAMPLE_KINDS] == list(EXAMPLE_KINDS)
+    assert [parse_kind(k).name for k in OFFERED_KINDS] == list(OFFERED_KINDS)
     assert parse_kind("  Quantized:4 ").name == "quantized:4"
 
 

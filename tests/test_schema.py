@@ -126,3 +126,16 @@ def test_valid_files_keep_every_field_they_have(demo_model, saved):
 def test_settings_schema_has_the_engine_fields():
     assert set(Settings.model_fields) == {f.name for f in fields(GenerationSettings)}
     assert Settings().model_dump() == vars(GenerationSettings())
+
+
+def test_every_sampling_setting_survives_save_and_load(demo_model, home):
+    chosen = GenerationSettings(max_tokens=7, temp=0.9, top_p=0.8, top_k=12, min_p=0.05,
+                                repetition_penalty=1.3, repetition_context_size=64,
+                                presence_penalty=0.4, frequency_penalty=-0.5, seed=2**63 + 5)
+    assert all(getattr(chosen, f.name) != f.default for f in fields(GenerationSettings)
+               if f.name not in ("prefill_step", "ignore_eos"))  # none left at its default
+    session = Session(demo_model, settings=chosen)
+    [e for e in session.send("Hello.") if isinstance(e, TurnDone)]
+    folder = store.save(session, "sampled")
+    assert json.loads((folder / "session.json").read_text())["settings"]["top_k"] == 12
+    assert store.load("sampled", demo_model).session.settings == chosen

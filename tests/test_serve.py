@@ -256,3 +256,20 @@ def test_the_servers_cache_kind_is_used_and_kept(demo_model, home):
         assert body2["kvchat"]["cache_kind"] == "quantized:8"
         assert body2["kvchat"]["reused_tokens"] == body["kvchat"]["ledger_tokens"]
     assert store.read(body["kvchat"]["session"])["cache_kind"] == "quantized:8"
+
+
+def test_every_sampling_setting_is_a_request_field_and_honoured(demo_model, home):
+    from kvchat.serve.schema import ChatRequest
+    from kvchat.settings import GENERATION
+
+    assert {s.api for s in GENERATION} <= set(ChatRequest.model_fields)
+    ask = [{"role": "user", "content": "Tell me about the cache."}]
+    with Server(demo_model) as server:
+        greedy = chat(server.client, ask, max_tokens=10, temperature=0)[0]
+        top_1 = chat(server.client, ask, max_tokens=10, temperature=1.5, seed=3,
+                     extra_body={"top_k": 1})[0]
+        sampled = chat(server.client, ask, max_tokens=10, temperature=1.5, seed=3)[0]
+        again = chat(server.client, ask, max_tokens=10, temperature=1.5, seed=3)[0]
+        with pytest.raises(openai.BadRequestError, match="top_k"):
+            chat(server.client, ask, max_tokens=4, extra_body={"top_k": -1})
+    assert top_1 == greedy and sampled == again != greedy

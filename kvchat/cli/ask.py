@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kvchat.safety import dumps_json, printable
 
-if TYPE_CHECKING:
-    pass
-
-from .common import _as_text, _fail, app, load_or_exit
+from .common import _as_text, _fail, app, load_or_exit, setting_options
 
 
 @app.command()
+@setting_options
 def ask(
     text: Annotated[str, typer.Argument(help="The message; '-' reads standard input.")],
     session: Annotated[
@@ -27,12 +25,11 @@ def ask(
     ] = None,
     cache: Annotated[str | None, typer.Option(help="Cache kind, e.g. quantized:8.")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt for a new session.")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="Longest reply, in tokens.")] = None,
-    temp: Annotated[float | None, typer.Option(help="Sampling temperature (0 = greedy).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the reply and stats as JSON.")] = False,
     stats: Annotated[
         bool, typer.Option("--stats", help="After the reply, print the turn's figures on stderr.")
     ] = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Answer one message from the shell, streaming the reply to stdout as it is written.
 
@@ -44,14 +41,16 @@ def ask(
     from kvchat.config import ConfigError, load_config
     from kvchat.engine.distributed import load_session, new_session, save_session
     from kvchat.engine.kinds import CacheKindError, parse_kind
-    from kvchat.engine.session import GenerationSettings, SessionError
+    from kvchat.engine.session import SessionError
+    from kvchat.settings import apply_overrides, generation_of
 
     text = _as_text(sys.stdin.buffer.read() if text == "-" else text, "the message")
     system = _as_text(system, "--system") if system is not None else None
     if not text.strip():
         raise _fail("Nothing to send: the message is empty.", 2)
     try:
-        config = load_config().override(max_tokens=max_tokens, temp=temp)
+        flags = flags or {}
+        config = apply_overrides(load_config(), flags)
         kind = parse_kind(cache) if cache else None
         if session is not None:
             store.check_name(session)
@@ -68,18 +67,16 @@ def ask(
             if saved is not None:
                 loaded = load_session(session, lm)
                 chat, resumed, notice = loaded.session, loaded.resumed_from_disk, loaded.notice
-                chat.settings.max_tokens = config.max_tokens if max_tokens else chat.settings.max_tokens
-                chat.settings.temp = config.temp if temp is not None else chat.settings.temp
+                chat.settings = apply_overrides(chat.settings, flags)  # flags beat the saved
                 if kind is not None:
                     chat.set_kind(kind)
                 if system is not None and system != (chat.system or ""):
                     typer.echo("kvchat: --system only applies to a new session; kept the saved one.",
                                err=True)
             else:
-                settings = GenerationSettings(max_tokens=config.max_tokens, temp=config.temp)
                 chat = new_session(lm, kind=kind or config.cache,
                                    system=system if system is not None else config.system or None,
-                                   settings=settings)
+                                   settings=generation_of(config))
                 notice = store.set_aside(session) if session else None  # a cache left alone
             if notice:
                 typer.echo(f"kvchat: {printable(notice)}", err=True)

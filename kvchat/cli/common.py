@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from kvchat.safety import printable
+from kvchat.settings import FLAGS
 
 if TYPE_CHECKING:
     from kvchat.engine.model import LoadedModel
@@ -25,6 +29,27 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def setting_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give ``command`` a ``--name`` option for each setting kvchat/settings.py marks as a
+    flag (``--temp``, ``--top-k``, ...); it receives them as ``flags``, a dict by setting
+    name with None for an option not given. The values are checked where they are applied
+    (``kvchat.settings.apply_overrides``)."""
+    signature = inspect.signature(command, eval_str=True)
+    kept = [p for p in signature.parameters.values() if p.name != "flags"]
+    added = [inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                               annotation=Annotated[s.type | None,
+                                                    typer.Option(s.option, help=s.help)])
+             for s in FLAGS]
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        flags = {s.name: kwargs.pop(s.name, None) for s in FLAGS}
+        return command(*args, flags=flags, **kwargs)
+
+    run.__signature__ = signature.replace(parameters=[*kept, *added])  # type: ignore[attr-defined]
+    return run
 
 
 def load_or_exit(spec: str) -> LoadedModel:

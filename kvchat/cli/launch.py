@@ -23,6 +23,7 @@ from typing import Annotated
 import typer
 
 from kvchat import locations
+from kvchat.settings import FLAGS
 
 from .common import (
     RANK0_FAILED,
@@ -37,7 +38,7 @@ from .ring import DEFAULT_PORT, ENTRY, Ring, RingError, rank_ended, ring_hosts
 
 RANK_NOTE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-TUI_FLAGS = ("model", "cache", "system", "resume", "max_tokens", "temp")  # kvchat's own
+TUI_OPTIONS = ("model", "cache", "system", "resume")  # kvchat's own, besides the settings flags
 
 
 def ranks_log() -> Path:
@@ -121,7 +122,8 @@ def _lost(ended: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
 
 
 def tui_flags(args: list[str]) -> dict:
-    """The TUI's options (``kvchat``'s own, read by its own definitions) from ``args``."""
+    """The TUI's options (``kvchat``'s own, read by its own definitions) from ``args``:
+    :func:`kvchat.tui.app.tui_app`'s keyword arguments."""
     options = typer.core.TyperCommand("kvchat", params=typer.main.get_command(app).params,
                                       context_settings={"allow_extra_args": True})
     try:
@@ -133,7 +135,8 @@ def tui_flags(args: list[str]) -> dict:
         raise _fail(exc.format_message(), 2) from None
     if params["system"] is not None:
         params["system"] = _as_text(params["system"], "--system")
-    return {k: v for k, v in params.items() if k in TUI_FLAGS}
+    return {**{k: params[k] for k in TUI_OPTIONS},
+            "flags": {s.name: params[s.name] for s in FLAGS}}
 
 
 def _tui(args: list[str], ranks: int, hosts: str | None, hostfile: Path | None, backend: str,

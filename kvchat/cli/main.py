@@ -20,7 +20,16 @@ from kvchat.safety import dumps_json
 if TYPE_CHECKING:
     pass
 
-from .common import RANK0_FAILED, SHARDED_COMMANDS, SHARDED_ONLY, _as_text, _fail, app, load_or_exit
+from .common import (
+    RANK0_FAILED,
+    SHARDED_COMMANDS,
+    SHARDED_ONLY,
+    _as_text,
+    _fail,
+    app,
+    load_or_exit,
+    setting_options,
+)
 
 
 def _print_version(value: bool) -> None:
@@ -37,6 +46,7 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback(invoke_without_command=True)
+@setting_options
 def root(
     ctx: typer.Context,
     model: Annotated[
@@ -52,14 +62,13 @@ def root(
     ] = None,
     system: Annotated[str | None, typer.Option(help="System prompt for new sessions.")] = None,
     resume: Annotated[str | None, typer.Option(help="Open this saved session.")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="Longest reply, in tokens.")] = None,
-    temp: Annotated[float | None, typer.Option(help="Sampling temperature (0 = greedy).")] = None,
     version: Annotated[
         bool,
         typer.Option(
             "--version", callback=_print_version, is_eager=True, help="Show versions and exit."
         ),
     ] = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Chat with a local model in the terminal (the default when no command is given)."""
     if "MLX_RANK" in os.environ and ctx.invoked_subcommand not in SHARDED_COMMANDS:
@@ -73,9 +82,7 @@ def root(
 
     if system is not None:
         system = _as_text(system, "--system")
-    exit_now(run_tui(
-        model=model, cache=cache, system=system, resume=resume, max_tokens=max_tokens, temp=temp
-    ))
+    exit_now(run_tui(model=model, cache=cache, system=system, resume=resume, flags=flags))
 
 
 @app.command()

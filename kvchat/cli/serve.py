@@ -71,6 +71,7 @@ def serve(
     from kvchat.config import ConfigError, load_config, parse_size
     from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
     from kvchat.serve import Engine, create_app
+    from kvchat.settings import generation_of
 
     if not is_loopback(host) and not api_key:
         raise _fail(f"--host {host} is reachable from other machines: give --api-key too "
@@ -82,14 +83,14 @@ def serve(
     except (ConfigError, CacheKindError) as exc:
         raise _fail(str(exc), 2) from None
     except ValueError as exc:
-        raise _fail(f"--max-body {max_body}: {exc}.", 2) from None
+        raise _fail(f"--max-body {max_body}: {exc}", 2) from None
     lm = load_or_exit(model or config.model)
     try:
         make_cache(lm.model, parse_kind(kind))  # a kind this model cannot use: say so now
     except CacheKindError as exc:
         raise _fail(str(exc), 2) from None
-    engine = Engine(lm, serve_pool(lm, config), kind=kind, max_tokens=config.max_tokens,
-                    temp=config.temp, max_queue=max_queue, keep_anonymous=keep_anonymous)
+    engine = Engine(lm, serve_pool(lm, config), kind=kind, settings=generation_of(config),
+                    max_queue=max_queue, keep_anonymous=keep_anonymous)
     typer.echo(f"kvchat: serving {lm.model_id} on http://{host}:{port}/v1", err=True)
     try:
         uvicorn.run(create_app(engine, api_key=api_key, max_body_bytes=body_limit),

@@ -11,43 +11,33 @@ stays exact: a token joins it when its keys and values join the cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
-from mlx_lm.sample_utils import make_sampler
 
 from .cpu import state as cpu_state
 from .events import TokenLogprobs
+from .sampling import LogitsProcessor, after, for_settings, process
 
 Step = tuple[int, mx.array]  # a sampled token and the log probabilities it was sampled from
-# mlx-lm's logits processor: (the tokens so far, one position's logits) -> new logits
-Processor = Callable[[mx.array, mx.array], mx.array]
 
 
 class Decoding:
     """Sample a reply token by token into the session's cache."""
 
-    def _processors(self) -> list[Processor]:
-        """This turn's mlx-lm logits processors: the session's ``logits_processors``."""
-        return list(self.logits_processors)
-
-    def _processed(self, logits: mx.array, processors: list[Processor]) -> mx.array:
-        """``logits`` (one position's) through ``processors``, as log probabilities again:
-        each processor sees the ledger so far, its last token the previous sample."""
-        if not processors:
-            return logits
-        tokens = mx.array(self.ledger)
-        for processor in processors:
-            logits = processor(tokens, logits)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
     def _sampler(self) -> Callable[[mx.array], mx.array]:
         """This turn's sampler (a sharded run makes every rank take rank 0's token)."""
-        return make_sampler(temp=self.settings.temp, top_p=self._top_p())
+        return for_settings(self.settings)[0]
 
-    def _top_p(self) -> float:
-        return self.settings.top_p if 0.0 < self.settings.top_p < 1.0 else 0.0
+    def _processors(self) -> list[LogitsProcessor]:
+        """This turn's logits processors, applied before the sampler: the settings'
+        penalties, then the session's own ``logits_processors`` (constrained decoding)."""
+        return [*for_settings(self.settings)[1], *self.logits_processors]
+
+    def _recent(self) -> list[int]:
+        """The ledger's last tokens, as many as the penalties look at."""
+        return list(self.ledger[-self.settings.repetition_context_size:])
 
     def _evaluate_last(self, token: int) -> None:
         """Evaluate the prompt's last token and keep the log probabilities at its position,
@@ -59,15 +49,17 @@ class Decoding:
             mx.eval(logprobs, [c.state for c in self.cache])
         self._logits = (len(self.ledger), logprobs)
 
-    def _first_token(self, sampler) -> tuple[int, mx.array]:
+    def _first_token(self, sampler, processors: Sequence[LogitsProcessor] = ()) -> Step:
         """Checkpoint the prompt (for a regenerate or an edit of this turn), then sample
         the reply's first token from the last prompt position's log probabilities
         (returned with it)."""
         self.checkpoints.keep(self.cache, len(self.ledger))
-        logprobs = self._processed(self._logits[1][None], self._processors())[0]
-        return int(sampler(logprobs[None]).item()), logprobs
+        logits = process(processors, self._recent(), self._logits[1][None])
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return int(sampler(logprobs).item()), logprobs[0]
 
-    def _continue(self, prompt: list[int], max_tokens: int, sampler) -> Iterator[Step]:
+    def _continue(self, prompt: list[int], max_tokens: int, sampler,
+                  processors: Sequence[LogitsProcessor] = ()) -> Iterator[Step]:
         """Feed ``prompt`` (the reply's first token) and yield up to ``max_tokens`` more
         sampled tokens, each with the log probabilities it was sampled from, keeping
         the ledger exact.
@@ -83,12 +75,14 @@ class Decoding:
         if not prompt or max_tokens <= 0:
             return
         if cpu_state.active():
-            yield from self._continue_eager(prompt, max_tokens, sampler)
+            yield from self._continue_eager(prompt, max_tokens, sampler, processors)
             return
+        history = self._recent()
         self.ledger.extend(prompt)
         gen = generate_step(
             mx.array(prompt), self.lm.model, prompt_cache=self.cache,
-            sampler=sampler, max_tokens=max_tokens, logits_processors=self._processors(),
+            sampler=sampler, max_tokens=max_tokens,
+            logits_processors=after(history, processors, self.settings.repetition_context_size),
         )
         try:
             for token, logprobs in gen:
@@ -97,18 +91,18 @@ class Decoding:
         finally:
             gen.close()
 
-    def _continue_eager(self, prompt: list[int], max_tokens: int, sampler) -> Iterator[Step]:
+    def _continue_eager(self, prompt: list[int], max_tokens: int, sampler,
+                        processors: Sequence[LogitsProcessor] = ()) -> Iterator[Step]:
         """:meth:`_continue` without look-ahead: a token joins the ledger when it is fed,
         so the last one sampled (at a stop, an end token or the length limit) is not in
         the cache, and the next turn's prefix match evaluates it with the new message."""
         feed = list(prompt)
-        processors = self._processors()
         with mx.stream(generation_stream):
             for _ in range(max_tokens):
                 self.ledger.extend(feed)
                 logits = self.lm.model(mx.array(feed)[None], cache=self.cache)[:, -1, :]
-                logprobs = logits - mx.logsumexp(logits, keepdims=True)
-                logprobs = self._processed(logprobs, processors)
+                logits = process(processors, self._recent(), logits)
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 sampled = sampler(logprobs)
                 mx.eval(sampled, logprobs)  # nothing lazy survives into another thread's turn
                 token = int(sampled.item())

@@ -15,13 +15,22 @@ from .stats import TurnStats
 
 @dataclass
 class GenerationSettings:
-    """How replies are sampled. ``temp`` 0 is greedy, so runs are reproducible.
-    ``ignore_eos`` generates ``max_tokens`` whatever the model says (benchmarks
-    measure fixed lengths)."""
+    """How replies are sampled (``kvchat/engine/sampling.py`` turns these into mlx-lm's
+    sampler and logits processors; ranges and help are in ``kvchat/settings.py``).
+    ``temp`` 0 is greedy, so runs are reproducible; a ``seed`` makes a sampled reply
+    reproducible. ``ignore_eos`` generates ``max_tokens`` whatever the model says
+    (benchmarks measure fixed lengths)."""
 
     max_tokens: int = 512
     temp: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
     prefill_step: int = 512
     ignore_eos: bool = False
 

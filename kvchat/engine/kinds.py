@@ -7,13 +7,11 @@ A kind is named in config, on the command line and in the UI by one of
 per-layer caches that mlx-lm's models take, in the style of
 ``mlx_lm.models.cache``.
 
-Adding a kind touches ``_FAMILIES``, :meth:`CacheKind.make_layer` and the
-tests, nothing else.
+The names themselves (families, sizes, the parser) are in :mod:`.families`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -24,122 +22,22 @@ from mlx_lm.models.cache import (
     ChunkedKVCache,
     ConcatenateKVCache,
     KVCache,
-    QuantizedKVCache,
     RotatingKVCache,
     make_prompt_cache,
     trim_prompt_cache,
 )
 
-from kvchat.safety import ascii_int
-
-from . import cpu, fit
-from .rotated import RotatedKVCache, rotate
-
-QUANT_GROUP_SIZE = 64  # the group size quantized caches use unless the head size needs 32
-
-# family -> (takes a number?, one-line description)
-_FAMILIES: dict[str, tuple[bool, str]] = {
-    "standard": (False, "full precision, grows with the conversation (the default)"),
-    "quantized": (True, "quantized:8 or quantized:4: 8 or 4 bits a value plus a scale and bias per group of 64 (32 where the head size needs it)"),
-    "rotated": (True, "rotated:8 or rotated:4: quantized after a fixed randomized Hadamard "
-                "rotation, which spreads outliers (less loss at 4 bits, same bytes)"),
-    "rotating": (True, "rotating:N keeps the system prompt and the last tokens, N in all"),
-    "chunked": (True, "chunked:N keeps about the last N tokens between turns"),
-    "concatenate": (False, "full precision, no preallocation"),
-}
-
-EXAMPLE_KINDS = (
-    "standard",
-    "quantized:8",
-    "quantized:4",
-    "rotated:4",
-    "rotating:4096",
-    "chunked:2048",
-    "concatenate",
+from . import fit
+from .families import (  # noqa: F401  (the names every user of cache kinds imports from here)
+    FAMILIES,
+    OFFERED_KINDS,
+    QUANT_GROUP_SIZE,
+    CacheKind,
+    CacheKindError,
+    Family,
+    parse_kind,
 )
-
-
-class CacheKindError(ValueError):
-    """A kind name that is not understood, or a kind that cannot apply to a model."""
-
-
-@dataclass(frozen=True)
-class CacheKind:
-    """A parsed cache-kind name: ``family`` plus its number, if it takes one."""
-
-    family: str
-    size: int | None = None
-
-    @property
-    def name(self) -> str:
-        return self.family if self.size is None else f"{self.family}:{self.size}"
-
-    def __str__(self) -> str:
-        return self.name
-
-    @property
-    def description(self) -> str:
-        return _FAMILIES[self.family][1]
-
-    @property
-    def needs(self) -> tuple[str, ...]:
-        """What this kind needs of MLX's backend beyond plain attention
-        (:func:`kvchat.engine.fit.backend_problem` finds out whether it has it)."""
-        return (fit.QUANTIZED_ATTENTION,) if self.family in ("quantized", "rotated") else ()
-
-    def make_layer(self, keep: int = 0, group_size: int = QUANT_GROUP_SIZE) -> Any:
-        """One layer's empty cache of this kind.
-
-        ``keep`` is how many leading tokens a rotating cache never evicts
-        (the system prompt); ``group_size`` is a quantized cache's group.
-        """
-        if self.family == "standard":
-            return KVCache()
-        if self.family == "quantized":
-            return QuantizedKVCache(group_size=group_size, bits=self.size)
-        if self.family == "rotated":
-            cpu.hook()  # its attention goes through RotatedKVCache.attention
-            return RotatedKVCache(group_size=group_size, bits=self.size)
-        if self.family == "rotating":
-            return RotatingKVCache(max_size=self.size, keep=min(keep, self.size // 2))
-        if self.family == "chunked":
-            return ChunkedKVCache(chunk_size=self.size)
-        if self.family == "concatenate":
-            return ConcatenateKVCache()
-        raise AssertionError(self.family)
-
-
-def parse_kind(name: str | CacheKind) -> CacheKind:
-    """Parse a kind name such as ``quantized:4``; raise :class:`CacheKindError`."""
-    if isinstance(name, CacheKind):
-        return name
-    text = (name or "").strip().lower()
-    family, _, arg = text.partition(":")
-    valid = ", ".join(EXAMPLE_KINDS)
-    if family not in _FAMILIES:
-        raise CacheKindError(f"Unknown cache kind {name!r}; use one of: {valid}.")
-    takes_number = _FAMILIES[family][0]
-    if not takes_number:
-        if arg:
-            raise CacheKindError(f"Cache kind {family!r} takes no number (got {name!r}).")
-        return CacheKind(family)
-    try:
-        size = ascii_int(arg)
-    except ValueError:
-        raise CacheKindError(
-            f"Cache kind {family!r} needs a number written with 0-9, e.g. {_example(family)}."
-        ) from None
-    if family in ("quantized", "rotated") and size not in (4, 8):
-        raise CacheKindError(
-            f"{family.capitalize()} caches take 8 or 4 bits: {family}:8 or {family}:4."
-        )
-    if family in ("rotating", "chunked") and size < 64:
-        raise CacheKindError(f"{family}:N needs N of at least 64 tokens (got {size}).")
-    return CacheKind(family, size)
-
-
-def _example(family: str) -> str:
-    return next(k for k in EXAMPLE_KINDS if k.startswith(family))
+from .rotated import RotatedKVCache, rotate
 
 
 def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
@@ -185,7 +83,7 @@ def _own_cache(model: nn.Module) -> list[Any]:
 def group_size(model: nn.Module, kind: CacheKind) -> int:
     """The group size of ``kind``'s quantized layers for ``model`` (raises
     :class:`CacheKindError` when the head size fits no group mlx quantizes)."""
-    if kind.family not in ("quantized", "rotated"):
+    if not kind.quantized:
         return QUANT_GROUP_SIZE
     group = fit.group_size(model)
     if isinstance(group, str):
@@ -351,7 +249,7 @@ def _copy_layer(src: Any, dst_kind: CacheKind, group: int) -> Any | None:
         return dst_kind.make_layer(group_size=group)
     n = src.offset
     keys, values = src.keys[..., :n, :], src.values[..., :n, :]
-    if dst_kind.family in ("quantized", "rotated"):
+    if dst_kind.quantized:
         bits = dst_kind.size
         dst = dst_kind.make_layer(group_size=group)
         if keys.shape[-1] % group or values.shape[-1] % group:

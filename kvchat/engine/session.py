@@ -272,7 +272,7 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         self._keep_turns(messages)
 
         max_new = max(1, min(self.settings.max_tokens, self.lm.context_length - len(prompt)))
-        sampler = self._sampler()
+        sampler, processors = self._sampler(), self._processors()
         tokens: list[int] = []
         text = ReplyText(self.lm.tokenizer)
         first_at = prompt_eval_s = None
@@ -287,8 +287,9 @@ class Session(CacheMaintenance, BranchOps, Decoding):
                 stopped = self._stop.is_set()
                 if not stopped:
                     self._evaluate_last(prompt[-1])
-            first = [] if stopped else [self._first_token(sampler)]
-            steps = self._continue([t for t, _ in first], max_new - len(first), sampler)
+            first = [] if stopped else [self._first_token(sampler, processors)]
+            steps = self._continue([t for t, _ in first], max_new - len(first), sampler,
+                                   processors)
             stream = chain(first, steps)
             report = self.report_logprobs
 

@@ -10,11 +10,20 @@ echo back ``"tool_calls": null`` and the like). Every problem becomes
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal, TypeVar
+from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from kvchat import store
+from kvchat.settings import API, model_fields
 from kvchat.store.schema import _location
 
 
@@ -132,7 +141,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
+# the sampling fields (temperature, top_p, top_k, min_p, the penalties, seed, max_tokens),
+# with the ranges kvchat/settings.py declares for them
+_Sampling = create_model("_Sampling", __base__=_Strict, **model_fields(API, api=True))
 
 
 class JsonSchemaFormat(_Strict):
@@ -159,17 +170,13 @@ class ResponseFormat(_Strict):
         return self.json_schema.json_schema if self.type == "json_schema" else None
 
 
-class _Generation(_Strict):
+class _Generation(_Sampling):
     """The fields every generating request shares (chat and plain completions)."""
 
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1, lt=1 << 31)
     stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: Seed | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = None  # the end user's id: any string; it names no session
 
@@ -188,6 +195,11 @@ class _Generation(_Strict):
         """How many alternatives to report with each token's log probability; None: no
         log probabilities."""
         return None
+
+    def sampling(self) -> dict[str, object]:
+        """The generation settings this request gives, by setting name (None: not given)."""
+        given = {s.name: getattr(self, s.api) for s in API}
+        return {**given, "max_tokens": self.token_limit()}
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)

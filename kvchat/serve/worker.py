@@ -21,8 +21,6 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-
 from kvchat import store
 from kvchat.engine.events import (
     Chunk,
@@ -33,6 +31,7 @@ from kvchat.engine.events import (
 )
 from kvchat.engine.scheduler import Cancelled, Scheduler, Ticket
 from kvchat.engine.template import encode_plain
+from kvchat.settings import GENERATION, apply_overrides
 
 from . import anonymous
 from .constrain import JsonConstraint
@@ -103,14 +102,17 @@ class Engine:
     """
 
     def __init__(self, lm: LoadedModel, pool: SessionPool, *, kind: str = "standard",
-                 max_tokens: int = 512, temp: float = 0.0, max_queue: int = 16,
+                 settings: GenerationSettings | None = None, max_queue: int = 16,
                  scheduler: Scheduler | None = None,
                  keep_anonymous: int = anonymous.DEFAULT_BUDGET):
         self.lm, self.pool = lm, pool
         self.keep_anonymous = keep_anonymous
         self.scheduler = scheduler or Scheduler()
         self.matcher = Matcher(pool, lm, kind)
-        self.max_tokens, self.temp, self.max_queue = max_tokens, temp, max_queue
+        # the sampling of a request that gives none (the config's), whatever a session kept
+        given = settings or GenerationSettings()
+        self.sampling = {s.name: getattr(given, s.name) for s in GENERATION}
+        self.max_queue = max_queue
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvchat-model")
         self._owners = count(1)
         self._durations: deque[float] = deque(maxlen=20)
@@ -191,12 +193,9 @@ class Engine:
             raise ApiError(500, str(exc), type="server_error") from None
         session = match.session
         kept_settings = session.settings
-        session.settings = replace(
-            kept_settings,
-            max_tokens=req.token_limit() or self.max_tokens,
-            temp=self.temp if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-        )
+        # the server's settings, then the request's: a field it leaves out is the server's
+        session.settings = apply_overrides(replace(kept_settings, **self.sampling),
+                                           req.sampling())
         session.report_logprobs = req.logprobs_wanted()
         session.logits_processors = [JsonConstraint(self.lm, job.grammar)] if job.grammar else []
         session.tools = tools
@@ -217,16 +216,16 @@ class Engine:
             code = "context_length_exceeded" if "context" in str(exc) else None
             param = "prompt" if isinstance(req, CompletionRequest) else "messages"
             raise ApiError(400, str(exc), param=param, code=code) from None
-        if req.seed is not None:
-            mx.random.seed(req.seed % (1 << 64))
         job.session = session
         job.emit(Started(match))
         calls_wanted = tools is not None and req.tool_choice != "none"
         try:
             done, reply, hit_stop, logprobs = self._stream(
                 job, session, events, req.stop, tool_marker(self.lm) if calls_wanted else None)
-            content, calls = split(self.lm, reply, tools) if calls_wanted else (reply, [])
-            calls = calls if req.parallel_tool_calls else calls[:1]
+            content, calls = reply, []
+            if calls_wanted:  # only a chat request offers tools
+                content, calls = split(self.lm, reply, tools)
+                calls = calls if req.parallel_tool_calls else calls[:1]
             if calls:  # kept as the client will send it back, the cache following it
                 session.messages[-1] = {"role": "assistant", "content": content,
                                         "tool_calls": plain(calls)}

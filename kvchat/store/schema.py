@@ -15,10 +15,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 
 from kvchat.engine.branches import BranchError, Branches, talk
 from kvchat.engine.stats import TurnStats
+from kvchat.settings import GENERATION, model_fields
 from kvchat.store.base import StoreError
 
 Count = Annotated[int, Field(ge=0, lt=1 << 53)]
@@ -51,14 +60,15 @@ class BranchTree(_Strict):
     path: list[Count]
 
 
-class Settings(_Strict):
-    """``GenerationSettings`` as stored, with the ranges a session can run with."""
+class _StoredSettings(_Strict):
+    """``GenerationSettings`` as stored: the fields of kvchat/settings.py's generation
+    settings (their ranges included), and two the benchmarks set."""
 
-    max_tokens: int = Field(512, ge=1, lt=1 << 31)
-    temp: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, ge=0.0, le=1.0)
     prefill_step: int = Field(512, ge=1, lt=1 << 31)
     ignore_eos: bool = False
+
+
+Settings = create_model("Settings", __base__=_StoredSettings, **model_fields(GENERATION))
 
 
 class CacheInfo(_Strict):

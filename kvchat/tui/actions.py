@@ -7,7 +7,7 @@ A mixin of :class:`~kvchat.tui.app.KvChatApp`.
 from __future__ import annotations
 
 from kvchat import store
-from kvchat.engine.kinds import EXAMPLE_KINDS, applicable_kinds, known_applicable_kinds
+from kvchat.engine.kinds import OFFERED_KINDS, applicable_kinds, known_applicable_kinds
 
 from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
 from .widgets.sidebar import user_turns
@@ -86,13 +86,13 @@ class ActionsMixin:
 
         # Which kinds the model takes is found by running it on each, once per model (see
         # kvchat.engine.fit): in the tab's worker the first time, then from the answers kept.
-        known = known_applicable_kinds(model, list(EXAMPLE_KINDS))
+        known = known_applicable_kinds(model, list(OFFERED_KINDS))
         if known is not None:
             show(known)
             return
         conversation.run_job(
             "checking cache kinds",
-            lambda progress: applicable_kinds(model, list(EXAMPLE_KINDS)),
+            lambda progress: applicable_kinds(model, list(OFFERED_KINDS)),
             show,
             needs_cache=False,
         )
@@ -111,9 +111,13 @@ class ActionsMixin:
     async def action_regenerate(self) -> None:
         conversation = self.idle_conversation()
         if conversation is not None and await conversation.regenerate():
-            if conversation.session.settings.temp <= 0:
+            settings = conversation.session.settings
+            if settings.temp <= 0:
                 self.notify("Temperature is 0 (greedy): the same reply comes again; "
                             "raise it with --temp or temp in the config file.", timeout=8)
+            elif settings.seed is not None:
+                self.notify(f"Seed {settings.seed} is set: the same reply comes again; "
+                            "clear it in the tab's settings (F9).", timeout=8)
 
     def action_drop(self) -> None:
         conversation = self.idle_conversation()

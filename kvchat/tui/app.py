@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from textual import on
 from textual.app import App, ComposeResult
@@ -25,6 +26,7 @@ from kvchat.config import Config, ConfigError, load_config, remember
 from kvchat.engine.registry import ModelRegistry
 from kvchat.engine.scheduler import Scheduler
 from kvchat.pool import SessionPool
+from kvchat.settings import apply_overrides
 from kvchat.themes import kvchat_themes
 
 from .actions import ActionsMixin
@@ -120,7 +122,7 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
         picker: bool = True,
         config_path: Path | None = None,
         expire_every: float = 15.0,
-        settings_flags: dict[str, float] | None = None,
+        settings_flags: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.config = config or Config()
@@ -200,6 +202,8 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
             self.config = self.config.override(theme=theme.name)
             try:
                 remember(self.config_path, theme=theme.name)
+            except ConfigError as error:  # the file does not parse: it was left alone
+                self.notify(str(error), severity="warning", markup=False)
             except OSError as error:
                 self.notify(f"Could not remember the theme: {error}", severity="warning")
 
@@ -351,19 +355,19 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
 
 
 def tui_app(*, model: str | None = None, cache: str | None = None, system: str | None = None,
-            resume: str | None = None, max_tokens: int | None = None,
-            temp: float | None = None) -> KvChatApp:
-    """The TUI with the config file's settings, overridden by the given flags; the
-    generation flags given also win over the settings saved with the sessions it opens.
-    :class:`ConfigError` or :class:`store.StoreError` says why not."""
+            resume: str | None = None, flags: dict[str, Any] | None = None) -> KvChatApp:
+    """The TUI with the config file's settings, overridden by the given options and
+    ``flags`` (generation settings by name, None where not given, as
+    :func:`kvchat.cli.common.setting_options` passes them); the flags given also win
+    over the settings saved with the sessions it opens. :class:`ConfigError` or
+    :class:`store.StoreError` says why not."""
     if resume and model is None:
         model = store.summary(resume).model_id
-    config = load_config().override(
-        model=model, cache=cache, system=system, max_tokens=max_tokens, temp=temp
-    )
-    given = {"max_tokens": max_tokens, "temp": temp}
-    flags = {k: getattr(config, k) for k, v in given.items() if v is not None}
-    return KvChatApp(config, resume=resume, settings_flags=flags)
+    flags = flags or {}
+    config = apply_overrides(load_config(), {"model": model, "cache": cache, "system": system},
+                             flags)
+    given = {name: getattr(config, name) for name, value in flags.items() if value is not None}
+    return KvChatApp(config, resume=resume, settings_flags=given)
 
 
 def run_tui(**flags) -> int:

@@ -57,8 +57,7 @@ class ModelsMixin:
         def chosen(result: TabSettings | None) -> None:
             if result is None:
                 return
-            sampling = replace(session.settings, max_tokens=result.max_tokens,
-                               temp=result.temp, top_p=result.top_p)
+            sampling = replace(session.settings, **result.values)
             changed = sampling != session.settings
             session.settings = sampling
             if result.system == (session.system or ""):

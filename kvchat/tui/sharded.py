@@ -35,9 +35,9 @@ class ShardedMixin:
         cache kinds the model takes is found out now, on every rank together: the kind
         dialog and new sessions then ask rank 0's kept answers, running nothing."""
         from kvchat.engine.distributed import probe_kinds
-        from kvchat.engine.kinds import EXAMPLE_KINDS
+        from kvchat.engine.kinds import OFFERED_KINDS
 
-        probe_kinds(lm, list(dict.fromkeys([*EXAMPLE_KINDS, self.config.cache])))
+        probe_kinds(lm, list(dict.fromkeys([*OFFERED_KINDS, self.config.cache])))
         self.sharded = True
         self.lm = lm
         self.models.retain(lm)
@@ -53,11 +53,11 @@ class ShardedMixin:
         if not self.sharded:
             return super().new_session(name, lm)
         from kvchat.engine.distributed import new_session
-        from kvchat.engine.session import GenerationSettings
+        from kvchat.settings import generation_of
 
         c = self.config
         session = new_session(self.lm, kind=self._fitting_kind(self.lm), system=c.system or None,
-                              settings=GenerationSettings(max_tokens=c.max_tokens, temp=c.temp))
+                              settings=generation_of(c))
         if name is not None:
             self.pool.add(name, session)
         return session

@@ -7,15 +7,14 @@ A mixin of :class:`~kvchat.tui.app.KvChatApp`; it uses the app's ``tabs``,
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from textual import work
 from textual.widgets import TabPane
 
 from kvchat import store
 from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
 from kvchat.engine.model import LoadedModel, ModelLoadError
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.session import Session
+from kvchat.settings import apply_overrides, generation_of
 
 from .screens.dialogs import CloseDialog
 from .screens.loading import LoadingScreen
@@ -36,7 +35,7 @@ class TabsMixin:
         """
         c = self.config
         lm = lm or self.lm
-        settings = GenerationSettings(max_tokens=c.max_tokens, temp=c.temp)
+        settings = generation_of(c)
         system = c.system or None
         kind = self._fitting_kind(lm)
         ticket = self.scheduler.request("new tab")
@@ -130,8 +129,8 @@ class TabsMixin:
         if isinstance(self.screen, LoadingScreen):
             self.pop_screen()
         self.mark_offloaded(offloaded)
-        if self.settings_flags:  # --max-tokens, --temp: for this run, over the saved ones
-            loaded.session.settings = replace(loaded.session.settings, **self.settings_flags)
+        # the generation flags given (--temp, --top-k, ...): for this run, over the saved ones
+        loaded.session.settings = apply_overrides(loaded.session.settings, self.settings_flags)
         if loaded.resumed_from_disk:
             await self.add_conversation(  # with why its saved checkpoints were left out, if so
                 loaded.session, name, saved=True, notice_kind="info",

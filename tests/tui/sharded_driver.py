@@ -133,7 +133,7 @@ def main() -> None:
     mode = sys.argv[4] if len(sys.argv) > 4 else None  # None, "lost" or "resume=NAME"
     if mode == "lost":
         os.environ[DIE_ENV] = "1"  # rank 1 kills itself in the middle of each turn
-    flags = {"model": "demo", "max_tokens": 8}
+    flags = {"model": "demo", "flags": {"max_tokens": 8}}
     if mode and mode.startswith("resume="):
         flags["resume"] = mode.partition("=")[2]
     ring = (OwnHome if mode is None else Ring)(ring_hosts(2, None, None), port, log)

@@ -194,7 +194,8 @@ async def test_cache_kind_switch_and_reset(make_app):
         await pilot.click("#btn-kind")
         await pilot.pause()
         await until(pilot, lambda: app.focused is app.screen.query_one("#kind-options"))
-        await pilot.press("down", "down", "down", "enter")  # past rotated:4 to rotating:4096,
+        await pilot.press("down", "down", "down", "down", "enter")  # past rotated:8 and :4 to
+        # rotating:4096,
         # which is rebuilt from the transcript
         await settle(pilot)
         assert session.kind.name == "rotating:4096"
@@ -305,3 +306,20 @@ async def test_themes_are_registered_and_the_choice_is_remembered(make_app, home
         app.theme = "kvchat-light"
         await pilot.pause()
     assert 'theme = "kvchat-light"' in (home / "config" / "config.toml").read_text()
+
+
+async def test_a_theme_change_leaves_a_broken_config_alone_and_says_where(make_app, home):
+    path = home / "config" / "config.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    broken = b'# mine\nmodel = "demo"\ntemp = 0.7x\n\n[keymap]\nsave = "f10"\n'
+    path.write_bytes(broken)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        app.theme = "kvchat-light"
+        await pilot.pause()
+        assert app.theme == "kvchat-light" and app.config.theme == "kvchat-light"
+        assert [n.message for n in app._notifications][-1] == (
+            "config.toml has an error at line 3 (Invalid number); your change applies to this "
+            "run only and the file was left alone.")
+    assert path.read_bytes() == broken

@@ -33,7 +33,9 @@ async def test_typed_kind_is_validated_used_and_marked(make_app, demo_model):
         dialog = await _open(pilot)
         shown = " ".join(widget_text(dialog.query_one("#kind-dialog")).split())
         standard = kind_bytes_per_token(demo_model.model, "standard")
-        for name in ("quantized:8", "quantized:4", "rotated:4"):
+        assert dialog.names == ["standard", "quantized:8", "quantized:4", "rotated:8",
+                                "rotated:4", "rotating:4096", "chunked:2048", "concatenate"]
+        for name in ("quantized:8", "quantized:4", "rotated:8", "rotated:4"):
             share = kind_bytes_per_token(demo_model.model, name) / standard
             assert f"{name}" in shown and f"({share:.2f} × standard)" in shown
         assert "1/2" not in shown and "1/4" not in shown
@@ -118,7 +120,7 @@ async def test_the_kinds_are_found_once_then_the_dialog_opens_without_a_job(
         made.clear()  # the configured kind, tried as the model loaded
         dialog = await _open(pilot)
         assert jobs == ["checking cache kinds"]
-        assert sorted(made) == sorted(kinds.EXAMPLE_KINDS)  # each kind tried once, no more
+        assert sorted(made) == sorted(kinds.OFFERED_KINDS)  # each kind tried once, no more
         names = dialog.names
         await pilot.press("escape")
         await until(pilot, lambda: not isinstance(app.screen, KindDialog))

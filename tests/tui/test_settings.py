@@ -105,10 +105,13 @@ async def test_a_new_system_prompt_reuses_the_cache_up_to_the_change(make_app, d
     ("temp", " ", "Temperature is empty: give a number."),
     ("temp", "9", "Temperature: expected a temperature between 0 and 5."),
     ("temp", "nan", "Temperature: expected a temperature between 0 and 5."),
-    ("top_p", "0", "Top-p must be more than 0 and at most 1 (1: off)."),
-    ("top_p", "1.5", "Top-p must be more than 0 and at most 1 (1: off)."),
+    ("top_p", "0", "Top-p: must be more than 0 and at most 1 (1: off)."),
+    ("top_p", "1.5", "Top-p: must be more than 0 and at most 1 (1: off)."),
     ("max_tokens", "0", "Max tokens: must be at least 1."),
     ("max_tokens", "2.5", "Max tokens must be a whole number, not '2.5'."),
+    ("top_k", "-3", "Top-k: must be at least 0."),
+    ("repetition_penalty", "0", "Repetition penalty: must be more than 0 and at most 10."),
+    ("seed", "lucky", "Seed must be a whole number, not 'lucky'."),
 ])
 async def test_a_bad_value_says_why_and_changes_nothing(make_app, field, value, message):
     app = make_app()
@@ -134,13 +137,16 @@ async def test_settings_and_system_prompt_are_saved_and_resumed(make_app):
         name = app.active_conversation().session_name
         await send(pilot, "hello there")
         await edit_settings(pilot, system="Answer in French.", temp="0.7", top_p="0.9",
-                            max_tokens="5")
+                            max_tokens="5", top_k="40", min_p="0.05", repetition_penalty="1.1",
+                            presence_penalty="0.5", seed="11")
         await apply(pilot)
         await send(pilot, "more")
         await pilot.press("ctrl+s")
         await settle(pilot)
         saved = (session.system, session.settings, list(session.ledger))
-    assert store.read(name)["settings"]["top_p"] == 0.9
+    kept = store.read(name)["settings"]
+    assert (kept["top_p"], kept["top_k"], kept["min_p"], kept["seed"]) == (0.9, 40, 0.05, 11)
+    assert (kept["repetition_penalty"], kept["presence_penalty"]) == (1.1, 0.5)
 
     again = make_app(resume=name)
     async with again.run_test(size=SIZE) as pilot:
@@ -149,8 +155,8 @@ async def test_settings_and_system_prompt_are_saved_and_resumed(make_app):
         assert (resumed.system, resumed.settings, resumed.ledger) == saved
         dialog = await edit_settings(pilot)
         values = [dialog.query_one(f"#settings-{n}", Input).value
-                  for n in ("temp", "top-p", "max-tokens")]
-        assert values == ["0.7", "0.9", "5"]
+                  for n in ("temp", "top-p", "max-tokens", "top-k", "seed", "frequency-penalty")]
+        assert values == ["0.7", "0.9", "5", "40", "11", "0"]
         assert dialog.query_one(TextArea).text == "Answer in French."
 
 
@@ -179,7 +185,7 @@ async def test_max_tokens_and_temp_flags_win_over_a_resumed_sessions_saved_ones(
     reference = [e for e in greedy.send("Tell me more.") if isinstance(e, TurnDone)][0]
     assert reference.stats.generated_tokens > 3  # so a cut at 3 is the flag's doing
 
-    app = tui_app(resume="chat", max_tokens=3, temp=0.0)
+    app = tui_app(resume="chat", flags={"max_tokens": 3, "temp": 0.0, "top_k": None})
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.conversations(), timeout=60)
         await settle(pilot)
@@ -192,3 +198,25 @@ async def test_max_tokens_and_temp_flags_win_over_a_resumed_sessions_saved_ones(
         await settle(pilot)
     assert store.read("chat")["settings"]["max_tokens"] == 3
     assert store.read("chat")["settings"]["temp"] == 0.0
+
+
+async def test_a_seed_set_in_f9_makes_a_regenerate_give_the_same_sampled_reply(make_app, endless):
+    app = make_app(max_tokens=12)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        session = app.active_conversation().session
+        await edit_settings(pilot, temp="1.5", seed="5")
+        await apply(pilot)
+        await send(pilot, "hello there")
+        first = session.messages[-1]["content"]
+        await pilot.press("f5")
+        await settle(pilot)
+        assert session.messages[-1]["content"] == first
+        assert ("Seed 5 is set: the same reply comes again; clear it in the tab's settings "
+                "(F9).") in notices(app)
+        await edit_settings(pilot, seed="")
+        await apply(pilot)
+        assert session.settings.seed is None
+        await pilot.press("f5")
+        await settle(pilot)
+        assert session.messages[-1]["content"] != first  # sampled at 1.5, unseeded

@@ -275,12 +275,16 @@ def test_without_ssh_a_run_on_other_hosts_is_refused_before_any_rank_starts(
 
 
 def test_tui_options_are_read_by_kvchats_own_definitions():
-    assert tui_flags(["--model", "demo", "--max-tokens", "8", "--resume", "chat-1"]) == {
-        "model": "demo", "cache": None, "system": None, "resume": "chat-1", "max_tokens": 8,
-        "temp": None}
+    from kvchat.settings import FLAGS
+
+    none = dict.fromkeys(s.name for s in FLAGS)
+    assert tui_flags(["--model", "demo", "--max-tokens", "8", "--top-k", "3", "--resume",
+                      "chat-1"]) == {
+        "model": "demo", "cache": None, "system": None, "resume": "chat-1",
+        "flags": {**none, "max_tokens": 8, "top_k": 3}}
     assert tui_flags(["--system", "be brief ✓"])["system"] == "be brief ✓"
-    assert tui_flags([]) == dict.fromkeys(("model", "cache", "system", "resume", "max_tokens",
-                                           "temp"))
+    assert tui_flags([]) == {**dict.fromkeys(("model", "cache", "system", "resume")),
+                             "flags": none}
 
 
 @pytest.mark.parametrize(("args", "message"), [

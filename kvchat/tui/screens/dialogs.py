@@ -17,7 +17,7 @@ from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from kvchat.engine.kinds import (
-    EXAMPLE_KINDS,
+    OFFERED_KINDS,
     CacheKindError,
     group_size,
     parse_kind,
@@ -121,7 +121,7 @@ def kind_bytes_per_token(model, kind_name: str) -> float:
     layers, heads, head_dim, size = model_kv_shape(model)
     elements = layers * heads * head_dim * 2
     kind = parse_kind(kind_name)
-    if kind.family in ("quantized", "rotated"):
+    if kind.quantized:
         return elements * (kind.size / 8 + 2 * size / group_size(model, kind))
     return float(elements * size)
 
@@ -130,7 +130,7 @@ def kind_choices(current: str, applicable: list[str]) -> list[str]:
     """The kinds the dialog lists: the examples in ``applicable`` (those that apply to the
     model), plus the current kind after its family's example when its number differs
     (``rotating:1024``)."""
-    names = [n for n in EXAMPLE_KINDS if n == current or n in applicable]
+    names = [n for n in OFFERED_KINDS if n == current or n in applicable]
     if current not in names:
         family = parse_kind(current).family
         at = max((i for i, n in enumerate(names) if n.split(":")[0] == family), default=-1)
@@ -153,7 +153,7 @@ class KindDialog(Dialog):
         per_token = kind_bytes_per_token(self.model, name)
         if kind.family in ("rotating", "chunked"):
             extra = f", at most {human_bytes(int(per_token * kind.size))}"
-        elif kind.family in ("quantized", "rotated"):
+        elif kind.quantized:
             share = per_token / kind_bytes_per_token(self.model, "standard")
             extra = f" ({share:.2f} × standard)"
         else:

@@ -1,10 +1,12 @@
-"""The tab's settings dialog (system prompt, temperature, top-p, max tokens) and the dialog
-that picks the model of a new tab. Each dismisses with checked values or None."""
+"""The tab's settings dialog (the system prompt and every generation setting that
+kvchat/settings.py gives a dialog label) and the dialog that picks the model of a new tab.
+Each dismisses with checked values or None."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from textual import on
 from textual.app import ComposeResult
@@ -12,45 +14,44 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
 from textual.widgets.option_list import Option
 
-from kvchat.config import Config, ConfigError
 from kvchat.engine.demo import demo_specs
 from kvchat.engine.session import GenerationSettings
+from kvchat.settings import DIALOG, ConfigError, Setting
 
 from .dialogs import Dialog
 
 
 @dataclass(frozen=True)
 class TabSettings:
-    """What the settings dialog returns: the system prompt ("" for none) and sampling."""
+    """What the settings dialog returns: the system prompt ("" for none) and the
+    generation settings by name."""
 
     system: str
-    max_tokens: int
-    temp: float
-    top_p: float
+    values: dict[str, Any]
 
 
-def parse_settings(system: str, temp: str, top_p: str, max_tokens: str) -> TabSettings:
-    """Check the dialog's fields; raise ValueError with one sentence naming the bad one."""
-    def number(label: str, text: str, kind=float):
-        if not text.strip():
-            raise ValueError(f"{label} is empty: give a number.")
+def field_id(setting: Setting) -> str:
+    return "settings-" + setting.name.replace("_", "-")
+
+
+def shown(value: Any) -> str:
+    """A setting's value as its field shows it ("" for none)."""
+    if value is None:
+        return ""
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def parse_settings(system: str, texts: Mapping[str, str]) -> TabSettings:
+    """Check the dialog's fields (``texts`` by setting name); raise ValueError with one
+    sentence naming the bad one."""
+    values = {}
+    for setting in DIALOG:
         try:
-            return kind(text.strip())
-        except ValueError:
-            whole = " whole" if kind is int else ""
-            raise ValueError(f"{label} must be a{whole} number, not {text.strip()!r}.") from None
-
-    t = number("Temperature", temp)
-    p = number("Top-p", top_p)
-    m = number("Max tokens", max_tokens, int)
-    try:  # the same ranges as the config file and the command line
-        Config().override(temp=t, max_tokens=m)
-    except ConfigError as error:
-        label = "Temperature" if str(error).startswith("--temp") else "Max tokens"
-        raise ValueError(f"{label}: {str(error).split(': ', 1)[1]}") from None
-    if not math.isfinite(p) or not 0 < p <= 1:
-        raise ValueError("Top-p must be more than 0 and at most 1 (1: off).")
-    return TabSettings(system if system.strip() else "", m, t, p)
+            values[setting.name] = setting.parse_text(texts[setting.name], setting.label)
+        except ConfigError as error:
+            raise ValueError(f"{setting.label}: {error.reason}" if error.reason
+                             else str(error)) from None
+    return TabSettings(system if system.strip() else "", values)
 
 
 class SettingsDialog(Dialog):
@@ -63,7 +64,6 @@ class SettingsDialog(Dialog):
         self.settings = settings
 
     def compose(self) -> ComposeResult:
-        s = self.settings
         with Vertical(classes="dialog", id="settings-dialog") as box:
             box.border_title = "Tab settings"
             with VerticalScroll(classes="body"):
@@ -72,13 +72,11 @@ class SettingsDialog(Dialog):
                 yield Label("System prompt (the cache is kept up to the first change):")
                 yield TextArea(self.system, id="settings-system", soft_wrap=True,
                                show_line_numbers=False)
-                for label, id_, value in (("Temperature", "settings-temp", f"{s.temp:g}"),
-                                          ("Top-p", "settings-top-p", f"{s.top_p:g}"),
-                                          ("Max tokens", "settings-max-tokens",
-                                           str(s.max_tokens))):
+                for setting in DIALOG:
                     with Horizontal(classes="row"):
-                        yield Label(label, classes="field")
-                        yield Input(value, id=id_, compact=True)
+                        yield Label(setting.label, classes="field")
+                        yield Input(shown(getattr(self.settings, setting.name)),
+                                    id=field_id(setting), compact=True, tooltip=setting.help)
             with Horizontal(classes="row buttons"):
                 yield Button("Apply", id="settings-apply", variant="primary")
                 yield Button("Cancel", id="settings-cancel")
@@ -92,8 +90,7 @@ class SettingsDialog(Dialog):
         try:
             chosen = parse_settings(
                 self.query_one("#settings-system", TextArea).text,
-                *(self.query_one(f"#settings-{n}", Input).value
-                  for n in ("temp", "top-p", "max-tokens")),
+                {s.name: self.query_one(f"#{field_id(s)}", Input).value for s in DIALOG},
             )
         except ValueError as error:
             self.notify(str(error), severity="warning", markup=False)

@@ -1,0 +1,98 @@
+"""A sequence's sampler and logits processors, made from its :class:`GenerationSettings`.
+
+The filters (top-p, min-p, top-k) and the penalties (repetition, presence,
+frequency) are mlx-lm's own (``mlx_lm.sample_utils``). The chain is put
+together here rather than by ``make_sampler`` for two reasons: ``make_sampler``
+draws from MLX's global random state, which every sequence of a batch shares,
+so a seed could not make one sequence's reply reproducible; here a seeded
+sampler carries its own key (split at every token). And ``make_sampler``
+raises for a ``top_k`` at or above the vocabulary size, which here simply
+keeps every token.
+
+A logits processor takes ``(tokens, logits)``, ``tokens`` being the sequence
+so far (prompt and reply); the penalties look at its last
+``repetition_context_size`` tokens. :func:`process` applies a list of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
+
+from .events import GenerationSettings
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+def for_settings(settings: GenerationSettings) -> tuple[Sampler, list[LogitsProcessor]]:
+    """The sampler (log-probabilities in, token ids out) and the logits processors of one
+    sequence's turn. Make them anew for each turn: a seeded sampler restarts its key, so
+    the same seed, prompt and cache give the same reply."""
+    return _sampler(settings), _processors(settings)
+
+
+def _sampler(s: GenerationSettings) -> Sampler:
+    if s.temp <= 0:
+        return greedy_sampler
+    key = [mx.random.key(s.seed % (1 << 64))] if s.seed is not None else None
+
+    def sample(logprobs: mx.array) -> mx.array:
+        if 0 < s.top_p < 1:
+            logprobs = apply_top_p(logprobs, s.top_p)
+        if s.min_p > 0:
+            logprobs = apply_min_p(logprobs, s.min_p)
+        if 0 < s.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, s.top_k)
+        scaled = logprobs * (1.0 / s.temp)
+        if key is None:
+            return mx.random.categorical(scaled)
+        key[0], step = mx.random.split(key[0])
+        return mx.random.categorical(scaled, key=step)
+
+    return sample
+
+
+def _processors(s: GenerationSettings) -> list[LogitsProcessor]:
+    context = s.repetition_context_size
+    return make_logits_processors(
+        repetition_penalty=None if s.repetition_penalty == 1.0 else s.repetition_penalty,
+        repetition_context_size=context,
+        presence_penalty=s.presence_penalty or None, presence_context_size=context,
+        frequency_penalty=s.frequency_penalty or None, frequency_context_size=context,
+    )
+
+
+def process(processors: Sequence[LogitsProcessor], tokens: Sequence[int] | mx.array,
+            logits: mx.array) -> mx.array:
+    """``logits`` (one row per sequence) after every processor, ``tokens`` the sequence
+    so far (only its last ``context`` tokens matter)."""
+    if not processors:
+        return logits
+    ids = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.uint32)
+    for processor in processors:
+        logits = processor(ids, logits)
+    return logits
+
+
+def after(history: Sequence[int], processors: Sequence[LogitsProcessor],
+          context: int) -> list[LogitsProcessor]:
+    """``processors`` for a generator that only knows the tokens it was fed since
+    ``history``: each sees the last ``context`` tokens of ``history`` before them."""
+    if not processors:
+        return []
+    before = mx.array(list(history[-context:]) if context else [], dtype=mx.uint32)
+
+    def joined(processor: LogitsProcessor) -> LogitsProcessor:
+        return lambda tokens, logits: processor(
+            mx.concatenate([before, tokens.astype(mx.uint32)]), logits)
+
+    return [joined(p) for p in processors]
