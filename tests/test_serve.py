@@ -273,3 +273,17 @@ def test_every_sampling_setting_is_a_request_field_and_honoured(demo_model, home
         with pytest.raises(openai.BadRequestError, match="top_k"):
             chat(server.client, ask, max_tokens=4, extra_body={"top_k": -1})
     assert top_1 == greedy and sampled == again != greedy
+
+
+def test_logit_bias_makes_the_reply_that_token(demo_model, home):
+    token = demo_model.tokenizer.encode(" cache", add_special_tokens=False)[0]
+    ask = [{"role": "user", "content": "Say anything."}]
+    with Server(demo_model) as server:
+        reply, body, _ = chat(server.client, ask, max_tokens=5, logit_bias={str(token): 100})
+        free = chat(server.client, ask, max_tokens=5)[0]
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            chat(server.client, ask, max_tokens=2, logit_bias={"999999999": 5})
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            chat(server.client, ask, max_tokens=2, logit_bias={str(token): 101})
+    assert body["usage"]["completion_tokens"] == 5
+    assert reply == demo_model.tokenizer.decode([token] * 5) != free

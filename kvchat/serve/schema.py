@@ -179,6 +179,26 @@ class _Generation(_Sampling):
     stop: str | list[str] | None = Field(None, validate_default=True)
     n: int = Field(1, ge=1, le=1)
     user: str | None = None  # the end user's id: any string; it names no session
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not (token.isascii() and token.isdigit() and len(token) <= 9):
+                raise ValueError(f"keys are token ids written as numbers (got {token[:20]!r})")
+            if not -100 <= bias <= 100:
+                raise ValueError("biases are between -100 and 100")
+        return value
+
+    def biases(self, vocab: int) -> dict[int, float]:
+        """``logit_bias`` by token id; an id past the model's vocabulary is refused."""
+        biases = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+        for token in biases:
+            if token >= vocab:
+                raise ApiError(400, f"'logit_bias' names token {token}, past this model's "
+                               f"vocabulary of {vocab}.", param="logit_bias")
+        return biases
 
     @field_validator("stop")
     @classmethod

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
+from mlx_lm.sample_utils import make_logits_processors
+
 from kvchat import store
 from kvchat.engine.events import (
     Chunk,
@@ -182,6 +184,7 @@ class Engine:
     def _turn(self, job: Job) -> Finished:
         req = job.request
         tools = None
+        biases = req.biases(len(self.lm.tokenizer.get_vocab()))  # refused before anything runs
         try:
             if isinstance(req, CompletionRequest):
                 text = req.text()
@@ -197,7 +200,10 @@ class Engine:
         session.settings = apply_overrides(replace(kept_settings, **self.sampling),
                                            req.sampling())
         session.report_logprobs = req.logprobs_wanted()
-        session.logits_processors = [JsonConstraint(self.lm, job.grammar)] if job.grammar else []
+        session.logits_processors = [
+            *(make_logits_processors(logit_bias=biases) if biases else []),
+            *([JsonConstraint(self.lm, job.grammar)] if job.grammar else []),
+        ]
         session.tools = tools
         try:
             if isinstance(req, CompletionRequest):
