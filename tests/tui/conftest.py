@@ -8,6 +8,7 @@ import pytest
 
 from kvchat.config import Config
 from kvchat.tui.app import KvChatApp
+from kvchat.tui.textual_compat import screen_text
 
 SIZE = (120, 40)
 
@@ -67,20 +68,6 @@ async def until(pilot, condition, timeout: float = 10.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError("condition never held")
         await pilot.pause(0.01)
-
-
-def screen_text(app) -> str:
-    """What the terminal shows now, as plain text (one line per row)."""
-    import io
-
-    from rich.console import Console
-
-    width, height = app.size
-    console = Console(width=width, height=height, file=io.StringIO(), record=True,
-                      force_terminal=True, color_system="truecolor", legacy_windows=False)
-    console.print(app.screen._compositor.render_update(
-        full=True, screen_stack=app._background_screens))
-    return console.export_text()
 
 
 def widget_text(widget) -> str:
