@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -75,6 +76,34 @@ def kvchat(*args, env=None, timeout=60):
 def launched(*args, env=None):
     """`kvchat launch -n 2 -- ARGS` over the ring backend on loopback."""
     return kvchat("launch", "-n", "2", "--port", str(_free_port()), "--", *args, env=env)
+
+
+# What each rank runs in place of kvchat's entry (kvchat/cli/ring.py's ENTRY) when a test
+# loses rank 1 mid-turn: rank 1 follows as usual and kills itself at its turn's third token.
+DYING_RANK_ENTRY = """
+import os, signal, sys
+if os.environ.get("MLX_RANK") == "1":
+    from kvchat.engine import distributed
+    from kvchat.engine.follower import follow
+
+    def die(i):
+        if i == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.exit(follow(distributed.start(), on_token=die))
+from kvchat.cli import main
+main()
+"""
+
+
+def launched_losing_rank_1(*args):
+    """As :func:`launched`, through kvchat launch's own runner (its one-sentence report),
+    with rank 1 killing itself in the middle of each turn."""
+    runner = str(Path(sys.executable).with_name("mlx.launch"))
+    argv = [runner, "-n", "2", "--backend", "ring", "--python", sys.executable,
+            "--starting-port", str(_free_port()), "--", "-c", DYING_RANK_ENTRY, *args]
+    run = "import sys; from kvchat.cli.launch import _run; sys.exit(_run(sys.argv[1:]))"
+    return run_bounded([sys.executable, "-c", run, *argv], 60, dict(os.environ))
 
 
 def replayed_alike(*args) -> list[dict]:
@@ -155,7 +184,7 @@ def test_ask_resumes_sharded_cache_files_and_a_lost_rank_damages_nothing(demo_mo
         assert len(cache) == 1 and cache[0].offset == len(saved["ledger"]) == r2["cache_tokens"]
 
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    lost = launched(*base, "a third question", env={"KVCHAT_TEST_DIE_RANK": "1"})
+    lost = launched_losing_rank_1(*base, "a third question")
     assert lost.returncode == 1 and lost.stdout == ""
     assert lost.stderr == (  # one sentence: no traceback, no echo of the ring's errors
         "kvchat: rank 1 was killed by signal 9, so the run was ended on every rank; "
