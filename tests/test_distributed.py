@@ -41,7 +41,7 @@ from kvchat.engine.sharding import choose_mode, layout, layout_problem
 from kvchat.store.cache_file import read_cache
 from kvchat.store.shards import delete_shard, write_shard
 from tests.arch_models import TINY
-from tests.helpers import run_bounded
+from tests.helpers import LOSING_RANK_1, run_bounded
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 SCRIPT = {
@@ -78,30 +78,12 @@ def launched(*args, env=None):
     return kvchat("launch", "-n", "2", "--port", str(_free_port()), "--", *args, env=env)
 
 
-# What each rank runs in place of kvchat's entry (kvchat/cli/ring.py's ENTRY) when a test
-# loses rank 1 mid-turn: rank 1 follows as usual and kills itself at its turn's third token.
-DYING_RANK_ENTRY = """
-import os, signal, sys
-if os.environ.get("MLX_RANK") == "1":
-    from kvchat.engine import distributed
-    from kvchat.engine.follower import follow
-
-    def die(i):
-        if i == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    sys.exit(follow(distributed.start(), on_token=die))
-from kvchat.cli import main
-main()
-"""
-
-
 def launched_losing_rank_1(*args):
     """As :func:`launched`, through kvchat launch's own runner (its one-sentence report),
     with rank 1 killing itself in the middle of each turn."""
     runner = str(Path(sys.executable).with_name("mlx.launch"))
     argv = [runner, "-n", "2", "--backend", "ring", "--python", sys.executable,
-            "--starting-port", str(_free_port()), "--", "-c", DYING_RANK_ENTRY, *args]
+            "--starting-port", str(_free_port()), "--", "-c", LOSING_RANK_1, *args]
     run = "import sys; from kvchat.cli.launch import _run; sys.exit(_run(sys.argv[1:]))"
     return run_bounded([sys.executable, "-c", run, *argv], 60, dict(os.environ))
 

@@ -62,12 +62,20 @@ def anyio_backend():
 
 
 async def until(pilot, condition, timeout: float = 10.0) -> None:
-    """Pause until ``condition()`` holds."""
+    """Pause until ``condition()`` holds (TimeoutError after ``timeout`` seconds): how a
+    TUI test waits, never a fixed pause (tests/helpers.py's ``wait_until`` outside the app)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError("condition never held")
         await pilot.pause(0.01)
+
+
+async def idle_past_ttl(pilot, name: str) -> None:
+    """Until the pool's entry ``name`` has been idle longer than the pool's ``ttl_s`` (what
+    the expiry timer's tick looks for)."""
+    pool = pilot.app.pool
+    await until(pilot, lambda: pool.clock() - pool.entry(name).last_used > pool.ttl_s)
 
 
 def widget_text(widget) -> str:

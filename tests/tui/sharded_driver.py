@@ -22,9 +22,9 @@ from pathlib import Path
 from kvchat import locations, store
 from kvchat.cli.launch import sharded_tui
 from kvchat.cli.ring import Ring, ring_hosts
-from kvchat.engine.distributed import DIE_ENV
 from kvchat.tui.app import exit_now
 
+from tests.helpers import LOSING_RANK_1
 from .conftest import SIZE, send, settle, until, widget_text
 
 
@@ -38,6 +38,12 @@ class OwnHome(Ring):
         self.envs.append(f"KVCHAT_HOME={self.home}")
         super().start()  # (it sets the envs in this process's environment too)
         os.environ["KVCHAT_HOME"] = here
+
+
+class LosingRank1(Ring):
+    """The ring, rank 1 killing itself in the middle of each turn."""
+
+    entry = LOSING_RANK_1
 
 
 def said(app, start: str) -> bool:
@@ -131,12 +137,11 @@ def main() -> None:
         return app.return_code
 
     mode = sys.argv[4] if len(sys.argv) > 4 else None  # None, "lost" or "resume=NAME"
-    if mode == "lost":
-        os.environ[DIE_ENV] = "1"  # rank 1 kills itself in the middle of each turn
     flags = {"model": "demo", "max_tokens": 8}
     if mode and mode.startswith("resume="):
         flags["resume"] = mode.partition("=")[2]
-    ring = (OwnHome if mode is None else Ring)(ring_hosts(2, None, None), port, log)
+    ring = {None: OwnHome, "lost": LosingRank1}.get(mode, Ring)(ring_hosts(2, None, None), port,
+                                                                log)
     ring.home = rank1_home
     how = {None: drive, "lost": lose_rank_1}.get(mode, resume)
     status = sharded_tui(ring, flags, run=lambda app: _run(how, app))

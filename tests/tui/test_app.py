@@ -111,10 +111,7 @@ async def test_escape_stops_a_reply_and_the_next_turn_works(make_app, endless):
         conversation = app.active_conversation()
         conversation.input.text = "tell me a long story"
         await pilot.press("enter")
-        for _ in range(500):
-            await pilot.pause(0.01)
-            if conversation.query(AssistantMessage):
-                break
+        await until(pilot, lambda: conversation.query(AssistantMessage))
         await pilot.press("escape")
         await settle(pilot, conversation)
         session = conversation.session
@@ -270,10 +267,7 @@ async def test_a_tab_waits_for_the_model_and_escape_withdraws(make_app):
         async def queue(text: str) -> None:
             conversation.input.text = text
             await pilot.press("enter")
-            for _ in range(300):
-                await pilot.pause(0.01)
-                if app.scheduler.waiting():
-                    break
+            await until(pilot, lambda: app.scheduler.waiting())
             await pilot.pause()
 
         ticket = app.scheduler.request("another tab")

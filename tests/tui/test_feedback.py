@@ -138,7 +138,9 @@ async def test_a_session_opened_from_disk_says_so_and_its_tab_is_the_active_one(
         await pilot.pause()
         await pilot.press("enter")  # the highlighted (only) saved session
         await settle(pilot)
-        await pilot.pause(0.2)
+        await until(pilot, lambda: app.active_conversation().session_name == "kept"
+                    and app.focused is app.active_conversation().input
+                    and app.active_conversation().log.query(NoticeMessage))
         conversation = app.active_conversation()
         assert conversation.session_name == "kept"
         assert app.tabs.active == conversation.parent.id
