@@ -23,8 +23,8 @@ from kvchat import locations, store
 from kvchat.cli.launch import sharded_tui
 from kvchat.cli.ring import Ring, ring_hosts
 from kvchat.tui.app import exit_now
-
 from tests.helpers import LOSING_RANK_1
+
 from .conftest import SIZE, send, settle, until, widget_text
 
 
