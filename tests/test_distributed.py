@@ -1,4 +1,4 @@
-"""A model sharded over MLX distributed ranks (issue 12): two local ranks over the ring
+"""A model sharded over MLX distributed ranks: two local ranks over the ring
 backend on loopback, started by `kvchat launch`, against one process.
 
 Each launch costs a few seconds (every rank imports mlx-lm), so the scenarios share
