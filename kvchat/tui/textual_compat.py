@@ -13,8 +13,10 @@ what they rely on:
   control characters literally (see ``ChatInput``). :class:`PasteSafeDriver` is
   Textual's Linux driver reading input through it (a driver class is public API:
   ``App.get_driver_class``); Textual's modules are not modified.
-- **The screen as plain text** (:func:`screen_text`, for tests and debugging):
-  what ``App.export_screenshot`` renders, as text rather than SVG.
+- **What tests read of a running app** (:func:`screen_text`, :func:`notifications`,
+  :func:`driver`): the screen as plain text (what ``App.export_screenshot`` renders,
+  as text rather than SVG), the notifications on show, and the driver the app
+  writes to the terminal through.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from textual._parser import ParseEOF, ParseError, Peek1, Read1, TokenCallback
 from textual._xterm_parser import BRACKETED_PASTE_END, BRACKETED_PASTE_START, XTermParser
 from textual.driver import Driver
 from textual.drivers.linux_driver import LinuxDriver
+from textual.notifications import Notification
 
 
 class PasteParser(XTermParser):
@@ -130,3 +133,13 @@ def screen_text(app) -> str:
     console.print(app.screen._compositor.render_update(
         full=True, screen_stack=app._background_screens))
     return console.export_text()
+
+
+def notifications(app) -> list[Notification]:
+    """The notifications the app shows now, oldest first."""
+    return list(app._notifications)
+
+
+def driver(app) -> Driver:
+    """The driver a running app writes to the terminal through."""
+    return app._driver

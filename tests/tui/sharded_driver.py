@@ -23,6 +23,7 @@ from kvchat import locations, store
 from kvchat.cli.launch import sharded_tui
 from kvchat.cli.ring import Ring, ring_hosts
 from kvchat.tui.app import exit_now
+from kvchat.tui.textual_compat import notifications
 from tests.helpers import LOSING_RANK_1
 
 from .conftest import SIZE, send, settle, until, widget_text
@@ -48,7 +49,7 @@ class LosingRank1(Ring):
 
 def said(app, start: str) -> bool:
     """Whether a notification that starts with ``start`` shows."""
-    return any(str(n.message).startswith(start) for n in app._notifications)
+    return any(str(n.message).startswith(start) for n in notifications(app))
 
 
 def listed(*homes: Path) -> list[dict]:
@@ -77,7 +78,7 @@ def main() -> None:
             await until(pilot, lambda: said(app, "Saved"), timeout=30)
             await settle(pilot)
             seen["after_drop"] = {"tabs": [c.session_name for c in app.conversations()],
-                                  "notices": [str(n.message) for n in app._notifications]}
+                                  "notices": [str(n.message) for n in notifications(app)]}
             await pilot.press("ctrl+q")
         return app.return_code
 
@@ -112,7 +113,7 @@ def main() -> None:
             conversation.run_job("switching", lambda progress: session.switch_branch(0, 1))
             await settle(pilot, conversation)
             seen["tabs"] = len(app.conversations())
-            seen["notices"] = [str(n.message) for n in app._notifications]
+            seen["notices"] = [str(n.message) for n in notifications(app)]
 
             homes = locations.data_dir(), rank1_home
             seen["before_drop"] = listed(*homes)
@@ -128,7 +129,7 @@ def main() -> None:
                 "messages": list(fresh.session.messages), "ledger": list(fresh.session.ledger),
                 "rank_bytes": list(fresh.session.rank_bytes),
                 "widgets": [type(w).__name__ for w in fresh.log.children],
-                "notices": [str(n.message) for n in app._notifications],
+                "notices": [str(n.message) for n in notifications(app)],
                 "saved": store.exists(name)}
             await send(pilot, text)
             seen["again"] = {"reply": fresh.session.messages[-1]["content"],

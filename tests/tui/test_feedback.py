@@ -10,6 +10,7 @@ from kvchat import store
 from kvchat.engine.session import GenerationSettings, Session
 from kvchat.tui.screens.dialogs import TrimDialog
 from kvchat.tui.screens.help import HelpScreen
+from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import AssistantMessage, NoticeMessage, Welcome
 
 from .conftest import SIZE, new_tab, palette_pick, screen_text, send, settle, until
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.anyio
 
 
 def notices(app) -> list[str]:
-    return [n.message for n in app._notifications]
+    return [n.message for n in notifications(app)]
 
 
 async def test_the_welcome_leaves_when_the_conversation_starts_and_comes_back_empty(make_app):

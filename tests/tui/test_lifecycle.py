@@ -10,6 +10,7 @@ from kvchat import store
 from kvchat.config import Config
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.screens.dialogs import CloseDialog, DropDialog
+from kvchat.tui.textual_compat import notifications
 
 from .conftest import SIZE, idle_past_ttl, new_tab, send, settle, until
 
@@ -45,7 +46,7 @@ async def test_drop_memory_only_saves_first_and_disk_deletes(demo_model, home):
         assert store.load(name, demo_model).session.messages == messages
         assert name not in app.pool
         assert any(f"Saved as {name} and closed; reopen it with Ctrl+O" in n.message
-                   for n in app._notifications)
+                   for n in notifications(app))
 
         await pilot.press("ctrl+t")
         await settle(pilot)

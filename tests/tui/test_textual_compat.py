@@ -17,7 +17,7 @@ from textual.drivers.linux_driver import LinuxDriver
 from textual.widgets import Static
 
 from kvchat.tui import textual_compat
-from kvchat.tui.textual_compat import PasteSafeDriver, screen_text
+from kvchat.tui.textual_compat import PasteSafeDriver, driver, notifications, screen_text
 
 pytestmark = pytest.mark.anyio
 
@@ -90,13 +90,32 @@ async def test_screen_text_is_what_the_screen_shows():
     assert len(rows) == 4
 
 
+async def test_notifications_and_driver_are_the_running_apps():
+    app = App()
+    async with app.run_test(size=(40, 4)) as pilot:
+        app.notify("first")
+        app.notify("second [b]not markup[/b]", markup=False)
+        await pilot.pause()
+        assert [n.message for n in notifications(app)] == [
+            "first", "second [b]not markup[/b]"]
+        written: list[str] = []
+        terminal = driver(app)
+        original = terminal.write
+        terminal.write = written.append
+        try:
+            app.copy_to_clipboard("x")
+        finally:
+            terminal.write = original
+        assert written == ["\x1b]52;c;eA==\a"]
+
+
 def test_nothing_else_in_kvchat_reaches_into_textual_private_parts():
     import pathlib
     import re
 
     package = pathlib.Path(textual_compat.__file__).parents[1]
-    private = re.compile(r"textual\._|\._compositor|_background_screens|"
-                         r"from textual\.\w+ import _")
+    private = re.compile(r"textual\._|\._compositor|_background_screens|_notifications|"
+                         r"\._driver\b|from textual\.\w+ import _")
     found = [str(path.relative_to(package)) for path in package.rglob("*.py")
              if path.name != "textual_compat.py" and private.search(path.read_text())]
     assert found == []
