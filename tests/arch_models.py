@@ -1,4 +1,4 @@
-"""Tiny random-weight models of other mlx-lm architectures (issue 16), for the
+"""Tiny random-weight models of other mlx-lm architectures, for the
 ``arch`` fixture: each is built from mlx-lm's own model class with the demo tokenizer
 (:func:`kvchat.engine.demo.model_config`), saved in mlx-lm's format and loaded through
 ``mlx_lm.load`` like any downloaded model: 2 layers, width 64."""

@@ -1,4 +1,4 @@
-"""kvchat on tiny random-weight models of other mlx-lm architectures (issue 16):
+"""kvchat on tiny random-weight models of other mlx-lm architectures:
 the ``arch`` fixture builds them from mlx-lm's own model classes (tests/arch_models.py)."""
 
 from __future__ import annotations

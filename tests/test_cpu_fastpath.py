@@ -1,4 +1,4 @@
-"""The CPU fast path (issue 14): numpy attention, SwiGLU, linear layers and the decoding
+"""The CPU fast path: numpy attention, SwiGLU, linear layers and the decoding
 step match mlx's own within float32 tolerance, caching stays exact with it, it can be
 switched off, and quantized weights are dequantized at load."""
 

@@ -1,4 +1,4 @@
-"""A model sharded over MLX distributed ranks (issue 12): two local ranks over the ring
+"""A model sharded over MLX distributed ranks: two local ranks over the ring
 backend on loopback, started by `kvchat launch`, against one process.
 
 Each launch costs a few seconds (every rank imports mlx-lm), so the scenarios share
@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -40,7 +41,7 @@ from kvchat.engine.sharding import choose_mode, layout, layout_problem
 from kvchat.store.cache_file import read_cache
 from kvchat.store.shards import delete_shard, write_shard
 from tests.arch_models import TINY
-from tests.helpers import run_bounded
+from tests.helpers import LOSING_RANK_1, run_bounded
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 SCRIPT = {
@@ -75,6 +76,16 @@ def kvchat(*args, env=None, timeout=60):
 def launched(*args, env=None):
     """`kvchat launch -n 2 -- ARGS` over the ring backend on loopback."""
     return kvchat("launch", "-n", "2", "--port", str(_free_port()), "--", *args, env=env)
+
+
+def launched_losing_rank_1(*args):
+    """As :func:`launched`, through kvchat launch's own runner (its one-sentence report),
+    with rank 1 killing itself in the middle of each turn."""
+    runner = str(Path(sys.executable).with_name("mlx.launch"))
+    argv = [runner, "-n", "2", "--backend", "ring", "--python", sys.executable,
+            "--starting-port", str(_free_port()), "--", "-c", LOSING_RANK_1, *args]
+    run = "import sys; from kvchat.cli.launch import _run; sys.exit(_run(sys.argv[1:]))"
+    return run_bounded([sys.executable, "-c", run, *argv], 60, dict(os.environ))
 
 
 def replayed_alike(*args) -> list[dict]:
@@ -155,7 +166,7 @@ def test_ask_resumes_sharded_cache_files_and_a_lost_rank_damages_nothing(demo_mo
         assert len(cache) == 1 and cache[0].offset == len(saved["ledger"]) == r2["cache_tokens"]
 
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    lost = launched(*base, "a third question", env={"KVCHAT_TEST_DIE_RANK": "1"})
+    lost = launched_losing_rank_1(*base, "a third question")
     assert lost.returncode == 1 and lost.stdout == ""
     assert lost.stderr == (  # one sentence: no traceback, no echo of the ring's errors
         "kvchat: rank 1 was killed by signal 9, so the run was ended on every rank; "

@@ -1,5 +1,5 @@
 """The rotated:4 and rotated:8 kinds: quantized keys and values after a randomized Hadamard
-rotation, attention rotated around them (issue 11, item 4)."""
+rotation, attention rotated around them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Replies stream as text, the transcript keeps exactly the generated text, and the
-figures of a turn say what happened (issue 15, items 1, 2, 5 and 6)."""
+figures of a turn say what happened."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, each with the measured value and whether it is met."""
+    """The bench's targets, each with the measured value and whether it is met."""
     out = []
     t2 = result["classic"]["turns"][1]
     out.append({
@@ -88,7 +88,7 @@ def _pct(x: float) -> str:
 
 
 def _fidelity_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 11's cache-fidelity targets."""
+    """The cache-fidelity targets."""
     rows = {r["kind"]: r for r in result.get("fidelity", [])}
     out = []
     if "quantized:8" in rows:
@@ -116,7 +116,7 @@ def fidelity_table(rows: list[dict[str, Any]]) -> tuple[str, list[str], list[lis
 
 
 def _cpu_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 14's targets that the bench can measure (on demo:qwen2.5-0.5b)."""
+    """The CPU fast path's targets that the bench can measure (on demo:qwen2.5-0.5b)."""
     out = []
     pts = result["sweep"]["points"]
     at8k = [p for p in pts if p["history_tokens"] >= 8000]

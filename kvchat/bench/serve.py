@@ -78,7 +78,7 @@ def kvchat_serve(model: str, log: Path) -> Running:
 def mlx_lm_server(folder: Path, log: Path) -> Running:
     port = free_port()
     # ``import kvchat`` first loads the optimised BLAS, as kvchat itself runs with it
-    # (DESIGN.md, platform notes); the server is mlx-lm's own, unchanged.
+    # (docs/architecture.md, "Platform"); the server is mlx-lm's own, unchanged.
     argv = [sys.executable, "-c", "import kvchat; from mlx_lm.server import main; main()",
             "--model", str(folder), "--port", str(port), "--temp", "0"]
     return Running(argv, port, log)

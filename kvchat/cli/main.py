@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -267,9 +268,10 @@ def eval_cache(
     Console().print(rich_table(*fidelity_table(rows)))
 
 
-def main() -> None:
+def main(on_token: Callable[[int], object] | None = None) -> None:
     """Console-script entry point. Under ``mlx.launch`` (``kvchat launch``), rank 0 runs the
-    command and the other ranks follow it (kvchat/engine/distributed.py)."""
+    command and the other ranks follow it (kvchat/engine/distributed.py); a follower
+    passes ``on_token`` to :func:`~kvchat.engine.follower.follow`."""
     if "MLX_RANK" not in os.environ:  # not started by mlx.launch
         app()
         return
@@ -286,7 +288,7 @@ def main() -> None:
     if link.rank:
         from kvchat.engine.follower import follow
 
-        sys.exit(follow(link))
+        sys.exit(follow(link, on_token))
     try:
         app()
     except Exception as exc:  # most often a collective failing because another rank died

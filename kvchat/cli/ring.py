@@ -97,16 +97,16 @@ def ring_hostfile(hosts: list, port: int) -> str:
 
 
 def follower_command(rank: int, host, hostfile: str, envs: list[str] = (),
-                     ssh_log: Path | None = None) -> str:
+                     ssh_log: Path | None = None, entry: str = ENTRY) -> str:
     """The shell command that starts rank ``rank`` on ``host``: mlx.launch's own launch
     script (``envs``, hostfile in a temporary file, ``MLX_RANK``, this Python), through
     ``ssh`` when the host is another machine (in batch mode, with a connect timeout,
-    its own messages appended to ``ssh_log``)."""
+    its own messages appended to ``ssh_log``); the rank runs ``python -c entry``."""
     from mlx._distributed_utils.launch import RemoteProcess
 
     local = host.ssh_hostname == LOCAL
     script = RemoteProcess.make_launch_script(
-        rank, sys.executable, None, {"MLX_HOSTFILE": hostfile}, list(envs), ["-c", ENTRY], local)
+        rank, sys.executable, None, {"MLX_HOSTFILE": hostfile}, list(envs), ["-c", entry], local)
     if local:
         return script
     log = f"-E {shlex.quote(str(ssh_log))} " if ssh_log is not None else ""
@@ -124,6 +124,8 @@ class Ring:
     called, from a watcher thread, when a follower ends with a non-zero status before
     :meth:`finish`. :meth:`finish` ends them all and says which was ``lost``.
     """
+
+    entry = ENTRY  # the Python each follower runs
 
     def __init__(self, hostfile, port: int, log: Path):
         self.hosts, self.envs = hostfile.hosts, list(hostfile.envs)
@@ -153,7 +155,7 @@ class Ring:
                     os.close(fd)
                     self._ssh_logs[rank] = Path(path)
                 command = follower_command(rank, host, text, [*self.envs, f"{READY_ENV}=1"],
-                                           self._ssh_logs.get(rank))
+                                           self._ssh_logs.get(rank), self.entry)
                 proc = subprocess.Popen(
                     command, shell=True, executable="/bin/bash", stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=out, start_new_session=True)

@@ -48,7 +48,6 @@ ROW = 256  # bytes each rank reports after a save, a load or a drop
 # Session methods that change the cache and are not sent to the followers (the TUI's).
 UNSHARED = frozenset({"switch_branch", "delete_pair", "fork_prefix", "rebuild", "attach",
                       "sync", "unload", "close"})
-DIE_ENV = "KVCHAT_TEST_DIE_RANK"  # tests: this rank kills itself in the middle of each turn
 
 
 class OpError(ValueError):

@@ -1,6 +1,6 @@
 """Session: one conversation, its live prompt cache and the token ledger.
 
-The contract (DESIGN.md, "The engine contract"): every turn renders the whole
+The contract (docs/architecture.md, "The engine contract"): every turn renders the whole
 message list with the chat template, keeps the longest common prefix of that
 rendering and the **ledger** (the token ids whose keys and values are in the
 cache, in order), trims the cache back to it, and evaluates only the rest.

@@ -80,7 +80,7 @@ def load_sharded(spec: str, group: Any) -> ShardedModel:
             f"'{spec}' has sliding-window or recurrent layers; run it on one machine."
         )
     if mx.default_device() == mx.cpu:
-        model.set_dtype(mx.float32)  # CPU matmul runs float32 far faster (DESIGN.md)
+        model.set_dtype(mx.float32)  # CPU matmul runs float32 far faster (docs/architecture.md)
     base = fingerprint(spec, path)
     return ShardedModel(
         model=model, tokenizer=tokenizer, model_id=spec, path=path,

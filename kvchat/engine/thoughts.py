@@ -6,7 +6,7 @@ thoughts and its answer, so a view can fold the thoughts away.
 Chat templates of reasoning models (Qwen3, DeepSeek-R1) drop the thoughts of
 earlier replies when they render the conversation, so the turn after a reply
 with thoughts renders that reply differently from what the cache holds: the
-prefix match (DESIGN.md, "The engine contract") keeps the cache only up to the
+prefix match (docs/architecture.md, "The engine contract") keeps the cache only up to the
 reply's start and evaluates the reply again. :func:`reevaluated_reply` counts
 those tokens, for the turn's stats.
 """

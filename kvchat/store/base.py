@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvchat import locations
+from kvchat import __version__, locations
 
 if TYPE_CHECKING:
     from kvchat.engine.session import Session
@@ -98,3 +98,17 @@ def one_line(exc: BaseException) -> str:
 def now() -> str:
     """The current UTC time, ISO 8601 to the millisecond."""
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def cache_metadata(session: Session) -> dict[str, str]:
+    """What a cache file's safetensors metadata says of the cache and the ledger it holds."""
+    ledger = session.ledger
+    return {
+        "kvchat_version": __version__,
+        "format": str(FORMAT),
+        "model_fingerprint": session.lm.fingerprint,
+        "cache_kind": session.kind.name,
+        "ledger_len": str(len(ledger)),
+        "ledger_sha256": ledger_hash(ledger),
+        "ledger": ",".join(map(str, ledger)),
+    }

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kvchat import __version__
 from kvchat.store.base import CACHE_SUM_FILE, StoreError, ledger_hash, one_line
 from kvchat.store.files import open_regular, read_regular, sha256_of
+from kvchat.store.shards import shard_file, shard_sha
 
 if TYPE_CHECKING:
     from kvchat.engine.cache_check import Reference
@@ -34,7 +35,6 @@ def read_cache(
     from kvchat.engine.kinds import cache_offset, trim_to
     from kvchat.engine.session import common_prefix
     from kvchat.engine.sharding import layout_problem
-    from kvchat.store.shards import shard_file, shard_sha
 
     info = data.get("cache")
     path = folder / shard_file(rank)

@@ -20,7 +20,7 @@ from kvchat.store.base import (
     SESSION_FILE,
     Loaded,
     StoreError,
-    ledger_hash,
+    cache_metadata,
     now,
     one_line,
     session_dir,
@@ -126,20 +126,6 @@ def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | 
         (folder / CHECKPOINTS_FILE).unlink(missing_ok=True)
     drop_shards(folder, len(cache_info.get("shards", [])) if cache_info else 0)
     return folder
-
-
-def cache_metadata(session: Session) -> dict[str, str]:
-    """What a cache file's safetensors metadata says of the cache and the ledger it holds."""
-    ledger = session.ledger
-    return {
-        "kvchat_version": __version__,
-        "format": str(FORMAT),
-        "model_fingerprint": session.lm.fingerprint,
-        "cache_kind": session.kind.name,
-        "ledger_len": str(len(ledger)),
-        "ledger_sha256": ledger_hash(ledger),
-        "ledger": ",".join(map(str, ledger)),
-    }
 
 
 def transcript(session: Session, name: str) -> dict:

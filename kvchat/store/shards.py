@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvchat.store.base import CACHE_FILE, session_dir
+from kvchat.store.base import CACHE_FILE, cache_metadata, session_dir
 from kvchat.store.files import check_folder, finish_temp, make_dir, new_temp, rename_into_place
 
 if TYPE_CHECKING:
@@ -54,7 +54,6 @@ def write_shard(session: Session, name: str, rank: int) -> str | None:
     from mlx_lm.models.cache import save_prompt_cache
 
     from kvchat.engine.kinds import compacted
-    from kvchat.store.core import cache_metadata
 
     folder = session_dir(name)
     make_dir(folder)

@@ -1,1 +1,1 @@
-"""The Textual app: a thin layer over the engine (see DESIGN.md, "TUI")."""
+"""The Textual app: a thin layer over the engine (see docs/architecture.md, "Front ends")."""

@@ -150,15 +150,15 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
         self.keymap: dict[str, str] = {}  # the [keymap] entries in use: binding id -> keys
 
     def get_driver_class(self):
-        """Textual's driver, reading bracketed pastes whole (see ``paste.py``).
+        """Textual's driver, reading bracketed pastes whole (see ``textual_compat.py``).
 
-        ``paste.py`` builds on Textual's private parser modules; if a Textual
+        ``textual_compat.py`` builds on Textual's private parser modules; if a Textual
         release moves them, Textual's own driver is used (pastes then lose their
         escape characters' order again, but the app runs).
         """
         driver = super().get_driver_class()
         try:
-            from .paste import paste_safe
+            from .textual_compat import paste_safe
         except ImportError:
             return driver
         return paste_safe(driver)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from textual.binding import Binding
-from textual.keys import Keys, _normalize_key_list, format_key
+from textual.keys import Keys, format_key
 
 MODIFIERS = frozenset({"ctrl", "alt", "shift", "meta", "super", "hyper"})
 _NAMED = frozenset(k.value for k in Keys if "+" not in k.value and not k.value.startswith("<"))
@@ -35,6 +35,12 @@ def split_keys(keys: str) -> list[str]:
     return [key.strip() for key in keys.split(",")]
 
 
+def normal_keys(keys: str) -> str:
+    """``keys`` in Textual's normal form (``?`` as ``question_mark``), as Textual's
+    bindings spell them (through the public ``Binding.make_bindings``)."""
+    return ",".join(b.key for b in Binding.make_bindings([Binding(keys, "noop")]))
+
+
 def keys_of(binding: Binding, keymap: Mapping[str, str]) -> list[str]:
     """The keys that trigger ``binding`` under ``keymap``."""
     return split_keys(keymap.get(binding.id or "", binding.key))
@@ -54,7 +60,7 @@ def check_keymap(
         elif len(keys) > MAX_KEY_CHARS or not all(valid_key(k) for k in split_keys(keys)):
             problems.append(f"{binding_id} = {_short(keys)} is not a key Textual knows")
         else:
-            usable[binding_id] = _normalize_key_list(",".join(split_keys(keys)))
+            usable[binding_id] = normal_keys(keys)
     return usable, problems
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from kvchat.config import Config
 from kvchat.tui.app import KvChatApp
+from kvchat.tui.textual_compat import screen_text
 
 SIZE = (120, 40)
 
@@ -61,7 +62,8 @@ def anyio_backend():
 
 
 async def until(pilot, condition, timeout: float = 10.0) -> None:
-    """Pause until ``condition()`` holds."""
+    """Pause until ``condition()`` holds (TimeoutError after ``timeout`` seconds): how a
+    TUI test waits, never a fixed pause (tests/helpers.py's ``wait_until`` outside the app)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
         if asyncio.get_running_loop().time() > deadline:
@@ -69,18 +71,11 @@ async def until(pilot, condition, timeout: float = 10.0) -> None:
         await pilot.pause(0.01)
 
 
-def screen_text(app) -> str:
-    """What the terminal shows now, as plain text (one line per row)."""
-    import io
-
-    from rich.console import Console
-
-    width, height = app.size
-    console = Console(width=width, height=height, file=io.StringIO(), record=True,
-                      force_terminal=True, color_system="truecolor", legacy_windows=False)
-    console.print(app.screen._compositor.render_update(
-        full=True, screen_stack=app._background_screens))
-    return console.export_text()
+async def idle_past_ttl(pilot, name: str) -> None:
+    """Until the pool's entry ``name`` has been idle longer than the pool's ``ttl_s`` (what
+    the expiry timer's tick looks for)."""
+    pool = pilot.app.pool
+    await until(pilot, lambda: pool.clock() - pool.entry(name).last_used > pool.ttl_s)
 
 
 def widget_text(widget) -> str:

@@ -22,8 +22,9 @@ from pathlib import Path
 from kvchat import locations, store
 from kvchat.cli.launch import sharded_tui
 from kvchat.cli.ring import Ring, ring_hosts
-from kvchat.engine.distributed import DIE_ENV
 from kvchat.tui.app import exit_now
+from kvchat.tui.textual_compat import notifications
+from tests.helpers import LOSING_RANK_1
 
 from .conftest import SIZE, send, settle, until, widget_text
 
@@ -40,9 +41,15 @@ class OwnHome(Ring):
         os.environ["KVCHAT_HOME"] = here
 
 
+class LosingRank1(Ring):
+    """The ring, rank 1 killing itself in the middle of each turn."""
+
+    entry = LOSING_RANK_1
+
+
 def said(app, start: str) -> bool:
     """Whether a notification that starts with ``start`` shows."""
-    return any(str(n.message).startswith(start) for n in app._notifications)
+    return any(str(n.message).startswith(start) for n in notifications(app))
 
 
 def listed(*homes: Path) -> list[dict]:
@@ -71,7 +78,7 @@ def main() -> None:
             await until(pilot, lambda: said(app, "Saved"), timeout=30)
             await settle(pilot)
             seen["after_drop"] = {"tabs": [c.session_name for c in app.conversations()],
-                                  "notices": [str(n.message) for n in app._notifications]}
+                                  "notices": [str(n.message) for n in notifications(app)]}
             await pilot.press("ctrl+q")
         return app.return_code
 
@@ -106,7 +113,7 @@ def main() -> None:
             conversation.run_job("switching", lambda progress: session.switch_branch(0, 1))
             await settle(pilot, conversation)
             seen["tabs"] = len(app.conversations())
-            seen["notices"] = [str(n.message) for n in app._notifications]
+            seen["notices"] = [str(n.message) for n in notifications(app)]
 
             homes = locations.data_dir(), rank1_home
             seen["before_drop"] = listed(*homes)
@@ -122,7 +129,7 @@ def main() -> None:
                 "messages": list(fresh.session.messages), "ledger": list(fresh.session.ledger),
                 "rank_bytes": list(fresh.session.rank_bytes),
                 "widgets": [type(w).__name__ for w in fresh.log.children],
-                "notices": [str(n.message) for n in app._notifications],
+                "notices": [str(n.message) for n in notifications(app)],
                 "saved": store.exists(name)}
             await send(pilot, text)
             seen["again"] = {"reply": fresh.session.messages[-1]["content"],
@@ -131,12 +138,11 @@ def main() -> None:
         return app.return_code
 
     mode = sys.argv[4] if len(sys.argv) > 4 else None  # None, "lost" or "resume=NAME"
-    if mode == "lost":
-        os.environ[DIE_ENV] = "1"  # rank 1 kills itself in the middle of each turn
     flags = {"model": "demo", "flags": {"max_tokens": 8}}
     if mode and mode.startswith("resume="):
         flags["resume"] = mode.partition("=")[2]
-    ring = (OwnHome if mode is None else Ring)(ring_hosts(2, None, None), port, log)
+    ring = {None: OwnHome, "lost": LosingRank1}.get(mode, Ring)(ring_hosts(2, None, None), port,
+                                                                log)
     ring.home = rank1_home
     how = {None: drive, "lost": lose_rank_1}.get(mode, resume)
     status = sharded_tui(ring, flags, run=lambda app: _run(how, app))

@@ -14,6 +14,7 @@ from kvchat.tui.app import KvChatApp
 from kvchat.tui.screens.dialogs import KindDialog, TrimDialog
 from kvchat.tui.screens.help import HelpScreen, binding_rows
 from kvchat.tui.screens.picker import SessionPicker
+from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import AssistantMessage, UserMessage
 
 from .conftest import SIZE, new_tab, send, settle, until
@@ -31,7 +32,7 @@ async def test_typing_sending_and_the_sidebar(make_app):
         await pilot.press("enter")  # empty: refused, nothing changes
         await settle(pilot)
         assert session.messages == []
-        assert any("empty" in n.message for n in app._notifications)
+        assert any("empty" in n.message for n in notifications(app))
 
         await pilot.press(*"hello", "ctrl+j", *"there")
         assert conversation.input.text == "hello\nthere"
@@ -111,10 +112,7 @@ async def test_escape_stops_a_reply_and_the_next_turn_works(make_app, endless):
         conversation = app.active_conversation()
         conversation.input.text = "tell me a long story"
         await pilot.press("enter")
-        for _ in range(500):
-            await pilot.pause(0.01)
-            if conversation.query(AssistantMessage):
-                break
+        await until(pilot, lambda: conversation.query(AssistantMessage))
         await pilot.press("escape")
         await settle(pilot, conversation)
         session = conversation.session
@@ -201,7 +199,7 @@ async def test_cache_kind_switch_and_reset(make_app):
         assert session.kind.name == "rotating:4096"
         assert session.cache_tokens == len(session.render(session.messages, False))
         assert ("Cache is now rotating:4096: rebuilt (cache kind changed from quantized:8 to "
-                "rotating:4096).") in [n.message for n in app._notifications]
+                "rotating:4096).") in [n.message for n in notifications(app)]
         assert app.sidebar.info.rebuilt is None  # whole again: the next turn rebuilds nothing
 
         await pilot.press("ctrl+r")
@@ -271,10 +269,7 @@ async def test_a_tab_waits_for_the_model_and_escape_withdraws(make_app):
         async def queue(text: str) -> None:
             conversation.input.text = text
             await pilot.press("enter")
-            for _ in range(300):
-                await pilot.pause(0.01)
-                if app.scheduler.waiting():
-                    break
+            await until(pilot, lambda: app.scheduler.waiting())
             await pilot.pause()
 
         ticket = app.scheduler.request("another tab")

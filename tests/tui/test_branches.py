@@ -16,6 +16,7 @@ from kvchat.engine.branches import Branches
 from kvchat.engine.maintenance import common_prefix
 from kvchat.store.base import SESSION_FILE, session_dir
 from kvchat.tui.screens.message_dialogs import DeletePairDialog, EditDialog
+from kvchat.tui.textual_compat import driver, notifications
 from kvchat.tui.widgets.messages import AssistantMessage, BranchBar, UserMessage
 
 from .conftest import SIZE, send, settle, until, widget_text
@@ -32,7 +33,7 @@ def bars(conversation) -> dict[int, str]:
 
 
 def notices(app) -> list[str]:
-    return [n.message for n in app._notifications]
+    return [n.message for n in notifications(app)]
 
 
 def sidebar_figure(app, label: str) -> int:
@@ -131,7 +132,7 @@ async def test_copy_a_message_and_a_code_block(make_app, monkeypatch):
         await settle(pilot)
         conversation = app.active_conversation()
         written: list[str] = []
-        monkeypatch.setattr(app._driver, "write", written.append)
+        monkeypatch.setattr(driver(app), "write", written.append)
         text = "Two blocks:\n\n```py\nprint('one')\n```\n\n```\nx = 2\n```\n"
         await send(pilot, text)
         await pilot.click(UserMessage)  # the mouse selects a message too

@@ -8,6 +8,7 @@ from kvchat import store
 from kvchat.config import Config
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.screens.dialogs import CloseDialog
+from kvchat.tui.textual_compat import notifications
 
 from .conftest import SIZE, new_tab, send, settle, until
 
@@ -45,7 +46,7 @@ async def test_ctrl_w_asks_save_discard_or_cancel_without_autosave(make_app):
         await until(pilot, lambda: not app.conversations())
         assert store.exists(kept.session_name)
         assert store.load(kept.session_name, app.lm).session.messages[0]["content"] == "keep me"
-        assert list(app._notifications)[-1].message == (
+        assert notifications(app)[-1].message == (
             f"Saved {kept.session_name} and closed it; Ctrl+O reopens it.")
 
         dropped = await new_tab(pilot)
@@ -79,7 +80,7 @@ async def test_ctrl_w_after_ctrl_s_closes_at_once_and_changes_ask_again(make_app
         await settle(pilot)
         assert not app.conversations()
         assert f"Closed {conversation.session_name}; it is saved" in list(
-            app._notifications)[-1].message
+            notifications(app))[-1].message
 
 
 async def test_ctrl_w_with_autosave_saves_without_asking(demo_model, home):
@@ -97,7 +98,7 @@ async def test_ctrl_w_with_autosave_saves_without_asking(demo_model, home):
         await until(pilot, lambda: not app.conversations())
         assert not isinstance(app.screen, CloseDialog)
         assert store.load(name, demo_model).session.messages[0]["content"] == "autosaved"
-        assert list(app._notifications)[-1].message == (
+        assert notifications(app)[-1].message == (
             f"Saved {name} and closed it; Ctrl+O reopens it.")
 
 

@@ -10,6 +10,7 @@ from kvchat import store
 from kvchat.engine.session import GenerationSettings, Session
 from kvchat.tui.screens.dialogs import TrimDialog
 from kvchat.tui.screens.help import HelpScreen
+from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import AssistantMessage, NoticeMessage, Welcome
 
 from .conftest import SIZE, new_tab, palette_pick, screen_text, send, settle, until
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.anyio
 
 
 def notices(app) -> list[str]:
-    return [n.message for n in app._notifications]
+    return [n.message for n in notifications(app)]
 
 
 async def test_the_welcome_leaves_when_the_conversation_starts_and_comes_back_empty(make_app):
@@ -138,7 +139,9 @@ async def test_a_session_opened_from_disk_says_so_and_its_tab_is_the_active_one(
         await pilot.pause()
         await pilot.press("enter")  # the highlighted (only) saved session
         await settle(pilot)
-        await pilot.pause(0.2)
+        await until(pilot, lambda: app.active_conversation().session_name == "kept"
+                    and app.focused is app.active_conversation().input
+                    and app.active_conversation().log.query(NoticeMessage))
         conversation = app.active_conversation()
         assert conversation.session_name == "kept"
         assert app.tabs.active == conversation.parent.id

@@ -12,6 +12,7 @@ import pytest
 
 from kvchat import history
 from kvchat.tui.screens.dialogs import FileDialog
+from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import UserMessage
 
 from .conftest import SIZE, send, settle, until
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.anyio
 
 
 def _notices(app) -> list[str]:
-    return [n.message for n in app._notifications]
+    return [n.message for n in notifications(app)]
 
 
 async def test_up_and_down_walk_this_tabs_prompts_then_the_saved_ones(make_app):

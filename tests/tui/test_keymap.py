@@ -12,6 +12,7 @@ from kvchat.config import Config, parse_config
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.keymap import keymap_table, valid_key
 from kvchat.tui.screens.help import HelpScreen
+from kvchat.tui.textual_compat import notifications
 
 from .conftest import SIZE, settle, widget_text
 
@@ -25,7 +26,7 @@ def _app(demo_model, *keymap: tuple[str, str]) -> KvChatApp:
 
 
 def _notices(app) -> list[str]:
-    return [n.message for n in app._notifications]
+    return [n.message for n in notifications(app)]
 
 
 def _all_bindings():

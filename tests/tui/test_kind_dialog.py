@@ -7,6 +7,7 @@ import pytest
 
 from kvchat.engine import fit, kinds
 from kvchat.tui.screens.dialogs import KindDialog, kind_bytes_per_token
+from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.chat import Conversation
 from kvchat.tui.widgets.messages import NoticeMessage
 
@@ -47,7 +48,7 @@ async def test_typed_kind_is_validated_used_and_marked(make_app, demo_model):
         await pilot.pause()
         assert isinstance(app.screen, KindDialog) and typed.value == "rotating:12"  # kept
         assert "rotating:N needs N of at least 64 tokens (got 12)." in [
-            n.message for n in app._notifications]
+            n.message for n in notifications(app)]
         typed.value = "rotating:1024"
         typed.focus()
         await pilot.press("enter")
@@ -78,7 +79,7 @@ async def test_kinds_a_model_cannot_take_are_refused_and_not_listed(arch, home):
         assert app.active_conversation().session.kind.name == "standard"
         assert ("Cache kind 'quantized:8' cannot apply to this model: its attention cannot read "
                 "a quantized cache (TypeError). Use 'standard'. This tab uses 'standard'.") in [
-            n.message for n in app._notifications]
+            n.message for n in notifications(app)]
         conversation = app.active_conversation()
         await send(pilot, "hello there")
         session = conversation.session

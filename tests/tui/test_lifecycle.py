@@ -10,8 +10,9 @@ from kvchat import store
 from kvchat.config import Config
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.screens.dialogs import CloseDialog, DropDialog
+from kvchat.tui.textual_compat import notifications
 
-from .conftest import SIZE, new_tab, send, settle, until
+from .conftest import SIZE, idle_past_ttl, new_tab, send, settle, until
 
 pytestmark = pytest.mark.anyio
 
@@ -45,7 +46,7 @@ async def test_drop_memory_only_saves_first_and_disk_deletes(demo_model, home):
         assert store.load(name, demo_model).session.messages == messages
         assert name not in app.pool
         assert any(f"Saved as {name} and closed; reopen it with Ctrl+O" in n.message
-                   for n in app._notifications)
+                   for n in notifications(app))
 
         await pilot.press("ctrl+t")
         await settle(pilot)
@@ -73,7 +74,7 @@ async def test_ttl_offloads_an_idle_cache_and_the_next_turn_reloads_it(demo_mode
         await send(pilot, "hello")
         tokens = session.cache_tokens
         assert tokens > 0
-        await pilot.pause(0.05)
+        await idle_past_ttl(pilot, name)
         app.expire_idle()  # the timer's tick
         await settle(pilot)
         assert session.cache_tokens == 0 and not app.pool.entry(name).in_memory
@@ -97,7 +98,7 @@ async def test_discarding_an_offloaded_tab_deletes_the_offloads_copy(demo_model,
         conversation = app.active_conversation()
         name = conversation.session_name
         await send(pilot, "never saved")
-        await pilot.pause(0.05)
+        await idle_past_ttl(pilot, name)
         app.expire_idle()
         await settle(pilot)
         assert conversation.offloaded and store.exists(name)  # the offload wrote it
@@ -126,8 +127,10 @@ async def test_the_timer_offloads_but_never_a_busy_tab(demo_model, home):
         ticket = app.scheduler.request("another tab")
         app.scheduler.wait(ticket)
         assert await conversation.send("queued")
-        await pilot.pause(0.3)
-        assert conversation.busy
+        await until(pilot, lambda: conversation.owner in app.scheduler.waiting())
+        await idle_past_ttl(pilot, name)
+        app.expire_idle()  # a tick while the tab waits for the model
+        assert conversation.busy and conversation.owner in app.scheduler.waiting()
         app.scheduler.done(ticket)
         await settle(pilot, conversation)
         assert conversation.session.messages[-1]["role"] == "assistant"
@@ -173,8 +176,8 @@ async def test_the_timer_fires_safely_under_a_dialog(demo_model, home):
         conversation = app.active_conversation()
         await send(pilot, "hello")
         await pilot.press("f1")
-        await pilot.pause(0.05)
-        assert app.screen is not app.main_screen
+        await until(pilot, lambda: app.screen is not app.main_screen)
+        await idle_past_ttl(pilot, conversation.session_name)
         app.expire_idle()
         await settle(pilot)
         assert not app.pool.entry(conversation.session_name).in_memory

@@ -15,6 +15,7 @@ from kvchat.engine.model import load_model
 from kvchat.engine.session import GenerationSettings, Session, TurnDone
 from kvchat.tui.screens.loading import LoadingScreen
 from kvchat.tui.screens.settings import ModelDialog
+from kvchat.tui.textual_compat import notifications
 
 from .conftest import SIZE, send, settle, until, widget_text
 
@@ -119,8 +120,8 @@ async def test_a_model_that_cannot_load_says_so_and_loses_no_tab(make_app, tmp_p
         missing = tmp_path / "no-such-model"
         await open_model_tab(pilot, str(missing))
         await until(pilot, lambda: any("Could not load model" in n.message
-                                       for n in app._notifications))
-        message = [n.message for n in app._notifications][-1]
+                                       for n in notifications(app)))
+        message = [n.message for n in notifications(app)][-1]
         assert message.startswith(f"Could not load model '{missing}'") and "\n" not in message
         assert app.conversations() == [conversation]
         assert app.active_conversation() is conversation
@@ -161,7 +162,7 @@ async def test_a_saved_session_whose_model_cannot_load_stays_on_disk(make_app, d
         app.open_saved("lost-model")
         await settle(pilot)
         await until(pilot, lambda: not isinstance(app.screen, LoadingScreen))
-        message = [n.message for n in app._notifications][-1]
+        message = [n.message for n in notifications(app)][-1]
         assert message.startswith(f"Could not load model '{missing}'") and "\n" not in message
         assert app.conversations() == [tab] and app.models.holders() == {"demo": 2}
     assert store.read("lost-model")["messages"] == session.messages  # untouched

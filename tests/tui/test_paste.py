@@ -6,7 +6,7 @@ import pytest
 from textual import events
 
 from kvchat.tui.app import KvChatApp
-from kvchat.tui.paste import PasteParser, PasteSafeDriver, paste_safe
+from kvchat.tui.textual_compat import PasteParser, PasteSafeDriver, paste_safe
 from kvchat.tui.widgets.chat_input import ChatInput
 
 from .conftest import SIZE, settle

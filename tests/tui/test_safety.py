@@ -6,6 +6,7 @@ import pytest
 
 from kvchat.engine.session import TurnDone
 from kvchat.engine.stats import TurnStats
+from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import AssistantMessage
 from kvchat.tui.widgets.turn_events import ReplyChunk, TurnFinished
 
@@ -58,4 +59,4 @@ async def test_injection_shows_literally_and_does_nothing(make_app, monkeypatch)
         await pilot.click(link, offset=(3, 1))  # on the link text "boom"
         await pilot.pause()
         assert app.is_running and not quits and not opened
-        assert any("Link (not opened): app.quit" in n.message for n in app._notifications)
+        assert any("Link (not opened): app.quit" in n.message for n in notifications(app))

@@ -12,6 +12,7 @@ from kvchat.engine.maintenance import common_prefix
 from kvchat.engine.session import GenerationSettings, Session, TurnDone
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.screens.settings import ModelDialog, SettingsDialog
+from kvchat.tui.textual_compat import notifications
 
 from .conftest import SIZE, palette_pick, send, settle, until, widget_text
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.anyio
 
 
 def notices(app) -> list[str]:
-    return [n.message for n in app._notifications]
+    return [n.message for n in notifications(app)]
 
 
 async def edit_settings(pilot, **values: str) -> SettingsDialog:

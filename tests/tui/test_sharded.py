@@ -1,4 +1,4 @@
-"""The TUI on a model sharded over two ranks (issue 12): rank 0 runs the real app under
+"""The TUI on a model sharded over two ranks: rank 0 runs the real app under
 ``App.run_test`` in its own process (tests/tui/sharded_driver.py), rank 1 follows, both
 started by ``kvchat launch``'s own code over the ring backend on loopback; a run whose
 rank 1 is on a host ssh cannot reach ends before rank 0 joins. The rest are unit tests

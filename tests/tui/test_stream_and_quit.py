@@ -1,5 +1,4 @@
-"""The reply is on screen while it is written, and quitting stops it, keeps it and saves it
-(issue 15, items 1, 3 and 4)."""
+"""The reply is on screen while it is written, and quitting stops it, keeps it and saves it."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ async def stream(pilot, pieces: list[str]) -> AssistantMessage:
                 and conversation.query_one(AssistantMessage).text == "".join(pieces))
     message = conversation.query_one(AssistantMessage)
     await until(pilot, lambda: thought_text(message) or message.markdown.source)  # a flush
-    await pilot.pause(0.1)
+    await pilot.pause()
     return message
 
 

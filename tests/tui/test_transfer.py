@@ -9,6 +9,7 @@ import pytest
 
 from kvchat import store
 from kvchat.tui.screens.transfer import ExportDialog, ImportDialog
+from kvchat.tui.textual_compat import notifications
 
 from .conftest import SIZE, send, settle
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.anyio
 
 
 def _notices(app) -> list[str]:
-    return [n.message for n in app._notifications]
+    return [n.message for n in notifications(app)]
 
 
 def _times_dropped(text: str) -> dict:

@@ -4,14 +4,12 @@ which tells the app to redraw the sidebar."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from textual.message import Message
+from textual.widget import Widget
 
 from kvchat.engine.session import TurnDone
-
-if TYPE_CHECKING:
-    from .chat import Conversation
 
 
 class TurnEvent(Message):
@@ -55,8 +53,10 @@ class JobFinished(TurnEvent):
 
 
 class Changed(Message):
-    """The conversation's session or state changed: the sidebar should redraw."""
+    """The conversation's session or state changed: the sidebar should redraw.
+    (``conversation`` is the ``Conversation`` widget that posts it; this module, which
+    ``chat.py`` imports, does not import it back.)"""
 
-    def __init__(self, conversation: Conversation) -> None:
+    def __init__(self, conversation: Widget) -> None:
         super().__init__()
         self.conversation = conversation
