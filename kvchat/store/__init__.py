@@ -12,8 +12,8 @@ One folder per session under :func:`kvchat.locations.sessions_dir`:
   layers): the session's checkpoints, checksum and positions in ``session.json``;
   one that cannot be used is left out with a notice, the cache still resumes.
 
-Every write is atomic (temporary file in the same folder, fsync, rename,
-fsync of the folder), the cache first and ``session.json`` last. The JSON
+Every write is atomic (:func:`kvchat.atomic.write_atomic`: temporary file in the
+same folder, fsync, rename, fsync of the folder), the cache first and ``session.json`` last. The JSON
 records the cache file's sha256 and the ledger's hash, so a load can tell
 whether the pair belongs together. Anything wrong with the cache (missing,
 damaged, another model or kvchat version, a ledger that does not match) is
@@ -21,13 +21,14 @@ never fatal: the transcript loads and the cache is rebuilt from it, with a
 one-sentence notice. Only a damaged ``session.json`` is an error, and nothing
 is ever deleted or overwritten because of one.
 
-Modules: ``base`` (names, constants, result types), ``files`` (atomic writes,
-temporary files, checksums), ``lock`` (the per-session lock),
+Modules: ``base`` (names, constants, result types), ``files`` (files opened
+only when they are what they claim to be), ``lock`` (the per-session lock),
 ``session_file`` (reading ``session.json``), ``cache_file`` (reading the
 cache), ``core`` (save and load), ``manage`` (list, delete, export, prune),
 ``search`` (the full-text index of every transcript).
 """
 
+from kvchat.atomic import TMP_PREFIX
 from kvchat.store.base import (
     CACHE_FILE,
     CACHE_SUM_FILE,
@@ -35,9 +36,7 @@ from kvchat.store.base import (
     FORMAT,
     LOCK_TIMEOUT_S,
     NAME_RE,
-    PAUSE_ENV,
     SESSION_FILE,
-    TMP_PREFIX,
     Loaded,
     SessionSummary,
     StoreError,
@@ -74,7 +73,6 @@ __all__ = [
     "CHECKPOINTS_FILE",
     "LOCK_TIMEOUT_S",
     "NAME_RE",
-    "PAUSE_ENV",
     "SESSION_FILE",
     "TMP_PREFIX",
     "Found",

@@ -20,11 +20,8 @@ SESSION_FILE = "session.json"
 CACHE_FILE = "cache.safetensors"
 CACHE_SUM_FILE = "cache.sha256"  # the newest cache's checksum, written before the cache
 CHECKPOINTS_FILE = "checkpoints.safetensors"  # copies of layers that cannot be cut back
-TMP_PREFIX = ".tmp-"
 LOCK_TIMEOUT_S = 60.0
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-# Tests set this to a stage name to make a save stop there (and wait to be killed).
-PAUSE_ENV = "KVCHAT_STORE_TEST_PAUSE"
 
 
 class StoreError(Exception):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat import __version__
+from kvchat.atomic import remove_stale, write_atomic
 from kvchat.store.base import (
     CACHE_FILE,
     CACHE_SUM_FILE,
@@ -31,8 +32,6 @@ from kvchat.store.files import (
     NO_SPACE,
     check_folder,
     make_dir,
-    remove_stale_temps,
-    write_bytes_atomic,
     write_caches_atomic,
 )
 from kvchat.store.lock import session_lock
@@ -70,7 +69,7 @@ def save(session: Session, name: str, shards: list[str] | None = None) -> Path:
 def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | None) -> Path:
     """:func:`save` once the lock is held (a failure leaves no temporary file behind)."""
     make_dir(folder)
-    remove_stale_temps(folder)
+    remove_stale(folder)
     json_path = folder / SESSION_FILE
     cache_path = folder / CACHE_FILE
     created = now()
@@ -91,10 +90,9 @@ def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | 
             # The cache's checksum goes to disk before the cache does, so a load
             # after a save cut short before session.json can verify the new cache.
             record = {"sha256": sha, "bytes": size, "ledger_sha256": metadata["ledger_sha256"]}
-            write_bytes_atomic(folder / CACHE_SUM_FILE, json.dumps(record).encode(), "sum")
+            write_atomic(folder / CACHE_SUM_FILE, json.dumps(record).encode())
 
-        sha, size = write_caches_atomic(cache_path, session.cache, metadata, "cache",
-                                        checksum_first)
+        sha, size = write_caches_atomic(cache_path, session.cache, metadata, checksum_first)
         cache_info = {
             "file": CACHE_FILE,
             "sha256": sha,
@@ -117,7 +115,7 @@ def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | 
         **({"checkpoints": points} if points else {}),
     }
     text = json.dumps(data, ensure_ascii=False, indent=1)
-    write_bytes_atomic(json_path, text.encode(), "json")
+    write_atomic(json_path, text.encode())
     index_session(name, data, json_path)  # never raises: the index catches up on a search
     if cache_info is None:
         cache_path.unlink(missing_ok=True)
