@@ -23,7 +23,8 @@ is ever deleted or overwritten because of one.
 
 Modules: ``base`` (names, constants, result types), ``files`` (files opened
 only when they are what they claim to be), ``lock`` (the per-session lock),
-``session_file`` (reading ``session.json``), ``cache_file`` (reading the
+``session_file`` (reading ``session.json``), ``conflict`` (generations: a save
+refused when another process saved first, and keeping both), ``cache_file`` (reading the
 cache), ``core`` (save and load), ``manage`` (list, delete, export, prune),
 ``search`` (the full-text index of every transcript).
 """
@@ -37,6 +38,7 @@ from kvchat.store.base import (
     LOCK_TIMEOUT_S,
     NAME_RE,
     SESSION_FILE,
+    Generation,
     Loaded,
     SessionSummary,
     StoreError,
@@ -45,6 +47,7 @@ from kvchat.store.base import (
     ledger_hash,
     session_dir,
 )
+from kvchat.store.conflict import SessionChanged, generation_of, save_as_branch
 from kvchat.store.core import Progress, load, save, set_aside
 from kvchat.store.lock import session_lock
 from kvchat.store.manage import (
@@ -76,15 +79,18 @@ __all__ = [
     "SESSION_FILE",
     "TMP_PREFIX",
     "Found",
+    "Generation",
     "Hit",
     "Loaded",
     "Progress",
     "Pruned",
+    "SessionChanged",
     "SessionSummary",
     "StoreError",
     "check_name",
     "delete",
     "exists",
+    "generation_of",
     "export",
     "export_session",
     "import_session",
@@ -97,6 +103,7 @@ __all__ = [
     "read",
     "reindex",
     "save",
+    "save_as_branch",
     "search_sessions",
     "session_dir",
     "session_lock",

@@ -143,7 +143,7 @@ def import_session(path: Path, name: str | None = None, model_id: str | None = N
         set_aside(name)
         record = {
             **{k: data[k] for k in _EXPORTED if k in data},
-            "format": FORMAT, "kvchat_version": __version__, "name": name,
+            "format": FORMAT, "generation": 1, "kvchat_version": __version__, "name": name,
             "created": data.get("created") or now(), "updated": now(), "model_id": model,
             "model_fingerprint": "", "ledger": [], "cache": None,
         }
