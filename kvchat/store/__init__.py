@@ -24,7 +24,8 @@ is ever deleted or overwritten because of one.
 Modules: ``base`` (names, constants, result types), ``files`` (files opened
 only when they are what they claim to be), ``lock`` (the per-session lock),
 ``session_file`` (reading ``session.json``), ``conflict`` (generations: a save
-refused when another process saved first, and keeping both), ``cache_file`` (reading the
+refused when another process saved first, and keeping both), ``lease`` (which
+processes have a session open), ``cache_file`` (reading the
 cache), ``core`` (save and load), ``manage`` (list, delete, export, prune),
 ``search`` (the full-text index of every transcript).
 """
@@ -49,6 +50,7 @@ from kvchat.store.base import (
 )
 from kvchat.store.conflict import SessionChanged, generation_of, save_as_branch
 from kvchat.store.core import Progress, load, save, set_aside
+from kvchat.store.lease import hold_open, let_go, open_elsewhere
 from kvchat.store.lock import session_lock
 from kvchat.store.manage import (
     Pruned,
@@ -91,6 +93,8 @@ __all__ = [
     "delete",
     "exists",
     "generation_of",
+    "hold_open",
+    "let_go",
     "export",
     "export_session",
     "import_session",
@@ -98,6 +102,7 @@ __all__ = [
     "list_sessions",
     "load",
     "matching_sessions",
+    "open_elsewhere",
     "parse_duration",
     "prune",
     "read",

@@ -28,6 +28,7 @@ from kvchat.pool import SessionPool
 from kvchat.themes import kvchat_themes
 
 from .actions import ActionsMixin
+from .conflict import Conflicts
 from .expiry import ExpiryMixin
 from .keys import KeysMixin
 from .models import ModelsMixin
@@ -38,7 +39,7 @@ from .tabs import TabsMixin
 from .transfer import TransferMixin
 from .widgets.chat import Conversation
 from .widgets.sidebar import CacheInfo, CacheSidebar
-from .widgets.turn_events import Changed
+from .widgets.turn_events import Changed, SessionConflict
 
 # Actions that need an open conversation (and no dialog on top).
 _TAB_ACTIONS = {
@@ -257,6 +258,10 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
         while f"{base}-{n}" in taken or store.exists(f"{base}-{n}"):
             n += 1
         return f"{base}-{n}"
+
+    @on(SessionConflict)
+    def _session_conflict(self, event: SessionConflict) -> None:
+        Conflicts(self).ask(event.conversation)
 
     @on(TabbedContent.TabActivated)
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:

@@ -17,6 +17,7 @@ from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
 from kvchat.engine.model import LoadedModel, ModelLoadError
 from kvchat.engine.session import GenerationSettings, Session
 
+from .conflict import Conflicts
 from .screens.dialogs import CloseDialog
 from .screens.loading import LoadingScreen
 from .widgets.chat import Conversation
@@ -130,6 +131,7 @@ class TabsMixin:
         if isinstance(self.screen, LoadingScreen):
             self.pop_screen()
         self.mark_offloaded(offloaded)
+        Conflicts(self).warn_if_open_elsewhere(name)
         if self.settings_flags:  # --max-tokens, --temp: for this run, over the saved ones
             loaded.session.settings = replace(loaded.session.settings, **self.settings_flags)
         if loaded.resumed_from_disk:
