@@ -130,33 +130,39 @@ def test_two_stores_racing_saves_of_one_session_lose_neither(demo_model, home):
     assert again.session.branches.nodes[-1].turn is not None  # B's reply keeps its stats
 
 
+HELD_BEFORE_SAVE = """
+import sys
+import kvchat.engine.distributed as distributed
+from kvchat.cli import main
+real = distributed.save_session
+def held(*args, **kwargs):
+    print("about-to-save", file=sys.stderr, flush=True)
+    sys.stdin.readline()
+    return real(*args, **kwargs)
+distributed.save_session = held
+sys.argv = ["kvchat", *sys.argv[1:]]
+main()
+"""
+
+
 def test_an_ask_and_an_ask_racing_keep_both(demo_model, home):
+    """Ask A has loaded and answered; ask B runs whole before A saves (this test holds A
+    there, from A's own process): A finds the session changed and keeps its exchange as a
+    branch of B's, saying so."""
     store.save(started(demo_model), "k2")
-    first, second = kvchat_ask("--session", "k2", "One ask."), kvchat_ask(
-        "--session", "k2", "Another ask.")
-    (one, _), (other, _) = finished(first), finished(second)
-    assert one["saved"] and other["saved"]
-    assert holds("k2", "One ask.", one["reply"])
-    assert holds("k2", "Another ask.", other["reply"])
-    assert holds("k2", "First.", store.read("k2")["messages"][2]["content"])
-
-
-def test_an_ask_that_finds_the_session_changed_keeps_its_turn_as_a_branch(demo_model, home):
-    """The other writer saves between the ask's load and its save: a process that holds
-    the session open in memory, as a TUI tab does, and saves after the ask started."""
-    store.save(started(demo_model), "k3")
-    other = store.load("k3", demo_model)
-    theirs = turn(other.session, "Their turn.").reply
-    proc = kvchat_ask("--session", "k3", "My ask.")
-    # the ask is loading or answering; whoever saves second keeps the other's turn
-    try:
-        store.save(other.session, "k3", base=other.generation)
-    except store.SessionChanged:
-        store.save_as_branch(other.session, "k3")
-    got, err = finished(proc)
-    assert holds("k3", "Their turn.", theirs) and holds("k3", "My ask.", got["reply"])
-    if not store.read("k3")["messages"][-2]["content"] == "My ask.":  # the ask was second
-        assert "was kept as a branch of it" in err
+    held = subprocess.Popen(
+        [sys.executable, "-c", HELD_BEFORE_SAVE, "ask", "--session", "k2", "--max-tokens",
+         "6", "--json", "Ask A."],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert held.stderr.readline() == "about-to-save\n"
+    b, _ = finished(kvchat_ask("--session", "k2", "Ask B."))
+    held.stdin.write("go\n")
+    held.stdin.flush()
+    a, err = finished(held)
+    assert a["saved"] and b["saved"]
+    assert "session k2 was saved by another kvchat while this answered" in err
+    assert holds("k2", "Ask A.", a["reply"]) and holds("k2", "Ask B.", b["reply"])
+    assert [m["content"] for m in store.read("k2")["messages"]][-2:] == ["Ask B.", b["reply"]]
 
 
 def test_serve_and_ask_on_one_session_keep_both(demo_model, home):
