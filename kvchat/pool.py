@@ -117,10 +117,13 @@ class SessionPool:
 
     # ------------------------------------------------------------- opening
 
-    def add(self, name: str, session: Session) -> Session:
-        """Put a live session in the pool under ``name`` (a valid store name)."""
+    def add(self, name: str, session: Session,
+            generation: store.Generation | None = None) -> Session:
+        """Put a live session in the pool under ``name`` (a valid store name); one loaded
+        from disk elsewhere (a sharded run's) comes with the ``generation`` it read."""
         store.check_name(name)
-        self._put(PoolEntry(name, session, self.clock()))
+        self._put(PoolEntry(name, session, self.clock(),
+                            generation=generation or store.Generation()))
         return session
 
     def rename(self, old: str, new: str, generation: store.Generation | None = None) -> None:

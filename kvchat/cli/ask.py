@@ -36,15 +36,16 @@ def ask(
 ) -> None:
     """Answer one message from the shell, streaming the reply to stdout as it is written.
 
-    With --session, resume that saved session (cache included) and save it back. When
-    another kvchat saved the session while this one answered, the exchange is kept as
-    a branch of what that one saved (a sentence on stderr says so): nothing is lost.
+    With --session, resume that saved session (cache included) and save it back. It holds
+    the session's lock from the load to the save, so asks on one session take turns;
+    the save still checks the generation it loaded (a front end that holds the
+    session open, the TUI or serve, is the one that finds the session changed).
     """
     import contextlib
 
     from kvchat import store
     from kvchat.config import ConfigError, load_config
-    from kvchat.engine.distributed import load_session, new_session
+    from kvchat.engine.distributed import load_session, new_session, save_session
     from kvchat.engine.kinds import CacheKindError, parse_kind
     from kvchat.engine.session import GenerationSettings, SessionError
 
@@ -61,13 +62,13 @@ def ask(
         raise _fail(str(exc), 2) from None
 
     lock = store.session_lock(session) if session else contextlib.nullcontext()
-    base = store.Generation()  # what this ask builds on: nothing, or the saved session it loads
     try:
-        with lock:  # while it loads; the save checks that nobody saved in between
+        with lock:
             saved = store.read(session) if session and store.exists(session) else None
             spec = model or (saved or {}).get("model_id") or config.model
             lm = load_or_exit(spec)
             resumed, notice = False, None
+            base = store.Generation()  # nothing saved: the save checks that it still is not
             if saved is not None:
                 loaded = load_session(session, lm)
                 chat, resumed, notice = loaded.session, loaded.resumed_from_disk, loaded.notice
@@ -85,24 +86,24 @@ def ask(
                                    system=system if system is not None else config.system or None,
                                    settings=settings)
                 notice = store.set_aside(session) if session else None  # a cache left alone
-        if notice:
-            typer.echo(f"kvchat: {printable(notice)}", err=True)
-        events = chat.send(text)
-        try:
-            done = _stream_reply(events, echo=not as_json)
-        except KeyboardInterrupt:
-            events.close()  # between tokens this keeps the reply as stopped
-            if session:  # keep the partial reply (marked stopped) with the transcript
-                _save_or_branch(chat, session, base)
-            typer.echo("\nkvchat: interrupted" + (f"; saved session {session}."
-                                                   if session else "."), err=True)
-            raise typer.Exit(130) from None
-        save_error = None
-        if session:
+            if notice:
+                typer.echo(f"kvchat: {printable(notice)}", err=True)
+            events = chat.send(text)
             try:
-                _save_or_branch(chat, session, base)
-            except store.StoreError as exc:  # the reply is shown all the same
-                save_error = str(exc)
+                done = _stream_reply(events, echo=not as_json)
+            except KeyboardInterrupt:
+                events.close()  # between tokens this keeps the reply as stopped
+                if session:  # keep the partial reply (marked stopped) with the transcript
+                    save_session(chat, session, base=base)
+                typer.echo("\nkvchat: interrupted" + (f"; saved session {session}."
+                                                       if session else "."), err=True)
+                raise typer.Exit(130) from None
+            save_error = None
+            if session:
+                try:
+                    save_session(chat, session, base=base)
+                except store.StoreError as exc:  # the reply is shown all the same
+                    save_error = str(exc)
     except (store.StoreError, SessionError, CacheKindError) as exc:
         raise _fail(str(exc)) from None
     if as_json:
@@ -114,22 +115,6 @@ def ask(
         typer.echo(_stats_line(done), err=True)
     if save_error:
         raise _fail(save_error)
-
-
-def _save_or_branch(chat, name: str, base) -> None:
-    """Save ``chat`` as session ``name``, built on generation ``base``; when another
-    kvchat saved it since, keep this exchange as a branch of that save instead and say
-    so on stderr."""
-    from kvchat import store
-    from kvchat.engine.distributed import save_session
-
-    try:
-        save_session(chat, name, base=base)
-    except store.SessionChanged:
-        store.save_as_branch(chat, name)
-        typer.echo(f"kvchat: session {name} was saved by another kvchat while this answered; "
-                   "this exchange was kept as a branch of it (in the TUI, select a message "
-                   "and press ← / → to switch branches).", err=True)
 
 
 def _stream_reply(events, echo: bool):

@@ -209,9 +209,10 @@ def load_session(name: str, lm):
 
     if not isinstance(lm, ShardedModel):
         return store.load(name, lm)
-    data = store.read(name)
+    data, generation = store.read_with_generation(name)
     _link.broadcast({"op": "load", "name": name, "data": data})
     loaded = _load_here(name, lm, data, _link)
+    loaded.generation = generation
     loaded.session = DistributedSession(_link, loaded.session).count_bytes()
     return loaded
 

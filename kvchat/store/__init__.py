@@ -61,7 +61,7 @@ from kvchat.store.manage import (
     summary,
 )
 from kvchat.store.search import Found, Hit, matching_sessions, reindex, search_sessions
-from kvchat.store.session_file import read
+from kvchat.store.session_file import read, read_with_generation
 from kvchat.store.transfer import (
     FORMATS,
     export,
@@ -106,6 +106,7 @@ __all__ = [
     "parse_duration",
     "prune",
     "read",
+    "read_with_generation",
     "reindex",
     "save",
     "save_as_branch",

@@ -215,7 +215,7 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
         data, branches, generation = read_with_tree(name)  # the tree checked against the messages
     else:  # rank 0's parsed file, sent to this rank of a sharded run: validated here too
         branches = parse_file(json.dumps(data).encode(), folder / "session.json").tree
-        generation = Generation(data.get("generation", 0))
+        generation = Generation(data.get("generation", 0))  # rank 0 knows the file's sha
     # the schema (store/schema.py) has checked every field's type and range by now
     settings = _settings(GenerationSettings, data.get("settings", {}))
     turns = [TurnStats.from_dict(t) for t in data.get("turns", [])]

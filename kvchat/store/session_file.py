@@ -41,6 +41,13 @@ def read(name: str) -> dict:
     return read_json(_path(name))
 
 
+def read_with_generation(name: str) -> tuple[dict, Generation]:
+    """:func:`read`, with the file's generation (a sharded run's rank 0 reads the file
+    once, sends it to every rank, and checks its save against this)."""
+    parsed, generation = _parsed(_path(name))
+    return parsed.model_dump(exclude_unset=True), generation
+
+
 def read_with_tree(name: str) -> tuple[dict, Branches | None, Generation]:
     """:func:`read`, with the branch tree the validation built from the file (None where
     the file has none), so that a load does not build it again, and its generation."""

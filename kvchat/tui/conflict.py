@@ -35,9 +35,10 @@ class Conflicts:
 
         def chosen(choice: str | None) -> None:
             if choice == "reload":
+                mine = conversation.unsaved  # turns of this tab that the disk lacks
                 conversation.run_job("reloading", lambda progress: app.pool.keep_as_branch(
-                    name, progress), lambda loaded: app.call_later(self._reloaded, conversation,
-                                                                   loaded), needs_cache=False)
+                    name, progress), lambda loaded: app.call_later(
+                        self._reloaded, conversation, loaded, mine), needs_cache=False)
             elif choice == "fork":
                 self._save_as(conversation, new)
             else:
@@ -46,7 +47,8 @@ class Conflicts:
 
         app.push_screen(ConflictDialog(name, new), chosen)
 
-    async def _reloaded(self, conversation: Conversation, loaded: store.Loaded) -> None:
+    async def _reloaded(self, conversation: Conversation, loaded: store.Loaded,
+                        mine: bool) -> None:
         """Show the reloaded session (both sides) in a tab in place of the old one (with
         the message being written, if any)."""
         app = self.app
@@ -56,8 +58,9 @@ class Conflicts:
             await app.tabs.remove_pane(conversation.parent.id)  # the pool holds the new one
         shown = await app.add_conversation(
             loaded.session, name, saved=True, notice_kind="info",
-            notice=(f"Reloaded {name} as another kvchat saved it; this tab's turns are kept "
-                    "as a branch (select a message, ← / → switch branches)."
+            notice=(f"Reloaded {name} as another kvchat saved it"
+                    + ("; this tab's turns are kept as a branch (select a message, ← / → "
+                       "switch branches)." if mine else ".")
                     + (f" {loaded.notice}" if loaded.notice else "")))
         shown.input.text = draft
 

@@ -132,6 +132,8 @@ class TabsMixin:
             self.pop_screen()
         self.mark_offloaded(offloaded)
         Conflicts(self).warn_if_open_elsewhere(name)
+        if name not in self.pool:  # loaded outside the pool (a sharded run's)
+            self.pool.add(name, loaded.session, loaded.generation)
         if self.settings_flags:  # --max-tokens, --temp: for this run, over the saved ones
             loaded.session.settings = replace(loaded.session.settings, **self.settings_flags)
         if loaded.resumed_from_disk:

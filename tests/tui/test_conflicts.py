@@ -49,6 +49,11 @@ def pairs(name: str) -> set[tuple[str, str]]:
             if n["role"] == "assistant" and n["parent"] >= 0}
 
 
+def dialog_shown(app) -> bool:
+    """The conflict dialog is up, its buttons mounted."""
+    return isinstance(app.screen, ConflictDialog) and bool(app.screen.query("#conflict-fork"))
+
+
 def app_on_k1(demo_model) -> KvChatApp:
     config = Config(model="demo", max_tokens=6, autosave=True)
     return KvChatApp(config, lm=demo_model, resume="k1", volatile=False)
@@ -71,7 +76,7 @@ async def test_an_ask_while_the_tab_is_open_is_kept_and_the_tab_reloads(demo_mod
         tab.input.text = "Typed in the TUI."
         tab.focus_input()
         await pilot.press("enter")
-        await until(pilot, lambda: isinstance(app.screen, ConflictDialog))
+        await until(pilot, lambda: dialog_shown(app))
         assert tab.session.messages == before  # not sent over the ask's turn
         assert tab.input.text == "Typed in the TUI."  # the message stays in the box
         await pilot.click("#conflict-reload")
@@ -101,7 +106,7 @@ async def test_a_turn_saved_over_an_ask_asks_and_can_become_a_new_session(demo_m
         with app.scheduler.turn("held by the test"):
             assert await tab.send("Typed in the TUI.")
             asked = real_ask("k1", "Asked from the shell.")
-        await until(pilot, lambda: isinstance(app.screen, ConflictDialog), 60)
+        await until(pilot, lambda: dialog_shown(app) and not tab.busy, 60)
         typed_reply = tab.session.messages[-1]["content"]
         await pilot.click("#conflict-fork")
         await until(pilot, lambda: tab.session_name != "k1", 60)
