@@ -9,7 +9,7 @@ from pathlib import Path
 from markdown_it import MarkdownIt
 
 from kvchat import locations
-from kvchat.store.files import write_bytes_atomic
+from kvchat.atomic import write_atomic
 
 CLIP_FILE = "clipboard.txt"
 
@@ -25,5 +25,5 @@ def keep_copy(text: str) -> Path:
     """Write ``text`` to ``clipboard.txt`` in the data directory (atomically, readable by
     the user only) and return its path."""
     path = locations.data_dir() / CLIP_FILE
-    write_bytes_atomic(path, text.encode("utf-8", "replace"), "clipboard")
+    write_atomic(path, text.encode("utf-8", "replace"))
     return path

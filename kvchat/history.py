@@ -17,8 +17,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvchat import locations
+from kvchat.atomic import write_atomic
 from kvchat.store.base import StoreError
-from kvchat.store.files import read_regular, write_bytes_atomic
+from kvchat.store.files import read_regular
 from kvchat.store.lock import file_lock
 
 MAX_ENTRIES = 200
@@ -52,7 +53,7 @@ def remember(prompt: str) -> None:
     with file_lock(lock_file(), "The prompt history", timeout=5):
         entries = [prompt, *(p for p in load() if p != prompt)][:MAX_ENTRIES]
         body = json.dumps(entries, ensure_ascii=False, indent=0).encode("utf-8")
-        write_bytes_atomic(history_file(), body, "history")
+        write_atomic(history_file(), body)
 
 
 def merged(own: Iterable[str], saved: Iterable[str]) -> list[str]:

@@ -23,7 +23,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from kvchat import store
@@ -48,6 +48,8 @@ class PoolEntry:
     notice: str | None = None  # what the last load from disk said, if anything
     kept: bool = False  # the copy on disk was asked for (opened from or saved to disk), not
     # only written by an offload: :meth:`SessionPool.discard` leaves it
+    generation: store.Generation = field(default_factory=store.Generation)  # of the copy on
+    # disk this process last loaded or saved: a save refuses when another process saved since
 
     @property
     def cache_bytes(self) -> int:
@@ -107,6 +109,7 @@ class SessionPool:
     def _put(self, entry: PoolEntry) -> None:
         if self.models is not None:
             self.models.retain(entry.session.lm)
+        store.hold_open(entry.name)  # another kvchat opening it is warned
         old = self._entries.pop(entry.name, None)
         self._entries[entry.name] = entry
         if old is not None and self.models is not None:
@@ -114,26 +117,37 @@ class SessionPool:
 
     # ------------------------------------------------------------- opening
 
-    def add(self, name: str, session: Session) -> Session:
-        """Put a live session in the pool under ``name`` (a valid store name)."""
+    def add(self, name: str, session: Session,
+            generation: store.Generation | None = None) -> Session:
+        """Put a live session in the pool under ``name`` (a valid store name); one loaded
+        from disk elsewhere (a sharded run's) comes with the ``generation`` it read."""
         store.check_name(name)
-        self._put(PoolEntry(name, session, self.clock()))
+        self._put(PoolEntry(name, session, self.clock(),
+                            generation=generation or store.Generation()))
         return session
 
-    def rename(self, old: str, new: str) -> None:
+    def rename(self, old: str, new: str, generation: store.Generation | None = None) -> None:
         """File ``old``'s entry under ``new``, keeping what it knows of its last save
-        (the caller has saved it under the new name, if it was saved at all)."""
+        (the caller has saved it under the new name, if it was saved at all, and passes
+        the ``generation`` that save wrote)."""
         store.check_name(new)
         entry = self._entries.pop(old)
+        store.let_go(old)
+        store.hold_open(new)
         entry.name = new
+        entry.generation = generation or store.Generation()
         self._entries[new] = entry
 
     def open(self, name: str, lm: LoadedModel, progress=None) -> store.Loaded:
         """Load saved session ``name`` (cache included) into the pool; see :func:`store.load`."""
         if name in self._entries:
             return store.Loaded(self.get(name), resumed_from_disk=False, notice=None)
-        loaded = store.load(name, lm, progress)
-        entry = PoolEntry(name, loaded.session, self.clock(), notice=loaded.notice, kept=True)
+        return self._adopt(name, store.load(name, lm, progress))
+
+    def _adopt(self, name: str, loaded: store.Loaded) -> store.Loaded:
+        """Put a session just loaded from disk in the pool under ``name``."""
+        entry = PoolEntry(name, loaded.session, self.clock(), notice=loaded.notice, kept=True,
+                          generation=loaded.generation)
         entry.saved_state = _signature(loaded.session) if loaded.notice is None else None
         self._put(entry)
         return loaded
@@ -199,11 +213,16 @@ class SessionPool:
         if not entry.in_memory:
             session = entry.session
             loaded = store.load(name, session.lm, progress)
-            # Same object for the caller; only the cache and its ledger come back.
-            session.attach(loaded.session.cache, loaded.session.ledger)
+            if loaded.generation == entry.generation:
+                # Same object for the caller; only the cache and its ledger come back.
+                session.attach(loaded.session.cache, loaded.session.ledger)
+                entry.notice = loaded.notice
+            else:  # another process saved it since: that cache is not this transcript's
+                session.rebuild("the saved copy was changed by another kvchat", progress)
+                entry.notice = ("Another kvchat saved this session meanwhile; its cache was "
+                                "rebuilt from this conversation.")
             entry.in_memory = True
-            entry.notice = loaded.notice
-            entry.saved_state = _signature(session) if loaded.notice is None else None
+            entry.saved_state = _signature(session) if entry.notice is None else None
         entry.last_used = self.clock()
         return entry.session
 
@@ -213,16 +232,40 @@ class SessionPool:
 
     def save(self, name: str) -> None:
         """Save ``name`` to disk now if it changed since the last save; the copy on disk is
-        then one the user keeps (see :meth:`discard`)."""
+        then one the user keeps (see :meth:`discard`). :class:`store.SessionChanged` when
+        another process saved it since this one loaded or saved it (nothing is written:
+        see :meth:`keep_as_branch`)."""
         self._write(name)
         self.entry(name).kept = True
+
+    def changed_elsewhere(self, name: str) -> bool:
+        """Whether another process saved ``name`` since this one loaded or saved it (one
+        small read of ``session.json``; False for a session never saved here, whose first
+        save checks that the name is still free, and for one gone or damaged on disk,
+        which its save reports)."""
+        entry = self.entry(name)
+        if entry.generation.sha256 is None:
+            return False
+        try:
+            now = store.generation_of(name)
+        except store.StoreError:
+            return False
+        return now.sha256 is not None and now != entry.generation
+
+    def keep_as_branch(self, name: str, progress=None) -> store.Loaded:
+        """After :class:`store.SessionChanged`: keep ``name``'s conversation as branches of
+        the copy another process saved (which stays the main line), then load that copy
+        in its place (its cache included): the session returned holds both sides."""
+        session = self.entry(name).session
+        store.save_as_branch(session, name)
+        return self._adopt(name, store.load(name, session.lm, progress))
 
     def _write(self, name: str) -> None:
         entry = self.entry(name)
         if entry.in_memory and (entry.dirty or not store.exists(name)):
             from kvchat.engine.distributed import save_session  # a sharded run's: every rank's
 
-            save_session(entry.session, name)
+            save_session(entry.session, name, base=entry.generation)
             entry.saved_state = _signature(entry.session)
 
     # ------------------------------------------------------------- letting go
@@ -250,6 +293,8 @@ class SessionPool:
         ``pool.models.release`` (an unload takes time: a UI does it in a worker); the
         model is returned when there was such a hold."""
         entry = self._entries.pop(name, None)
+        if entry is not None:
+            store.let_go(name)
         held = entry.session.lm if entry is not None and self.models is not None else None
         if held is not None and not keep_hold:
             self.models.release(held)
@@ -271,9 +316,15 @@ class SessionPool:
             return []
         now = self.clock() if now is None else now
         idle = [e.name for e in self.entries() if e.in_memory and now - e.last_used > self.ttl_s]
-        for name in idle:
-            self.offload(name)
-        return idle
+        return [name for name in idle if self._offload_unless_changed(name)]
+
+    def _offload_unless_changed(self, name: str) -> bool:
+        """:meth:`offload`, except that a session another process saved meanwhile stays
+        in memory (its next save says so)."""
+        try:
+            return self.offload(name)
+        except store.SessionChanged:
+            return False
 
     def memory_bytes(self) -> int:
         """Bytes of the prompt caches held in memory now, and of the registry's models."""
@@ -293,6 +344,6 @@ class SessionPool:
         for entry in reversed(self.entries()[1:]):  # oldest first, never the newest
             if self.memory_bytes() <= budget:
                 break
-            if entry.in_memory and self.offload(entry.name):
+            if entry.in_memory and self._offload_unless_changed(entry.name):
                 offloaded.append(entry.name)
         return offloaded

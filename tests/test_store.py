@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
 import threading
 
 import pytest
-from helpers import turn
+from helpers import kill_when_stopped, stopped_before_rename, turn
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from kvchat import store
@@ -95,16 +94,12 @@ def test_killed_mid_save_keeps_the_previous_save(demo_model, home, stage):
     """A save killed before the cache rename, or between the two renames, loses nothing."""
     store.save(conversation(demo_model), "chat")
     before = (folder("chat") / "session.json").read_bytes()
-    env = {**os.environ, store.PAUSE_ENV: stage}
+    target = {"cache": "cache.safetensors", "json": "session.json"}[stage]
     proc = subprocess.Popen(
-        [sys.executable, "-c", RESUME_SCRIPT, NEXT], env=env,
+        [sys.executable, "-c", stopped_before_rename(RESUME_SCRIPT, target), NEXT],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    for line in proc.stderr:
-        if f"kvchat-store-paused:{stage}" in line:
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert kill_when_stopped(proc, target)
     assert (folder("chat") / "session.json").read_bytes() == before
 
     loaded = store.load("chat", demo_model)

@@ -110,17 +110,23 @@ class Launcher:
         self.server.wait(timeout=30)
 
 
-def waiting_on(pid: int, name: str) -> bool:
-    """Whether process ``pid`` has session ``name``'s lock file open (it opens it right
-    before it waits): ``.locks/<name>.lock``, or ``<name>/.lock`` where kvchat kept it
-    before, so this test also shows the old layout failing."""
+def _open_count(pid: int, name: str) -> int:
+    """How many of process ``pid``'s file descriptors are open on session ``name``'s lock
+    file (the condition the tests wait on, instead of a fixed time)."""
+    count = 0
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.endswith((f"/.locks/{name}.lock", f"/{name}/.lock")):
-                    return True
-    return False
+                count += target.endswith((f"/.locks/{name}.lock", f"/{name}/.lock"))
+    return count
+
+
+def waiting_on(pid: int, name: str) -> bool:
+    """Whether process ``pid`` has session ``name``'s lock file open (it opens it right
+    before it waits): ``.locks/<name>.lock``, or ``<name>/.lock`` where kvchat kept it
+    before, so this test also shows the old layout failing."""
+    return _open_count(pid, name) > 0
 
 
 def test_rm_against_waiting_asks_loses_no_turn(demo_model, home, tmp_path):
@@ -204,7 +210,10 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(home):
     with store.session_lock("x"):
         a = threading.Thread(target=waiter)
         a.start()
-        time.sleep(0.2)  # A now waits on the lock file that is about to go
+        deadline = time.monotonic() + 30
+        while _open_count(os.getpid(), "x") < 2:  # ours, and A's as it waits
+            assert time.monotonic() < deadline, "A never opened the lock file"
+            time.sleep(0.01)
         store.delete("x")  # re-entrant: removes the folder, then the lock file
         c = threading.Thread(target=newcomer)
         c.start()

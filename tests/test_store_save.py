@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import turn
+from helpers import kill_when_stopped, stopped_before_rename, turn
 
 from kvchat import store
 from kvchat.engine.session import GenerationSettings, Session
@@ -122,14 +122,10 @@ def cut_short_before_session_json(lm) -> None:
     """A real save of one more turn, killed after the new cache is in place and before
     session.json is: the folder holds the old transcript and the newer cache."""
     store.save(conversation(lm), "chat")
-    env = {**os.environ, store.PAUSE_ENV: "json"}
-    proc = subprocess.Popen([sys.executable, "-c", CUT_SHORT, NEXT], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        if "kvchat-store-paused:json" in line:
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", stopped_before_rename(CUT_SHORT, "session.json"), NEXT],
+        stderr=subprocess.PIPE, text=True)
+    assert kill_when_stopped(proc, "session.json")
 
 
 def _flip_tensor_bytes(path) -> None:

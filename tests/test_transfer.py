@@ -141,18 +141,16 @@ def test_an_export_killed_before_it_is_in_place_leaves_no_file(tmp_path):
     """An export appears whole or not at all: killed once its bytes are written but before
     they take the name, it leaves nothing under that name."""
     import os
-    import signal
     import subprocess
     import sys
 
+    from helpers import kill_when_stopped, stopped_before_rename
+
     target = tmp_path / "talk.md"
-    env = {**os.environ, store.PAUSE_ENV: "export"}
-    proc = subprocess.Popen([sys.executable, "-c", EXPORT_SCRIPT, str(target)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    paused = any("kvchat-store-paused:export" in line for line in proc.stderr)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert paused and not os.path.lexists(target)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", stopped_before_rename(EXPORT_SCRIPT, "talk.md"), str(target)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert kill_when_stopped(proc, "talk.md") and not os.path.lexists(target)
     # and a later export of the same name is whole, with nothing else beside it that counts
     assert store.write_export(target, "whole\n") == target
     assert target.read_text() == "whole\n"

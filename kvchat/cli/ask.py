@@ -33,7 +33,10 @@ def ask(
 ) -> None:
     """Answer one message from the shell, streaming the reply to stdout as it is written.
 
-    With --session, resume that saved session (cache included) and save it back.
+    With --session, resume that saved session (cache included) and save it back. It holds
+    the session's lock from the load to the save, so asks on one session take turns;
+    the save still checks the generation it loaded (a front end that holds the
+    session open, the TUI or serve, is the one that finds the session changed).
     """
     import contextlib
 
@@ -64,9 +67,11 @@ def ask(
             spec = model or (saved or {}).get("model_id") or config.model
             lm = load_or_exit(spec)
             resumed, notice = False, None
+            base = store.Generation()  # nothing saved: the save checks that it still is not
             if saved is not None:
                 loaded = load_session(session, lm)
                 chat, resumed, notice = loaded.session, loaded.resumed_from_disk, loaded.notice
+                base = loaded.generation
                 chat.settings = apply_overrides(chat.settings, flags)  # flags beat the saved
                 if kind is not None:
                     chat.set_kind(kind)
@@ -86,14 +91,14 @@ def ask(
             except KeyboardInterrupt:
                 events.close()  # between tokens this keeps the reply as stopped
                 if session:  # keep the partial reply (marked stopped) with the transcript
-                    save_session(chat, session)
+                    save_session(chat, session, base=base)
                 typer.echo("\nkvchat: interrupted" + (f"; saved session {session}."
                                                        if session else "."), err=True)
                 raise typer.Exit(130) from None
             save_error = None
             if session:
                 try:
-                    save_session(chat, session)
+                    save_session(chat, session, base=base)
                 except store.StoreError as exc:  # the reply is shown all the same
                     save_error = str(exc)
     except (store.StoreError, SessionError, CacheKindError) as exc:

@@ -226,7 +226,9 @@ def bench(
     )
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(to_markdown(result), encoding="utf-8")
+        from kvchat.atomic import write_atomic
+
+        write_atomic(out, to_markdown(result).encode("utf-8"))
     if as_json:
         typer.echo(json.dumps(result, indent=2, ensure_ascii=False))
     else:

@@ -208,9 +208,10 @@ def load_session(name: str, lm):
 
     if not isinstance(lm, ShardedModel):
         return store.load(name, lm)
-    data = store.read(name)
+    data, generation = store.read_with_generation(name)
     _link.broadcast({"op": "load", "name": name, "data": data})
     loaded = _load_here(name, lm, data, _link)
+    loaded.generation = generation
     loaded.session = DistributedSession(_link, loaded.session).count_bytes()
     return loaded
 
@@ -238,12 +239,13 @@ def _load_here(name: str, lm, data: dict, link: Link):
     return loaded
 
 
-def save_session(session, name: str):
-    """``store.save``; for a sharded session every rank first writes its own shard."""
+def save_session(session, name: str, base=None):
+    """``store.save`` (``base``: the generation it builds on); for a sharded session every
+    rank first writes its own shard."""
     from kvchat import store
 
     if not isinstance(session, DistributedSession):
-        return store.save(session, name)
+        return store.save(session, name, base=base)
     _link.broadcast({"op": "save", "name": name})
     rows = _link.gather(b"")
     for rank, row in enumerate(rows[1:], 1):
@@ -252,7 +254,7 @@ def save_session(session, name: str):
                 f"Could not save session {name}: rank {rank} could not write its cache shard "
                 f"({row.decode('utf-8', 'ignore')}); session.json was not changed.")
     shas = [row[4:].decode() for row in rows[1:] if row.startswith(b"sha:")]
-    return store.save(session.local, name, shards=shas or None)
+    return store.save(session.local, name, shards=shas or None, base=base)
 
 
 def delete_session(name: str) -> str | None:

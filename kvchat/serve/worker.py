@@ -245,6 +245,13 @@ class Engine:
         saved, notice = True, match.notice
         try:
             self.pool.save(match.name)
+        except store.SessionChanged:  # another kvchat saved it meanwhile: keep both
+            try:
+                self.pool.keep_as_branch(match.name)
+                notice = (f"Session {match.name} was saved by another kvchat while this "
+                          "answered; this reply was kept as a branch of it.")
+            except store.StoreError as exc:
+                saved, notice = False, str(exc)
         except store.StoreError as exc:
             saved, notice = False, str(exc)
         self.pool.enforce_budget()

@@ -12,8 +12,8 @@ One folder per session under :func:`kvchat.locations.sessions_dir`:
   layers): the session's checkpoints, checksum and positions in ``session.json``;
   one that cannot be used is left out with a notice, the cache still resumes.
 
-Every write is atomic (temporary file in the same folder, fsync, rename,
-fsync of the folder), the cache first and ``session.json`` last. The JSON
+Every write is atomic (:func:`kvchat.atomic.write_atomic`: temporary file in the
+same folder, fsync, rename, fsync of the folder), the cache first and ``session.json`` last. The JSON
 records the cache file's sha256 and the ledger's hash, so a load can tell
 whether the pair belongs together. Anything wrong with the cache (missing,
 damaged, another model or kvchat version, a ledger that does not match) is
@@ -21,13 +21,16 @@ never fatal: the transcript loads and the cache is rebuilt from it, with a
 one-sentence notice. Only a damaged ``session.json`` is an error, and nothing
 is ever deleted or overwritten because of one.
 
-Modules: ``base`` (names, constants, result types), ``files`` (atomic writes,
-temporary files, checksums), ``lock`` (the per-session lock),
-``session_file`` (reading ``session.json``), ``cache_file`` (reading the
+Modules: ``base`` (names, constants, result types), ``files`` (files opened
+only when they are what they claim to be), ``lock`` (the per-session lock),
+``session_file`` (reading ``session.json``), ``conflict`` (generations: a save
+refused when another process saved first, and keeping both), ``lease`` (which
+processes have a session open), ``cache_file`` (reading the
 cache), ``core`` (save and load), ``manage`` (list, delete, export, prune),
 ``search`` (the full-text index of every transcript).
 """
 
+from kvchat.atomic import TMP_PREFIX
 from kvchat.store.base import (
     CACHE_FILE,
     CACHE_SUM_FILE,
@@ -35,9 +38,8 @@ from kvchat.store.base import (
     FORMAT,
     LOCK_TIMEOUT_S,
     NAME_RE,
-    PAUSE_ENV,
     SESSION_FILE,
-    TMP_PREFIX,
+    Generation,
     Loaded,
     SessionSummary,
     StoreError,
@@ -46,7 +48,9 @@ from kvchat.store.base import (
     ledger_hash,
     session_dir,
 )
+from kvchat.store.conflict import SessionChanged, generation_of, save_as_branch
 from kvchat.store.core import Progress, load, save, set_aside
+from kvchat.store.lease import hold_open, let_go, open_elsewhere
 from kvchat.store.lock import session_lock
 from kvchat.store.manage import (
     Pruned,
@@ -57,7 +61,7 @@ from kvchat.store.manage import (
     summary,
 )
 from kvchat.store.search import Found, Hit, matching_sessions, reindex, search_sessions
-from kvchat.store.session_file import read
+from kvchat.store.session_file import read, read_with_generation
 from kvchat.store.transfer import (
     FORMATS,
     export,
@@ -74,19 +78,23 @@ __all__ = [
     "CHECKPOINTS_FILE",
     "LOCK_TIMEOUT_S",
     "NAME_RE",
-    "PAUSE_ENV",
     "SESSION_FILE",
     "TMP_PREFIX",
     "Found",
+    "Generation",
     "Hit",
     "Loaded",
     "Progress",
     "Pruned",
+    "SessionChanged",
     "SessionSummary",
     "StoreError",
     "check_name",
     "delete",
     "exists",
+    "generation_of",
+    "hold_open",
+    "let_go",
     "export",
     "export_session",
     "import_session",
@@ -94,11 +102,14 @@ __all__ = [
     "list_sessions",
     "load",
     "matching_sessions",
+    "open_elsewhere",
     "parse_duration",
     "prune",
     "read",
+    "read_with_generation",
     "reindex",
     "save",
+    "save_as_branch",
     "search_sessions",
     "session_dir",
     "session_lock",

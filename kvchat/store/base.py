@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,11 +20,8 @@ SESSION_FILE = "session.json"
 CACHE_FILE = "cache.safetensors"
 CACHE_SUM_FILE = "cache.sha256"  # the newest cache's checksum, written before the cache
 CHECKPOINTS_FILE = "checkpoints.safetensors"  # copies of layers that cannot be cut back
-TMP_PREFIX = ".tmp-"
 LOCK_TIMEOUT_S = 60.0
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-# Tests set this to a stage name to make a save stop there (and wait to be killed).
-PAUSE_ENV = "KVCHAT_STORE_TEST_PAUSE"
 
 
 class StoreError(Exception):
@@ -52,12 +49,29 @@ class SessionSummary:
 
 
 @dataclass
+class Generation:
+    """Which ``session.json`` a process last loaded or saved: its ``generation`` field
+    (0 where it has none) and the sha256 of its bytes (None: nothing was on disk).
+    A checked save moves it forward in place; keep one per open session."""
+
+    number: int = 0
+    sha256: str | None = None
+
+    def describes(self, raw: bytes | None) -> bool:
+        """Whether ``raw`` (a ``session.json``'s bytes, None when there is none) is the
+        file this generation was taken from."""
+        return self.sha256 == (hashlib.sha256(raw).hexdigest() if raw is not None else None)
+
+
+@dataclass
 class Loaded:
-    """What :func:`load` returns: the session, whether its cache came from disk, and why not."""
+    """What :func:`load` returns: the session, whether its cache came from disk, why not,
+    and the generation of the ``session.json`` it read (a checked save's ``base``)."""
 
     session: Session
     resumed_from_disk: bool
     notice: str | None
+    generation: Generation = field(default_factory=Generation)  # of the file it read
 
 
 def check_name(name: str) -> str:

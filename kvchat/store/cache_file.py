@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat import __version__
+from kvchat.atomic import sha256_of
 from kvchat.store.base import CACHE_SUM_FILE, StoreError, ledger_hash, one_line
-from kvchat.store.files import open_regular, read_regular, sha256_of
+from kvchat.store.files import open_regular, read_regular
 from kvchat.store.shards import shard_file, shard_sha
 
 if TYPE_CHECKING:

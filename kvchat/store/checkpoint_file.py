@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from kvchat.atomic import sha256_of
 from kvchat.store.base import CHECKPOINTS_FILE, StoreError, one_line
-from kvchat.store.files import open_regular, sha256_of, write_caches_atomic
+from kvchat.store.files import open_regular, write_caches_atomic
 from kvchat.store.schema import Count
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def write_checkpoints(folder: Path, session: Session) -> dict | None:
         holder[0] = logits[1]
         layers.append(holder)
         metadata["logprobs_at"] = str(logits[0])
-    sha, size = write_caches_atomic(path, layers, metadata, "checkpoints")
+    sha, size = write_caches_atomic(path, layers, metadata)
     entry = {"file": CHECKPOINTS_FILE, "sha256": sha, "bytes": size,
              "tokens": [point.tokens for point in kept]}
     _remember(path, objects, key, os.stat(path, follow_symlinks=False), entry)

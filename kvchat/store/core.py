@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -12,12 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat import __version__
+from kvchat.atomic import remove_stale, write_atomic
 from kvchat.store.base import (
     CACHE_FILE,
     CACHE_SUM_FILE,
     CHECKPOINTS_FILE,
     FORMAT,
     SESSION_FILE,
+    Generation,
     Loaded,
     StoreError,
     cache_metadata,
@@ -27,18 +28,17 @@ from kvchat.store.base import (
 )
 from kvchat.store.cache_file import read_cache
 from kvchat.store.checkpoint_file import read_checkpoints, write_checkpoints
+from kvchat.store.conflict import check_base
 from kvchat.store.files import (
     NO_SPACE,
     check_folder,
     make_dir,
-    remove_stale_temps,
-    write_bytes_atomic,
     write_caches_atomic,
 )
 from kvchat.store.lock import session_lock
 from kvchat.store.schema import parse_file
 from kvchat.store.search import index_session
-from kvchat.store.session_file import read_json, read_with_tree
+from kvchat.store.session_file import read_with_tree
 from kvchat.store.shards import drop_shards
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 
 
-def save(session: Session, name: str, shards: list[str] | None = None) -> Path:
+def save(session: Session, name: str, shards: list[str] | None = None, *,
+         base: Generation | None = None) -> Path:
     """Write ``session`` under ``name`` (cache first, then ``session.json``); return the folder.
 
     Takes the session's lock. A crash at any point leaves the previous save
@@ -58,26 +59,31 @@ def save(session: Session, name: str, shards: list[str] | None = None) -> Path:
     sentence, with the previous save as it was and no temporary file left.
     ``shards`` are the checksums of the other ranks' cache shards, written already
     (``store/shards.py``), for a sharded run.
+
+    ``base`` is the generation this process loaded or last saved (``Loaded.generation``;
+    ``Generation()`` for a session new here): when the saved session is no longer that
+    one, nothing is written and :class:`~kvchat.store.conflict.SessionChanged` says what
+    is there now; otherwise ``base`` moves forward to the generation written. Without
+    ``base`` the save replaces whatever is there (tests, benchmarks).
     """
     with session_lock(name) as folder:
         try:
-            return _save_locked(session, name, folder, shards)
+            return _save_locked(session, name, folder, shards, base)
         except OSError as exc:  # mlx writes the cache through the file object: OSError too
             reason = "no space left on device" if exc.errno in NO_SPACE else one_line(exc)
         raise StoreError(f"Could not save session {name}: {reason}; the previous save is intact.")
 
 
-def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | None) -> Path:
+def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | None,
+                 base: Generation | None) -> Path:
     """:func:`save` once the lock is held (a failure leaves no temporary file behind)."""
-    make_dir(folder)
-    remove_stale_temps(folder)
     json_path = folder / SESSION_FILE
     cache_path = folder / CACHE_FILE
-    created = now()
-    if os.path.lexists(json_path):
-        with contextlib.suppress(StoreError):
-            created = read_json(json_path).get("created", created)
-    else:
+    generation, before = check_base(name, json_path, base) if check_folder(folder) else (1, None)
+    make_dir(folder)
+    remove_stale(folder)
+    created = (before or {}).get("created") or now()
+    if not os.path.lexists(json_path):
         set_aside(name)
 
     ledger = list(session.ledger)
@@ -91,10 +97,9 @@ def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | 
             # The cache's checksum goes to disk before the cache does, so a load
             # after a save cut short before session.json can verify the new cache.
             record = {"sha256": sha, "bytes": size, "ledger_sha256": metadata["ledger_sha256"]}
-            write_bytes_atomic(folder / CACHE_SUM_FILE, json.dumps(record).encode(), "sum")
+            write_atomic(folder / CACHE_SUM_FILE, json.dumps(record).encode())
 
-        sha, size = write_caches_atomic(cache_path, session.cache, metadata, "cache",
-                                        checksum_first)
+        sha, size = write_caches_atomic(cache_path, session.cache, metadata, checksum_first)
         cache_info = {
             "file": CACHE_FILE,
             "sha256": sha,
@@ -107,6 +112,7 @@ def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | 
 
     data = {
         "format": FORMAT,
+        "generation": generation,
         "kvchat_version": __version__,
         "created": created,
         "updated": now(),
@@ -117,7 +123,9 @@ def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | 
         **({"checkpoints": points} if points else {}),
     }
     text = json.dumps(data, ensure_ascii=False, indent=1)
-    write_bytes_atomic(json_path, text.encode(), "json")
+    sha = write_atomic(json_path, text.encode())
+    if base is not None:
+        base.number, base.sha256 = generation, sha
     index_session(name, data, json_path)  # never raises: the index catches up on a search
     if cache_info is None:
         cache_path.unlink(missing_ok=True)
@@ -190,9 +198,10 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
 
     folder = session_dir(name)
     if data is None:
-        data, branches = read_with_tree(name)  # the tree checked against the messages
+        data, branches, generation = read_with_tree(name)  # the tree checked against the messages
     else:  # rank 0's parsed file, sent to this rank of a sharded run: validated here too
         branches = parse_file(json.dumps(data).encode(), folder / "session.json").tree
+        generation = Generation(data.get("generation", 0))  # rank 0 knows the file's sha
     # the schema (store/schema.py) has checked every field's type and range by now
     settings = _settings(GenerationSettings, data.get("settings", {}))
     turns = [TurnStats.from_dict(t) for t in data.get("turns", [])]
@@ -220,11 +229,14 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
         turns=turns, archived=archived, branches=branches,
     )
     if problem is None:
-        return _with_checkpoints(folder, data, session, reference, resumed=cache is not None)
-    session.rebuild(f"the saved cache was not used: {problem}", progress,
-                    next_turn_counts=True)
-    notice = f"The saved cache was not used ({problem}); it was rebuilt from the transcript."
-    return Loaded(session, resumed_from_disk=False, notice=notice)
+        loaded = _with_checkpoints(folder, data, session, reference, resumed=cache is not None)
+    else:
+        session.rebuild(f"the saved cache was not used: {problem}", progress,
+                        next_turn_counts=True)
+        notice = f"The saved cache was not used ({problem}); it was rebuilt from the transcript."
+        loaded = Loaded(session, resumed_from_disk=False, notice=notice)
+    loaded.generation = generation
+    return loaded
 
 
 def _with_checkpoints(folder: Path, data: dict, session: Session, reference: Reference,

@@ -3,29 +3,25 @@
 Every file kvchat opens in a session folder is opened with ``O_NOFOLLOW`` and
 checked with ``fstat`` to be a regular file (never a symlink, FIFO, device or
 folder), and reads are capped; a session folder that is a symlink or not a
-folder is refused. Writes are atomic: a new temporary file (``O_EXCL``), fsync,
-rename, fsync of the folder.
+folder is refused. Writes go through :mod:`kvchat.atomic`.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvchat import locations
-from kvchat.store.base import PAUSE_ENV, TMP_PREFIX, StoreError, one_line
+from kvchat.atomic import write_atomic_with
+from kvchat.store.base import StoreError, one_line
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 JSON_LIMIT = 64 << 20  # session.json and other small files: more is not a session
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT}  # a full disk or quota
-_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP}  # link(2) on FAT, some FUSE
 
 
 def check_folder(folder: Path) -> bool:
@@ -98,94 +94,8 @@ def read_regular(path: Path, limit: int = JSON_LIMIT) -> bytes:
     return data
 
 
-def sha256_of(f: BinaryIO) -> str:
-    """The sha256 of an open file's bytes, read from the start."""
-    f.seek(0)
-    digest = hashlib.sha256()
-    for block in iter(lambda: f.read(1 << 20), b""):
-        digest.update(block)
-    f.seek(0)
-    return digest.hexdigest()
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` durable."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def pause(stage: str) -> None:
-    """Test hook: with ``KVCHAT_STORE_TEST_PAUSE=<stage>`` a save stops here to be killed."""
-    if os.environ.get(PAUSE_ENV) == stage:
-        print(f"kvchat-store-paused:{stage}", file=sys.stderr, flush=True)
-        time.sleep(3600)
-
-
-def remove_stale_temps(folder: Path) -> None:
-    """Delete temporary files that a killed save left in ``folder`` (regular files only;
-    a symlink or folder with a temporary name is left alone)."""
-    for entry in os.scandir(folder):
-        if entry.name.startswith(TMP_PREFIX) and entry.is_file(follow_symlinks=False):
-            Path(entry.path).unlink(missing_ok=True)
-
-
-def new_temp(folder: Path, suffix: str) -> tuple[Path, BinaryIO]:
-    """A new temporary file in ``folder`` (``O_EXCL``: never an existing file or link),
-    open for writing."""
-    path = folder / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}{suffix}"
-    flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return path, open(path, "w+b", opener=lambda p, fl: os.open(p, fl | flags, 0o600))
-
-
-def finish_temp(f: BinaryIO) -> tuple[str, int]:
-    """fsync a written temporary file; return its sha256 and size."""
-    f.flush()
-    os.fsync(f.fileno())
-    size = os.fstat(f.fileno()).st_size
-    return sha256_of(f), size
-
-
-def rename_into_place(tmp: Path, final: Path, stage: str, replace: bool = True) -> None:
-    """Rename ``tmp`` over ``final`` (a symlink there is replaced, never followed) and
-    fsync the folder. Without ``replace`` an existing ``final`` (file or symlink) stays
-    and ``FileExistsError`` is raised: the new file appears whole or not at all."""
-    pause(stage)
-    if replace:
-        os.replace(tmp, final)
-    else:
-        try:
-            os.link(tmp, final)
-        except OSError as exc:
-            if exc.errno not in _NO_LINKS:
-                raise
-            # a file system without hard links: claim the name, then rename over the claim
-            os.close(os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600))
-            os.replace(tmp, final)
-        else:
-            os.unlink(tmp)
-    fsync_dir(final.parent)
-
-
-def write_bytes_atomic(path: Path, data: bytes, stage: str, replace: bool = True) -> str:
-    """Write ``data`` to ``path`` atomically (replacing it unless ``replace`` is False,
-    see :func:`rename_into_place`); return its sha256."""
-    tmp, f = new_temp(path.parent, ".json")
-    try:
-        with f:
-            f.write(data)
-            sha, _ = finish_temp(f)
-        rename_into_place(tmp, path, stage, replace)
-        return sha
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_caches_atomic(
-    path: Path, caches: list[Any], metadata: dict[str, str], stage: str,
+    path: Path, caches: list[Any], metadata: dict[str, str],
     before_rename: Callable[[str, int], None] | None = None,
 ) -> tuple[str, int]:
     """Write ``caches`` to ``path`` atomically with mlx-lm's ``save_prompt_cache`` (no
@@ -196,15 +106,5 @@ def write_caches_atomic(
 
     from kvchat.engine.kinds import compacted
 
-    tmp, f = new_temp(path.parent, ".safetensors")
-    try:
-        with f:
-            save_prompt_cache(f, compacted(caches), metadata)
-            sha, size = finish_temp(f)
-        if before_rename is not None:
-            before_rename(sha, size)
-        rename_into_place(tmp, path, stage)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return sha, size
+    return write_atomic_with(path, lambda f: save_prompt_cache(f, compacted(caches), metadata),
+                             before_rename=before_rename)

@@ -92,6 +92,7 @@ class CheckpointsInfo(_Strict):
 
 class SessionFile(_Strict):
     format: int = 1
+    generation: Count = 0  # one more on every save; absent before kvchat had it
     kvchat_version: str = ""
     name: str = ""
     created: str = ""

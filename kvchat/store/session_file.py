@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
 from kvchat.engine.branches import Branches
-from kvchat.store.base import SESSION_FILE, StoreError, one_line, session_dir
+from kvchat.store.base import SESSION_FILE, Generation, StoreError, one_line, session_dir
 from kvchat.store.files import JSON_LIMIT, check_folder, read_regular
 from kvchat.store.schema import SessionFile, parse_file
 
 
-def _parsed(path: Path) -> SessionFile:
+def _parsed(path: Path) -> tuple[SessionFile, Generation]:
     try:
         raw = read_regular(path, JSON_LIMIT)  # never a symlink, FIFO or device; capped
     except FileNotFoundError:
         raise StoreError(f"{path} is missing.") from None
     except OSError as exc:
         raise StoreError(f"{path} is damaged ({one_line(exc)}); it was left as it is.") from None
-    return parse_file(raw, path)
+    parsed = parse_file(raw, path)
+    return parsed, Generation(parsed.generation, hashlib.sha256(raw).hexdigest())
 
 
 def _path(name: str) -> Path:
@@ -31,7 +33,7 @@ def _path(name: str) -> Path:
 
 def read_json(path: Path) -> dict:
     """Parse a ``session.json``; any problem is a :class:`StoreError` naming the file."""
-    return _parsed(path).model_dump(exclude_unset=True)
+    return _parsed(path)[0].model_dump(exclude_unset=True)
 
 
 def read(name: str) -> dict:
@@ -39,8 +41,15 @@ def read(name: str) -> dict:
     return read_json(_path(name))
 
 
-def read_with_tree(name: str) -> tuple[dict, Branches | None]:
+def read_with_generation(name: str) -> tuple[dict, Generation]:
+    """:func:`read`, with the file's generation (a sharded run's rank 0 reads the file
+    once, sends it to every rank, and checks its save against this)."""
+    parsed, generation = _parsed(_path(name))
+    return parsed.model_dump(exclude_unset=True), generation
+
+
+def read_with_tree(name: str) -> tuple[dict, Branches | None, Generation]:
     """:func:`read`, with the branch tree the validation built from the file (None where
-    the file has none), so that a load does not build it again."""
-    parsed = _parsed(_path(name))
-    return parsed.model_dump(exclude_unset=True), parsed.tree
+    the file has none), so that a load does not build it again, and its generation."""
+    parsed, generation = _parsed(_path(name))
+    return parsed.model_dump(exclude_unset=True), parsed.tree, generation

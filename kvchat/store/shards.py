@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat.store.base import CACHE_FILE, cache_metadata, session_dir
-from kvchat.store.files import check_folder, finish_temp, make_dir, new_temp, rename_into_place
+from kvchat.store.files import check_folder, make_dir, write_caches_atomic
 
 if TYPE_CHECKING:
     from kvchat.engine.session import Session
@@ -51,26 +51,13 @@ def shard_sha(info: dict, rank: int) -> str | None:
 def write_shard(session: Session, name: str, rank: int) -> str | None:
     """Write this rank's cache of ``session`` for session ``name`` atomically; return its
     sha256 (None, and the old shard removed, when the cache is empty)."""
-    from mlx_lm.models.cache import save_prompt_cache
-
-    from kvchat.engine.kinds import compacted
-
     folder = session_dir(name)
     make_dir(folder)
     path = folder / shard_file(rank)
     if not session.ledger:
         path.unlink(missing_ok=True)
         return None
-    tmp, f = new_temp(folder, ".safetensors")
-    try:
-        with f:
-            save_prompt_cache(f, compacted(session.cache), cache_metadata(session))
-            sha, _ = finish_temp(f)
-        rename_into_place(tmp, path, "shard")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return sha
+    return write_caches_atomic(path, session.cache, cache_metadata(session))[0]
 
 
 def delete_shard(name: str, rank: int) -> None:

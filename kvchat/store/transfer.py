@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat import __version__
+from kvchat.atomic import write_atomic
 from kvchat.safety import dumps_json
 from kvchat.store.base import FORMAT, NAME_RE, SESSION_FILE, StoreError, exists, now, one_line
 from kvchat.store.core import set_aside, transcript
-from kvchat.store.files import JSON_LIMIT, make_dir, read_regular, write_bytes_atomic
+from kvchat.store.files import JSON_LIMIT, make_dir, read_regular
 from kvchat.store.lock import session_lock
 from kvchat.store.schema import parse_session
 from kvchat.store.search import index_session
@@ -94,7 +95,7 @@ def write_export(path: Path, text: str) -> Path:
     if os.path.lexists(final):
         raise StoreError(f"{path} exists already; choose another file name.")
     try:
-        write_bytes_atomic(final, text.encode("utf-8"), "export", replace=False)
+        write_atomic(final, text.encode("utf-8"), replace=False)
     except FileExistsError:
         raise StoreError(f"{path} exists already; choose another file name.") from None
     except OSError as exc:
@@ -142,11 +143,11 @@ def import_session(path: Path, name: str | None = None, model_id: str | None = N
         set_aside(name)
         record = {
             **{k: data[k] for k in _EXPORTED if k in data},
-            "format": FORMAT, "kvchat_version": __version__, "name": name,
+            "format": FORMAT, "generation": 1, "kvchat_version": __version__, "name": name,
             "created": data.get("created") or now(), "updated": now(), "model_id": model,
             "model_fingerprint": "", "ledger": [], "cache": None,
         }
         json_path = folder / SESSION_FILE
-        write_bytes_atomic(json_path, dumps_json(record, indent=1).encode(), "json")
+        write_atomic(json_path, dumps_json(record, indent=1).encode())
         index_session(name, record, json_path)
     return name

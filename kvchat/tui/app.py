@@ -30,6 +30,7 @@ from kvchat.settings import apply_overrides
 from kvchat.themes import kvchat_themes
 
 from .actions import ActionsMixin
+from .conflict import Conflicts
 from .expiry import ExpiryMixin
 from .keys import KeysMixin
 from .models import ModelsMixin
@@ -40,7 +41,7 @@ from .tabs import TabsMixin
 from .transfer import TransferMixin
 from .widgets.chat import Conversation
 from .widgets.sidebar import CacheInfo, CacheSidebar
-from .widgets.turn_events import Changed
+from .widgets.turn_events import Changed, SessionConflict
 
 # Actions that need an open conversation (and no dialog on top).
 _TAB_ACTIONS = {
@@ -261,6 +262,10 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
         while f"{base}-{n}" in taken or store.exists(f"{base}-{n}"):
             n += 1
         return f"{base}-{n}"
+
+    @on(SessionConflict)
+    def _session_conflict(self, event: SessionConflict) -> None:
+        Conflicts(self).ask(event.conversation)
 
     @on(TabbedContent.TabActivated)
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:

@@ -16,6 +16,7 @@ from kvchat.engine.model import LoadedModel, ModelLoadError
 from kvchat.engine.session import Session
 from kvchat.settings import apply_overrides, generation_of
 
+from .conflict import Conflicts
 from .screens.dialogs import CloseDialog
 from .screens.loading import LoadingScreen
 from .widgets.chat import Conversation
@@ -129,6 +130,9 @@ class TabsMixin:
         if isinstance(self.screen, LoadingScreen):
             self.pop_screen()
         self.mark_offloaded(offloaded)
+        Conflicts(self).warn_if_open_elsewhere(name)
+        if name not in self.pool:  # loaded outside the pool (a sharded run's)
+            self.pool.add(name, loaded.session, loaded.generation)
         # the generation flags given (--temp, --top-k, ...): for this run, over the saved ones
         loaded.session.settings = apply_overrides(loaded.session.settings, self.settings_flags)
         if loaded.resumed_from_disk:

@@ -61,7 +61,7 @@ def anyio_backend():
     return "asyncio"
 
 
-async def until(pilot, condition, timeout: float = 10.0) -> None:
+async def until(pilot, condition, timeout: float = 30.0) -> None:
     """Pause until ``condition()`` holds (TimeoutError after ``timeout`` seconds): how a
     TUI test waits, never a fixed pause (tests/helpers.py's ``wait_until`` outside the app)."""
     deadline = asyncio.get_running_loop().time() + timeout

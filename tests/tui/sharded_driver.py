@@ -53,8 +53,12 @@ def said(app, start: str) -> bool:
 
 
 def listed(*homes: Path) -> list[dict]:
-    """Each home's saved sessions and their files."""
-    return [{d.name: sorted(f.name for f in d.iterdir()) for d in (home / "sessions").iterdir()}
+    """Each home's saved sessions and their files (a lease, ``.locks/NAME.PID.open``, that
+    says the session is open in this process, as ``NAME.open``)."""
+    def name(f: Path) -> str:
+        return f.name.replace(f".{os.getpid()}.open", ".open")
+
+    return [{d.name: sorted(name(f) for f in d.iterdir()) for d in (home / "sessions").iterdir()}
             for home in homes]
 
 

@@ -86,12 +86,13 @@ def test_the_tui_on_two_ranks_answers_as_one_process_and_shows_each_ranks_cache(
     # one tab holds a new, empty session, made on every rank, which answers as one process.
     name = seen["session"]
     assert seen["before_drop"] == [
-        {name: ["cache.safetensors", "cache.sha256", "session.json"], ".locks": [f"{name}.lock"]},
+        {name: ["cache.safetensors", "cache.sha256", "session.json"],
+         ".locks": [f"{name}.lock", f"{name}.open"]},  # locked to save; open in the TUI
         {name: ["cache.rank1.safetensors"]}]  # rank 1's home: its shard only
     assert f"Drop '{name}' and start a new session in its tab? It is saved on" in \
         seen["drop_dialog"]
     dropped = seen["after_drop"]
-    assert dropped["listed"] == [{".locks": []}, {}] and dropped["saved"] is False
+    assert dropped["listed"] == [{".locks": ["chat-2.open"]}, {}] and dropped["saved"] is False
     assert dropped["notices"][-1] == f"Dropped {name} from memory and disk on every rank."
     assert dropped["tabs"] == ["chat-2"] and dropped["widgets"] == ["Welcome"]
     assert dropped["messages"] == [] and dropped["ledger"] == [] and dropped["rank_bytes"] == [0, 0]

@@ -32,6 +32,7 @@ from .turn_events import (
     JobFinished,
     PrefillProgress,
     ReplyChunk,
+    SessionConflict,
     Started,
     TurnFinished,
     Waiting,
@@ -203,6 +204,10 @@ class Conversation(BranchingMixin, Vertical):
         """Start a turn with ``text``; False (and a notice) if it cannot start now."""
         if self.refuse_if_busy():
             return False
+        if self.pool is not None and self.session_name in self.pool \
+                and self.pool.changed_elsewhere(self.session_name):
+            self.post_message(SessionConflict(self))  # the message stays in the box
+            return False
         try:
             events = self.session.send(text)
         except SessionError as error:
@@ -276,7 +281,10 @@ class Conversation(BranchingMixin, Vertical):
                     elif isinstance(event, TurnDone):
                         done = event
                 if done is not None and self.autosave:
-                    self.save_now()
+                    try:
+                        self.save_now()
+                    except store.SessionChanged:
+                        pass  # save_now asked the app what to do; the turn itself is done
             post(TurnFinished(done, None))
         except Cancelled:
             events.close()
@@ -288,7 +296,11 @@ class Conversation(BranchingMixin, Vertical):
         """Worker thread, holding the model: save the session (through the pool, which
         then knows it is clean)."""
         if self.pool is not None and self.session_name in self.pool:
-            self.pool.save(self.session_name)  # the pool then knows it is clean
+            try:
+                self.pool.save(self.session_name)  # the pool then knows it is clean
+            except store.SessionChanged:  # another kvchat saved it: nothing was written
+                self.post_message(SessionConflict(self))
+                raise
         else:
             store.save(self.session, self.session_name)
         self.saved = True

@@ -60,3 +60,12 @@ class Changed(Message):
     def __init__(self, conversation: Widget) -> None:
         super().__init__()
         self.conversation = conversation
+
+
+class SessionConflict(Message):
+    """A save of the conversation was refused: another kvchat saved its session since
+    this tab loaded or saved it. The app asks what to do (nothing was overwritten)."""
+
+    def __init__(self, conversation: Widget) -> None:
+        super().__init__()
+        self.conversation = conversation
