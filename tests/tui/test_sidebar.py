@@ -8,7 +8,7 @@ import pytest
 
 from kvchat import store
 from kvchat.tui.widgets.messages import AssistantMessage
-from kvchat.tui.widgets.sidebar import human_bytes
+from kvchat.units import human_bytes
 
 from .conftest import SIZE, send, settle, until, widget_text
 

@@ -22,8 +22,7 @@ from kvchat.engine.kinds import (
     group_size,
     parse_kind,
 )
-
-from ..widgets.sidebar import human_bytes
+from kvchat.units import human_bytes
 
 
 class Dialog(ModalScreen):

@@ -20,6 +20,7 @@ from textual.widgets import Button, Sparkline, Static
 
 from kvchat.engine.stats import TurnStats, memory
 from kvchat.engine.thoughts import reevaluated_note
+from kvchat.units import human_bytes
 
 TURN_STATES = ("waiting", "answering")  # a conversation's states while a turn runs
 
@@ -80,15 +81,6 @@ class CacheInfo:
             layout=getattr(session.lm, "layout", None),
             rank_bytes=tuple(getattr(session, "rank_bytes", ())),
         )
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    raise AssertionError
 
 
 def seconds(s: float) -> str:
