@@ -67,13 +67,15 @@ def root(
             raise _fail(SHARDED_ONLY, 2)
     if ctx.invoked_subcommand is not None:
         return
-    from kvchat.tui.app import exit_now, run_tui
+    from kvchat.tui.app import run_tui
 
     if system is not None:
         system = _as_text(system, "--system")
-    exit_now(run_tui(
+    status = run_tui(
         model=model, cache=cache, system=system, resume=resume, max_tokens=max_tokens, temp=temp
-    ))
+    )
+    if status:
+        raise typer.Exit(status)
 
 
 @app.command()

@@ -24,6 +24,7 @@ from kvchat import store
 from kvchat.config import Config, ConfigError, load_config, remember
 from kvchat.engine.registry import ModelRegistry
 from kvchat.engine.scheduler import Scheduler
+from kvchat.engine.threads import mlx_event_loop
 from kvchat.pool import SessionPool
 from kvchat.themes import kvchat_themes
 
@@ -375,25 +376,13 @@ def run_tui(**flags) -> int:
     except (store.StoreError, ConfigError) as error:
         print(f"kvchat: {error}", file=sys.stderr)
         return 2
-    app.run()
+    return run_app(app)
+
+
+def run_app(app: KvChatApp) -> int:
+    """Run ``app`` until it exits; returns its exit status. Its thread workers run in an
+    :class:`~kvchat.engine.threads.MlxThreadPool`, whose threads have ended cleanly when
+    this returns, so the process then exits normally."""
+    with mlx_event_loop() as loop:
+        app.run(loop=loop)
     return app.return_code or 0
-
-
-def exit_now(status: int) -> None:
-    """End the process once the TUI has closed, without running native destructors.
-
-    Everything is saved by then: Textual waits for its worker threads before
-    ``run`` returns. MLX arrays used from those threads can make C++ static
-    destruction at interpreter shutdown abort ("terminate called without an
-    active exception", ml-explore/mlx#3126), so the interpreter's own shutdown
-    is skipped after flushing what Python buffered.
-    """
-    import os
-    import sys
-
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(status)
