@@ -50,7 +50,7 @@ class CacheMaintenance:
 
     def _changed(self, action: str, evaluated: int = 0) -> None:
         """Record maintenance work on the cache (the next turn clears it)."""
-        self.last_change = CacheChange(action, self.cache_tokens, evaluated, self._pending_rebuild)
+        self.last_change = CacheChange(action, self.cache_tokens, evaluated)
 
     def _prefill(
         self, tokens: list[int], total: int, marks: frozenset[int] = frozenset()
@@ -295,5 +295,5 @@ class CacheMaintenance:
             self._changed("kind change")
             return None
         reason = self.rebuild(f"cache kind changed from {old.name} to {new.name}", progress)
-        self.last_change = CacheChange("kind change", self.cache_tokens, len(self.ledger), reason)
+        self._changed("kind change", len(self.ledger))  # all of it evaluated again
         return reason

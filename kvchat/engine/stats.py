@@ -55,7 +55,6 @@ class CacheChange:
     action: str
     cache_tokens: int
     evaluated_tokens: int = 0
-    rebuilt: str | None = None  # why the cache was emptied, when it was
 
 
 STAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TurnStats))

@@ -31,7 +31,7 @@ class ActionsMixin:
                         markup=False)
 
         # through the pool, so that it knows the tab is clean (Ctrl+W then closes at once)
-        conversation.run_job("saving", lambda progress: conversation.save_now(), saved)
+        conversation.save(saved)
 
     def action_trim(self) -> None:
         conversation = self.idle_conversation()

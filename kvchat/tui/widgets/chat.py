@@ -13,7 +13,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import ProgressBar, Static
 
-from kvchat import history, store
+from kvchat import drafts, history, store
 from kvchat.engine.scheduler import Cancelled
 from kvchat.engine.session import Chunk, Prefill, Session, SessionError, TurnDone
 
@@ -121,14 +121,12 @@ class Conversation(BranchingMixin, Vertical):
 
     @property
     def unsaved(self) -> bool:
-        """True when the tab has messages that its saved copy lacks (or it has none)."""
-        if not any(m["role"] == "user" for m in self.session.messages):
-            return False
+        """True when the tab has changes that its saved copy lacks (see
+        :meth:`SessionPool.unsaved`; messages, undo, trim, kind, settings)."""
         pool = self.pool
         if pool is not None and self.session_name in pool:
-            entry = pool.entry(self.session_name)  # an offload's copy is not a save
-            return entry.dirty or not entry.kept or not store.exists(self.session_name)
-        return not self.saved
+            return pool.unsaved(self.session_name)
+        return any(m["role"] == "user" for m in self.session.messages) and not self.saved
 
     @property
     def log(self) -> VerticalScroll:
@@ -201,13 +199,18 @@ class Conversation(BranchingMixin, Vertical):
 
     async def send(self, text: str) -> bool:
         """Start a turn with ``text``; False (and a notice) if it cannot start now."""
-        if self.refuse_if_busy():
+        if self.refuse_if_busy() or self.app.quitter.underway:
             return False
         try:
             events = self.session.send(text)
         except SessionError as error:
             self.notify(str(error), severity="warning", markup=False)
             return False
+        try:  # on disk before its prefill starts: a crash from now on loses no message
+            drafts.keep(self.session_name, text)
+        except (store.StoreError, OSError) as error:
+            self.notify(f"The message could not be kept on disk while it is sent: {error}",
+                        severity="warning", markup=False)
         self.input.clear()
         self.input.remember(text)
         await self.start_turn(events, text=text)
@@ -292,6 +295,12 @@ class Conversation(BranchingMixin, Vertical):
         else:
             store.save(self.session, self.session_name)
         self.saved = True
+        drafts.clear(self.session_name)  # the message it was sending is in the saved copy
+
+    def save(self, then: Callable[[Any], Any] | None = None) -> bool:
+        """Save the session in the tab's worker (in turn with the other tabs), then call
+        ``then(None)``; False (and a notice) if the tab is busy."""
+        return self.run_job("saving", lambda progress: self.save_now(), then, needs_cache=False)
 
     @on(Waiting)
     def _waiting(self, event: Waiting) -> None:
@@ -334,6 +343,9 @@ class Conversation(BranchingMixin, Vertical):
     @on(TurnFinished)
     async def _finished(self, event: TurnFinished) -> None:
         event.stop()
+        # The message is in the session (or back in the box): no longer in flight. (An app
+        # ended by a signal mid-turn never gets here: its draft stays unless it was saved.)
+        drafts.clear(self.session_name)
         if event.cancelled:
             if self._user_widget is not None:
                 await self._user_widget.remove()

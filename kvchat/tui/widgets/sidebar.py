@@ -78,8 +78,7 @@ class CacheInfo:
             last=last,
             prefill=conversation.prefill if running else None,
             prompt_eval_history=tuple(t.prompt_eval_s for t in session.turns),
-            rebuilt=session.pending_rebuild or (change.rebuilt if change else None)
-            or (last.rebuilt if last else None),
+            rebuilt=session.pending_rebuild or (last.rebuilt if last else None),
             rebuild_pending=session.pending_rebuild is not None,
             saved=conversation.saved,
             layout=getattr(session.lm, "layout", None),
@@ -140,9 +139,7 @@ class CacheSidebar(Vertical):
         if not self.volatile:
             history = [0.0] * len(history)
         spark.data = history[-40:]
-        when = ("The next turn rebuilds the cache" if info.rebuild_pending
-                else f"The {info.change.action} rebuilt the cache" if info.change
-                else "Last turn rebuilt")
+        when = "The next turn rebuilds the cache" if info.rebuild_pending else "Last turn rebuilt"
         rebuilt.update(Text(f"{when}: {info.rebuilt}.") if info.rebuilt else "")
         rebuilt.display = bool(info.rebuilt)
 
