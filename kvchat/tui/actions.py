@@ -7,6 +7,7 @@ A mixin of :class:`~kvchat.tui.app.KvChatApp`.
 from __future__ import annotations
 
 from kvchat import store
+from kvchat.engine.events import TurnDone
 from kvchat.engine.kinds import EXAMPLE_KINDS, applicable_kinds, known_applicable_kinds
 
 from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
@@ -110,10 +111,24 @@ class ActionsMixin:
 
     async def action_regenerate(self) -> None:
         conversation = self.idle_conversation()
-        if conversation is not None and await conversation.regenerate():
-            if conversation.session.settings.temp <= 0:
-                self.notify("Temperature is 0 (greedy): the same reply comes again; "
+        if conversation is None:
+            return
+        session = conversation.session
+        change = session.last_change  # what changed the cache since that reply, if anything
+
+        def said(done: TurnDone) -> None:
+            if session.settings.temp > 0:
+                return
+            if change is None:  # the same cache and logits: greedy decoding repeats itself
+                self.notify("Temperature is 0 (greedy): the same reply came again; "
                             "raise it with --temp or temp in the config file.", timeout=8)
+                return
+            self.notify(f"Temperature is 0 (greedy), but the cache changed since that reply "
+                        f"({change.action}): {done.stats.evaluated_tokens:,} token(s) were "
+                        "evaluated on it again, so the reply can differ.", timeout=8,
+                        markup=False)
+
+        await conversation.regenerate(said)
 
     def action_drop(self) -> None:
         conversation = self.idle_conversation()

@@ -73,6 +73,7 @@ class Conversation(BranchingMixin, Vertical):
         self._user_widget: UserMessage | None = None
         self._reply_index = -1  # where the reply being written goes in the transcript
         self._redraw: int | None = None  # an edit or regenerate point: redraw from there
+        self._then: Callable[[TurnDone], Any] | None = None  # for the running turn's end
         self._code_copies: dict[int, int] = {}
         # the running turn's prompt evaluation: tokens done, of how many (for the sidebar)
         self.prefill: tuple[int, int] | None = None
@@ -216,8 +217,9 @@ class Conversation(BranchingMixin, Vertical):
         await self.start_turn(events, text=text)
         return True
 
-    async def regenerate(self) -> bool:
-        """F5: a new version of the last reply (the old one stays as a branch)."""
+    async def regenerate(self, then: Callable[[TurnDone], Any] | None = None) -> bool:
+        """F5: a new version of the last reply (the old one stays as a branch); ``then``
+        gets the turn's end when it has one."""
         if self.refuse_if_busy():
             return False
         try:
@@ -225,13 +227,16 @@ class Conversation(BranchingMixin, Vertical):
         except SessionError as error:
             self.notify(str(error), severity="warning", markup=False)
             return False
-        await self.start_turn(events, upto=len(self.session.messages) - 1)
+        await self.start_turn(events, upto=len(self.session.messages) - 1, then=then)
         return True
 
-    async def start_turn(self, events, text: str | None = None, upto: int | None = None) -> None:
+    async def start_turn(self, events, text: str | None = None, upto: int | None = None,
+                         then: Callable[[TurnDone], Any] | None = None) -> None:
         """Show a turn starting and run it: ``text`` is the new message, if any; ``upto``
         cuts the transcript shown to that many messages first (an edit or a regenerate:
-        the new messages get their branches when the turn ends)."""
+        the new messages get their branches when the turn ends); ``then`` gets the turn's
+        end, if it has one."""
+        self._then = then
         # Busy from here on, before the first await: a Ctrl+Q or Esc that comes while the
         # transcript is being drawn stops this turn instead of quitting past it.
         self.state = "waiting" if self.scheduler.running else "answering"
@@ -362,6 +367,8 @@ class Conversation(BranchingMixin, Vertical):
                 await self.log.mount(self._reply)
             await self._reply.finish(event.done.reply, event.done.stopped,
                                      rebuild_note(event.done.stats.rebuilt))
+            if self._then is not None:
+                self._then(event.done)
         self._reply = None
         self._user_widget = None
         self._pending_text = None
