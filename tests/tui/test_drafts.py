@@ -66,8 +66,10 @@ def offered(demo_model, home):
 async def test_a_message_killed_in_its_prefill_is_offered_back_and_restored(offered):
     app, message = offered
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: isinstance(app.screen, DraftDialog), timeout=30)
-        assert drafts.OFFER in widget_text(app.screen)
+        await until(pilot, lambda: isinstance(app.screen, DraftDialog)
+                    and drafts.OFFER in widget_text(app.screen), timeout=30)
+        shown = widget_text(app.screen.query_one("#draft-preview"))
+        assert " ".join(shown.split()).startswith(" ".join(message[:200].split()))
         await pilot.click("#draft-restore")
         await settle(pilot)
         conversation = app.active_conversation()

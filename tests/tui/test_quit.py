@@ -34,6 +34,7 @@ async def test_ctrl_q_saves_an_undo_with_autosave(demo_model, home):
         await send(pilot, "one")
         await send(pilot, "two")
         assert [t for r, t in talk(name) if r == "user"] == ["one", "two"]  # autosaved
+        assert "(unsaved)" not in widget_text(app.sidebar)
         await pilot.press("ctrl+l")
         await pilot.pause()
         await pilot.click("#trim-undo")
@@ -41,6 +42,7 @@ async def test_ctrl_q_saves_an_undo_with_autosave(demo_model, home):
         kept = list(conversation.session.messages)
         assert [m["content"] for m in kept if m["role"] == "user"] == ["one"]
         assert conversation.unsaved  # an undo is a change, though no turn ended
+        assert "(unsaved)" in widget_text(app.sidebar)
 
         await pilot.press("ctrl+q")
         await until(pilot, lambda: app.return_code is not None, timeout=20)

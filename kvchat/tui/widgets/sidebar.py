@@ -80,7 +80,8 @@ class CacheInfo:
             prompt_eval_history=tuple(t.prompt_eval_s for t in session.turns),
             rebuilt=session.pending_rebuild or (last.rebuilt if last else None),
             rebuild_pending=session.pending_rebuild is not None,
-            saved=conversation.saved,
+            # an undo, a trim, a kind... since the last save count too (read while idle only)
+            saved=conversation.saved and (conversation.busy or not conversation.unsaved),
             layout=getattr(session.lm, "layout", None),
             rank_bytes=tuple(getattr(session, "rank_bytes", ())),
             change=change,
