@@ -33,6 +33,7 @@ class Quitter:
     def __init__(self, app: KvChatApp) -> None:
         self.app = app
         self.underway = False
+        self.save_failed = False  # then the next Ctrl+Q quits at once
         self.signalled: signal.Signals | None = None  # the signal that ended the app, if any
 
     # ------------------------------------------------------------------ signals
@@ -64,7 +65,7 @@ class Quitter:
         (:meth:`finish`, in a worker) is to follow, False when this Ctrl+Q quit at once.
         From here on no message starts (see ``Conversation.send``)."""
         app = self.app
-        if self.underway:
+        if self.underway or self.save_failed:
             app.exit()
             return False
         self.underway = True
@@ -94,7 +95,8 @@ class Quitter:
                 conversation.save()
             await self._idle()
             failed = [c.session_name for c in unsaved if c.unsaved]
-            if failed:  # each one's error is on its tab; the next Ctrl+Q quits anyway
+            if failed:  # each one's error is on its tab; the app stays usable
+                self.underway, self.save_failed = False, True
                 app.notify(f"Could not save {', '.join(failed)} (its tab says why); Ctrl+Q "
                            "again quits anyway.", severity="error", timeout=30, markup=False)
                 return

@@ -134,3 +134,27 @@ def test_a_real_kvchat_ended_by_a_signal_saves_and_exits_0(tmp_path, end):
     assert user == {"role": "user", "content": "keep this message"}
     assert reply["role"] == "assistant"
     assert not (home / "drafts" / "chat-1.txt").exists()  # saved: no draft left
+
+
+async def test_a_save_that_fails_on_quitting_keeps_the_app_open(demo_model, home):
+    app = KvChatApp(Config(model="demo", max_tokens=8, autosave=True), lm=demo_model,
+                    volatile=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        await send(pilot, "one")
+        conversation.session.settings.temp = 0.5  # a change of settings: unsaved
+
+        def full_disk() -> None:
+            raise OSError(28, "No space left on device")
+
+        conversation.save_now = full_disk
+        await pilot.press("ctrl+q")
+        await until(pilot, lambda: any(n.message.startswith("Could not save")
+                                       for n in app._notifications))
+        await settle(pilot)
+        assert app.return_code is None and conversation.unsaved
+        await send(pilot, "two")  # the app still works
+        assert conversation.session.messages[-2]["content"] == "two"
+        await pilot.press("ctrl+q")  # again: quits at once
+        await until(pilot, lambda: app.return_code is not None)
