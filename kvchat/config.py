@@ -15,7 +15,6 @@ set. A file that does not parse is left byte for byte as it is.
 from __future__ import annotations
 
 import os
-import tempfile
 import tomllib
 from collections.abc import Mapping
 from dataclasses import field, make_dataclass
@@ -26,6 +25,7 @@ import tomlkit
 from tomlkit.exceptions import ParseError
 from tomlkit.items import String, StringType
 
+from kvchat.atomic import write_atomic
 from kvchat.safety import read_limited
 from kvchat.settings import (
     SETTINGS,
@@ -39,7 +39,7 @@ from kvchat.settings import (
 )
 
 __all__ = ["Config", "ConfigError", "load_config", "parse_config", "parse_size", "remember",
-           "tomllib", "write_atomic"]
+           "tomllib"]
 
 MAX_FILE_BYTES = 1 << 20  # a settings file is a few hundred bytes
 
@@ -137,20 +137,6 @@ def remember(path: Path | None = None, **values: Any) -> None:
                           and isinstance(value, str) and "'" not in value
                           and value.isprintable())
         document[key] = tomlkit.string(value, literal=True) if literal_quotes else value
-    write_atomic(path, tomlkit.dumps(document))
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader sees the old file or the new, never a part
-    (temporary file beside it, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8", newline="") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    target = path.resolve()  # a config kept elsewhere (dotfiles) and linked here stays linked
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(target, tomlkit.dumps(document).encode("utf-8"))

@@ -78,3 +78,8 @@ def builtin_themes_dir() -> Path:
     package = Path(__file__).resolve().parent
     installed = package / "themes"
     return installed if installed.is_dir() else package.parent / "themes"
+
+
+def drafts_dir() -> Path:
+    """The message each session was sending when kvchat last stopped, one file each."""
+    return _private_dir(data_dir() / "drafts")

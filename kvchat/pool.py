@@ -230,6 +230,23 @@ class SessionPool:
         """Mark ``name`` as just used (it becomes the last to be offloaded)."""
         self.entry(name).last_used = self.clock()
 
+    def unsaved(self, name: str) -> bool:
+        """Whether ``name`` has changes its kept copy on disk lacks: messages never saved,
+        or any change since the last save or load (a turn, an undo down to no message, a
+        trim, a deleted exchange, a cache kind, settings). An offload's copy is not a save."""
+        entry = self.entry(name)
+        if not any(m["role"] == "user" for m in entry.session.messages):
+            return entry.kept and entry.dirty  # a saved session emptied since (by undo)
+        return entry.dirty or not entry.kept or not store.exists(name)
+
+    def save_unsaved(self) -> list[str]:
+        """Save every open session with unsaved changes (see :meth:`unsaved`); return their
+        names. Call it when no session is running (on quitting, once the workers ended)."""
+        names = [name for name in self._entries if self.unsaved(name)]
+        for name in names:
+            self.save(name)
+        return names
+
     def save(self, name: str) -> None:
         """Save ``name`` to disk now if it changed since the last save; the copy on disk is
         then one the user keeps (see :meth:`discard`). :class:`store.SessionChanged` when

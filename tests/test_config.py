@@ -153,3 +153,16 @@ def test_environment_beats_the_file_and_flags_beat_both(tmp_path):
         load_config(path, environ={"KVCHAT_TOP_P": "high"})
     with pytest.raises(ConfigError, match=r"^KVCHAT_TOP_P = 0\.0: must be more than 0"):
         load_config(path, environ={"KVCHAT_TOP_P": "0"})
+
+
+def test_a_linked_config_is_edited_where_it_lives(tmp_path):
+    from kvchat.config import remember
+
+    kept = tmp_path / "dotfiles" / "kvchat.toml"
+    kept.parent.mkdir()
+    kept.write_text('# mine\ntemp = 0.5\n')
+    link = tmp_path / "config.toml"
+    link.symlink_to(kept)
+    remember(link, theme="gruvbox")
+    assert link.is_symlink()
+    assert kept.read_text() == '# mine\ntemp = 0.5\ntheme = "gruvbox"\n'

@@ -40,7 +40,7 @@ def ask(
     """
     import contextlib
 
-    from kvchat import store
+    from kvchat import drafts, store
     from kvchat.config import ConfigError, load_config
     from kvchat.engine.distributed import load_session, new_session, save_session
     from kvchat.engine.kinds import CacheKindError, parse_kind
@@ -86,12 +86,15 @@ def ask(
             if notice:
                 typer.echo(f"kvchat: {printable(notice)}", err=True)
             events = chat.send(text)
+            if session:  # on disk before the prefill: a kill now loses no message
+                drafts.keep(session, text)
             try:
                 done = _stream_reply(events, echo=not as_json)
             except KeyboardInterrupt:
                 events.close()  # between tokens this keeps the reply as stopped
                 if session:  # keep the partial reply (marked stopped) with the transcript
                     save_session(chat, session, base=base)
+                    drafts.clear(session)
                 typer.echo("\nkvchat: interrupted" + (f"; saved session {session}."
                                                        if session else "."), err=True)
                 raise typer.Exit(130) from None
@@ -99,6 +102,7 @@ def ask(
             if session:
                 try:
                     save_session(chat, session, base=base)
+                    drafts.clear(session)
                 except store.StoreError as exc:  # the reply is shown all the same
                     save_error = str(exc)
     except (store.StoreError, SessionError, CacheKindError) as exc:

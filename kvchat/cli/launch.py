@@ -150,20 +150,17 @@ def _tui(args: list[str], ranks: int, hosts: str | None, hostfile: Path | None, 
         ring = Ring(ring_hosts(ranks, hosts, hostfile), port or DEFAULT_PORT, ranks_log())
     except RingError as exc:
         raise _fail(str(exc), 2) from None
-    from kvchat.tui.app import exit_now
-
-    exit_now(sharded_tui(ring, flags))
-    return 0  # not reached
+    return sharded_tui(ring, flags)
 
 
-def sharded_tui(ring: Ring, flags: dict, run=lambda app: app.run()) -> int:
+def sharded_tui(ring: Ring, flags: dict, run=None) -> int:
     """Start ``ring``, join it as rank 0, and ``run`` the TUI (built from ``flags``) on its
     sharded model; end the followers afterwards. Returns the exit status. (Tests pass a
     ``run`` that drives the app under ``App.run_test``.)"""
     from kvchat import store
     from kvchat.config import ConfigError
     from kvchat.engine import distributed
-    from kvchat.tui.app import tui_app
+    from kvchat.tui.app import run_app, tui_app
 
     ring.start()
     try:
@@ -182,7 +179,7 @@ def sharded_tui(ring: Ring, flags: dict, run=lambda app: app.run()) -> int:
         app = tui_app(**flags)
         app.shard(load_or_exit(app.config.model))
         ring.on_lost = lambda rank, code: _tell(app)
-        status = run(app) or 0
+        status = (run or run_app)(app) or 0
     except (store.StoreError, ConfigError) as exc:
         typer.echo(f"kvchat: {exc}", err=True)
         status, said = 2, True

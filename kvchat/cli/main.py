@@ -79,11 +79,13 @@ def root(
             raise _fail(SHARDED_ONLY, 2)
     if ctx.invoked_subcommand is not None:
         return
-    from kvchat.tui.app import exit_now, run_tui
+    from kvchat.tui.app import run_tui
 
     if system is not None:
         system = _as_text(system, "--system")
-    exit_now(run_tui(model=model, cache=cache, system=system, resume=resume, flags=flags))
+    status = run_tui(model=model, cache=cache, system=system, resume=resume, flags=flags)
+    if status:
+        raise typer.Exit(status)
 
 
 @app.command()

@@ -10,6 +10,7 @@ import typer
 
 from kvchat import locations
 from kvchat.safety import dumps_json, printable
+from kvchat.units import human_bytes
 
 if TYPE_CHECKING:
     pass
@@ -29,14 +30,6 @@ def _store_call(fn, *args):
         raise _fail(str(exc)) from None
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
-
-
 @sessions_app.command("list")
 def sessions_list(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -54,7 +47,7 @@ def sessions_list(
     rows = [("NAME", "MODEL", "CACHE", "TURNS", "TOKENS", "SIZE", "LAST USED")]
     for s in found:
         rows.append((s.name, s.model_id, s.cache_kind, str(s.turns), str(s.cache_tokens),
-                     _size(s.size_bytes), s.last_used[:19].replace("T", " ")))
+                     human_bytes(s.size_bytes), s.last_used[:19].replace("T", " ")))
     rows = [tuple(printable(c, one_line=True) for c in r) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:

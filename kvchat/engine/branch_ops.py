@@ -99,7 +99,7 @@ class BranchOps:
         if not self._offset() <= index < len(self.messages) \
                 or not self.branches.switch(index - self._offset(), step):
             raise SessionError("There is no other version of that message that way.")
-        return self._adopt(progress)
+        return self._adopt(progress, "branch switch")
 
     def delete_pair(self, index: int, progress: Progress | None = None) -> Refilled:
         """Delete the user message at ``index`` and its reply (every version of it); the
@@ -108,11 +108,12 @@ class BranchOps:
         self._message(index, "user", "a user message")
         self._record()
         self.branches.remove_pair(index - self._offset())
-        return self._adopt(progress)
+        return self._adopt(progress, "delete exchange")
 
-    def _adopt(self, progress: Progress | None) -> Refilled:
+    def _adopt(self, progress: Progress | None, action: str) -> Refilled:
         """The tree's path is now the transcript: take its messages and stats, fill the cache."""
         self.messages = self.messages[: self._offset()] + self.branches.messages()
         self.turns = self.branches.path_turns()
         reused, evaluated = self._refill(progress)
+        self._changed(action, evaluated)
         return Refilled(reused, evaluated)

@@ -24,6 +24,7 @@ from .kinds import (
     settle,
     trim_to,
 )
+from .stats import CacheChange
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -44,6 +45,12 @@ class CacheMaintenance:
     """The cache-changing operations of :class:`~kvchat.engine.session.Session` (a mixin:
     it uses the session's ``cache``, ``ledger``, ``messages``, ``kind``, ``settings`` and
     ``checkpoints``)."""
+
+    last_change: CacheChange | None = None  # maintenance since the last turn, if any
+
+    def _changed(self, action: str, evaluated: int = 0) -> None:
+        """Record maintenance work on the cache (the next turn clears it)."""
+        self.last_change = CacheChange(action, self.cache_tokens, evaluated)
 
     def _prefill(
         self, tokens: list[int], total: int, marks: frozenset[int] = frozenset()
@@ -146,6 +153,7 @@ class CacheMaintenance:
         if not self.ledger:
             return False
         self._discard("the cache was reset")
+        self._changed("reset")
         return True
 
     def rebuild(self, reason: str, progress: Progress | None = None, *,
@@ -203,6 +211,7 @@ class CacheMaintenance:
             self.unload()  # a rotating cache's never-evicted head is fixed when it is made
         else:
             self.sync()
+        self._changed("system prompt")
         return len(self.ledger)
 
     def undo(self, turns: int = 1) -> None:
@@ -219,6 +228,7 @@ class CacheMaintenance:
         self._keep_turns(messages)
         self.branches.truncate(len(self.talk()))
         self.sync()
+        self._changed("undo")
 
     def trim_history(self, max_tokens: int, progress: Progress | None = None) -> int:
         """Drop the oldest exchanges, keeping the system prompt, until the transcript fits ``max_tokens``.
@@ -248,7 +258,8 @@ class CacheMaintenance:
         self.messages = messages
         del self.turns[: sum(m["role"] == "assistant" for m in dropped)]
         self.branches.drop_first(len(dropped))
-        self._refill(progress)
+        _, evaluated = self._refill(progress)
+        self._changed("trim", evaluated)
         return len(dropped)
 
     def _refill(self, progress: Progress | None = None) -> tuple[int, int]:
@@ -284,5 +295,8 @@ class CacheMaintenance:
             # which are all a checkpoint holds, are the same objects, so the checkpoints stay.
             self.cache, self._logits = converted, None
             settle(converted)
+            self._changed("kind change")
             return None
-        return self.rebuild(f"cache kind changed from {old.name} to {new.name}", progress)
+        reason = self.rebuild(f"cache kind changed from {old.name} to {new.name}", progress)
+        self._changed("kind change", len(self.ledger))  # all of it evaluated again
+        return reason

@@ -238,6 +238,7 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         turn, even one that comes before its first event is read."""
         if not self._busy.locked():  # a running turn keeps its own stop request
             self._stop.clear()
+            self.last_change = None  # from now on the turn's own figures describe the cache
         return self._events(messages, prompt_text, prompt)
 
     def _events(self, messages: list[dict], prompt_text: str, prompt: list[int]) -> Iterator[Event]:

@@ -46,6 +46,17 @@ class TurnStats:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+@dataclass(frozen=True)
+class CacheChange:
+    """Work done on a session's cache since its last turn (undo, trim, kind change, reset,
+    branch switch...): what it was, what it evaluated, what the cache holds after it. A view
+    shows this rather than the last turn's figures, which no longer describe the cache."""
+
+    action: str
+    cache_tokens: int
+    evaluated_tokens: int = 0
+
+
 STAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TurnStats))
 
 

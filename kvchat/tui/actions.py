@@ -7,6 +7,7 @@ A mixin of :class:`~kvchat.tui.app.KvChatApp`.
 from __future__ import annotations
 
 from kvchat import store
+from kvchat.engine.events import TurnDone
 from kvchat.engine.kinds import OFFERED_KINDS, applicable_kinds, known_applicable_kinds
 
 from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
@@ -31,7 +32,7 @@ class ActionsMixin:
                         markup=False)
 
         # through the pool, so that it knows the tab is clean (Ctrl+W then closes at once)
-        conversation.run_job("saving", lambda progress: conversation.save_now(), saved)
+        conversation.save(saved)
 
     def action_trim(self) -> None:
         conversation = self.idle_conversation()
@@ -110,14 +111,27 @@ class ActionsMixin:
 
     async def action_regenerate(self) -> None:
         conversation = self.idle_conversation()
-        if conversation is not None and await conversation.regenerate():
-            settings = conversation.session.settings
-            if settings.temp <= 0:
-                self.notify("Temperature is 0 (greedy): the same reply comes again; "
-                            "raise it with --temp or temp in the config file.", timeout=8)
-            elif settings.seed is not None:
-                self.notify(f"Seed {settings.seed} is set: the same reply comes again; "
-                            "clear it in the tab's settings (F9).", timeout=8)
+        if conversation is None:
+            return
+        session = conversation.session
+        change = session.last_change  # what changed the cache since that reply, if anything
+
+        def said(done: TurnDone) -> None:
+            settings = session.settings
+            if settings.temp > 0 and settings.seed is None:
+                return
+            greedy = settings.temp <= 0
+            why = "Temperature is 0 (greedy)" if greedy else f"Seed {settings.seed} is set"
+            if change is None:  # the same cache and logits: the same reply
+                hint = ("raise it with --temp or temp in the config file." if greedy
+                        else "clear it in the tab's settings (F9).")
+                self.notify(f"{why}: the same reply came again; {hint}", timeout=8)
+                return
+            self.notify(f"{why}, but the cache changed since that reply ({change.action}): "
+                        f"{done.stats.evaluated_tokens:,} token(s) were evaluated on it again, "
+                        "so the reply can differ.", timeout=8, markup=False)
+
+        await conversation.regenerate(said)
 
     def action_drop(self) -> None:
         conversation = self.idle_conversation()

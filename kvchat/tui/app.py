@@ -9,7 +9,6 @@ palette are built from those lists.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from kvchat import store
 from kvchat.config import Config, ConfigError, load_config, remember
 from kvchat.engine.registry import ModelRegistry
 from kvchat.engine.scheduler import Scheduler
+from kvchat.engine.threads import mlx_event_loop
 from kvchat.pool import SessionPool
 from kvchat.settings import apply_overrides
 from kvchat.themes import kvchat_themes
@@ -34,6 +34,7 @@ from .conflict import Conflicts
 from .expiry import ExpiryMixin
 from .keys import KeysMixin
 from .models import ModelsMixin
+from .quitting import Quitter
 from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker
 from .sharded import ShardedMixin
@@ -145,7 +146,7 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
         self.pool = SessionPool.for_config(self.config, self.models)
         self.expire_every = expire_every
         self._maintaining = False
-        self._quitting = False
+        self.quitter = Quitter(self)
         self._tab_numbers = 0
         self._theme_ready = False
         self.keymap: dict[str, str] = {}  # the [keymap] entries in use: binding id -> keys
@@ -173,6 +174,8 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
+        if not self.is_headless:  # a terminal's app: SIGTERM and SIGHUP save, then quit
+            self.quitter.listen()
         self._apply_keymap()
         self._register_themes()
         if self.expire_every and self.expire_every > 0:
@@ -182,6 +185,10 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
             self._load_model(self.config.model)
         else:
             self.call_later(self._start)
+
+    def on_unmount(self) -> None:
+        if not self.is_headless:
+            self.quitter.stop_listening()
 
     def _register_themes(self) -> None:
         themes, problems = kvchat_themes()
@@ -329,23 +336,10 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
             self.notify("Stopping…", timeout=2)
 
     async def action_quit(self) -> None:
-        """Quit. A reply being written is stopped first (kept, marked stopped, and
-        saved where autosave is on); a second Ctrl+Q quits without waiting."""
-        busy = [c for c in self.conversations() if c.busy]
-        if not busy or self._quitting:
-            self.exit()
-            return
-        self._quitting = True
-        for conversation in busy:
-            conversation.stop()
-        self.notify("Stopping and saving before quitting… (Ctrl+Q again: quit now)",
-                    timeout=30, markup=False)
-        self.run_worker(self._quit_when_idle(), group="quit")
-
-    async def _quit_when_idle(self, return_code: int = 0) -> None:
-        while any(c.busy for c in self.conversations()):
-            await asyncio.sleep(0.05)
-        self.exit(return_code=return_code)
+        """Quit, saving every tab with unsaved changes (autosave) or asking (see
+        :mod:`~kvchat.tui.quitting`); a second Ctrl+Q quits without waiting."""
+        if self.quitter.begin():
+            self.run_worker(self.quitter.finish(), group="quit")
 
     def action_sessions(self) -> None:
         if self._refused():
@@ -384,25 +378,30 @@ def run_tui(**flags) -> int:
     except (store.StoreError, ConfigError) as error:
         print(f"kvchat: {error}", file=sys.stderr)
         return 2
-    app.run()
-    return app.return_code or 0
+    return run_app(app)
 
 
-def exit_now(status: int) -> None:
-    """End the process once the TUI has closed, without running native destructors.
+def run_app(app: KvChatApp) -> int:
+    """Run ``app`` until it exits; returns its exit status. Its thread workers run in an
+    :class:`~kvchat.engine.threads.MlxThreadPool`, whose threads have ended cleanly when
+    this returns, so the process then exits normally."""
+    with mlx_event_loop() as loop:
+        app.run(loop=loop)
+    return after_exit(app)
 
-    Everything is saved by then: Textual waits for its worker threads before
-    ``run`` returns. MLX arrays used from those threads can make C++ static
-    destruction at interpreter shutdown abort ("terminate called without an
-    active exception", ml-explore/mlx#3126), so the interpreter's own shutdown
-    is skipped after flushing what Python buffered.
-    """
-    import os
+
+def after_exit(app: KvChatApp) -> int:
+    """Once ``app`` has ended and every worker with it: save what is still unsaved (after a
+    signal, or a crash of the UI) where autosave is on, on the app's thread; return the
+    exit status. (A sharded run saves through its ring, which is gone by now.)"""
     import sys
 
-    for stream in (sys.stdout, sys.stderr):
+    if app.config.autosave and not app.sharded:
         try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(status)
+            app.pool.save_unsaved()
+        except (store.StoreError, OSError) as error:
+            print(f"kvchat: could not save before quitting: {error}", file=sys.stderr)
+            return 1
+    if app.quitter.signalled is not None:
+        return 0
+    return app.return_code or 0

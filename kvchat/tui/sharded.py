@@ -47,7 +47,7 @@ class ShardedMixin:
     def rank_lost(self) -> None:
         """Another rank ended: quit (status 1) as soon as the turn it was in has failed
         too; ``kvchat launch`` then says which rank it was."""
-        self.run_worker(self._quit_when_idle(return_code=1), group="quit")
+        self.run_worker(self.quitter.exit_when_idle(return_code=1), group="quit")
 
     def new_session(self, name=None, lm=None):
         if not self.sharded:

@@ -10,14 +10,14 @@ from __future__ import annotations
 from textual import work
 from textual.widgets import TabPane
 
-from kvchat import store
+from kvchat import drafts, store
 from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
 from kvchat.engine.model import LoadedModel, ModelLoadError
 from kvchat.engine.session import Session
 from kvchat.settings import apply_overrides, generation_of
 
 from .conflict import Conflicts
-from .screens.dialogs import CloseDialog
+from .screens.dialogs import CloseDialog, DraftDialog
 from .screens.loading import LoadingScreen
 from .widgets.chat import Conversation
 
@@ -87,7 +87,25 @@ class TabsMixin:
         conversation.log.scroll_end(animate=False)
         conversation.focus_input()
         self.refresh_sidebar()
+        self.offer_draft(conversation)
         return conversation
+
+    def offer_draft(self, conversation: Conversation) -> None:
+        """If a message was being sent in this session when kvchat last stopped, offer it
+        back: Restore puts it in the message box (see :mod:`kvchat.drafts`)."""
+        name = conversation.session_name
+        text = drafts.pending(name, conversation.session.messages)
+        if text is None:
+            return
+
+        def chosen(choice: str | None) -> None:
+            if choice == "restore":
+                conversation.input.text = text
+                conversation.focus_input()
+            elif choice == "discard":
+                drafts.clear(name)
+
+        self.push_screen(DraftDialog(name, text), chosen)
 
     def open_saved(self, name: str) -> None:
         for conversation in self.conversations():
@@ -176,7 +194,7 @@ class TabsMixin:
                 await self.close_conversation(conversation, disk="discard")
                 self.notify(f"Closed {name} without saving.", markup=False)
 
-        self.push_screen(CloseDialog(name, store.exists(name)), chosen)
+        self.push_screen(CloseDialog({name: store.exists(name)}), chosen)
 
     def _save_and_close(self, conversation: Conversation) -> None:
         name = conversation.session_name
@@ -186,8 +204,7 @@ class TabsMixin:
             self.notify(f"Saved {name} and closed it; Ctrl+O reopens it.", markup=False)
 
         # then: not from inside the tab's own handler, as removing the tab waits for it
-        conversation.run_job("saving", lambda progress: conversation.save_now(),
-                             lambda _: self.call_later(closed), needs_cache=False)
+        conversation.save(lambda _: self.call_later(closed))
 
     async def close_conversation(self, conversation: Conversation, disk: str = "keep") -> None:
         """Remove a tab and its session from memory; its copy on disk stays (``keep``), goes

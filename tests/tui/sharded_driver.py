@@ -22,7 +22,7 @@ from pathlib import Path
 from kvchat import locations, store
 from kvchat.cli.launch import sharded_tui
 from kvchat.cli.ring import Ring, ring_hosts
-from kvchat.tui.app import exit_now
+from kvchat.engine.threads import mlx_event_loop
 from kvchat.tui.textual_compat import notifications
 from tests.helpers import LOSING_RANK_1
 
@@ -152,13 +152,12 @@ def main() -> None:
     status = sharded_tui(ring, flags, run=lambda app: _run(how, app))
     seen.update(status=status, followers=[p.returncode for p in ring.followers])
     print(json.dumps(seen), flush=True)
-    exit_now(0)
+    sys.exit(0)
 
 
 def _run(drive, app) -> int:
-    import asyncio
-
-    return asyncio.run(drive(app))
+    with mlx_event_loop() as loop:
+        return loop.run_until_complete(drive(app))
 
 
 if __name__ == "__main__":

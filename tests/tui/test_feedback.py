@@ -162,5 +162,26 @@ async def test_regenerate_at_temperature_zero_says_it_is_greedy(make_app):
         await settle(pilot, conversation)
         assert conversation.session.messages[-1]["content"] == first
         assert conversation.query_one(AssistantMessage).text == first
-        assert any(n.startswith("Temperature is 0 (greedy): the same reply comes again")
+        assert any(n.startswith("Temperature is 0 (greedy): the same reply came again")
                    for n in notices(app))
+        assert conversation.session.last_stats.evaluated_tokens == 0
+
+
+async def test_regenerate_after_a_kind_switch_says_the_reply_can_differ(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        session = conversation.session
+        await send(pilot, "hello")
+        conversation.run_job("switching cache",
+                             lambda progress: session.set_kind("quantized:8", progress))
+        await settle(pilot, conversation)
+        await pilot.press("f5")
+        await settle(pilot, conversation)
+        evaluated = session.last_stats.evaluated_tokens
+        assert evaluated == 1  # the converted cache has no kept logits: the last prompt token
+        said = [n for n in notices(app) if n.startswith("Temperature is 0")]
+        assert said == ["Temperature is 0 (greedy), but the cache changed since that reply "
+                        "(kind change): 1 token(s) were evaluated on it again, so the reply "
+                        "can differ."]

@@ -213,7 +213,7 @@ async def test_a_seed_set_in_f9_makes_a_regenerate_give_the_same_sampled_reply(m
         await pilot.press("f5")
         await settle(pilot)
         assert session.messages[-1]["content"] == first
-        assert ("Seed 5 is set: the same reply comes again; clear it in the tab's settings "
+        assert ("Seed 5 is set: the same reply came again; clear it in the tab's settings "
                 "(F9).") in notices(app)
         await edit_settings(pilot, seed="")
         await apply(pilot)

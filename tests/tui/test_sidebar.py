@@ -4,11 +4,14 @@ rebuild note (cleared, never stacked), memory labelled as the process's, and the
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from kvchat import store
+from kvchat.engine.session import Prefill
 from kvchat.tui.widgets.messages import AssistantMessage
-from kvchat.tui.widgets.sidebar import human_bytes
+from kvchat.units import human_bytes
 
 from .conftest import SIZE, send, settle, until, widget_text
 
@@ -37,7 +40,6 @@ async def test_undo_takes_its_turn_off_the_panel_and_every_view_counts_turns_ali
         session = conversation.session
         for text in ("one", "two", "three"):
             await send(pilot, text)
-        second = session.turns[1]
         assert row(widget_text(app.sidebar), "turns") == "3"
 
         await pilot.press("ctrl+l")
@@ -47,9 +49,10 @@ async def test_undo_takes_its_turn_off_the_panel_and_every_view_counts_turns_ali
         await settle(pilot, conversation)
         panel = widget_text(app.sidebar)
         assert row(panel, "turns") == "2"
-        assert row(panel, "reused") == f"{second.reused_tokens:,} of {second.prompt_tokens:,}"
-        assert row(panel, "evaluated") == f"{second.evaluated_tokens:,}"
-        assert row(panel, "generated") == f"{second.generated_tokens:,}"
+        # the undo is the cache's last event: no turn's figures (they describe another cache)
+        assert row(panel, "last change") == "undo"
+        assert row(panel, "evaluated") == "0"
+        assert row(panel, "reused") == "—" and row(panel, "generated") == "—"
         assert row(panel, "tokens") == f"{session.cache_tokens:,}"
 
         await pilot.press("ctrl+s")
@@ -66,10 +69,46 @@ async def test_undo_takes_its_turn_off_the_panel_and_every_view_counts_turns_ali
             await pilot.click("#trim-undo")
             await settle(pilot, conversation)
         panel = widget_text(app.sidebar)
-        assert row(panel, "turns") == "0" and row(panel, "last turn") == "–"
-        assert row(panel, "reused") is None
+        assert row(panel, "turns") == "0" and row(panel, "last change") == "undo"
+        assert row(panel, "reused") == "—"
         # mlx's memory figures are labelled as the whole process's
         assert "mlx, whole process" in panel and row(panel, "memory") == "–"  # snapshot mode
+
+
+async def test_after_a_trim_and_an_undo_the_panel_shows_the_cache_as_it_is(make_app):
+    app = make_app(max_tokens=24)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        session = conversation.session
+        for text in ("one more message", "two more messages here", "three", "four"):
+            await send(pilot, text)
+        before = session.last_stats
+        await pilot.press("ctrl+l")
+        await pilot.pause()
+        app.screen.query_one("#trim-tokens").value = str(session.cache_tokens // 2)
+        await pilot.click("#trim-to")
+        await settle(pilot, conversation)
+        panel = widget_text(app.sidebar)
+        assert row(panel, "last change") == "trim"
+        assert row(panel, "evaluated") == f"{session.last_change.evaluated_tokens:,}"
+        assert session.last_change.evaluated_tokens > 0  # the kept turns, evaluated again
+
+        await pilot.press("ctrl+l")
+        await pilot.pause()
+        await pilot.click("#trim-undo")
+        await settle(pilot, conversation)
+        panel = widget_text(app.sidebar)
+        assert session.cache_tokens < before.cache_tokens
+        assert row(panel, "tokens") == f"{session.cache_tokens:,}"
+        assert row(panel, "last change") == "undo" and row(panel, "evaluated") == "0"
+        assert row(panel, "reused") == "—"  # not the pre-trim turn's "reused X of Y"
+
+        await send(pilot, "five")  # a turn: its own figures again
+        panel = widget_text(app.sidebar)
+        last = session.last_stats
+        assert row(panel, "last change") is None
+        assert row(panel, "reused") == f"{last.reused_tokens:,} of {last.prompt_tokens:,}"
 
 
 async def test_a_rebuild_note_goes_with_its_turn_and_never_stacks(make_app):
@@ -172,3 +211,40 @@ async def test_while_a_reply_is_written_the_panel_shows_that_turn_not_the_last(m
         panel = widget_text(app.sidebar)
         assert row(panel, "last turn") == "" and row(panel, "evaluated") == shown
         assert row(panel, "generated") == f"{second.generated_tokens:,} (stopped)"
+
+
+async def test_a_turn_stopped_in_its_prefill_shows_no_time_to_first_token(make_app):
+    app = make_app(volatile=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        session = conversation.session
+        await send(pilot, "first")
+        assert row(widget_text(app.sidebar), "TTFT").endswith(" ms")  # a turn that answered
+
+        started, go_on = threading.Event(), threading.Event()
+        real_send = session.send
+
+        def send_paused(text):  # the real turn, held at the start of its prefill
+            events = real_send(text)
+
+            def held():
+                for event in events:
+                    yield event
+                    if isinstance(event, Prefill) and not started.is_set():
+                        started.set()
+                        go_on.wait(20)
+            return held()
+
+        session.send = send_paused
+        session.settings.prefill_step = 4
+        assert await conversation.send("a message long enough to take a few prefill steps")
+        await until(pilot, started.is_set)
+        await pilot.press("escape")
+        go_on.set()
+        await settle(pilot, conversation)
+        last = session.last_stats
+        assert last.stopped and last.generated_tokens == 0
+        panel = widget_text(app.sidebar)
+        assert row(panel, "TTFT") == "—" and row(panel, "gen speed") == "—"
+        assert row(panel, "generated") == "0 (stopped)"

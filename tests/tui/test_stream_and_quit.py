@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -123,8 +125,10 @@ async def test_quit_right_after_enter_keeps_and_saves_the_message(demo_model, ho
     assert len(saved["ledger"]) == cached
 
 
-def run_tui_and_quit(home: str, wait_s: float, message: str = "hello") -> tuple[int, bytes]:
-    """``kvchat --model demo`` on a real pseudo-terminal: send a message, wait, Ctrl+Q."""
+def run_tui_and_quit(home: str, wait_s: float, message: str = "hello",
+                     end: bytes | signal.Signals = b"\x11") -> tuple[int, bytes]:
+    """``kvchat --model demo`` on a real pseudo-terminal: send a message, wait, then quit
+    with ``end``: keys (Ctrl+Q), or a signal (SIGHUP: then the terminal closes too)."""
     env = {**os.environ, "KVCHAT_HOME": home, "KVCHAT_CONFIG_DIR": home + "-config",
            "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"}
     master, slave = pty.openpty()
@@ -154,11 +158,20 @@ def run_tui_and_quit(home: str, wait_s: float, message: str = "hello") -> tuple[
     wait_for(b"Message", 60)  # the input's placeholder: the app is up
     os.write(master, message.encode() + b"\r")
     read_for(wait_s)
-    os.write(master, b"\x11")  # Ctrl+Q
-    end = time.monotonic() + 30
-    while proc.poll() is None and time.monotonic() < end:
-        read_for(0.1)
-    os.close(master)
+    if end == signal.SIGHUP:  # the terminal goes: nothing more is read from it
+        proc.send_signal(end)
+        os.close(master)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+    else:
+        if isinstance(end, bytes):
+            os.write(master, end)
+        else:
+            proc.send_signal(end)
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            read_for(0.1)
+        os.close(master)
     if proc.poll() is None:
         proc.kill()
     return proc.wait(), bytes(out)

@@ -16,14 +16,15 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
+from kvchat.drafts import OFFER
 from kvchat.engine.kinds import (
     OFFERED_KINDS,
     CacheKindError,
     group_size,
     parse_kind,
 )
-
-from ..widgets.sidebar import human_bytes
+from kvchat.safety import printable
+from kvchat.units import human_bytes
 
 
 class Dialog(ModalScreen):
@@ -275,21 +276,32 @@ class RenameDialog(Dialog):
 
 
 class CloseDialog(Dialog):
-    """Closing a tab with unsaved messages: save first, discard them, or keep the tab."""
+    """Closing a tab with unsaved changes, or quitting with several: save them first, discard
+    them, or cancel. ``unsaved`` maps each session's name to whether it was saved before."""
 
-    def __init__(self, name: str, saved_before: bool) -> None:
+    def __init__(self, unsaved: dict[str, bool], quitting: bool = False) -> None:
         super().__init__()
-        self.session_name = name
-        self.saved_before = saved_before
+        self.unsaved = dict(unsaved)
+        self.quitting = quitting
 
     def compose(self) -> ComposeResult:
+        def what(saved_before: bool) -> str:
+            return "has changes since it was last saved" if saved_before else "has not been saved"
+
         with Vertical(classes="dialog", id="close-dialog") as box:
-            box.border_title = "Close tab"
-            what = ("has changes since it was last saved" if self.saved_before
-                    else "has not been saved")
-            yield Static(f"{self.session_name!r} {what}. Save it before closing?", markup=False)
+            box.border_title = "Quit" if self.quitting else "Close tab"
+            if self.quitting:
+                yield Static("Unsaved changes:", markup=False)
+                yield Static("\n".join(f"  {name!r} {what(before)}"
+                                       for name, before in self.unsaved.items()),
+                             id="close-list", markup=False)
+                yield Static("Save them before quitting?", markup=False)
+            else:
+                [(name, before)] = self.unsaved.items()
+                yield Static(f"{name!r} {what(before)}. Save it before closing?", markup=False)
             with Horizontal(classes="row buttons"):
-                yield Button("Save", id="close-save", variant="primary")
+                yield Button("Save all" if self.quitting else "Save", id="close-save",
+                             variant="primary")
                 yield Button("Discard", id="close-discard", variant="error")
                 yield Button("Cancel", id="close-cancel")
 
@@ -344,6 +356,39 @@ class ConflictDialog(Dialog):
     @on(Button.Pressed, "#conflict-later")
     def _later(self) -> None:
         self.dismiss(None)
+
+
+class DraftDialog(Dialog):
+    """A message that was being sent when kvchat stopped: put it back in the message box,
+    or let it go. (Escape asks again next time the session is opened.)"""
+
+    def __init__(self, name: str, text: str) -> None:
+        super().__init__()
+        self.session_name = name
+        self.text = text
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="draft-dialog") as box:
+            box.border_title = f"Unsent message ({self.session_name})"
+            lines = self.text.count("\n") + 1
+            yield Static(f"{OFFER} ({len(self.text):,} characters, {lines:,} line(s))",
+                         markup=False)
+            preview = self.text if len(self.text) <= 300 else self.text[:300] + "…"
+            yield Static(printable(preview), id="draft-preview", classes="body", markup=False)
+            with Horizontal(classes="row buttons"):
+                yield Button("Restore", id="draft-restore", variant="primary")
+                yield Button("Discard", id="draft-discard", variant="error")
+
+    def on_mount(self) -> None:
+        self.query_one("#draft-restore", Button).focus()
+
+    @on(Button.Pressed, "#draft-restore")
+    def _restore(self) -> None:
+        self.dismiss("restore")
+
+    @on(Button.Pressed, "#draft-discard")
+    def _discard(self) -> None:
+        self.dismiss("discard")
 
 
 # ----------------------------------------------------------------------- file

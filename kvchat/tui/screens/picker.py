@@ -15,8 +15,7 @@ from textual.widgets import Button, DataTable, Input, Static
 
 from kvchat.store import SessionSummary, StoreError, matching_sessions
 from kvchat.store.search import REBUILT, sync
-
-from ..widgets.sidebar import human_bytes
+from kvchat.units import human_bytes
 
 
 class SessionPicker(ModalScreen):

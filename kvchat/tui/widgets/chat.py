@@ -13,7 +13,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import ProgressBar, Static
 
-from kvchat import history, store
+from kvchat import drafts, history, store
 from kvchat.engine.scheduler import Cancelled
 from kvchat.engine.session import Chunk, Prefill, Session, SessionError, TurnDone
 
@@ -74,6 +74,7 @@ class Conversation(BranchingMixin, Vertical):
         self._user_widget: UserMessage | None = None
         self._reply_index = -1  # where the reply being written goes in the transcript
         self._redraw: int | None = None  # an edit or regenerate point: redraw from there
+        self._then: Callable[[TurnDone], Any] | None = None  # for the running turn's end
         self._code_copies: dict[int, int] = {}
         # the running turn's prompt evaluation: tokens done, of how many (for the sidebar)
         self.prefill: tuple[int, int] | None = None
@@ -122,14 +123,12 @@ class Conversation(BranchingMixin, Vertical):
 
     @property
     def unsaved(self) -> bool:
-        """True when the tab has messages that its saved copy lacks (or it has none)."""
-        if not any(m["role"] == "user" for m in self.session.messages):
-            return False
+        """True when the tab has changes that its saved copy lacks (see
+        :meth:`SessionPool.unsaved`; messages, undo, trim, kind, settings)."""
         pool = self.pool
         if pool is not None and self.session_name in pool:
-            entry = pool.entry(self.session_name)  # an offload's copy is not a save
-            return entry.dirty or not entry.kept or not store.exists(self.session_name)
-        return not self.saved
+            return pool.unsaved(self.session_name)
+        return any(m["role"] == "user" for m in self.session.messages) and not self.saved
 
     @property
     def log(self) -> VerticalScroll:
@@ -202,7 +201,7 @@ class Conversation(BranchingMixin, Vertical):
 
     async def send(self, text: str) -> bool:
         """Start a turn with ``text``; False (and a notice) if it cannot start now."""
-        if self.refuse_if_busy():
+        if self.refuse_if_busy() or self.app.quitter.underway:
             return False
         if self.pool is not None and self.session_name in self.pool \
                 and self.pool.changed_elsewhere(self.session_name):
@@ -213,13 +212,19 @@ class Conversation(BranchingMixin, Vertical):
         except SessionError as error:
             self.notify(str(error), severity="warning", markup=False)
             return False
+        try:  # on disk before its prefill starts: a crash from now on loses no message
+            drafts.keep(self.session_name, text)
+        except (store.StoreError, OSError) as error:
+            self.notify(f"The message could not be kept on disk while it is sent: {error}",
+                        severity="warning", markup=False)
         self.input.clear()
         self.input.remember(text)
         await self.start_turn(events, text=text)
         return True
 
-    async def regenerate(self) -> bool:
-        """F5: a new version of the last reply (the old one stays as a branch)."""
+    async def regenerate(self, then: Callable[[TurnDone], Any] | None = None) -> bool:
+        """F5: a new version of the last reply (the old one stays as a branch); ``then``
+        gets the turn's end when it has one."""
         if self.refuse_if_busy():
             return False
         try:
@@ -227,13 +232,16 @@ class Conversation(BranchingMixin, Vertical):
         except SessionError as error:
             self.notify(str(error), severity="warning", markup=False)
             return False
-        await self.start_turn(events, upto=len(self.session.messages) - 1)
+        await self.start_turn(events, upto=len(self.session.messages) - 1, then=then)
         return True
 
-    async def start_turn(self, events, text: str | None = None, upto: int | None = None) -> None:
+    async def start_turn(self, events, text: str | None = None, upto: int | None = None,
+                         then: Callable[[TurnDone], Any] | None = None) -> None:
         """Show a turn starting and run it: ``text`` is the new message, if any; ``upto``
         cuts the transcript shown to that many messages first (an edit or a regenerate:
-        the new messages get their branches when the turn ends)."""
+        the new messages get their branches when the turn ends); ``then`` gets the turn's
+        end, if it has one."""
+        self._then = then
         # Busy from here on, before the first await: a Ctrl+Q or Esc that comes while the
         # transcript is being drawn stops this turn instead of quitting past it.
         self.state = "waiting" if self.scheduler.running else "answering"
@@ -304,6 +312,12 @@ class Conversation(BranchingMixin, Vertical):
         else:
             store.save(self.session, self.session_name)
         self.saved = True
+        drafts.clear(self.session_name)  # the message it was sending is in the saved copy
+
+    def save(self, then: Callable[[Any], Any] | None = None) -> bool:
+        """Save the session in the tab's worker (in turn with the other tabs), then call
+        ``then(None)``; False (and a notice) if the tab is busy."""
+        return self.run_job("saving", lambda progress: self.save_now(), then, needs_cache=False)
 
     @on(Waiting)
     def _waiting(self, event: Waiting) -> None:
@@ -346,6 +360,9 @@ class Conversation(BranchingMixin, Vertical):
     @on(TurnFinished)
     async def _finished(self, event: TurnFinished) -> None:
         event.stop()
+        # The message is in the session (or back in the box): no longer in flight. (An app
+        # ended by a signal mid-turn never gets here: its draft stays unless it was saved.)
+        drafts.clear(self.session_name)
         if event.cancelled:
             if self._user_widget is not None:
                 await self._user_widget.remove()
@@ -362,6 +379,8 @@ class Conversation(BranchingMixin, Vertical):
                 await self.log.mount(self._reply)
             await self._reply.finish(event.done.reply, event.done.stopped,
                                      rebuild_note(event.done.stats.rebuilt))
+            if self._then is not None:
+                self._then(event.done)
         self._reply = None
         self._user_widget = None
         self._pending_text = None

@@ -18,10 +18,12 @@ from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.widgets import Button, Sparkline, Static
 
-from kvchat.engine.stats import TurnStats, memory
+from kvchat.engine.stats import CacheChange, TurnStats, memory
 from kvchat.engine.thoughts import reevaluated_note
+from kvchat.units import human_bytes
 
 TURN_STATES = ("waiting", "answering")  # a conversation's states while a turn runs
+TURN_ROWS = ("prompt eval", "TTFT", "reused", "evaluated", "generated", "gen speed")
 
 
 def user_turns(session) -> int:
@@ -44,7 +46,7 @@ class CacheInfo:
     active_memory: int
     peak_memory: int
     turns: int
-    last: TurnStats | None  # None while a turn runs: its figures are not the last turn's
+    last: TurnStats | None  # None while a turn runs or after a change: not the cache's figures
     prefill: tuple[int, int] | None  # the running turn's prompt tokens evaluated, of how many
     prompt_eval_history: tuple[float, ...]
     rebuilt: str | None
@@ -52,12 +54,14 @@ class CacheInfo:
     saved: bool
     layout: str | None = None  # a sharded run's world size and mode
     rank_bytes: tuple[int, ...] = ()  # a sharded run's cache bytes on each rank
+    change: CacheChange | None = None  # maintenance since the last turn (undo, trim...)
 
     @classmethod
     def of(cls, conversation) -> CacheInfo:
         session = conversation.session
         running = conversation.state in TURN_STATES
-        last = None if running else session.last_stats
+        change = None if running else session.last_change
+        last = None if running or change is not None else session.last_stats
         active, peak = memory()
         return cls(
             name=conversation.session_name,
@@ -76,19 +80,12 @@ class CacheInfo:
             prompt_eval_history=tuple(t.prompt_eval_s for t in session.turns),
             rebuilt=session.pending_rebuild or (last.rebuilt if last else None),
             rebuild_pending=session.pending_rebuild is not None,
-            saved=conversation.saved,
+            # an undo, a trim, a kind... since the last save count too (read while idle only)
+            saved=conversation.saved and (conversation.busy or not conversation.unsaved),
             layout=getattr(session.lm, "layout", None),
             rank_bytes=tuple(getattr(session, "rank_bytes", ())),
+            change=change,
         )
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    raise AssertionError
 
 
 def seconds(s: float) -> str:
@@ -167,13 +164,14 @@ class CacheSidebar(Vertical):
         count, size = info.checkpoints
         if count:  # sliding-window and recurrent models only: memory beside the cache
             cache.insert(-1, ("checkpoints", f"{count} · {human_bytes(size)}"))
+        answered = last is not None and last.generated_tokens > 0  # no token after Esc: no TTFT
         turn = [] if last is None else [
             ("prompt eval", vol(seconds(last.prompt_eval_s))),
-            ("TTFT", vol(seconds(last.ttft_s))),
+            ("TTFT", vol(seconds(last.ttft_s)) if answered else "—"),
             ("reused", f"{last.reused_tokens:,} of {last.prompt_tokens:,}"),
             ("evaluated", f"{last.evaluated_tokens:,}"),
             ("generated", f"{last.generated_tokens:,}" + (" (stopped)" if last.stopped else "")),
-            ("gen speed", vol(f"{last.gen_tps:,.1f} tok/s")),
+            ("gen speed", vol(f"{last.gen_tps:,.1f} tok/s") if answered else "—"),
         ]
         # mlx's figures are the whole process's (every tab, the model), not this cache's
         process = [
@@ -181,6 +179,11 @@ class CacheSidebar(Vertical):
             ("peak", vol(human_bytes(info.peak_memory))),
         ]
         title = "last turn" + ("" if turn else "  –")
+        if info.change is not None:  # the cache changed since: the turn's figures are stale
+            title = f"last change  {info.change.action}"
+            # the turn's rows, so the buttons stay put; only what the change evaluated applies
+            turn = [(label, f"{info.change.evaluated_tokens:,}" if label == "evaluated" else "—")
+                    for label in TURN_ROWS]
         if info.state in TURN_STATES:  # the running turn, never the previous one's figures
             title = f"this turn  {info.state}…"
             if info.prefill is not None:
