@@ -14,8 +14,6 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import make_sampler
 
-from .cpu import state as cpu_state
-
 
 class Decoding:
     """Sample a reply token by token into the session's cache."""
@@ -51,13 +49,13 @@ class Decoding:
         before yielding it (it computes the next step while the caller reads
         this one), so each yielded token joins the ledger.
 
-        On the CPU fast path the model runs eagerly, so that look-ahead would
-        put a whole second step before the first token; there
+        On the CPU fast path (the model's ``fast_path``) the model runs eagerly,
+        so that look-ahead would put a whole second step before the first token; there
         :meth:`_continue_eager` yields each token before feeding it.
         """
         if not prompt or max_tokens <= 0:
             return
-        if cpu_state.active():
+        if self.lm.fast_path is not None and self.lm.fast_path.on:
             yield from self._continue_eager(prompt, max_tokens, sampler)
             return
         self.ledger.extend(prompt)

@@ -32,7 +32,7 @@ from mlx_lm.models.cache import (
 
 from kvchat.safety import ascii_int
 
-from . import cpu, fit
+from . import fit, rotated
 from .rotated import RotatedKVCache, rotate
 
 QUANT_GROUP_SIZE = 64  # the group size quantized caches use unless the head size needs 32
@@ -92,7 +92,6 @@ class CacheKind:
         if self.family == "quantized":
             return QuantizedKVCache(group_size=group_size, bits=self.size)
         if self.family == "rotated":
-            cpu.hook()  # its attention goes through RotatedKVCache.attention
             return RotatedKVCache(group_size=group_size, bits=self.size)
         if self.family == "rotating":
             return RotatingKVCache(max_size=self.size, keep=min(keep, self.size // 2))
@@ -154,6 +153,8 @@ def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
             f"cache kind {kind.name!r} cannot apply to it. Use 'standard'."
         )
     group = group_size(model, kind)
+    if kind.family == "rotated" and (unread := rotated.unreadable(model)):
+        raise _cannot(kind, unread)
 
     def made(keep: int) -> list[Any]:
         return [kind.make_layer(keep, group) if type(c) is KVCache else c for c in _own_cache(model)]
