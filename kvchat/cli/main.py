@@ -256,7 +256,11 @@ def eval_cache(
 
 def main() -> None:
     """Console-script entry point. Under ``mlx.launch`` (``kvchat launch``), rank 0 runs the
-    command and the other ranks follow it (kvchat/engine/distributed.py)."""
+    command and the other ranks follow it (kvchat/engine/distributed.py).
+
+    It first routes mlx's CPU matmul to OpenBLAS (:func:`kvchat.blas.preload`), which
+    must come before anything imports mlx.core: nothing imported so far does."""
+    blas.preload()
     if "MLX_RANK" not in os.environ:  # not started by mlx.launch
         app()
         return
