@@ -75,7 +75,7 @@ def load_model(spec: str, keep_quantized: bool | None = None) -> LoadedModel:
 
     Demo models are built on first use. On the CPU backend, float16 and
     bfloat16 weights are cast to float32, which CPU matmul runs far faster,
-    and the CPU fast path is installed (see :func:`_cpu_weights`).
+    and the model gets the CPU fast path's layers (see :func:`_cpu_weights`).
     """
     try:
         spec.encode("utf-8")
@@ -120,10 +120,9 @@ def _cpu_weights(model: nn.Module, keep_quantized: bool | None) -> tuple[Any, st
     in half the memory available now. Returns what :func:`cpu.prepare` returned (the
     model's FastPath, or why it has none) and how the weights are held, in words.
     """
-    off = cpu.wanted()
-    if off is not None:
-        reason = cpu.prepare(model, dequantize=False)
-        return reason, "as stored" if mx.default_device() != mx.cpu else "as stored (CPU fast path off)"
+    if cpu.wanted() is not None:
+        weights = "as stored (CPU fast path off)" if mx.default_device() == mx.cpu else "as stored"
+        return cpu.prepare(model, dequantize=False), weights
     if keep_quantized is None:
         keep_quantized = os.environ.get("KVCHAT_KEEP_QUANTIZED") == "1"
     packed = [m for m in model.modules()

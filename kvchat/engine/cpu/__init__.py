@@ -47,6 +47,11 @@ class FastPath:
     dequantized: int = 0
     on: bool = True
 
+    @property
+    def decodes(self) -> bool:
+        """Whether :func:`decode_batch` takes this model's decoding steps now."""
+        return self.on and self.step is None
+
     def describe(self) -> str:
         """One line: what this model runs through numpy."""
         if not self.on:
@@ -156,9 +161,10 @@ def decode_batch(model: nn.Module, tokens: list[int], caches: list[list]) -> mx.
     ``(B, vocab)`` float32, or None, with nothing changed, when the model has no numpy
     decoding step (or it is switched off) or a cache is of a class it does not read."""
     body = model.get("model") if isinstance(model, nn.Module) else None
-    if (not isinstance(body, Body) or not body.fast.on or body.fast.step is not None
-            or not tokens or len(tokens) != len(caches)
-            or any(len(c) != len(body.layers) or not decode.takes(c) for c in caches)):
+    if not isinstance(body, Body) or not body.fast.decodes or not tokens:
+        return None
+    if len(tokens) != len(caches) or any(len(c) != len(body.layers) or not decode.takes(c)
+                                         for c in caches):
         return None
     head = model["lm_head"] if "lm_head" in model else body.embed_tokens
     h = decode.hidden(body, [int(t) for t in tokens], caches, extra=(head,))

@@ -113,7 +113,7 @@ class Body(nn.Module):
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
         if (input_embeddings is None and cache is not None and tuple(inputs.shape) == (1, 1)
-                and _on(self.fast) and self.fast.step is None and decode.takes(cache)):
+                and self.fast.decodes and decode.takes(cache)):
             h = decode.hidden(self, [int(inputs.item())], [cache])
             if h is not None:
                 return mx.array(h[:, None])
