@@ -131,7 +131,8 @@ def _linears_problem(body: nn.Module) -> str | None:
 def _give_layers(model: nn.Module, fast: FastPath | None) -> None:
     """kvchat's attention and MLP in each block of ``model``; its body too when ``fast``."""
     for layer in model.model.layers:
-        attn = Attention(layer.self_attn, fast, decode.rope_form(layer.self_attn.rope))
+        form = decode.rope_form(layer.self_attn.rope) if fast is not None else None
+        attn = Attention(layer.self_attn, fast, form)
         layer.update_modules({"self_attn": attn, "mlp": MLP(layer.mlp, fast)})
     if fast is not None:
         model.update_modules({"model": Body(model.model, fast)})
