@@ -1,8 +1,7 @@
-"""kvchat: a terminal chat for local LLMs on MLX with a live KV cache per conversation."""
+"""kvchat: a terminal chat for local LLMs on MLX with a live KV cache per conversation.
 
-from kvchat import blas
+Importing it loads nothing: the process's entry point (``kvchat.cli.main``) decides the
+BLAS (:func:`kvchat.blas.preload`) before anything imports mlx.core.
+"""
 
 __version__ = "0.1.0"
-
-# Before anything imports mlx.core, so mlx's CPU matmul uses OpenBLAS (see blas.py).
-blas.preload()

@@ -8,7 +8,9 @@ import os
 
 import pytest
 
-import kvchat  # noqa: F401  first, so OpenBLAS is preloaded before any test imports mlx
+from kvchat import blas
+
+blas.preload()  # as kvchat's entry point does, before any test imports mlx
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

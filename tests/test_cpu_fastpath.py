@@ -1,6 +1,6 @@
-"""The CPU fast path: numpy attention, SwiGLU, linear layers and the decoding
-step match mlx's own within float32 tolerance, caching stays exact with it, it can be
-switched off, and quantized weights are dequantized at load."""
+"""The CPU fast path: numpy attention, SwiGLU, linear layers and the decoding step match
+mlx's own within float32 tolerance, caching stays exact with it, it can be switched off
+per model, and quantized weights are dequantized at load."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from kvchat.engine import cpu
 from kvchat.engine.cpu import attention, decode, linear, parallel
+from kvchat.engine.cpu.layers import MLP, Attention, Body
 from kvchat.engine.cpu.linear import CpuEmbedding, CpuLinear, CpuOutput
 from kvchat.engine.kinds import make_cache, parse_kind
 from kvchat.engine.model import load_model
@@ -28,11 +29,11 @@ TOL = 2e-5
 
 
 @pytest.fixture
-def fast_path():
-    """The fast path on for a test, whatever the test before left."""
-    cpu.set_active(True)
-    yield
-    cpu.set_active(True)
+def fast_path(demo_model):
+    """The demo model's fast path on for a test, whatever the test before left."""
+    demo_model.fast_path.on = True
+    yield demo_model.fast_path
+    demo_model.fast_path.on = True
 
 
 def masks(length: int, span: int, heads: int):
@@ -95,15 +96,24 @@ def test_parts_cover_every_item_once():
     assert parallel.run(lambda r: r * 2, [1, 2, 3, 4]) == [2, 4, 6, 8]
 
 
-def test_loaded_model_gets_cpu_layers_and_the_hooks(demo_model, fast_path):
-    kinds = {type(m) for m in demo_model.model.modules()}
-    assert CpuLinear in kinds and CpuEmbedding in kinds and nn.Linear not in kinds
+def test_loaded_model_gets_kvchat_layers_and_mlx_lm_is_untouched(demo_model, fast_path):
+    """kvchat's layers take mlx-lm's places under the same parameter names; mlx-lm's own
+    modules and functions stay as mlx-lm made them."""
+    from mlx.utils import tree_flatten
     from mlx_lm.models import activations, base, qwen2
 
-    assert base.scaled_dot_product_attention is cpu.scaled_dot_product_attention
-    assert qwen2.scaled_dot_product_attention is cpu.scaled_dot_product_attention
-    assert qwen2.swiglu is activations.swiglu is cpu.swiglu
+    kinds = {type(m) for m in demo_model.model.modules()}
+    assert {CpuLinear, CpuEmbedding, Attention, MLP, Body} <= kinds
+    assert nn.Linear not in kinds and qwen2.Attention not in kinds
+    stock = qwen2.Model(demo_model.model.args)
+    assert ({k for k, _ in tree_flatten(demo_model.model.parameters())}
+            == {k for k, _ in tree_flatten(stock.parameters())})
+    assert qwen2.scaled_dot_product_attention.__module__ == "mlx_lm.models.base"
+    assert qwen2.scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert qwen2.swiglu is activations.swiglu and activations.swiglu.__module__ == activations.__name__
+    assert type(demo_model.model.model).__call__ is Body.__call__
     assert demo_model.weights == "float32"
+    assert demo_model.fast_path.step is None
 
 
 def logits_of(lm, tokens: list[int], kind: str = "standard") -> mx.array:
@@ -120,7 +130,7 @@ def test_on_and_off_compute_the_same_forward_pass(demo_model, fast_path, monkeyp
     monkeypatch.setattr(attention, "sdpa", lambda *a: calls.append(1) or real(*a))
     fast = logits_of(demo_model, tokens)
     assert calls, "the fast path ran"
-    cpu.set_active(False)
+    fast_path.on = False
     calls.clear()
     stock = logits_of(demo_model, tokens)
     assert not calls, "switched off, mlx-lm's own attention ran"
@@ -138,7 +148,7 @@ def test_quantized_caches_take_numpy_attention(demo_model, fast_path, kind, monk
     monkeypatch.setattr(attention, "sdpa", lambda *a: calls.append(1) or real(*a))
     logits = {}
     for on in (True, False):
-        cpu.set_active(on)
+        fast_path.on = on
         cache = make_cache(demo_model.model, parse_kind(kind))  # may probe the model first
         calls.clear()
         prefill = demo_model.model(mx.array(tokens[:-1])[None], cache=cache)
@@ -168,15 +178,15 @@ def decode_run(lm, kind: str, prompt: list[int], forced: list[int]):
 def test_numpy_decoding_step_matches_mlx_lm(demo_model, fast_path, kind, monkeypatch):
     """The whole-model numpy step computes what mlx-lm's modules do, step after step
     (positions move on, the cache grows), and is skipped when the fast path is off."""
-    assert type(demo_model.model.model).__call__ is decode._call
+    assert isinstance(demo_model.model.model, Body)
     calls = []
-    real = decode.step
-    monkeypatch.setattr(decode, "step", lambda *a: calls.append(1) or real(*a))
+    real = decode.hidden
+    monkeypatch.setattr(decode, "hidden", lambda *a: calls.append(1) or real(*a))
     prompt = demo_model.tokenizer.encode("Keys and values of every token, cached.")
     forced = [(i * 53) % 200 + 5 for i in range(12)]
     fast, fast_tokens = decode_run(demo_model, kind, prompt, forced)
     assert len(calls) == len(forced) + 8
-    cpu.set_active(False)
+    fast_path.on = False
     calls.clear()
     stock, stock_tokens = decode_run(demo_model, kind, prompt, forced)
     assert not calls
@@ -199,7 +209,7 @@ def test_numpy_dequantize_is_mlxs_bit_for_bit(bits, group_size):
 def test_numpy_decoding_step_from_an_empty_cache(demo_model, fast_path):
     logits = {}
     for on in (True, False):
-        cpu.set_active(on)
+        fast_path.on = on
         cache = make_cache(demo_model.model, parse_kind("standard"))
         steps = [demo_model.model(mx.array([[t]]), cache=cache) for t in (11, 12, 13)]
         logits[on] = mx.concatenate(steps, axis=1)
@@ -207,14 +217,42 @@ def test_numpy_decoding_step_from_an_empty_cache(demo_model, fast_path):
     assert mx.allclose(logits[True], logits[False], atol=1e-4, rtol=1e-4).item()
 
 
+def ropes(dims: int, traditional: bool) -> dict:
+    """mlx-lm's RoPE variants, as ``initialize_rope`` makes them for llama-family configs."""
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    scalings = {
+        "default": None,
+        "linear": {"type": "linear", "factor": 2.0},
+        "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                 "mscale": 1.0, "mscale_all_dim": 0.5},
+        "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 64,
+                     "short_factor": [1.0] * (dims // 2), "long_factor": [1.5] * (dims // 2)},
+        "dynamic": {"type": "dynamic", "factor": 2.0},
+    }
+    out = {}
+    for name, scaling in scalings.items():
+        if name == "longrope" and traditional:
+            continue  # always the halves layout
+        out[name] = initialize_rope(dims, 10000.0, traditional, scaling, 256)
+    return out
+
+
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("dims", [64, 32])
 def test_numpy_rotary_embedding_matches_mlx(traditional, dims):
-    rope = nn.RoPE(dims, traditional=traditional, base=10000.0, scale=0.5)
+    """Every RoPE variant's own angles (and factor), at two offsets at once."""
     x = mx.random.normal((3, 64))
-    got = decode._rope(np.asarray(x), rope, *decode._rotation(rope, 37))
-    want = rope(x[None, :, None], offset=37).reshape(3, 64)
-    assert mx.allclose(mx.array(got), want, atol=1e-5).item()
+    for name, rope in ropes(dims, traditional).items():
+        form = decode.rope_form(rope)
+        assert not isinstance(form, str), name
+        tables = decode._rotations({(form.key, 37): (rope, form), (form.key, 300): (rope, form)})
+        for offset in (37, 300):
+            got = decode._rope(np.asarray(x), form, *tables[form.key, offset])
+            want = rope(x[None, :, None], offset=offset).reshape(3, 64)
+            assert mx.allclose(mx.array(got), want, atol=1e-5).item(), (name, offset)
 
 
 def test_numpy_decoding_step_leaves_other_caches_to_mlx_lm(demo_model, fast_path, monkeypatch):
@@ -223,7 +261,7 @@ def test_numpy_decoding_step_leaves_other_caches_to_mlx_lm(demo_model, fast_path
     # (kvchat.engine.fit's probes), which is the numpy step's to take
     caches = {kind: make_cache(demo_model.model, parse_kind(kind)) for kind in kinds}
     calls = []
-    monkeypatch.setattr(decode, "step", lambda *a: calls.append(1))
+    monkeypatch.setattr(decode, "hidden", lambda *a: calls.append(1))
     for kind, cache in caches.items():
         demo_model.model(mx.array([[5, 6]]), cache=cache)
         assert demo_model.model(mx.array([[7]]), cache=cache).shape[:2] == (1, 1)
@@ -271,7 +309,8 @@ def test_linear_layer_matches_mlx_for_every_row_count(rows, fast_path):
     """One row (gemv), a cached turn's few rows (the weight as the long side) and a
     prefill's many rows take three routes to the same product."""
     mx.random.seed(rows)
-    layer = CpuLinear(48, 80)
+    stock = nn.Linear(48, 80)
+    layer = CpuLinear(stock.weight, stock.bias, fast_path)
     x = mx.random.normal((1, rows, 48))
     want = x @ layer.weight.T + layer.bias
     got = layer(x)
@@ -285,21 +324,23 @@ def test_output_projection_stays_lazy_for_a_prefill(demo_model, fast_path):
     assert isinstance(embed, CpuEmbedding)
     rows = mx.random.normal((1, 5, embed.weight.shape[1]))
     assert mx.allclose(embed.as_linear(rows), rows @ embed.weight.T, atol=1e-4).item()
-    head = CpuOutput(8, 3)
+    stock = nn.Linear(8, 3)
+    head = CpuOutput(stock.weight, stock.bias, fast_path)
     one = mx.random.normal((1, 1, 8))
     assert mx.allclose(head(one), one @ head.weight.T + head.bias, atol=1e-5).item()
 
 
 def test_environment_switch_turns_it_off(tmp_path):
     env = {**os.environ, "KVCHAT_CPU_FASTPATH": "0"}
-    script = ("import kvchat; from kvchat.engine.model import load_model; from kvchat.engine "
-              "import cpu; lm = load_model('demo'); print(cpu.state.active(), lm.weights); "
-              "print(cpu.describe())")
+    script = ("import kvchat; from kvchat.engine.model import load_model; "
+              "lm = load_model('demo'); print(lm.fast_path, lm.weights); "
+              "print(lm.fast_path_line()); print(type(lm.model.model.layers[0].self_attn))")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        "False as stored (CPU fast path off)", "off (KVCHAT_CPU_FASTPATH=0)",
+        "None as stored (CPU fast path off)", "off (KVCHAT_CPU_FASTPATH=0)",
+        "<class 'kvchat.engine.cpu.layers.Attention'>",  # with mlx's arithmetic: rotated caches
     ]
 
 
@@ -334,12 +375,13 @@ def test_every_architecture_computes_the_same_with_the_fast_path(architecture, f
     mx.random.seed(0)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(mx.float32)
-    cpu.install()
-    cpu.prepare(model, dequantize=False)
+    fast = cpu.prepare(model, dequantize=False)
+    assert isinstance(fast, cpu.FastPath)
+    assert (fast.step is None) == (architecture == "llama"), fast.step
     tokens = mx.array([[(i * 37) % 500 + 3 for i in range(24)]])
     logits = {}
     for on in (True, False):
-        cpu.set_active(on)
+        fast.on = on
         cache = make_prompt_cache(model)
         parts = [model(tokens[:, :16], cache=cache), model(tokens[:, 16:], cache=cache),
                  model(mx.array([[7]]), cache=cache)]

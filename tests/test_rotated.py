@@ -67,9 +67,14 @@ def test_attention_matches_standard_within_tolerance():
     for name in ("quantized:8", "quantized:4", "rotated:8", "rotated:4"):
         cache = parse_kind(name).make_layer()
         keys, values = cache.update_and_fetch(k, v)
-        # a copy: mlx-lm's quantized attention scales its queries in place
-        got = base.scaled_dot_product_attention(mx.array(q), keys, values, cache, scale=0.125,
-                                                mask=None)
+        # a copy: mlx-lm's quantized attention scales its queries in place; a rotated
+        # cache turns the queries for it and the output back (as kvchat's attention asks)
+        if isinstance(cache, RotatedKVCache):
+            got = cache.attention(mx.array(q), keys, values, 0.125, None,
+                                  base.scaled_dot_product_attention)
+        else:
+            got = base.scaled_dot_product_attention(mx.array(q), keys, values, cache,
+                                                    scale=0.125, mask=None)
         errors[name] = mx.abs(got - want).max().item()
     assert errors["rotated:8"] < 0.05 and errors["rotated:4"] < 0.5
     assert errors["rotated:8"] < errors["quantized:8"] / 2

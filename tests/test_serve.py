@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app
-from kvchat.engine.cpu import state as cpu_state
+from kvchat.engine import cpu
 from kvchat.engine.maintenance import common_prefix
 from kvchat.engine.session import render
 from kvchat.pool import SessionPool
@@ -25,7 +25,7 @@ SYSTEM = {"role": "system", "content": "You are terse."}
 def held_after(prompt_tokens: int, completion_tokens: int) -> int:
     """Tokens a turn leaves in the cache: its prompt and reply, less the last sampled
     token on the CPU fast path (it is fed with the next turn)."""
-    return prompt_tokens + completion_tokens - (1 if cpu_state.active() else 0)
+    return prompt_tokens + completion_tokens - (1 if cpu.wanted() is None else 0)
 
 
 def test_multi_turn_non_streamed_then_streamed_reuses_the_history(demo_model, home):

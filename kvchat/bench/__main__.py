@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from kvchat import blas
+
 from .common import DEFAULT_MODEL
 from .experiments import blas_probe
 
@@ -20,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.blas_probe:
         parser.error("use `kvchat bench` for the benchmark; this entry point runs --blas-probe")
+    blas.preload()  # as kvchat's own entry point does (KVCHAT_NO_BLAS=1 for the reference)
     print(json.dumps(blas_probe(args.model, args.tokens)))
     return 0
 

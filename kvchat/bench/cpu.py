@@ -69,19 +69,17 @@ def _interleaved(choices: tuple, measure, repeats: int = 2) -> list[dict[str, fl
     return [_best(r) for r in runs]
 
 
-def _pair(measure, log: Log, label: str, repeats: int = 2) -> dict[str, Any]:
-    """``measure()`` with the fast path on and off, interleaved."""
-    from kvchat.engine import cpu
-
+def _pair(lm: LoadedModel, measure, log: Log, label: str, repeats: int = 2) -> dict[str, Any]:
+    """``measure()`` with ``lm``'s fast path on and off, interleaved."""
     def switched(on: bool) -> dict[str, float]:
         log(f"cpu: {label}, fast path {'on' if on else 'off'}")
-        cpu.set_active(on)
+        lm.fast_path.on = on
         return measure()
 
     try:
         on, off = _interleaved((True, False), switched, repeats)
     finally:
-        cpu.set_active(True)
+        lm.fast_path.on = True
     return {"on": on, "off": off}
 
 
@@ -125,14 +123,13 @@ def roofline(lm: LoadedModel, rows: int, repeats: int = 2) -> dict[str, float]:
 
 def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]:
     """Prefill, decode and cached follow-ups with the CPU fast path on and off."""
-    from kvchat.engine import cpu
     from kvchat.engine.session import GenerationSettings, Session
 
-    if not cpu.state.wanted():
-        return {"skipped": cpu.describe()}
+    if lm.fast_path is None:
+        return {"skipped": lm.fast_path_line()}
     rows = []
     for tokens in plan["cpu_prefill"]:
-        pair = _pair(lambda t=tokens: _prefill_and_decode(lm, t, plan["cpu_decode"]), log,
+        pair = _pair(lm, lambda t=tokens: _prefill_and_decode(lm, t, plan["cpu_decode"]), log,
                      f"prefill {tokens}")
         rows.append({"what": f"prefill {tokens} tokens from empty", "unit": "tok/s",
                      "on": pair["on"]["prefill_tps"], "off": pair["off"]["prefill_tps"]})
@@ -142,7 +139,7 @@ def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]
     history = Session(lm, settings=GenerationSettings(max_tokens=plan["cpu_decode"], ignore_eos=True))
     log(f"cpu: prefilling a {plan['cpu_history']}-token history")
     _turn(history, make_text(lm.tokenizer, plan["cpu_history"], seed=12))
-    pair = _pair(lambda: _follow_up(history, plan["cpu_decode"]), log, "follow-up")
+    pair = _pair(lm, lambda: _follow_up(history, plan["cpu_decode"]), log, "follow-up")
     n = pair["on"]["history_tokens"]
     rows.append({"what": f"follow-up of {pair['on']['new_tokens']} tokens after {n:,} cached",
                  "unit": "s TTFT", "on": pair["on"]["ttft_s"], "off": pair["off"]["ttft_s"]})
@@ -159,7 +156,6 @@ def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]
 def quantized_weights(lm: LoadedModel, plan: dict[str, Any], log: Log,
                       float32: dict[str, float]) -> dict[str, Any]:
     """Prefill and decode of ``@q4``/``@q8`` copies of the model, dequantized and packed."""
-    from kvchat.engine import cpu
     from kvchat.engine.demo import parse_demo_spec
     from kvchat.engine.model import load_model
 
@@ -169,8 +165,8 @@ def quantized_weights(lm: LoadedModel, plan: dict[str, Any], log: Log,
         is_demo = False
     if not is_demo:
         return {"skipped": "only for demo models (their @q4/@q8 copies are built here)"}
-    if not cpu.state.wanted():
-        return {"skipped": cpu.describe()}
+    if lm.fast_path is None:
+        return {"skipped": lm.fast_path_line()}
     rows = [{"weights": "float32", **float32}]
     for bits in plan["cpu_quant_bits"]:
         for keep in (False, True):

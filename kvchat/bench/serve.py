@@ -77,10 +77,11 @@ def kvchat_serve(model: str, log: Path) -> Running:
 
 def mlx_lm_server(folder: Path, log: Path) -> Running:
     port = free_port()
-    # ``import kvchat`` first loads the optimised BLAS, as kvchat itself runs with it
-    # (docs/architecture.md, "Platform"); the server is mlx-lm's own, unchanged.
-    argv = [sys.executable, "-c", "import kvchat; from mlx_lm.server import main; main()",
-            "--model", str(folder), "--port", str(port), "--temp", "0"]
+    # The optimised BLAS first, as kvchat's entry point loads it (kvchat.blas); the server
+    # is mlx-lm's own, unchanged.
+    entry = "from kvchat import blas; blas.preload(); from mlx_lm.server import main; main()"
+    argv = [sys.executable, "-c", entry, "--model", str(folder), "--port", str(port),
+            "--temp", "0"]
     return Running(argv, port, log)
 
 

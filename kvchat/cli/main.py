@@ -91,9 +91,15 @@ def root(
 @app.command()
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", "-m", help="The model whose CPU fast path to show "
+                     "(default: the config's)."),
+    ] = None,
 ) -> None:
-    """Show versions, the MLX device, the BLAS and CPU fast path in use, and kvchat's directories."""
-    report = _doctor_report()
+    """Show versions, the MLX device, the BLAS, the CPU fast path a model gets, and kvchat's
+    directories."""
+    report = _doctor_report(model)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
@@ -102,7 +108,7 @@ def doctor(
         typer.echo(f"{key:<{width}}  {value}")
 
 
-def _doctor_report() -> dict[str, Any]:
+def _doctor_report(model: str | None) -> dict[str, Any]:
     import mlx.core as mx
 
     return {
@@ -115,7 +121,7 @@ def _doctor_report() -> dict[str, Any]:
         **_device_report(),
         "blas": blas.describe(),
         "blas_status": blas.info.status,
-        "cpu_fastpath": _fastpath(),
+        "cpu_fastpath": _fastpath(model),
         "matmul_gflops": round(_matmul_gflops(), 1),
         "data_dir": str(locations.data_dir()),
         "config_dir": str(locations.config_dir()),
@@ -123,10 +129,18 @@ def _doctor_report() -> dict[str, Any]:
     }
 
 
-def _fastpath() -> str:
-    from kvchat.engine import cpu
+def _fastpath(spec: str | None) -> str:
+    """For ``spec`` (the config's model when None): whether it gets the CPU fast path and
+    what it runs through numpy, or why not."""
+    from kvchat.config import ConfigError, load_config
+    from kvchat.engine.model import ModelLoadError, load_model
 
-    return cpu.describe()
+    try:
+        spec = spec or load_config().model
+        lm = load_model(spec)
+    except (ConfigError, ModelLoadError) as exc:
+        return f"{spec}: unknown, the model could not be loaded ({exc})"
+    return f"{spec}: {lm.fast_path_line()}"
 
 
 def _device_report() -> dict[str, Any]:
@@ -275,7 +289,11 @@ def eval_cache(
 def main(on_token: Callable[[int], object] | None = None) -> None:
     """Console-script entry point. Under ``mlx.launch`` (``kvchat launch``), rank 0 runs the
     command and the other ranks follow it (kvchat/engine/distributed.py); a follower
-    passes ``on_token`` to :func:`~kvchat.engine.follower.follow`."""
+    passes ``on_token`` to :func:`~kvchat.engine.follower.follow`.
+
+    It first routes mlx's CPU matmul to OpenBLAS (:func:`kvchat.blas.preload`), which
+    must come before anything imports mlx.core: nothing imported so far does."""
+    blas.preload()
     if "MLX_RANK" not in os.environ:  # not started by mlx.launch
         app()
         return

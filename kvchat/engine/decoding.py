@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 
-from .cpu import state as cpu_state
 from .events import TokenLogprobs
 from .sampling import LogitsProcessor, after, for_settings, process
 
@@ -68,13 +67,13 @@ class Decoding:
         before yielding it (it computes the next step while the caller reads
         this one), so each yielded token joins the ledger.
 
-        On the CPU fast path the model runs eagerly, so that look-ahead would
-        put a whole second step before the first token; there
+        On the CPU fast path (the model's ``fast_path``) the model runs eagerly,
+        so that look-ahead would put a whole second step before the first token; there
         :meth:`_continue_eager` yields each token before feeding it.
         """
         if not prompt or max_tokens <= 0:
             return
-        if cpu_state.active():
+        if self.lm.fast_path is not None and self.lm.fast_path.on:
             yield from self._continue_eager(prompt, max_tokens, sampler, processors)
             return
         history = self._recent()

@@ -29,15 +29,18 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
-import numpy as np
-from mlx.utils import tree_flatten
-from mlx_lm.models import qwen2
-
 from kvchat import blas
-from kvchat.engine import demo
+
+blas.preload()  # a script: it decides the BLAS before mlx.core loads (the weights' rounding)
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.models import qwen2  # noqa: E402
+
+from kvchat.engine import demo  # noqa: E402
 
 WEIGHTS = Path(__file__).with_name("demo_weights")
 FILES = ("config.json", "tokenizer.json", "model.safetensors")

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import (
 
 from kvchat.safety import ascii_int
 
-from . import cpu, fit
+from . import fit
 from .rotated import RotatedKVCache
 
 QUANT_GROUP_SIZE = 64  # the group size quantized caches use unless the head size needs 32
@@ -127,7 +127,6 @@ class CacheKind:
         if self.family == "quantized":
             return QuantizedKVCache(group_size=group_size, bits=self.size)
         if self.family == "rotated":
-            cpu.hook()  # its attention goes through RotatedKVCache.attention
             return RotatedKVCache(group_size=group_size, bits=self.size)
         if self.family == "rotating":
             return RotatingKVCache(max_size=self.size, keep=min(keep, self.size // 2))

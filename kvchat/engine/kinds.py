@@ -27,7 +27,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from . import fit
+from . import fit, rotated
 from .families import (  # noqa: F401  (the names every user of cache kinds imports from here)
     FAMILIES,
     OFFERED_KINDS,
@@ -65,6 +65,8 @@ def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
                 f"Cache kind {kind.name!r} is not available on this backend (MLX on "
                 f"{fit.device()}): it cannot run {need} ({failed}). Use 'standard'."
             )
+    if kind.family == "rotated" and (unread := rotated.unreadable(model)):
+        raise _cannot(kind, unread)
 
     def made(keep: int) -> list[Any]:
         return [kind.make_layer(keep, group) if type(c) is KVCache else c for c in _own_cache(model)]

@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,6 +26,7 @@ from huggingface_hub.errors import (
 )
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from kvchat.engine import cpu
 from kvchat.engine.demo import build_demo, parse_demo_spec
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -55,6 +57,13 @@ class LoadedModel:
     fingerprint: str  # changes when the weights' shape or the tokenizer could differ
     context_length: int
     weights: str = "as stored"  # how the weights are held, e.g. "4-bit, dequantized to float32"
+    # The CPU fast path this model got (a kvchat.engine.cpu.FastPath), or None and why not.
+    fast_path: Any = None
+    fast_path_off: str = "off (not prepared)"
+
+    def fast_path_line(self) -> str:
+        """One line: what this model runs through the CPU fast path, or why nothing."""
+        return self.fast_path.describe() if self.fast_path is not None else self.fast_path_off
 
 
 class ModelLoadError(Exception):
@@ -66,7 +75,7 @@ def load_model(spec: str, keep_quantized: bool | None = None) -> LoadedModel:
 
     Demo models are built on first use. On the CPU backend, float16 and
     bfloat16 weights are cast to float32, which CPU matmul runs far faster,
-    and the CPU fast path is installed (see :func:`_cpu_weights`).
+    and the model gets the CPU fast path's layers (see :func:`_cpu_weights`).
     """
     try:
         spec.encode("utf-8")
@@ -85,11 +94,10 @@ def load_model(spec: str, keep_quantized: bool | None = None) -> LoadedModel:
         raise _load_error(spec, f"a JSON file in it is damaged ({exc})", source) from exc
     except Exception as exc:  # a broken folder fails in many ways; all mean the same here
         raise _load_error(spec, _first_line(exc), source) from exc
-    weights = "as stored"
     if mx.default_device() == mx.cpu:
         # Only floating parameters change: quantized weights stay packed integers.
         model.set_dtype(mx.float32)
-        weights = _cpu_weights(model, keep_quantized)
+    fast, weights = _cpu_weights(model, keep_quantized)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -98,40 +106,39 @@ def load_model(spec: str, keep_quantized: bool | None = None) -> LoadedModel:
         fingerprint=fingerprint(spec, path),
         context_length=context_length(config),
         weights=weights,
+        fast_path=fast if isinstance(fast, cpu.FastPath) else None,
+        fast_path_off=fast if isinstance(fast, str) else "",
     )
 
 
-def _cpu_weights(model: nn.Module, keep_quantized: bool | None) -> str:
+def _cpu_weights(model: nn.Module, keep_quantized: bool | None) -> tuple[Any, str]:
     """Give the model the CPU fast path's layers; dequantize packed weights where they fit.
 
     mlx's CPU ``quantized_matmul`` is far slower than a float32 BLAS matmul, so a
     4- or 8-bit model runs dequantized unless ``keep_quantized`` (or
     ``KVCHAT_KEEP_QUANTIZED=1``) asks otherwise or float32 weights would not fit
-    in half the memory available now. Returns how the weights are held, in words.
+    in half the memory available now. Returns what :func:`cpu.prepare` returned (the
+    model's FastPath, or why it has none) and how the weights are held, in words.
     """
-    from kvchat.engine import cpu
-
-    if not cpu.install():
-        return "as stored (CPU fast path off)"
+    if cpu.wanted() is not None:
+        weights = "as stored (CPU fast path off)" if mx.default_device() == mx.cpu else "as stored"
+        return cpu.prepare(model, dequantize=False), weights
     if keep_quantized is None:
         keep_quantized = os.environ.get("KVCHAT_KEEP_QUANTIZED") == "1"
     packed = [m for m in model.modules()
               if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     if not packed:
-        cpu.prepare(model, dequantize=False)
-        return "float32"
+        return cpu.prepare(model, dequantize=False), "float32"
     bits = sorted({m.bits for m in packed})
     label = "/".join(map(str, bits)) + "-bit"
     if keep_quantized:
-        cpu.prepare(model, dequantize=False)
-        return f"{label}, kept packed (KVCHAT_KEEP_QUANTIZED)"
+        return cpu.prepare(model, dequantize=False), f"{label}, kept packed (KVCHAT_KEEP_QUANTIZED)"
     need = sum(m.weight.size * 32 // m.bits * 4 for m in packed)
     free = _available_memory()
     if free is not None and need > free // 2:
-        cpu.prepare(model, dequantize=False)
-        return f"{label}, kept packed (float32 would take {need / 2**30:.1f} GiB)"
-    cpu.prepare(model, dequantize=True)
-    return f"{label}, dequantized to float32 for the CPU"
+        return (cpu.prepare(model, dequantize=False),
+                f"{label}, kept packed (float32 would take {need / 2**30:.1f} GiB)")
+    return cpu.prepare(model, dequantize=True), f"{label}, dequantized to float32 for the CPU"
 
 
 def _available_memory() -> int | None:

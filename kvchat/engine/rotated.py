@@ -10,11 +10,14 @@ quantizes them (llama.cpp PR #20995 does the same). Attention is unchanged up to
 quantization: queries are rotated by the same ``R``, since ``(qR)(kR)ᵀ = qkᵀ``,
 and the output, a mix of rotated values, is rotated back by ``Rᵀ``.
 
-:meth:`RotatedKVCache.attention` needs the attention call itself: kvchat's hook of
-mlx-lm's attention entry point (:mod:`kvchat.engine.cpu`) sends every layer whose
-cache is a :class:`RotatedKVCache` there, on any device. The rotation is not part
-of the saved state (it depends only on the head dimension), and the class is made
-known to ``mlx_lm.models.cache`` so that ``load_prompt_cache`` finds it by name.
+:meth:`RotatedKVCache.attention` needs the attention call itself: an attention
+module that reads these caches (kvchat's own, :class:`kvchat.engine.cpu.layers.Attention`,
+which llama-family models get on every device) says so with a true
+``reads_rotated_cache``, and :func:`unreadable` names a model whose attention does
+not (mlx-lm's own would read the rotated keys with unrotated queries). The rotation
+is not part of the saved state (it depends only on the head dimension), and the
+class is made known to ``mlx_lm.models.cache`` so that ``load_prompt_cache`` finds
+it by name.
 """
 
 from __future__ import annotations
@@ -53,6 +56,17 @@ def rotate(x: mx.array) -> mx.array:
 
 def unrotate(x: mx.array) -> mx.array:
     return x @ rotation(x.shape[-1]).T.astype(x.dtype)
+
+
+def unreadable(model) -> str | None:
+    """None when every attention layer of ``model`` reads a :class:`RotatedKVCache`, else
+    why not, in a phrase."""
+    for i, layer in enumerate(getattr(model, "layers", None) or []):
+        attn = getattr(layer, "self_attn", None)
+        if not getattr(attn, "reads_rotated_cache", False):
+            name = type(attn).__name__ if attn is not None else "no attention module"
+            return f"layer {i}'s attention ({name}) does not rotate its queries"
+    return None
 
 
 class RotatedKVCache(QuantizedKVCache):

@@ -1,129 +1,174 @@
-"""The CPU fast path: attention, SwiGLU and linear layers through numpy on the CPU backend.
+"""The CPU fast path: linear layers, attention, SwiGLU and decoding steps through numpy.
 
-mlx-lm's models take their attention function from ``mlx_lm.models.base``
-and their SwiGLU from ``mlx_lm.models.activations``, by name at import time.
-:func:`install` puts kvchat's functions in both places once (and in any model
-module imported already); each calls :mod:`.attention` when the fast path is
-active and falls back to mlx-lm's own otherwise, so Metal and CUDA, attention
-sinks and other dtypes keep the stock path. Quantized caches are dequantized for
-numpy's attention. Layers whose cache is a
-:class:`~kvchat.engine.rotated.RotatedKVCache` go to that cache's ``attention``
-on every device, which rotates around the same attention.
-:func:`prepare` gives a loaded model numpy-backed linear layers and, for
-Llama-family models, a decoding step computed in numpy (:mod:`.decode`).
-``KVCHAT_CPU_FASTPATH=0`` turns all of it off.
+On the CPU backend, :func:`prepare` gives a loaded model kvchat's own layers in
+place of mlx-lm's (``update_modules``, as ``mlx.nn.quantize`` does; nothing of
+mlx-lm is patched): numpy-backed linear layers (:mod:`.linear`) for any
+architecture and, for llama-family models (mlx-lm's ``llama`` and ``qwen2``
+modules, any of mlx-lm's RoPE variants), an attention, MLP and model body
+(:mod:`.layers`) whose single-token step runs whole in numpy (:mod:`.decode`).
+It returns the model's :class:`FastPath`, which says what the model got and why
+not the rest, and switches the model's layers between numpy and mlx (``on``).
+
+On other devices, or with ``KVCHAT_CPU_FASTPATH=0``, it returns the reason as a
+string; a llama-family model still gets kvchat's attention (computing with mlx
+there), which is what reads ``rotated:N`` caches.
+
+:func:`decode_batch` is one decoding step of B sequences for a batched loop.
 """
 
 from __future__ import annotations
 
-import sys
+import os
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_lm.models.activations as activations
-import mlx_lm.models.base as base
 
-from ..rotated import RotatedKVCache
-from . import attention, decode, linear, state
+from . import decode, linear
+from .layers import MLP, Attention, Body
+from .linear import param_view
 
-__all__ = ["hook", "install", "prepare", "describe", "set_active"]
+__all__ = ["ENV", "FastPath", "prepare", "step_problem", "decode_batch", "wanted"]
 
-_stock_sdpa = base.scaled_dot_product_attention
-_stock_swiglu = activations.swiglu
-
-
-def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's attention entry point, through numpy when the fast path is active."""
-    if isinstance(cache, RotatedKVCache):
-        return cache.attention(queries, keys, values, scale, mask, _attend, sinks)
-    return _attend(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+ENV = "KVCHAT_CPU_FASTPATH"  # "0" turns the fast path off (read when a model is loaded)
+FAMILY = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")  # the blocks layers.py computes
 
 
-def _attend(queries, keys, values, cache, scale, mask, sinks=None):
-    if state.active() and sinks is None:
-        out = attention.sdpa(queries, *_unpacked(keys, values, cache), scale, mask)
-        if out is not None:
-            return out
-    return _stock_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+@dataclass(eq=False)
+class FastPath:
+    """What the CPU fast path gave one loaded model.
 
-
-def _unpacked(keys, values, cache) -> tuple:
-    """A quantized cache's keys and values dequantized (to its scales' dtype: float32 for a
-    float32 model), for numpy's attention: mlx's CPU ``quantized_matmul``, which mlx-lm's
-    quantized attention uses, runs at about 3 GFLOP/s, and dequantizing 8k tokens of a
-    layer takes about a millisecond. Other caches' arrays as they are."""
-    if not hasattr(cache, "bits"):
-        return keys, values
-    return tuple(mx.dequantize(*packed, group_size=cache.group_size, bits=cache.bits)
-                 for packed in (keys, values))
-
-
-def swiglu(gate, x):
-    """mlx-lm's SwiGLU, through numpy when the fast path is active."""
-    if state.active():
-        out = attention.swiglu(gate, x)
-        if out is not None:
-            return out
-    return _stock_swiglu(gate, x)
-
-
-def prepare(model: nn.Module, dequantize: bool) -> int:
-    """Give ``model`` the CPU layers (:func:`.linear.prepare`) and the numpy decoding step
-    where its architecture allows (:func:`.decode.attach`); returns how many quantized
-    layers were dequantized."""
-    dequantized = linear.prepare(model, dequantize)
-    decode.attach(model)
-    return dequantized
-
-
-_modules_seen = 0  # len(sys.modules) at the last pass of hook()
-
-
-def hook() -> None:
-    """Put kvchat's functions in mlx-lm's place (idempotent); the fast path stays as it is.
-
-    Model modules are patched as they appear: a call with no module imported since the
-    last one returns at once (caches call this for every rotated layer they make).
+    ``on`` switches that model's kvchat layers between numpy and mlx's own
+    arithmetic (the bench and tests compare both on one model); ``step`` is None
+    when its decoding step runs whole in numpy, else why not, in a phrase.
     """
-    global _modules_seen
-    if len(sys.modules) == _modules_seen:
-        return
-    replacements = {
-        "scaled_dot_product_attention": (_stock_sdpa, scaled_dot_product_attention),
-        "swiglu": (_stock_swiglu, swiglu),
-    }
-    base.scaled_dot_product_attention = scaled_dot_product_attention
-    activations.swiglu = swiglu
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("mlx_lm.models.") or module is None:
-            continue
-        for attr, (stock, ours) in replacements.items():
-            if getattr(module, attr, None) is stock:
-                setattr(module, attr, ours)
-    _modules_seen = len(sys.modules)
+
+    step: str | None = None
+    dequantized: int = 0
+    on: bool = True
+
+    @property
+    def decodes(self) -> bool:
+        """Whether :func:`decode_batch` takes this model's decoding steps now."""
+        return self.on and self.step is None
+
+    def describe(self) -> str:
+        """One line: what this model runs through numpy."""
+        if not self.on:
+            return "off (switched off for this model)"
+        if self.step is None:
+            return "on (numpy decoding step, attention, SwiGLU and linear layers)"
+        return f"on for linear layers only: no numpy decoding step, {self.step}"
 
 
-def install() -> bool:
-    """Hook kvchat's functions into mlx-lm and turn the fast path on where it applies
-    (the CPU backend, not disabled). Returns whether it is active."""
-    hook()
-    state.set_active(state.wanted())
-    return state.active()
-
-
-def set_active(on: bool) -> None:
-    """Turn the fast path on or off at run time (tests and the bench compare both)."""
-    state.set_active(on and state.wanted())
-
-
-def describe() -> str:
-    """One line for ``kvchat doctor``: whether models run with the fast path, and why not."""
-    import os
-
-    if os.environ.get(state.ENV, "1") == "0":
-        return f"off ({state.ENV}=0)"
+def wanted() -> str | None:
+    """None when the fast path applies in this process, else why not."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"off ({ENV}=0)"
     if mx.default_device() != mx.cpu:
         return "off (MLX runs on the GPU: its own kernels are used)"
-    if state.active() or state.wanted():
-        return "on (numpy attention, SwiGLU, linear layers and decoding steps)"
-    return "off"
+    return None
+
+
+def step_problem(model: nn.Module) -> str | None:
+    """None when ``model`` has the shape of kvchat's llama-family layers, else why not:
+    every attribute they read is checked (module classes, heads, scale, RoPE, norms)."""
+    body = model.get("model") if isinstance(model, nn.Module) else None
+    if not isinstance(body, nn.Module) or type(model).__module__ not in FAMILY:
+        kind = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
+        return f"model type {kind!r} (it computes mlx-lm's llama and qwen2 models)"
+    if getattr(body, "pipeline_size", 1) != 1:
+        return "the model is split into a pipeline"
+    for name in ("embed_tokens", "norm"):
+        if name not in body:
+            return f"the model has no {name}"
+    if type(body.norm) is not nn.RMSNorm:
+        return f"its final norm is {type(body.norm).__name__}, not RMSNorm"
+    for i, layer in enumerate(body.layers):
+        problem = _layer_problem(layer)
+        if problem:
+            return f"layer {i}: {problem}"
+    return None
+
+
+def _layer_problem(layer: nn.Module) -> str | None:
+    if getattr(layer, "use_sliding", False):
+        return "sliding-window attention"
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        if type(layer.get(name)) is not nn.RMSNorm:
+            return f"{name} is not RMSNorm"
+    attn, mlp = layer.get("self_attn"), layer.get("mlp")
+    if type(attn).__name__ != "Attention" or type(attn).__module__ not in FAMILY:
+        return f"its attention is {type(attn).__name__}"
+    if type(mlp).__name__ != "MLP" or type(mlp).__module__ not in FAMILY:
+        return f"its MLP is {type(mlp).__name__}"
+    heads, kv_heads, scale = (getattr(attn, n, None) for n in ("n_heads", "n_kv_heads", "scale"))
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0
+            and heads % kv_heads == 0):
+        return f"{heads!r} query heads over {kv_heads!r} key/value heads"
+    if not isinstance(scale, float):
+        return f"attention scale {scale!r}"
+    rope = decode.rope_form(attn.rope)
+    if isinstance(rope, str):
+        return rope
+    if rope.dims > attn.q_proj.weight.shape[0] // heads:
+        return f"its RoPE turns {rope.dims} features of {attn.q_proj.weight.shape[0] // heads}"
+    return None
+
+
+def _linears_problem(body: nn.Module) -> str | None:
+    for layer in body.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                  mlp.up_proj, mlp.down_proj):
+            if type(m) is not linear.CpuLinear:
+                return f"{type(m).__name__} layers (kept packed) are not numpy's"
+    if type(body.embed_tokens) is not linear.CpuEmbedding:
+        return f"its embedding is {type(body.embed_tokens).__name__} (kept packed)"
+    return None
+
+
+def _give_layers(model: nn.Module, fast: FastPath | None) -> None:
+    """kvchat's attention and MLP in each block of ``model``; its body too when ``fast``."""
+    for layer in model.model.layers:
+        form = decode.rope_form(layer.self_attn.rope) if fast is not None else None
+        attn = Attention(layer.self_attn, fast, form)
+        layer.update_modules({"self_attn": attn, "mlp": MLP(layer.mlp, fast)})
+    if fast is not None:
+        model.update_modules({"model": Body(model.model, fast)})
+
+
+def prepare(model: nn.Module, dequantize: bool) -> FastPath | str:
+    """Give ``model`` the fast path's layers (dequantizing packed ones if asked) and return
+    its :class:`FastPath`; or, where the fast path does not apply, the reason (a
+    llama-family model then still gets kvchat's attention, for rotated caches)."""
+    off = wanted()
+    shape = step_problem(model)
+    if off is not None:
+        if shape is None:
+            _give_layers(model, None)
+        return off
+    fast = FastPath()
+    fast.dequantized = linear.replace(model, dequantize, fast)
+    fast.step = shape or _linears_problem(model.model)
+    if shape is None:
+        _give_layers(model, fast)
+    return fast
+
+
+def decode_batch(model: nn.Module, tokens: list[int], caches: list[list]) -> mx.array | None:
+    """One decoding step of B sequences: ``tokens[b]`` appended to ``caches[b]`` (one cache
+    per layer, as mlx-lm's step would with ``update_and_fetch``); returns the logits
+    ``(B, vocab)`` float32, or None, with nothing changed, when the model has no numpy
+    decoding step (or it is switched off) or a cache is of a class it does not read."""
+    body = model.get("model") if isinstance(model, nn.Module) else None
+    if not isinstance(body, Body) or not body.fast.decodes or not tokens:
+        return None
+    if len(tokens) != len(caches) or any(len(c) != len(body.layers) or not decode.takes(c)
+                                         for c in caches):
+        return None
+    head = model["lm_head"] if "lm_head" in model else body.embed_tokens
+    h = decode.hidden(body, [int(t) for t in tokens], caches, extra=(head,))
+    if h is None:
+        return None
+    return mx.array(linear.product(param_view(head), h))

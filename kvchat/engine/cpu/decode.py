@@ -1,137 +1,143 @@
-"""One decoding step of a Llama-family model in numpy, one hand-off to mlx a token.
+"""One decoding step of a llama-family model in numpy, for one or several sequences.
 
 Decoding runs the model on one token at a time. Through mlx-lm's modules
 with the numpy layers of this package, that step hands data between mlx and
 numpy about a hundred times (every linear layer, attention and SwiGLU
 evaluates its input), and each hand-off costs tens of microseconds of
 synchronisation, which is as much as the arithmetic of a small model. Here
-the whole step of a ``qwen2`` or ``llama`` model (RMSNorm, linear layers,
-rotary embedding, grouped-query attention, SwiGLU) runs in numpy on views of
-mlx's own parameters and of the cache's keys and values; only the cache
-update stays mlx's: once every layer has read its cache, the new keys and
-values go to ``cache.update_and_fetch`` in one evaluation, so the cache, its
-ledger, trimming and saving see nothing new. A quantized cache is updated
-first, a layer at a time, and read back dequantized (one hand-off a layer),
-so the token attends to its own key as stored, as in mlx-lm.
+the whole step (RMSNorm, linear layers, rotary embedding, grouped-query
+attention, SwiGLU) runs in numpy on views of mlx's own parameters and of the
+caches' keys and values; only the cache update stays mlx's: once every layer
+has read its cache, the new keys and values go to ``cache.update_and_fetch`` in
+one evaluation, so the cache, its ledger, trimming and saving see nothing new. A
+quantized cache is updated first, a layer at a time, and read back dequantized
+(one hand-off a layer), so the token attends to its own key as stored, as in
+mlx-lm.
 
-:func:`attach` gives a model's inner module (``model.model``) a ``__call__``
-that takes this path for one token, batch 1, ``standard``, ``concatenate``,
-``quantized:N`` and ``rotated:N`` caches, while the fast path is active;
-anything else (prefill, other caches or architectures, a layer numpy cannot
-take) goes through mlx-lm's own code.
+:func:`hidden` takes B sequences, one token each, each with its own per-layer
+caches (of any lengths): the linear layers multiply the B rows at once (the
+weights stream once a step), attention runs row by row over each row's cache.
+The rotary embedding's cosines and sines are the model's own RoPE module's
+(whatever its variant: it is applied to ones and zeros at each row's offset).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models import rope_utils
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
 from .. import rotated
 from ..rotated import RotatedKVCache
-from . import state
-from .linear import CpuEmbedding, CpuLinear, param_view
+from .linear import param_view, product
 
-MODEL_TYPES = ("qwen2", "llama")  # blocks of x + attn(norm(x)), h + mlp(norm(h)), SwiGLU
 # caches whose single-token mask is None
 CACHES = (KVCache, ConcatenateKVCache, QuantizedKVCache, RotatedKVCache)
+# RoPE modules that turn each pair of the first ``dims`` features by an angle (after an
+# optional constant factor) and leave the rest: what applying one to ones and zeros reads.
+ROPES = (nn.RoPE, rope_utils.Llama3RoPE, rope_utils.YarnRoPE, rope_utils.SuScaledRoPE,
+         rope_utils.ProportionalRoPE, rope_utils.DynamicNTKScalingRoPE)
 
 
-def _eligible(inner: nn.Module) -> bool:
-    """``inner`` has the shape this step computes (checked once, at :func:`attach`)."""
-    args = getattr(inner, "args", None)
-    if getattr(args, "model_type", None) not in MODEL_TYPES:
-        return False
-    if getattr(inner, "pipeline_size", 1) != 1 or not isinstance(inner.embed_tokens, CpuEmbedding):
-        return False
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if (getattr(layer, "use_sliding", False) or type(attn.rope) is not nn.RoPE
-                or not all(type(m) is CpuLinear for m in linears)
-                or not all(type(n) is nn.RMSNorm for n in
-                           (layer.input_layernorm, layer.post_attention_layernorm))):
-            return False
-    return type(inner.norm) is nn.RMSNorm
+def takes(cache: list) -> bool:
+    """Every layer's cache is of a class the step reads."""
+    return all(type(c) in CACHES for c in cache)
 
 
-def attach(model: nn.Module) -> bool:
-    """Give ``model.model`` the numpy decoding step if its architecture has the shape;
-    returns whether it did."""
-    inner = getattr(model, "model", None)
-    if inner is None or not _eligible(inner):
-        return False
-    cls = type(inner)
-    if cls not in _SUBCLASSES.values():
-        if cls not in _SUBCLASSES:
-            _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"__call__": _call,
-                                                           "__module__": cls.__module__})
-        inner.__class__ = _SUBCLASSES[cls]
-    return True
+@dataclass(frozen=True)
+class RopeForm:
+    """What the step needs of a RoPE module: the features it turns, their pairing, and a
+    key equal for modules that compute the same angles (one table for all layers)."""
+
+    dims: int
+    traditional: bool
+    key: tuple
 
 
-_SUBCLASSES: dict[type, type] = {}  # mlx-lm's class -> the same with the numpy step
+def rope_form(rope: nn.Module) -> RopeForm | str:
+    """``rope``'s :class:`RopeForm`, or why the step cannot take it."""
+    if type(rope) not in ROPES:
+        return f"its RoPE ({type(rope).__name__}) is not one the numpy step computes"
+    dims = getattr(rope, "dims", None) or getattr(rope, "dim", None)
+    if not isinstance(dims, int) or dims <= 0 or dims % 2:
+        return f"its RoPE turns {dims!r} features (an even count is needed)"
+    settings = tuple(sorted((k, v) for k, v in vars(rope).items()
+                            if isinstance(v, (bool, int, float, str))))
+    freqs = rope.get("_freqs")
+    table = None if freqs is None else np.asarray(freqs.astype(mx.float32)).tobytes()
+    return RopeForm(dims, bool(getattr(rope, "traditional", False)),
+                    (type(rope).__name__, settings, table))
 
 
-def _call(self, inputs, cache=None, input_embeddings=None):
-    out = None
-    if (state.active() and input_embeddings is None and tuple(inputs.shape) == (1, 1)
-            and cache is not None and all(type(c) in CACHES for c in cache)):
-        out = step(self, inputs, cache)
-    if out is None:
-        return super(type(self), self).__call__(inputs, cache, input_embeddings)
+def _rotations(needed: dict) -> dict:
+    """``{(form key, offset): (cos, sin)}`` for ``needed`` ``{(key, offset): (rope, form)}``:
+    the RoPE module applied to ones and zeros (all of them in one evaluation)."""
+    probes = {}
+    for (key, offset), (rope, form) in needed.items():
+        probe = np.zeros(form.dims, dtype=np.float32)
+        half = form.dims // 2
+        probe[slice(0, None, 2) if form.traditional else slice(0, half)] = 1  # first of pairs
+        probes[key, offset] = rope(mx.array(probe).reshape(1, 1, 1, -1), offset=offset)
+    mx.eval(list(probes.values()))
+    tables = {}
+    for (key, offset), turned in probes.items():
+        flat, form = np.asarray(turned).reshape(-1), needed[key, offset][1]
+        if form.traditional:
+            tables[key, offset] = flat[0::2].copy(), flat[1::2].copy()
+        else:
+            tables[key, offset] = flat[:form.dims // 2].copy(), flat[form.dims // 2:].copy()
+    return tables
+
+
+def _rope(x: np.ndarray, form: RopeForm, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate the first ``form.dims`` features of each row of ``x`` (heads × head dim)."""
+    out = x.copy()
+    dims = form.dims
+    if form.traditional:
+        a, b = x[:, 0:dims:2], x[:, 1:dims:2]
+        out[:, 0:dims:2] = a * cos - b * sin
+        out[:, 1:dims:2] = a * sin + b * cos
+    else:
+        half = dims // 2
+        a, b = x[:, :half], x[:, half:dims]
+        out[:, :half] = a * cos - b * sin
+        out[:, half:dims] = a * sin + b * cos
     return out
 
 
 def _rms(x: np.ndarray, norm: nn.RMSNorm) -> np.ndarray:
-    scale = np.float32(1) / np.sqrt(np.dot(x, x) / np.float32(x.size) + np.float32(norm.eps))
-    return (x * scale) * param_view(norm)
+    """RMSNorm of each row of ``x`` (rows × features)."""
+    mean = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[-1])
+    scale = np.float32(1) / np.sqrt(mean + np.float32(norm.eps))
+    return (x * scale[:, None]) * param_view(norm)
 
 
-def _linear(layer: CpuLinear, x: np.ndarray) -> np.ndarray:
-    y = param_view(layer) @ x
+def _linear(layer: nn.Module, x: np.ndarray) -> np.ndarray:
+    y = product(param_view(layer), x)
     return y + param_view(layer, "bias") if "bias" in layer else y
 
 
-def _rotation(rope: nn.RoPE, offset: int) -> tuple[np.ndarray, np.ndarray]:
-    """mlx's own cosines and sines at ``offset``: rope applied to ones and zeros."""
-    half = rope.dims // 2
-    probe = np.zeros(rope.dims, dtype=np.float32)
-    probe[slice(0, None, 2) if rope.traditional else slice(0, half)] = 1  # first of each pair
-    turned = np.asarray(rope(mx.array(probe).reshape(1, 1, 1, -1), offset=offset)).reshape(-1)
-    if rope.traditional:
-        return turned[0::2].copy(), turned[1::2].copy()
-    return turned[:half].copy(), turned[half:].copy()
+def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
+    gate = _linear(mlp.gate_proj, x)
+    up = _linear(mlp.up_proj, x)
+    with np.errstate(over="ignore"):  # exp(-gate) = inf for very negative gates: silu is -0
+        act = gate / (np.float32(1) + np.exp(-gate))
+    return _linear(mlp.down_proj, act * up)
 
 
-def _rope(x: np.ndarray, rope: nn.RoPE, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate the first ``rope.dims`` features of each row of ``x`` (heads × head dim)."""
-    out = x.copy()
-    if rope.traditional:
-        a, b = x[:, 0:rope.dims:2], x[:, 1:rope.dims:2]
-        out[:, 0:rope.dims:2] = a * cos - b * sin
-        out[:, 1:rope.dims:2] = a * sin + b * cos
-    else:
-        half = rope.dims // 2
-        a, b = x[:, :half], x[:, half:rope.dims]
-        out[:, :half] = a * cos - b * sin
-        out[:, half:rope.dims] = a * sin + b * cos
-    return out
-
-
-def _attention(layer: nn.Module, x: np.ndarray, cache, turn) -> tuple[np.ndarray, ...]:
-    """The layer's attention output for one token, and its new key and value for the
-    caller to hand to the cache (None when they are stored already: a quantized cache
-    stores them first, so that the token attends to its own key as stored, as in
-    mlx-lm); the keys and values before it are read from the cache."""
-    attn = layer.self_attn
+def _attention(attn: nn.Module, form: RopeForm, q, k, v, cache, turn) -> tuple:
+    """One row's attention output for one token, and its new key and value for the caller
+    to hand to the cache (None when they are stored already: a quantized cache stores them
+    first, so that the token attends to its own key as stored, as in mlx-lm); the keys and
+    values before it are read from the cache."""
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
-    cos, sin = turn
-    q = _rope(_linear(attn.q_proj, x).reshape(heads, -1), attn.rope, cos, sin)
-    k = _rope(_linear(attn.k_proj, x).reshape(kv_heads, -1), attn.rope, cos, sin)
-    v = _linear(attn.v_proj, x).reshape(kv_heads, -1)
+    q = _rope(q.reshape(heads, -1), form, *turn)
+    k = _rope(k.reshape(kv_heads, -1), form, *turn)
+    v = v.reshape(kv_heads, -1)
     grouped = q.reshape(kv_heads, heads // kv_heads, -1) * np.float32(attn.scale)
     turned = None  # a rotated cache's rotation R: keys, values and queries times R
     if isinstance(cache, QuantizedKVCache):
@@ -162,9 +168,7 @@ def _attention(layer: nn.Module, x: np.ndarray, cache, turn) -> tuple[np.ndarray
     out /= weights.sum(axis=-1, keepdims=True)
     if turned is not None:  # a mix of rotated values, rotated back
         out = out @ turned.T
-    if not own:
-        k = v = None
-    return _linear(attn.o_proj, out.reshape(-1)), k, v
+    return out.reshape(-1), ((k, v) if own else None)
 
 
 def _stored(cache: QuantizedKVCache, k: np.ndarray, v: np.ndarray):
@@ -199,22 +203,16 @@ def _dequantized(packed, group_size: int, bits: int) -> np.ndarray:
     return out.reshape(*codes.shape)
 
 
-def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
-    gate = _linear(mlp.gate_proj, x)
-    up = _linear(mlp.up_proj, x)
-    with np.errstate(over="ignore"):  # exp(-gate) = inf for very negative gates: silu is -0
-        act = gate / (np.float32(1) + np.exp(-gate))
-    return _linear(mlp.down_proj, act * up)
-
-
-def _numpy_inputs(inner: nn.Module, cache: list) -> bool:
-    """Every parameter the step reads has a float32 numpy view and the caches hold
-    float32 (checked before the step touches a cache, so a refusal leaves nothing
-    half done)."""
-    if any(c.keys is not None and _dtype(c.keys) != mx.float32 for c in cache):
+def numpy_inputs(body: nn.Module, caches: list[list], extra: tuple = ()) -> bool:
+    """Every parameter the step reads (and those of the ``extra`` modules) has a float32
+    numpy view and the caches hold float32 (checked before the step touches a cache, so a
+    refusal leaves nothing half done)."""
+    if any(c.keys is not None and _dtype(c.keys) != mx.float32 for row in caches for c in row):
         return False
-    views = [param_view(inner.embed_tokens), param_view(inner.norm)]
-    for layer in inner.layers:
+    views = [param_view(body.embed_tokens), param_view(body.norm)]
+    for module in extra:
+        views.append(param_view(module))
+    for layer in body.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                        mlp.up_proj, mlp.down_proj, layer.input_layernorm,
@@ -230,24 +228,34 @@ def _dtype(stored) -> mx.Dtype:
     return stored[1].dtype if isinstance(stored, (tuple, list)) else stored.dtype
 
 
-def step(inner: nn.Module, inputs: mx.array, cache: list) -> mx.array | None:
-    """The final hidden state ``(1, 1, D)`` after ``inputs`` (one token), or None when
-    numpy cannot take the parameters (another dtype)."""
-    if not _numpy_inputs(inner, cache):
+def hidden(body: nn.Module, tokens: list[int], caches: list[list], extra: tuple = ()
+           ) -> np.ndarray | None:
+    """The final hidden states ``(B, D)`` after one token for each of B sequences, each
+    token's keys and values appended to its own ``caches[b]``; or None, nothing changed,
+    when numpy cannot take the parameters or caches (another dtype)."""
+    if not numpy_inputs(body, caches, extra):
         return None
-    x = param_view(inner.embed_tokens)[int(inputs.item())].copy()
-    turns: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    new: list[tuple[np.ndarray, np.ndarray]] = []
-    for layer, c in zip(inner.layers, cache):
-        rope = layer.self_attn.rope
-        key = (rope.dims, rope.traditional, rope.base, rope.scale, c.offset)
-        if key not in turns:
-            turns[key] = _rotation(rope, c.offset)
-        out, k, v = _attention(layer, _rms(x, layer.input_layernorm), c, turns[key])
-        new.append((k, v))
-        x = x + out
+    layers = body.layers
+    forms = [layer.self_attn.rope_form for layer in layers]
+    needed = {}
+    for cache in caches:
+        for layer, form, c in zip(layers, forms, cache):
+            needed.setdefault((form.key, c.offset), (layer.self_attn.rope, form))
+    turns = _rotations(needed)
+    x = param_view(body.embed_tokens)[np.asarray(tokens, dtype=np.int64)]
+    new: list[list] = [[None] * len(layers) for _ in tokens]
+    for i, (layer, form) in enumerate(zip(layers, forms)):
+        attn = layer.self_attn
+        h = _rms(x, layer.input_layernorm)
+        q, k, v = (_linear(p, h) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        rows = []
+        for b, cache in enumerate(caches):
+            turn = turns[form.key, cache[i].offset]
+            out, new[b][i] = _attention(attn, form, q[b], k[b], v[b], cache[i], turn)
+            rows.append(out)
+        x = x + _linear(attn.o_proj, np.stack(rows))
         x = x + _mlp(layer.mlp, _rms(x, layer.post_attention_layernorm))
     # The caches grow once all layers have read them: one evaluation for the step.
-    mx.eval([c.update_and_fetch(mx.array(k[None, :, None]), mx.array(v[None, :, None]))
-             for c, (k, v) in zip(cache, new) if k is not None])
-    return mx.array(_rms(x, inner.norm)[None, None])
+    mx.eval([c.update_and_fetch(mx.array(kv[0][None, :, None]), mx.array(kv[1][None, :, None]))
+             for cache, row in zip(caches, new) for c, kv in zip(cache, row) if kv is not None])
+    return _rms(x, body.norm)

@@ -4,24 +4,26 @@ mlx's CPU matmul goes through whatever ``cblas_sgemm`` the process resolves
 (Debian's OpenBLAS 0.3.21 here, see :mod:`kvchat.blas`), which is at its best
 for large products but slow for the few rows of a cached turn and for the one
 row of decoding: a matrix-vector product streams the weights at about 14 GB/s
-against about 45 GB/s through numpy's bundled OpenBLAS. These layers keep
-mlx's parameters (the same names and arrays, so loading, saving and
+against about 45 GB/s through numpy's bundled OpenBLAS. These layers take over
+mlx-lm's (:func:`replace`, a tree walk as ``mlx.nn.quantize`` does): they hold
+the same parameters (the same names and arrays, so loading, saving and
 ``update`` see nothing new) and compute ``x @ Wᵀ + b`` with numpy on a
-zero-copy view of the weight.
+zero-copy view of the weight while their model's :class:`~.FastPath` is on.
 
-Quantized layers can be dequantized to float32 at load (:func:`prepare`),
-since mlx's CPU ``quantized_matmul`` runs at about 3 GFLOP/s whatever the
-row count: a 4-bit model then runs at its float32 twin's speed, in its memory.
+Quantized layers can be dequantized to float32 at load, since mlx's CPU
+``quantized_matmul`` runs at about 3 GFLOP/s whatever the row count: a 4-bit
+model then runs at its float32 twin's speed, in its memory.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map_with_path
 
-from . import state
 from .attention import _numpy
 
 # Up to this many rows (a cached turn's new tokens), ``(W · xᵀ)ᵀ`` beats ``x · Wᵀ`` through
@@ -45,25 +47,35 @@ def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
     return cached[1]
 
 
+def product(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``rows @ wᵀ`` for ``(n, in)`` rows, by the fastest route for ``n`` (see SKINNY_ROWS)."""
+    if rows.shape[0] == 1:
+        return (w @ rows[0])[None]  # a matrix-vector product: BLAS gemv
+    if rows.shape[0] <= SKINNY_ROWS:
+        return (w @ rows.T).T  # the weight as the long side of the product
+    return rows @ w.T
+
+
 def _matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None:
     """``x @ layer.weightᵀ`` through numpy, or None when numpy cannot take it."""
-    if not state.active():
+    if not layer.fast.on:
         return None
     xn, w = _numpy(x), param_view(layer)
     if xn is None or w is None:
         return None
-    rows = xn.reshape(-1, xn.shape[-1])
-    if rows.shape[0] == 1:
-        out = (w @ rows[0])[None]  # a matrix-vector product: BLAS gemv
-    elif rows.shape[0] <= SKINNY_ROWS:
-        out = (w @ rows.T).T  # the weight as the long side of the product (see SKINNY_ROWS)
-    else:
-        out = rows @ w.T
+    out = product(w, xn.reshape(-1, xn.shape[-1]))
     return mx.array(out.reshape(*xn.shape[:-1], w.shape[0]))
 
 
 class CpuLinear(nn.Linear):
-    """``nn.Linear`` whose product runs through numpy on the CPU backend."""
+    """``nn.Linear`` whose product runs through numpy while ``fast`` is on."""
+
+    def __init__(self, weight: mx.array, bias: mx.array | None, fast: Any):
+        nn.Module.__init__(self)
+        self.weight = weight
+        if bias is not None:
+            self.bias = bias
+        self.fast = fast  # the model's FastPath (a plain attribute: not a child module)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = _matmul_t(x, self)
@@ -89,6 +101,11 @@ class CpuOutput(CpuLinear):
 class CpuEmbedding(nn.Embedding):
     """``nn.Embedding`` whose tied output projection runs like :class:`CpuOutput`."""
 
+    def __init__(self, weight: mx.array, fast: Any):
+        nn.Module.__init__(self)
+        self.weight = weight
+        self.fast = fast
+
     def as_linear(self, x: mx.array) -> mx.array:
         y = _matmul_t(x, self) if _rows(x) == 1 else None
         return super().as_linear(x) if y is None else y
@@ -105,39 +122,34 @@ def _dequantized(layer: nn.Module) -> mx.array:
     ).astype(mx.float32)
 
 
-def _cpu_layer(path: str, layer: nn.Module, dequantize: bool) -> nn.Module:
+def _cpu_layer(path: str, layer: nn.Module, dequantize: bool, fast: Any) -> nn.Module:
+    """The CPU layer that takes ``layer``'s place (``layer`` itself when none does)."""
     output = path.rsplit(".", 1)[-1] == "lm_head"
+    linear = CpuOutput if output else CpuLinear
+    bias = layer.get("bias")
     if type(layer) is nn.Linear:
-        layer.__class__ = CpuOutput if output else CpuLinear
-    elif type(layer) is nn.Embedding:
-        layer.__class__ = CpuEmbedding
-    elif dequantize and type(layer) is nn.QuantizedLinear:
-        out_dims, in_dims = layer.weight.shape[0], layer.scales.shape[-1] * layer.group_size
-        new = (CpuOutput if output else CpuLinear)(in_dims, out_dims, bias="bias" in layer)
-        new.weight = _dequantized(layer)
-        if "bias" in layer:
-            new.bias = layer.bias.astype(mx.float32)
-        return new
-    elif dequantize and type(layer) is nn.QuantizedEmbedding:
-        new = CpuEmbedding(layer.num_embeddings, layer.dims)
-        new.weight = _dequantized(layer)
-        return new
+        return linear(layer.weight, bias, fast)
+    if type(layer) is nn.Embedding:
+        return CpuEmbedding(layer.weight, fast)
+    if dequantize and type(layer) is nn.QuantizedLinear:
+        return linear(_dequantized(layer), None if bias is None else bias.astype(mx.float32), fast)
+    if dequantize and type(layer) is nn.QuantizedEmbedding:
+        return CpuEmbedding(_dequantized(layer), fast)
     return layer
 
 
-def prepare(model: nn.Module, dequantize: bool) -> int:
-    """Give ``model`` CPU linear layers in place (dequantizing packed ones if asked).
+def replace(model: nn.Module, dequantize: bool, fast: Any) -> int:
+    """Give ``model`` CPU linear layers (dequantizing packed ones if asked) that compute
+    through numpy while ``fast.on``. Returns how many quantized layers were dequantized."""
+    def packed() -> int:
+        return sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                   for m in model.modules())
 
-    Returns how many quantized layers were dequantized.
-    """
-    before = sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-                 for m in model.modules())
+    before = packed()
     leaves = tree_map_with_path(
-        lambda path, m: _cpu_layer(path, m, dequantize), model.leaf_modules(),
+        lambda path, m: _cpu_layer(path, m, dequantize, fast), model.leaf_modules(),
         is_leaf=nn.Module.is_module,
     )
     model.update_modules(leaves)
-    after = sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-                for m in model.modules())
     mx.eval(model.parameters())
-    return before - after
+    return before - packed()

@@ -1,0 +1,197 @@
+"""The CPU fast path per model: which models get the numpy decoding step and why not,
+mlx-lm's RoPE variants through it, and its batched form (B sequences, one token each,
+each with its own caches) against mlx-lm's own step."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from typer.testing import CliRunner
+
+from kvchat.cli import app
+from kvchat.engine import cpu
+from kvchat.engine.cpu import decode
+from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
+from kvchat.engine.model import load_model
+
+TINY = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, head_dim=32,
+            max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
+LLAMA3 = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+
+
+def tiny(model_type: str, **extra):
+    """A random float32 model of mlx-lm's own class, and an untouched twin (same weights)."""
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    args = module.ModelArgs.from_dict({**TINY, **extra, "model_type": model_type})
+    mx.random.seed(3)
+    model, stock = module.Model(args), module.Model(args)
+    model.set_dtype(mx.float32)
+    stock.load_weights(tree_flatten(model.parameters()))
+    return model, stock
+
+
+@pytest.fixture(scope="module")
+def llama3():
+    model, stock = tiny("llama", **LLAMA3)
+    fast = cpu.prepare(model, dequantize=False)
+    assert isinstance(fast, cpu.FastPath) and fast.step is None, fast
+    assert type(model.model.layers[0].self_attn.rope).__name__ == "Llama3RoPE"
+    return model, stock
+
+
+def prefilled(model, tokens: list[int], kind: str) -> list:
+    cache = make_cache(model, parse_kind(kind))
+    model(mx.array(tokens)[None], cache=cache)
+    return cache
+
+
+def test_llama3_rope_decodes_through_the_numpy_step(llama3, monkeypatch):
+    model, stock = llama3
+    calls = []
+    real = decode.hidden
+    monkeypatch.setattr(decode, "hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompt = [(i * 29) % 500 + 3 for i in range(40)]
+    ours, theirs = prefilled(model, prompt, "standard"), prefilled(stock, prompt, "standard")
+    token = 7
+    for _ in range(6):
+        got = model(mx.array([[token]]), cache=ours)[0, -1]
+        want = stock(mx.array([[token]]), cache=theirs)[0, -1]
+        assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+        token = int(mx.argmax(want).item())
+    assert len(calls) == 6
+    assert ours[0].offset == theirs[0].offset == 46
+
+
+KINDS = ["standard", "concatenate", "quantized:8", "rotated:4"]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_batched_step_equals_mlx_lm_row_by_row(llama3, rows):
+    """B rows of different lengths and cache kinds: logits within 1e-4 of mlx-lm's own
+    step on each row's cache (for a rotated cache, which mlx-lm's attention cannot read,
+    kvchat's attention with mlx's arithmetic); each cache grows by its row's token, its
+    content the single-row numpy step's."""
+    model, stock = llama3
+    prompts = [[(i * 31 + b * 7) % 500 + 3 for i in range(5 + 9 * b)] for b in range(rows)]
+    kinds = [KINDS[b % len(KINDS)] for b in range(rows)]
+    tokens = [11 + b for b in range(rows)]
+    batched = [prefilled(model, p, k) for p, k in zip(prompts, kinds)]
+    single = [prefilled(model, p, k) for p, k in zip(prompts, kinds)]
+    model.model.fast.on = False
+    try:
+        peers = [model if k.startswith("rotated") else stock for k in kinds]
+        theirs = [prefilled(m, p, k) for m, p, k in zip(peers, prompts, kinds)]
+        wants = [m(mx.array([[t]]), cache=c)[0, -1] for m, t, c in zip(peers, tokens, theirs)]
+        mx.eval(wants)
+    finally:
+        model.model.fast.on = True
+
+    logits = cpu.decode_batch(model, tokens, batched)
+    assert logits.shape == (rows, TINY["vocab_size"]) and logits.dtype == mx.float32
+    for b, want in enumerate(wants):
+        assert mx.allclose(logits[b], want, atol=1e-4, rtol=1e-4).item(), kinds[b]
+        one = cpu.decode_batch(model, [tokens[b]], [single[b]])
+        assert mx.allclose(one[0], want, atol=1e-4, rtol=1e-4).item(), kinds[b]
+        for ours, alone in zip(batched[b], single[b]):
+            assert ours.offset == alone.offset == len(prompts[b]) + 1
+            assert_same_content(ours, alone)
+
+
+def assert_same_content(ours, alone) -> None:
+    """Keys and values as held (dequantized for a quantized cache: within one step of
+    quantization, as numpy's rounding may differ in the last bit before quantizing)."""
+    n = ours.offset
+    for held_a, held_b in ((ours.keys, alone.keys), (ours.values, alone.values)):
+        if hasattr(ours, "bits"):
+            packed_a, packed_b = ([p[..., :n, :] for p in held] for held in (held_a, held_b))
+            a = mx.dequantize(*packed_a, group_size=ours.group_size, bits=ours.bits)
+            b = mx.dequantize(*packed_b, group_size=ours.group_size, bits=ours.bits)
+            step = mx.max(packed_a[1]).item()
+            assert mx.allclose(a, b, atol=2 * step).item()
+        else:
+            a, b = held_a[..., :n, :], held_b[..., :n, :]
+            assert a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item()
+
+
+def test_batched_step_declines_and_changes_nothing(llama3):
+    model, _ = llama3
+    standard = prefilled(model, [5, 6, 7], "standard")
+    rotating = prefilled(model, [5, 6, 7], "rotating:64")
+    assert cpu.decode_batch(model, [1, 2], [standard, rotating]) is None
+    assert standard[0].offset == 3 and rotating[0].offset == 3
+    fast = model.model.fast
+    fast.on = False
+    try:
+        assert cpu.decode_batch(model, [1], [standard]) is None
+    finally:
+        fast.on = True
+    assert standard[0].offset == 3
+    assert cpu.decode_batch(model, [1], [standard]).shape == (1, TINY["vocab_size"])
+
+
+@pytest.mark.parametrize("model_type,extra,reason", [
+    ("gemma2", {"query_pre_attn_scalar": 32}, "model type 'gemma2'"),
+    ("qwen3", {}, "model type 'qwen3'"),
+    ("llama", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
+     "layer 1: sliding-window attention"),
+])
+def test_models_without_the_numpy_step_say_why(model_type, extra, reason):
+    model, stock = tiny(model_type, **extra)
+    fast = cpu.prepare(model, dequantize=False)
+    assert fast.step.startswith(reason), fast.step
+    assert fast.describe() == f"on for linear layers only: no numpy decoding step, {fast.step}"
+    assert cpu.decode_batch(model, [1], [make_cache(model, parse_kind("standard"))]) is None
+    tokens = mx.array([[(i * 37) % 500 + 3 for i in range(12)]])
+    assert mx.allclose(model(tokens), stock(tokens), atol=5e-5, rtol=5e-5).item()
+
+
+def test_kept_packed_weights_leave_the_step_out():
+    packed = load_model("demo@q4", keep_quantized=True)
+    assert "kept packed" in packed.fast_path.step
+    assert packed.fast_path_line().startswith("on for linear layers only")
+
+
+def test_rotated_caches_are_refused_where_attention_cannot_rotate():
+    model, _ = tiny("gemma2", query_pre_attn_scalar=32)
+    cpu.prepare(model, dequantize=False)
+    with pytest.raises(CacheKindError, match=r"'rotated:4' cannot apply to this model: "
+                                             r"layer 0's attention \(Attention\) does not rotate"):
+        make_cache(model, parse_kind("rotated:4"))
+
+
+def test_switched_off_a_model_keeps_rotated_caches_with_mlx_arithmetic(demo_model, monkeypatch):
+    monkeypatch.setenv(cpu.ENV, "0")
+    off = load_model("demo")
+    assert off.fast_path is None and off.fast_path_line() == f"off ({cpu.ENV}=0)"
+    tokens = demo_model.tokenizer.encode("Rotated keys, read back by mlx's own attention.")
+    got = {}
+    for lm in (off, demo_model):
+        cache = make_cache(lm.model, parse_kind("rotated:4"))
+        first = lm.model(mx.array(tokens[:-1])[None], cache=cache)
+        last = lm.model(mx.array(tokens[-1:])[None], cache=cache)
+        got[lm is off] = mx.concatenate([first, last], axis=1)
+    assert mx.allclose(got[True], got[False], atol=1e-4, rtol=1e-4).item()
+
+
+def test_doctor_names_the_model_and_its_fast_path(demo_model):
+    result = CliRunner().invoke(app, ["doctor", "--json", "--model", "demo"])
+    assert result.exit_code == 0, result.output
+    line = json.loads(result.output)["cpu_fastpath"]
+    if mx.default_device() == mx.cpu:
+        assert line == "demo: on (numpy decoding step, attention, SwiGLU and linear layers)"
+    else:
+        assert line == "demo: off (MLX runs on the GPU: its own kernels are used)"
+
+
+def test_an_unknown_rope_is_refused_by_name():
+    """A RoPE module the step does not know is named in the reason, not computed wrongly."""
+    class Unknown:
+        pass
+
+    assert decode.rope_form(Unknown()) == "its RoPE (Unknown) is not one the numpy step computes"
