@@ -81,9 +81,9 @@ def test_the_turn_renders_its_prompt_once(dropping_model, monkeypatch):
     rendered = []
     real = template.template_text
 
-    def counted(lm, messages, generation_prompt):
+    def counted(lm, messages, generation_prompt, *tools):
         rendered.append((len(messages), generation_prompt))
-        return real(lm, messages, generation_prompt)
+        return real(lm, messages, generation_prompt, *tools)
 
     monkeypatch.setattr(template, "template_text", counted)
     monkeypatch.setattr(session_module, "template_text", counted)
