@@ -29,12 +29,11 @@ import mlx.core as mx
 from .branch_ops import BranchOps
 from .branches import Branches
 from .checkpoints import Checkpoints
-from .decoding import Decoding, chain
 from .events import (
     Chunk,
     Event,
     GenerationSettings,
-    Prefill,  # noqa: F401  (re-exported: the events of send() come from here)
+    Prefill,
     SessionBusy,
     SessionError,
     TurnDone,
@@ -50,7 +49,9 @@ from .kinds import (
     parse_kind,
     trim_to,
 )
+from .generation import Left, Sequence, core_for
 from .maintenance import CacheMaintenance, common_prefix
+from .sampling import LogitsProcessor, Sampler, for_settings
 from .stats import TurnStats, memory
 from .template import encode, render, template_text
 from .text import ReplyText
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 
 
-class Session(CacheMaintenance, BranchOps, Decoding):
+class Session(CacheMaintenance, BranchOps):
     """One conversation with its own prompt cache (one cache object per model layer)."""
 
     def __init__(
@@ -238,43 +239,37 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         self._keep_turns(messages)
 
         max_new = max(1, min(self.settings.max_tokens, self.lm.context_length - len(prompt)))
-        sampler = self._sampler()
-        tokens: list[int] = []
+        sampler, processors = self._sampler()
+        seq = Sequence(
+            prompt=[] if zero_prefill else prompt[n:], cache=self.cache, ledger=self.ledger,
+            sampler=sampler, processors=processors, max_tokens=max_new, stop=self._stop,
+            eos=frozenset(() if self.settings.ignore_eos else self.lm.tokenizer.eos_token_ids),
+            prefill_step=max(1, self.settings.prefill_step), kind=self.kind.name,
+            logprobs=self._logits[1] if zero_prefill else None, on_prompt=self._prompt_done)
         text = ReplyText(self.lm.tokenizer)
         first_at = prompt_eval_s = None
-        stopped = False
-
+        prefill_started = time.perf_counter()
+        messages = core_for(self.lm).run(seq)
         try:
-            prefill_started = time.perf_counter()
-            if not zero_prefill:
-                for event in self._prefill(prompt[n:-1], total=evaluated):
-                    yield event
-                stopped = self._stop.is_set()
-                if not stopped:
-                    self._evaluate_last(prompt[-1])
-            first = [] if stopped else [self._first_token(sampler)]
-            steps = self._continue(first, max_new - len(first), sampler)
-            stream = chain(first, steps)
-
-            eos = () if self.settings.ignore_eos else self.lm.tokenizer.eos_token_ids
             try:
-                for token in stream:
-                    if first_at is None:
-                        first_at = time.perf_counter()
-                        prompt_eval_s = first_at - prefill_started
-                    tokens.append(token)
-                    if token in eos:
-                        break
-                    piece = text.add(token)
-                    if piece:
-                        yield Chunk(piece)
-                    if self._stop.is_set():
-                        stopped = True
-                        break
-                    if len(tokens) >= max_new:
-                        break
+                for message in messages:
+                    if isinstance(message, Prefill):
+                        yield message
+                    elif isinstance(message, Left):
+                        left = message
+                    else:
+                        if first_at is None:
+                            first_at = time.perf_counter()
+                            prompt_eval_s = first_at - prefill_started
+                        piece = "" if message in seq.eos else text.add(message)
+                        if piece:
+                            yield Chunk(piece)
             finally:
-                steps.close()
+                messages.close()  # a consumer gone: the sequence leaves before we go on
+            if left.error is not None:
+                raise left.error
+            stopped = left.stopped
+            tokens = seq.tokens
             piece = text.finish()
             if piece:
                 yield Chunk(piece)
@@ -285,8 +280,9 @@ class Session(CacheMaintenance, BranchOps, Decoding):
             self._finish(text.text, stopped=True)
             raise
         except KeyboardInterrupt:
-            # Ctrl-C may land inside a forward pass, so the cache is not trusted;
-            # the text said so far is kept, as stopped.
+            # The reply's sequence has left the core (its cache is whole), but the
+            # turn did not end as the user asked: the text said so far is kept, as
+            # stopped, and the cache is rebuilt next time to be safe.
             self._discard("the previous turn was interrupted")
             text.finish()
             self._finish(text.text, stopped=True)
@@ -319,6 +315,8 @@ class Session(CacheMaintenance, BranchOps, Decoding):
             rebuilt=rebuilt or self._pending_rebuild,
             reevaluated_reply_tokens=reevaluated,
             stopped=stopped,
+            not_batched=seq.not_batched,
+            batch_size=seq.batch_peak,
         )
         self._pending_rebuild = None
         self.turns.append(stats)
@@ -329,6 +327,17 @@ class Session(CacheMaintenance, BranchOps, Decoding):
 
     _pending_rebuild: str | None = None
     _recomputed = 0  # tokens a load-time rebuild put in the cache, not yet counted by a turn
+
+    def _sampler(self) -> tuple[Sampler, list[LogitsProcessor]]:
+        """This turn's sampler and logits processors (a sharded run makes every rank
+        take rank 0's token)."""
+        return for_settings(self.settings)
+
+    def _prompt_done(self, logprobs: mx.array) -> None:
+        """The core's call once the prompt is in the cache: keep a checkpoint there (for a
+        regenerate or an edit of this turn) and the log probabilities at its end."""
+        self.checkpoints.keep(self.cache, len(self.ledger))
+        self._logits = (len(self.ledger), logprobs)
 
     def _keep_turns(self, messages: list[dict]) -> None:
         """Keep one stats entry per reply in ``messages``: an undone or replaced
