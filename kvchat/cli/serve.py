@@ -53,6 +53,12 @@ def serve(
     max_queue: Annotated[
         int, typer.Option(help="Requests that may wait for the model; more get 429.", min=0)
     ] = 16,
+    decode_concurrency: Annotated[
+        int, typer.Option(help="Requests that reply at once, decoding in one batch.", min=1)
+    ] = 32,
+    prompt_concurrency: Annotated[
+        int, typer.Option(help="Of those, how many evaluate their prompts at once.", min=1)
+    ] = 8,
     max_body: Annotated[
         str, typer.Option(help="Largest request body, e.g. 8MiB; larger ones get 413.")
     ] = "8MiB",
@@ -85,7 +91,8 @@ def serve(
     except CacheKindError as exc:
         raise _fail(str(exc), 2) from None
     engine = Engine(lm, serve_pool(lm, config), kind=kind, max_tokens=config.max_tokens,
-                    temp=config.temp, max_queue=max_queue)
+                    temp=config.temp, max_queue=max_queue,
+                    decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency)
     typer.echo(f"kvchat: serving {lm.model_id} on http://{host}:{port}/v1", err=True)
     try:
         uvicorn.run(create_app(engine, api_key=api_key, max_body_bytes=body_limit),

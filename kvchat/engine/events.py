@@ -17,13 +17,15 @@ from .stats import TurnStats
 class GenerationSettings:
     """How replies are sampled. ``temp`` 0 is greedy, so runs are reproducible.
     ``ignore_eos`` generates ``max_tokens`` whatever the model says (benchmarks
-    measure fixed lengths)."""
+    measure fixed lengths). ``seed`` makes a sampled reply's draws its own, whoever
+    decodes beside it."""
 
     max_tokens: int = 512
     temp: float = 0.0
     top_p: float = 1.0
     prefill_step: int = 512
     ignore_eos: bool = False
+    seed: int | None = None  # draws of a sampled reply repeat for the same seed
 
 
 @dataclass(frozen=True)

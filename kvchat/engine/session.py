@@ -38,6 +38,7 @@ from .events import (
     SessionError,
     TurnDone,
 )
+from .generation import Left, Sequence, core_for
 from .kinds import (
     CacheKind,
     after_turn,
@@ -49,10 +50,9 @@ from .kinds import (
     parse_kind,
     trim_to,
 )
-from .generation import Left, Sequence, core_for
 from .maintenance import CacheMaintenance, common_prefix
 from .sampling import LogitsProcessor, Sampler, for_settings
-from .stats import TurnStats, memory
+from .stats import CacheFigures, TurnStats, memory
 from .template import encode, render, template_text
 from .text import ReplyText
 from .thoughts import reevaluated_reply
@@ -165,6 +165,15 @@ class Session(CacheMaintenance, BranchOps):
     def last_stats(self) -> TurnStats | None:
         return self.turns[-1] if self.turns else None
 
+    def figures(self) -> CacheFigures:
+        """What the views show of this session, as of now (call it between turns)."""
+        return CacheFigures(
+            cache_tokens=self.cache_tokens, cache_bytes=self.cache_bytes,
+            checkpoints=(len(self.checkpoints), self.checkpoints.nbytes),
+            user_turns=sum(1 for m in self.messages if m["role"] == "user"),
+            last=self.last_stats, prompt_eval_history=tuple(t.prompt_eval_s for t in self.turns),
+            pending_rebuild=self._pending_rebuild)
+
     def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         """Token ids of ``messages`` through the model's chat template."""
         return render(self.lm, messages, generation_prompt)
@@ -245,6 +254,7 @@ class Session(CacheMaintenance, BranchOps):
             sampler=sampler, processors=processors, max_tokens=max_new, stop=self._stop,
             eos=frozenset(() if self.settings.ignore_eos else self.lm.tokenizer.eos_token_ids),
             prefill_step=max(1, self.settings.prefill_step), kind=self.kind.name,
+            seed=self.settings.seed,
             logprobs=self._logits[1] if zero_prefill else None, on_prompt=self._prompt_done)
         text = ReplyText(self.lm.tokenizer)
         first_at = prompt_eval_s = None

@@ -51,6 +51,20 @@ class TurnStats:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+@dataclass(frozen=True)
+class CacheFigures:
+    """A session's figures at one moment, taken on the thread that runs its turns, so a
+    view can show them while the next turn runs without reading the live session."""
+
+    cache_tokens: int
+    cache_bytes: int
+    checkpoints: tuple[int, int]  # how many, their bytes
+    user_turns: int
+    last: TurnStats | None
+    prompt_eval_history: tuple[float, ...]
+    pending_rebuild: str | None
+
+
 STAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TurnStats))
 
 

@@ -1,12 +1,16 @@
-"""The server's model thread: requests queue on the engine's scheduler, run one at a time.
+"""The server's request threads: up to ``decode_concurrency`` requests reply at once.
 
-Generation is blocking MLX work, so it runs on one worker thread per model
-(MLX arrays belong to the thread that made them); the event loop only moves
-bytes. A request takes a :class:`~kvchat.engine.scheduler.Scheduler` ticket
-when it arrives, so the queue's length is known at once and a full queue is
-refused (429) before any work. Each job reports back to the event loop
-through an :class:`asyncio.Queue`: a :class:`Started`, the reply's text
-pieces, then a :class:`Finished` (or an :class:`~kvchat.serve.schema.ApiError`).
+Each request runs on a thread of its own; the event loop only moves bytes.
+Its replies decode together in the model's generation core
+(:mod:`kvchat.engine.generation`), one forward pass a step for all of them,
+and at most ``prompt_concurrency`` of them evaluate their prompts at a time.
+Choosing a request's session (which may load a cache from disk) and saving it
+afterwards must have the model to itself: those parts take a
+:class:`~kvchat.engine.scheduler.Scheduler` ticket. Requests beyond the
+running ones wait; more than ``max_queue`` waiting are refused (429) before
+any work. Each job reports back to the event loop through an
+:class:`asyncio.Queue`: a :class:`Started`, the reply's text pieces, then a
+:class:`Finished` (or an :class:`~kvchat.serve.schema.ApiError`).
 """
 
 from __future__ import annotations
@@ -21,11 +25,9 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-
 from kvchat import store
-from kvchat.engine.events import Chunk, SessionError, TurnDone
-from kvchat.engine.scheduler import Cancelled, Scheduler, Ticket
+from kvchat.engine.events import Chunk, Prefill, SessionError, TurnDone
+from kvchat.engine.scheduler import Scheduler
 
 from .matching import Match, Matcher
 from .schema import ApiError, ChatRequest
@@ -59,7 +61,7 @@ class Job:
 
     request: ChatRequest
     name: str | None
-    ticket: Ticket
+    owner: str
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -70,44 +72,71 @@ class Job:
 
 
 class Engine:
-    """One loaded model behind the HTTP API: its pool, scheduler, matcher and thread.
+    """One loaded model behind the HTTP API: its pool, scheduler, matcher and threads.
 
-    ``max_queue`` requests may wait behind the running one; more are refused.
+    ``decode_concurrency`` requests reply at once (``prompt_concurrency`` of them
+    evaluating their prompts); ``max_queue`` more may wait; more are refused.
     """
 
     def __init__(self, lm: LoadedModel, pool: SessionPool, *, kind: str = "standard",
                  max_tokens: int = 512, temp: float = 0.0, max_queue: int = 16,
-                 scheduler: Scheduler | None = None):
+                 scheduler: Scheduler | None = None, decode_concurrency: int = 32,
+                 prompt_concurrency: int = 8):
         self.lm, self.pool = lm, pool
         self.scheduler = scheduler or Scheduler()
         self.matcher = Matcher(pool, lm, kind)
         self.max_tokens, self.temp, self.max_queue = max_tokens, temp, max_queue
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvchat-model")
+        self.decode_concurrency = max(1, decode_concurrency)
+        self._thread = ThreadPoolExecutor(max_workers=self.decode_concurrency,
+                                          thread_name_prefix="kvchat-request")
+        self._prompts = threading.BoundedSemaphore(max(1, prompt_concurrency))
         self._owners = count(1)
         self._durations: deque[float] = deque(maxlen=20)
+        self._state = threading.Condition()
+        self._waiting = 0  # submitted, not replying yet
+        self._active = 0  # submitted, not finished
+        self._in_use: set[int] = set()  # ids of the sessions a running request holds
+
+    @property
+    def waiting(self) -> int:
+        """Requests that have not started replying yet."""
+        with self._state:
+            return self._waiting
+
+    @property
+    def active(self) -> int:
+        """Requests submitted and not finished (waiting or replying)."""
+        with self._state:
+            return self._active
+
+    def _started(self) -> None:
+        with self._state:
+            self._waiting -= 1
 
     def submit(self, request: ChatRequest, name: str | None) -> Job:
         """Queue ``request`` (call from the event loop); raise 429 when the queue is full."""
-        if len(self.scheduler.waiting()) >= self.max_queue:
-            raise ApiError(429, "The server is busy: too many requests are waiting; retry later.",
-                           type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(self.retry_after())})
-        ticket = self.scheduler.request(f"http-{next(self._owners)}")
-        job = Job(request, name, ticket, asyncio.get_running_loop())
+        with self._state:
+            if self._waiting >= self.max_queue:
+                raise ApiError(429, "The server is busy: too many requests are waiting; "
+                               "retry later.", type="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(self.retry_after())})
+            self._waiting += 1
+            self._active += 1
+        job = Job(request, name, f"http-{next(self._owners)}", asyncio.get_running_loop())
         self._thread.submit(self._run, job)
         return job
 
     def cancel(self, job: Job) -> None:
         """The client went away: withdraw the job, or stop its reply after the current token."""
         job.cancelled.set()
-        self.scheduler.cancel(job.ticket.owner)
+        self.scheduler.cancel(job.owner)
         if job.session is not None:
             job.session.stop()
 
     def retry_after(self) -> int:
         """Seconds until the queue has probably moved on (recent turns' mean × its length)."""
         mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
-        return max(1, math.ceil(mean * (len(self.scheduler.waiting()) + 1)))
+        return max(1, math.ceil(mean * (self._waiting // self.decode_concurrency + 1)))
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
@@ -128,31 +157,58 @@ class Engine:
     # --------------------------------------------------------- the model thread
 
     def _run(self, job: Job) -> None:
-        try:
-            self.scheduler.wait(job.ticket)
-        except Cancelled:
-            return
         started = time.perf_counter()
         try:
-            if not job.cancelled.is_set():
-                self.pool.expire()
-                job.emit(self._turn(job))
+            if job.cancelled.is_set():
+                self._started()
+                return
+            job.emit(self._turn(job))
         except ApiError as exc:
             job.emit(exc)
         except Exception as exc:  # the session stays consistent; the client hears why
             job.emit(ApiError(500, f"The turn failed: {type(exc).__name__}: {exc}",
                               type="server_error"))
         finally:
-            self.scheduler.done(job.ticket)
             self._durations.append(time.perf_counter() - started)
+            with self._state:
+                self._active -= 1
+
+    def _choose(self, job: Job) -> Match:
+        """The request's session, once no other running request holds it (choosing may
+        load a cache from disk: it has the model to itself)."""
+        req = job.request
+        while True:
+            with self.scheduler.turn(job.owner):
+                self.pool.expire()
+                try:
+                    match = self.matcher.choose(req.history(), req.last_user_text(), job.name)
+                except store.StoreError as exc:
+                    raise ApiError(500, str(exc), type="server_error") from None
+                with self._state:
+                    if id(match.session) not in self._in_use:
+                        self._in_use.add(id(match.session))
+                        return match
+                    if match.previous is not None:  # put back what choosing changed
+                        match.session.messages = match.previous
+            held = id(match.session)
+            with self._state:  # its turn ends, then it is chosen again
+                self._state.wait_for(lambda held=held: held not in self._in_use)
 
     def _turn(self, job: Job) -> Finished:
+        try:
+            match = self._choose(job)
+        finally:
+            self._started()
+        try:
+            return self._reply(job, match)
+        finally:
+            with self._state:
+                self._in_use.discard(id(match.session))
+                self._state.notify_all()
+
+    def _reply(self, job: Job, match: Match) -> Finished:
         req = job.request
         text = req.last_user_text()
-        try:
-            match = self.matcher.choose(req.history(), text, job.name)
-        except store.StoreError as exc:
-            raise ApiError(500, str(exc), type="server_error") from None
         session = match.session
         kept_settings = session.settings
         session.settings = replace(
@@ -160,6 +216,7 @@ class Engine:
             max_tokens=req.token_limit() or self.max_tokens,
             temp=self.temp if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
+            seed=None if req.seed is None else req.seed % (1 << 64),
         )
         try:
             events = session.send(text)
@@ -171,8 +228,6 @@ class Engine:
                 self.pool.drop(match.name)
             code = "context_length_exceeded" if "context" in str(exc) else None
             raise ApiError(400, str(exc), param="messages", code=code) from None
-        if req.seed is not None:
-            mx.random.seed(req.seed % (1 << 64))
         job.session = session
         job.emit(Started(match))
         try:
@@ -180,38 +235,48 @@ class Engine:
         finally:
             job.session = None
             session.settings = kept_settings
-        if hit_stop:  # the transcript keeps what the client got, and the cache follows it
-            session.messages[-1] = {"role": "assistant", "content": reply}
-            session.sync()
-        saved, notice = True, match.notice
-        try:
-            self.pool.save(match.name)
-        except store.StoreError as exc:
-            saved, notice = False, str(exc)
-        self.pool.enforce_budget()
+        with self.scheduler.turn(job.owner):
+            if hit_stop:  # the transcript keeps what the client got, and the cache follows
+                session.messages[-1] = {"role": "assistant", "content": reply}
+                session.sync()
+            saved, notice = True, match.notice
+            try:
+                self.pool.save(match.name)
+            except store.StoreError as exc:
+                saved, notice = False, str(exc)
+            self.pool.enforce_budget()
         return self._finished(match, done, reply, hit_stop, saved, notice)
 
     def _stream(self, job: Job, session: Session, events, stops: list[str]):
         """Forward the reply's text to the client, holding back what could begin a stop
-        string; stop the turn when one appears or the client leaves."""
+        string; stop the turn when one appears or the client leaves. At most
+        ``prompt_concurrency`` requests are evaluating their prompts at a time."""
         hold = max((len(s) for s in stops), default=1) - 1
         reply, sent, hit_stop, done = "", 0, False, None
-        for event in events:
-            if isinstance(event, Chunk) and not hit_stop:
-                reply += event.text
-                cut = min((i for i in (reply.find(s, max(0, sent - hold)) for s in stops)
-                           if i >= 0), default=-1)
-                if cut >= 0:
-                    reply, hit_stop = reply[:cut], True
+        prompting = self._prompts.acquire()
+        try:
+            for event in events:
+                if prompting and not isinstance(event, Prefill):
+                    self._prompts.release()
+                    prompting = False
+                if isinstance(event, Chunk) and not hit_stop:
+                    reply += event.text
+                    cut = min((i for i in (reply.find(s, max(0, sent - hold)) for s in stops)
+                               if i >= 0), default=-1)
+                    if cut >= 0:
+                        reply, hit_stop = reply[:cut], True
+                        session.stop()
+                    upto = len(reply) if hit_stop else max(sent, len(reply) - hold)
+                    if upto > sent:
+                        job.emit(reply[sent:upto])
+                        sent = upto
+                elif isinstance(event, TurnDone):
+                    done = event
+                if job.cancelled.is_set():
                     session.stop()
-                upto = len(reply) if hit_stop else max(sent, len(reply) - hold)
-                if upto > sent:
-                    job.emit(reply[sent:upto])
-                    sent = upto
-            elif isinstance(event, TurnDone):
-                done = event
-            if job.cancelled.is_set():
-                session.stop()
+        finally:
+            if prompting:
+                self._prompts.release()
         if sent < len(reply) and not job.cancelled.is_set():
             job.emit(reply[sent:])
         return done, reply, hit_stop

@@ -203,10 +203,12 @@ class GenerationCore:
         for seq, _ in rows:
             seq.batch_peak = max(seq.batch_peak, len(rows) if separate_batches() else
                                  len(self._merged.seqs) if seq in self._merged_seqs() else 1)
-        sampled = [s.sample(row) for s, row in rows]
         caches: list[Any] = [c.state for s in self._alone for c in s.cache]
         if self._merged:
             caches += [c.state for c in self._merged.cache]
+        if not self.threaded:  # a sharded model: its collectives first, then the sampler's
+            mx.eval([row for _, row in rows], caches)
+        sampled = [s.sample(row) for s, row in rows]
         mx.eval(sampled, caches)
         ended = []
         for (seq, _), token in zip(rows, sampled):
@@ -239,9 +241,9 @@ class GenerationCore:
         caches that batch."""
         for seq in ready:
             self._remove_joining(seq)
-        batching = not separate_batches()
-        for seq in ready:
-            seq.not_batched = blocker(self.model, seq.cache, seq.kind)
+        batching = self.threaded and not separate_batches()
+        for seq in ready:  # a sharded model's sequences run one at a time, on every rank
+            seq.not_batched = blocker(self.model, seq.cache, seq.kind) if self.threaded else None
         mergeable = [s for s in [*self._alone, *ready] if batching and s.not_batched is None]
         self._alone += [s for s in ready if s not in mergeable]
         if self._merged:

@@ -56,6 +56,7 @@ class Sequence:
     logprobs: mx.array | None = None
     on_prompt: Callable[[mx.array], None] | None = None
     tokens: list[int] = field(default_factory=list)  # sampled so far
+    seed: int | None = None  # its draws are its own: the key of draw n comes from (seed, n)
     kind: str = "standard"  # the cache kind's name, said when it cannot batch
     not_batched: str | None = None  # why its cache decodes alone, if it does
     messages: queue.Queue = field(default_factory=queue.Queue)  # Prefill | int | Left
@@ -83,6 +84,8 @@ class Sequence:
 
     def sample(self, logits: mx.array) -> mx.array:
         """This sequence's next token from its row of logits ``(1, vocab)`` (lazy)."""
+        if self.seed is not None:  # mlx's sampler draws from the process's key
+            mx.random.seed((self.seed * 1_000_003 + len(self.tokens)) % (1 << 64))
         if self.processors:
             so_far = mx.array(self.ledger)  # everything fed so far, this prompt included
             for processor in self.processors:

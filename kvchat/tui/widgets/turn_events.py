@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from textual.message import Message
 
 from kvchat.engine.session import TurnDone
+from kvchat.engine.stats import CacheFigures
 
 if TYPE_CHECKING:
     from .chat import Conversation
@@ -25,7 +26,11 @@ class Waiting(TurnEvent):
 
 
 class Started(TurnEvent):
-    pass
+    """The turn goes to the model; ``figures`` are its session's just before."""
+
+    def __init__(self, figures: CacheFigures | None = None) -> None:
+        super().__init__()
+        self.figures = figures
 
 
 class PrefillProgress(TurnEvent):
