@@ -97,11 +97,13 @@ class Merged:
     def __init__(self, seqs: list[Sequence]):
         self.seqs = list(seqs)
         self.cache = [_merge([s.cache[i] for s in seqs]) for i in range(len(seqs[0].cache))]
+        _lend(self.cache, seqs)
 
     def join(self, seqs: list[Sequence]) -> None:
         """Add ``seqs`` (their own caches hold their prompts) at the end of the batch."""
         for i, layer in enumerate(self.cache):
             layer.extend(_merge([s.cache[i] for s in seqs]))
+        _lend(self.cache, seqs)
         self.seqs.extend(seqs)
 
     def step(self, model: nn.Module) -> mx.array:
@@ -137,6 +139,18 @@ class Merged:
 
 def _merge(layers: list[Any]) -> Any:
     return (ArraysCache.merge if isinstance(layers[0], ArraysCache) else BatchKVCache.merge)(layers)
+
+
+def _lend(batch: list[Any], seqs: list[Sequence]) -> None:
+    """The batch holds the sequences' keys and values now: let go of their own copies
+    (they come back at :func:`_give_back`), so a batch does not hold every cache twice."""
+    mx.eval([c.state for c in batch])
+    for seq in seqs:
+        for mine in seq.cache:
+            if isinstance(mine, ArraysCache):
+                mine.cache = [None] * len(mine.cache)
+            else:
+                mine.keys = mine.values = None
 
 
 def _give_back(batch: list[Any], row: int, own: list[Any]) -> None:
