@@ -63,6 +63,16 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 
 
+def _last_left(seq: Sequence) -> Left:
+    """The :class:`Left` a sequence's reader stopped reading before."""
+    left = Left(stopped=True)
+    while not seq.messages.empty():
+        message = seq.messages.get()
+        if isinstance(message, Left):
+            left = message
+    return left
+
+
 class Session(CacheMaintenance, BranchOps):
     """One conversation with its own prompt cache (one cache object per model layer)."""
 
@@ -260,6 +270,8 @@ class Session(CacheMaintenance, BranchOps):
         first_at = prompt_eval_s = None
         prefill_started = time.perf_counter()
         messages = core_for(self.lm).run(seq)
+        tokens: list[int] = []  # as this consumer read them
+        left, stopped = None, False
         try:
             try:
                 for message in messages:
@@ -271,15 +283,24 @@ class Session(CacheMaintenance, BranchOps):
                         if first_at is None:
                             first_at = time.perf_counter()
                             prompt_eval_s = first_at - prefill_started
-                        piece = "" if message in seq.eos else text.add(message)
+                        tokens.append(message)
+                        if message in seq.eos:
+                            continue
+                        piece = text.add(message)
                         if piece:
                             yield Chunk(piece)
+                        # The core may be tokens ahead of this reader: a stop ends the reply
+                        # at the token read; the cache may hold a few more (the ledger says
+                        # so, and the next turn's prefix match trims them).
+                        if self._stop.is_set():
+                            stopped = True
+                            break
             finally:
                 messages.close()  # a consumer gone: the sequence leaves before we go on
+            left = left or _last_left(seq)
             if left.error is not None:
                 raise left.error
-            stopped = left.stopped
-            tokens = seq.tokens
+            stopped = stopped or left.stopped
             piece = text.finish()
             if piece:
                 yield Chunk(piece)
