@@ -87,8 +87,11 @@ class GenerationCore:
                 seq.left.wait()
 
     def _inline(self, seq: Sequence) -> Iterator[Prefill | int | Left]:
-        """The loop on the caller's thread for ``seq`` alone."""
-        self._joining.append(seq)
+        """The loop on the caller's thread, which holds the device gate (a sharded model's
+        core, or a caller that has the model to itself): it steps every sequence of
+        this core until ``seq`` leaves."""
+        with self._cond:
+            self._joining.append(seq)
         try:
             while not seq.left.is_set():
                 with GATE.step():
