@@ -152,6 +152,12 @@ class Session(CacheMaintenance, BranchOps):
         return None
 
     @property
+    def answering(self) -> bool:
+        """Whether a turn of this session is running (its cache and ledger are the
+        turn's until it ends: views read :meth:`figures` taken before)."""
+        return self._busy.locked()
+
+    @property
     def cache_tokens(self) -> int:
         """Tokens whose keys and values the cache holds now."""
         return held_tokens(self.cache, len(self.ledger))

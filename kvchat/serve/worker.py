@@ -84,7 +84,7 @@ class Engine:
                  prompt_concurrency: int = 8):
         self.lm, self.pool = lm, pool
         self.scheduler = scheduler or Scheduler()
-        self.matcher = Matcher(pool, lm, kind)
+        self.matcher = Matcher(pool, lm, kind, busy=self._held)
         self.max_tokens, self.temp, self.max_queue = max_tokens, temp, max_queue
         self.decode_concurrency = max(1, decode_concurrency)
         self._thread = ThreadPoolExecutor(max_workers=self.decode_concurrency,
@@ -95,7 +95,7 @@ class Engine:
         self._state = threading.Condition()
         self._waiting = 0  # submitted, not replying yet
         self._active = 0  # submitted, not finished
-        self._in_use: set[int] = set()  # ids of the sessions a running request holds
+        self._in_use: set[str] = set()  # names of the sessions running requests hold
 
     @property
     def waiting(self) -> int:
@@ -173,26 +173,30 @@ class Engine:
             with self._state:
                 self._active -= 1
 
+    def _held(self, name: str) -> bool:
+        with self._state:
+            return name in self._in_use
+
     def _choose(self, job: Job) -> Match:
-        """The request's session, once no other running request holds it (choosing may
-        load a cache from disk: it has the model to itself)."""
+        """The request's session, held for it until its turn ends (choosing may load a
+        cache from disk: it has the model to itself). A named session another request
+        holds is waited for; the matcher passes over the others' sessions."""
         req = job.request
         while True:
+            if job.name is not None:
+                with self._state:
+                    self._state.wait_for(lambda: job.name not in self._in_use)
             with self.scheduler.turn(job.owner):
+                if job.name is not None and self._held(job.name):
+                    continue  # another request took it first: wait for it again
                 self.pool.expire()
                 try:
                     match = self.matcher.choose(req.history(), req.last_user_text(), job.name)
                 except store.StoreError as exc:
                     raise ApiError(500, str(exc), type="server_error") from None
                 with self._state:
-                    if id(match.session) not in self._in_use:
-                        self._in_use.add(id(match.session))
-                        return match
-                    if match.previous is not None:  # put back what choosing changed
-                        match.session.messages = match.previous
-            held = id(match.session)
-            with self._state:  # its turn ends, then it is chosen again
-                self._state.wait_for(lambda held=held: held not in self._in_use)
+                    self._in_use.add(match.name)
+                return match
 
     def _turn(self, job: Job) -> Finished:
         try:
@@ -203,7 +207,7 @@ class Engine:
             return self._reply(job, match)
         finally:
             with self._state:
-                self._in_use.discard(id(match.session))
+                self._in_use.discard(match.name)
                 self._state.notify_all()
 
     def _reply(self, job: Job, match: Match) -> Finished:

@@ -53,13 +53,6 @@ class GenerationCore:
     def model(self) -> nn.Module | None:
         return self._model()
 
-    @property
-    def active(self) -> int:
-        """How many sequences are in the core now (joining or decoding)."""
-        with self._cond:
-            merged = len(self._merged.seqs) if self._merged else 0
-            return len(self._joining) + len(self._alone) + merged
-
     # ---------------------------------------------------------------- actions
 
     def run(self, seq: Sequence) -> Iterator[Prefill | int | Left]:
