@@ -290,10 +290,11 @@ class SessionPool:
     def offload(self, name: str) -> bool:
         """Save ``name`` if it changed, then drop its cache from memory (the transcript stays).
 
-        Returns False when it was not in memory.
+        Returns False when it was not in memory, or is answering (its cache belongs to
+        the running turn until it ends).
         """
         entry = self.entry(name)
-        if not entry.in_memory:
+        if not entry.in_memory or entry.session.answering:
             return False
         self._write(name)
         session = entry.session

@@ -61,9 +61,9 @@ class Server:
         return self.engine.pool
 
     def wait_idle(self, timeout: float = 30) -> None:
-        """Until the model thread has nothing running or queued."""
+        """Until no request is running or queued."""
         deadline = time.monotonic() + timeout
-        while self.engine.scheduler.running or self.engine.scheduler.waiting():
+        while self.engine.active:
             assert time.monotonic() < deadline, "server stayed busy"
             time.sleep(0.02)
 

@@ -123,7 +123,7 @@ def test_a_full_queue_answers_429_with_retry_after(demo_model, home):
             waiter = threading.Thread(target=lambda: results.append(
                 chat(server.client, [{"role": "user", "content": "queued"}], max_tokens=2)))
             waiter.start()
-            while len(scheduler.waiting()) < 1:
+            while server.engine.waiting < 1:
                 waiter.join(0.02)
             status, headers, reply = server.raw("/v1/chat/completions", json.dumps(GOOD).encode())
             assert_openai_error(status, reply, 429)

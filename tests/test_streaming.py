@@ -112,8 +112,11 @@ def test_stop_during_prefill_reports_what_reached_the_cache(demo_model):
             done = event
     stats = done.stats
     assert stats.stopped and stats.generated_tokens == 0 and stats.ttft_s == 0.0
-    assert stats.evaluated_tokens == len(session.ledger) == 32 < stats.prompt_tokens
-    assert stats.cache_tokens == 32
+    # The core prefills on its own thread, so the stop lands a chunk or more after the
+    # event that asked for it; what reached the cache is whole chunks, and said exactly.
+    held = len(session.ledger)
+    assert stats.evaluated_tokens == held == stats.cache_tokens
+    assert 32 <= held < stats.prompt_tokens - 1 and held % 16 == 0
 
 
 def test_undo_and_trim_take_their_turns_stats_along(demo_model):

@@ -9,6 +9,7 @@ import platform
 import random
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
@@ -235,9 +236,11 @@ def profile_cached_turn(session: Session, text: str) -> dict[str, float]:
     last one and sample the first reply token. Leaves the session as it found it.
     """
     import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
 
+    from kvchat.engine.events import GenerationSettings
+    from kvchat.engine.generation import Sequence, core_for
     from kvchat.engine.kinds import trim_to
+    from kvchat.engine.sampling import for_settings
     from kvchat.engine.session import common_prefix
 
     history = list(session.messages)
@@ -254,8 +257,11 @@ def profile_cached_turn(session: Session, text: str) -> dict[str, float]:
     for _ in session._prefill(prompt[n:-1], total=len(prompt) - n):
         pass
     t4 = time.perf_counter()
-    session._evaluate_last(prompt[-1])
-    session._first_token(make_sampler(temp=0.0))
+    sampler, processors = for_settings(GenerationSettings(temp=0.0))
+    last = Sequence(prompt=prompt[-1:], cache=session.cache, ledger=session.ledger,
+                    sampler=sampler, processors=processors, max_tokens=1, stop=threading.Event())
+    for _ in core_for(session.lm).run(last):
+        pass
     t5 = time.perf_counter()
     mx.eval([c.state for c in session.cache])
     # the ledger says what the cache holds now; put the session back

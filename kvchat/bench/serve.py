@@ -10,6 +10,8 @@ Two runs, each against real servers in their own processes on loopback:
 - ``load``: C clients × T turns at once against one ``kvchat serve``; every
   turn must come back, and every saved session must equal its client's
   conversation with a cache that loads whole.
+- ``concurrency``: 1, 2, 4 and 8 conversations at once against each server
+  (:mod:`kvchat.bench.concurrency`).
 
 The client is the standard library (the ``openai`` package is a dev extra).
 """
@@ -185,15 +187,20 @@ def load(model: str, clients: int, turns: int, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvchat.bench.serve")
-    parser.add_argument("what", choices=["ttft", "load"])
+    parser.add_argument("what", choices=["ttft", "load", "concurrency"])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--history", type=int, default=2000, help="turn 1's tokens (ttft)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=64, help="per reply (concurrency)")
     args = parser.parse_args(argv)
     with temp_home() as home:
         if args.what == "ttft":
             result = ttft(args.model, args.history, home)
+        elif args.what == "concurrency":
+            from .concurrency import concurrency
+
+            result = concurrency(args.model, home, max_tokens=args.max_tokens)
         else:
             result = load(args.model, args.clients, args.turns, home)
     print(json.dumps(result, indent=2))

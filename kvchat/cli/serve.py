@@ -53,6 +53,12 @@ def serve(
     max_queue: Annotated[
         int, typer.Option(help="Requests that may wait for the model; more get 429.", min=0)
     ] = 16,
+    decode_concurrency: Annotated[
+        int, typer.Option(help="Requests that reply at once, decoding in one batch.", min=1)
+    ] = 32,
+    prompt_concurrency: Annotated[
+        int, typer.Option(help="Of those, how many evaluate their prompts at once.", min=1)
+    ] = 8,
     max_body: Annotated[
         str, typer.Option(help="Largest request body, e.g. 8MiB; larger ones get 413.")
     ] = "8MiB",
@@ -90,7 +96,8 @@ def serve(
     except CacheKindError as exc:
         raise _fail(str(exc), 2) from None
     engine = Engine(lm, serve_pool(lm, config), kind=kind, settings=generation_of(config),
-                    max_queue=max_queue, keep_anonymous=keep_anonymous)
+                    max_queue=max_queue, keep_anonymous=keep_anonymous,
+                    decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency)
     typer.echo(f"kvchat: serving {lm.model_id} on http://{host}:{port}/v1", err=True)
     try:
         uvicorn.run(create_app(engine, api_key=api_key, max_body_bytes=body_limit),

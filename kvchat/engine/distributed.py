@@ -174,13 +174,13 @@ def _bind(session: Session, link: Link) -> Session:
     own = session._sampler
 
     def sampler():
-        sample = own()
+        sample, processors = own()
 
         def shared(logprobs: mx.array) -> mx.array:
             token = sample(logprobs)
             mine = token if link.rank == 0 else mx.zeros_like(token)
             return mx.distributed.all_sum(mine, group=link.group, stream=mx.cpu)
-        return shared
+        return shared, processors
 
     session._sampler = sampler
     return session

@@ -17,9 +17,9 @@ from .stats import TurnStats
 class GenerationSettings:
     """How replies are sampled (``kvchat/engine/sampling.py`` turns these into mlx-lm's
     sampler and logits processors; ranges and help are in ``kvchat/settings.py``).
-    ``temp`` 0 is greedy, so runs are reproducible; a ``seed`` makes a sampled reply
-    reproducible. ``ignore_eos`` generates ``max_tokens`` whatever the model says
-    (benchmarks measure fixed lengths)."""
+    ``temp`` 0 is greedy, so runs are reproducible; a ``seed`` makes a sampled reply's
+    draws its own and reproducible, whoever decodes beside it. ``ignore_eos`` generates
+    ``max_tokens`` whatever the model says (benchmarks measure fixed lengths)."""
 
     max_tokens: int = 512
     temp: float = 0.0

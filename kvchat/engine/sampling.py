@@ -11,12 +11,13 @@ keeps every token.
 
 A logits processor takes ``(tokens, logits)``, ``tokens`` being the sequence
 so far (prompt and reply); the penalties look at its last
-``repetition_context_size`` tokens. :func:`process` applies a list of them.
+``repetition_context_size`` tokens. The generation core applies each
+sequence's own sampler and processors to its own row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -27,7 +28,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from .events import GenerationSettings
+from .events import GenerationSettings, TokenLogprobs
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -71,28 +72,12 @@ def _processors(s: GenerationSettings) -> list[LogitsProcessor]:
     )
 
 
-def process(processors: Sequence[LogitsProcessor], tokens: Sequence[int] | mx.array,
-            logits: mx.array) -> mx.array:
-    """``logits`` (one row per sequence) after every processor, ``tokens`` the sequence
-    so far (only its last ``context`` tokens matter)."""
-    if not processors:
-        return logits
-    ids = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.uint32)
-    for processor in processors:
-        logits = processor(ids, logits)
-    return logits
-
-
-def after(history: Sequence[int], processors: Sequence[LogitsProcessor],
-          context: int) -> list[LogitsProcessor]:
-    """``processors`` for a generator that only knows the tokens it was fed since
-    ``history``: each sees the last ``context`` tokens of ``history`` before them."""
-    if not processors:
-        return []
-    before = mx.array(list(history[-context:]) if context else [], dtype=mx.uint32)
-
-    def joined(processor: LogitsProcessor) -> LogitsProcessor:
-        return lambda tokens, logits: processor(
-            mx.concatenate([before, tokens.astype(mx.uint32)]), logits)
-
-    return [joined(p) for p in processors]
+def token_logprobs(token: int, logprobs: mx.array, top: int) -> TokenLogprobs:
+    """The event reporting ``token``'s log probability and the ``top`` likeliest tokens'
+    (most likely first) from the vector it was sampled from."""
+    vector = logprobs.reshape(-1).astype(mx.float32)
+    alternatives: list[tuple[int, float]] = []
+    if top > 0:
+        ids = mx.argpartition(-vector, top - 1)[:top]
+        alternatives = sorted(zip(ids.tolist(), vector[ids].tolist()), key=lambda p: -p[1])
+    return TokenLogprobs(token, float(vector[token].item()), tuple(alternatives))

@@ -1,14 +1,14 @@
-"""Which session uses the model next: the one place that decides.
+"""Work that must have the model to itself, first come, first served.
 
-One reply (or one prefill: a rebuild, a trim, a kind switch; or a model load)
-runs at a time, whichever model each tab uses: two forward passes at once would
-share one device and the memory budget, and mlx's CPU fast path is process-wide. A caller asks for a turn with
-:meth:`Scheduler.turn`; requests are served first come, first served. The
-scheduler knows nothing about terminals: the TUI's worker threads call it
+Replies do not come here: they run together in their model's generation core
+(:mod:`kvchat.engine.generation`). What must run alone does: a model load or
+unload, a session's rebuild, trim or kind switch, a save, the pool's offloads.
+A caller asks with :meth:`Scheduler.turn`; while its ticket runs it holds the
+device gate (:data:`~kvchat.engine.generation.GATE`) exclusively, so the
+cores pause between two steps and resume after. A reply started while the
+gate is held by the same thread (a sharded run's, a test's) runs there, alone.
+The scheduler knows nothing about terminals: the TUI's worker threads call it
 and show "waiting" while :meth:`Scheduler.position` says they are queued.
-
-Later, tabs that generate at the same time could be batched; that change
-belongs here, behind the same calls.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
+
+from .generation import GATE
 
 
 class Cancelled(Exception):
@@ -32,10 +34,11 @@ class Ticket:
     owner: str
     number: int
     cancelled: threading.Event = field(default_factory=threading.Event)
+    holds_gate: bool = False
 
 
 class Scheduler:
-    """A FIFO lock: one ticket runs, the others wait in the order they came."""
+    """A FIFO lock over the device gate: one ticket runs, the others wait in order."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -89,9 +92,15 @@ class Scheduler:
             if not ok:
                 self._remove(ticket)
                 raise TimeoutError(f"{ticket.owner} waited {timeout} s for the model")
+        if not ticket.holds_gate:
+            GATE.acquire()  # the cores finish their current step first
+            ticket.holds_gate = True
 
     def done(self, ticket: Ticket) -> None:
         """Give the model back (or leave the queue); the next request runs."""
+        if ticket.holds_gate:
+            ticket.holds_gate = False
+            GATE.release()
         with self._cond:
             self._remove(ticket)
 

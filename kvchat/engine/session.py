@@ -29,16 +29,16 @@ import mlx.core as mx
 from .branch_ops import BranchOps
 from .branches import Branches
 from .checkpoints import Checkpoints
-from .decoding import Decoding, chain, token_logprobs
 from .events import (
     Chunk,
     Event,
     GenerationSettings,
-    Prefill,  # noqa: F401  (re-exported: the events of send() come from here)
+    Prefill,
     SessionBusy,
     SessionError,
     TurnDone,
 )
+from .generation import Left, Sequence, core_for
 from .kinds import (
     CacheKind,
     after_turn,
@@ -51,7 +51,8 @@ from .kinds import (
     trim_to,
 )
 from .maintenance import CacheMaintenance, common_prefix
-from .stats import TurnStats, memory
+from .sampling import LogitsProcessor, Sampler, for_settings, token_logprobs
+from .stats import CacheFigures, TurnStats, memory
 from .template import encode, encode_plain, render, template_text
 from .text import ReplyText
 from .thoughts import reevaluated_reply
@@ -62,7 +63,17 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 
 
-class Session(CacheMaintenance, BranchOps, Decoding):
+def _last_left(seq: Sequence) -> Left:
+    """The :class:`Left` a sequence's reader stopped reading before."""
+    left = Left(stopped=True)
+    while not seq.messages.empty():
+        message = seq.messages.get()
+        if isinstance(message, Left):
+            left = message
+    return left
+
+
+class Session(CacheMaintenance, BranchOps):
     """One conversation with its own prompt cache (one cache object per model layer)."""
 
     def __init__(
@@ -151,6 +162,12 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         return None
 
     @property
+    def answering(self) -> bool:
+        """Whether a turn of this session is running (its cache and ledger are the
+        turn's until it ends: views read :meth:`figures` taken before)."""
+        return self._busy.locked()
+
+    @property
     def cache_tokens(self) -> int:
         """Tokens whose keys and values the cache holds now."""
         return held_tokens(self.cache, len(self.ledger))
@@ -173,6 +190,15 @@ class Session(CacheMaintenance, BranchOps, Decoding):
     @property
     def last_stats(self) -> TurnStats | None:
         return self.turns[-1] if self.turns else None
+
+    def figures(self) -> CacheFigures:
+        """What the views show of this session, as of now (call it between turns)."""
+        return CacheFigures(
+            cache_tokens=self.cache_tokens, cache_bytes=self.cache_bytes,
+            checkpoints=(len(self.checkpoints), self.checkpoints.nbytes),
+            user_turns=sum(1 for m in self.messages if m["role"] == "user"),
+            last=self.last_stats, prompt_eval_history=tuple(t.prompt_eval_s for t in self.turns),
+            pending_rebuild=self._pending_rebuild)
 
     def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
@@ -273,48 +299,56 @@ class Session(CacheMaintenance, BranchOps, Decoding):
         self._keep_turns(messages)
 
         max_new = max(1, min(self.settings.max_tokens, self.lm.context_length - len(prompt)))
-        sampler, processors = self._sampler(), self._processors()
-        tokens: list[int] = []
+        sampler, processors = self._sampler()
+        seq = Sequence(
+            prompt=[] if zero_prefill else prompt[n:], cache=self.cache, ledger=self.ledger,
+            sampler=sampler, processors=processors, max_tokens=max_new, stop=self._stop,
+            eos=frozenset(() if self.settings.ignore_eos else self.lm.tokenizer.eos_token_ids),
+            prefill_step=max(1, self.settings.prefill_step), kind=self.kind.name,
+            logprobs=self._logits[1] if zero_prefill else None, on_prompt=self._prompt_done,
+            # checkpoints at the ends of the turns this prefill passes
+            marks=frozenset() if zero_prefill else self._turn_ends(messages, prompt, n),
+            on_mark=partial(self.checkpoints.keep, self.cache),
+            report_logprobs=self.report_logprobs is not None)
+        report = self.report_logprobs
         text = ReplyText(self.lm.tokenizer)
         first_at = prompt_eval_s = None
-        stopped = False
-
+        prefill_started = time.perf_counter()
+        messages = core_for(self.lm).run(seq)
+        tokens: list[int] = []  # as this consumer read them
+        left, stopped = None, False
         try:
-            prefill_started = time.perf_counter()
-            if not zero_prefill:
-                marks = self._turn_ends(messages, prompt, n)  # checkpoints at the turns it passes
-                for event in self._prefill(prompt[n:-1], evaluated, marks):
-                    yield event
-                stopped = self._stop.is_set()
-                if not stopped:
-                    self._evaluate_last(prompt[-1])
-            first = [] if stopped else [self._first_token(sampler, processors)]
-            steps = self._continue([t for t, _ in first], max_new - len(first), sampler,
-                                   processors)
-            stream = chain(first, steps)
-            report = self.report_logprobs
-
-            eos = () if self.settings.ignore_eos else self.lm.tokenizer.eos_token_ids
             try:
-                for token, logprobs in stream:
-                    if first_at is None:
-                        first_at = time.perf_counter()
-                        prompt_eval_s = first_at - prefill_started
-                    tokens.append(token)
-                    if token in eos:
-                        break
-                    if report is not None:
-                        yield token_logprobs(token, logprobs, report)
-                    piece = text.add(token)
-                    if piece:
-                        yield Chunk(piece)
-                    if self._stop.is_set():
-                        stopped = True
-                        break
-                    if len(tokens) >= max_new:
-                        break
+                for message in messages:
+                    if isinstance(message, Prefill):
+                        yield message
+                    elif isinstance(message, Left):
+                        left = message
+                    else:
+                        if first_at is None:
+                            first_at = time.perf_counter()
+                            prompt_eval_s = first_at - prefill_started
+                        tokens.append(message)
+                        if message in seq.eos:
+                            continue
+                        if report is not None:
+                            yield token_logprobs(message, seq.sampled_logprobs[len(tokens) - 1],
+                                                 report)
+                        piece = text.add(message)
+                        if piece:
+                            yield Chunk(piece)
+                        # The core may be tokens ahead of this reader: a stop ends the reply
+                        # at the token read; the cache may hold a few more (the ledger says
+                        # so, and the next turn's prefix match trims them).
+                        if self._stop.is_set():
+                            stopped = True
+                            break
             finally:
-                steps.close()
+                messages.close()  # a consumer gone: the sequence leaves before we go on
+            left = left or _last_left(seq)
+            if left.error is not None:
+                raise left.error
+            stopped = stopped or left.stopped
             piece = text.finish()
             if piece:
                 yield Chunk(piece)
@@ -325,8 +359,9 @@ class Session(CacheMaintenance, BranchOps, Decoding):
             self._finish(text.text, stopped=True)
             raise
         except KeyboardInterrupt:
-            # Ctrl-C may land inside a forward pass, so the cache is not trusted;
-            # the text said so far is kept, as stopped.
+            # The reply's sequence has left the core (its cache is whole), but the
+            # turn did not end as the user asked: the text said so far is kept, as
+            # stopped, and the cache is rebuilt next time to be safe.
             self._discard("the previous turn was interrupted")
             text.finish()
             self._finish(text.text, stopped=True)
@@ -359,6 +394,8 @@ class Session(CacheMaintenance, BranchOps, Decoding):
             rebuilt=rebuilt or self._pending_rebuild,
             reevaluated_reply_tokens=reevaluated,
             stopped=stopped,
+            not_batched=seq.not_batched,
+            batch_size=seq.batch_peak,
         )
         self._pending_rebuild = None
         self.turns.append(stats)
@@ -369,6 +406,19 @@ class Session(CacheMaintenance, BranchOps, Decoding):
 
     _pending_rebuild: str | None = None
     _recomputed = 0  # tokens a load-time rebuild put in the cache, not yet counted by a turn
+
+    def _sampler(self) -> tuple[Sampler, list[LogitsProcessor]]:
+        """This turn's sampler and logits processors: the settings' penalties, then the
+        session's own ``logits_processors`` (constrained decoding, a logit bias). A sharded
+        run makes every rank take rank 0's token."""
+        sampler, processors = for_settings(self.settings)
+        return sampler, [*processors, *self.logits_processors]
+
+    def _prompt_done(self, logprobs: mx.array) -> None:
+        """The core's call once the prompt is in the cache: keep a checkpoint there (for a
+        regenerate or an edit of this turn) and the log probabilities at its end."""
+        self.checkpoints.keep(self.cache, len(self.ledger))
+        self._logits = (len(self.ledger), logprobs)
 
     def _keep_turns(self, messages: list[dict]) -> None:
         """Keep one stats entry per reply in ``messages``: an undone or replaced

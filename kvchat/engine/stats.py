@@ -17,7 +17,10 @@ class TurnStats:
     None, or why the cache had to be recomputed this turn.
     ``reevaluated_reply_tokens`` counts the evaluated tokens that re-render the last
     reply, because the chat template drops its ``<think>`` blocks (see
-    :mod:`kvchat.engine.thoughts`).
+    :mod:`kvchat.engine.thoughts`). ``not_batched`` names the cache kind that kept
+    this turn's decoding out of a merged batch (it ran beside the others, one
+    forward pass of its own a step), or is None. ``batch_size`` is the most
+    sequences one forward pass decoded while this reply was decoding.
     """
 
     prompt_tokens: int
@@ -35,6 +38,8 @@ class TurnStats:
     rebuilt: str | None = None
     stopped: bool = False
     reevaluated_reply_tokens: int = 0
+    not_batched: str | None = None
+    batch_size: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,6 +60,20 @@ class CacheChange:
     action: str
     cache_tokens: int
     evaluated_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class CacheFigures:
+    """A session's figures at one moment, taken on the thread that runs its turns, so a
+    view can show them while the next turn runs without reading the live session."""
+
+    cache_tokens: int
+    cache_bytes: int
+    checkpoints: tuple[int, int]  # how many, their bytes
+    user_turns: int
+    last: TurnStats | None
+    prompt_eval_history: tuple[float, ...]
+    pending_rebuild: str | None
 
 
 STAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TurnStats))

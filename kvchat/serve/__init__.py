@@ -2,8 +2,8 @@
 
 ``schema`` validates requests, ``matching`` finds the session a request
 continues (by name or by the longest shared token prefix), ``worker`` runs
-turns on the model's thread through the engine's scheduler, ``app`` holds the
-routes. Nothing in the engine knows this front end exists.
+requests on threads whose replies decode together in the model's generation
+core, ``app`` holds the routes. Nothing in the engine knows this front end exists.
 """
 
 from .app import DEFAULT_MAX_BODY, create_app

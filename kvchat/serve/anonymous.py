@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+from collections.abc import Container
 from typing import TYPE_CHECKING
 
 from kvchat import locations, store
@@ -37,9 +38,10 @@ def new_name(pool: SessionPool) -> str:
             return name
 
 
-def keep_within(pool: SessionPool, budget: int, keep: str) -> list[str]:
+def keep_within(pool: SessionPool, budget: int, keep: Container[str]) -> list[str]:
     """Delete the server's own saved sessions beyond the ``budget`` most recently saved
-    (never ``keep``, the one just used, nor one another process holds); return their names."""
+    (never one in ``keep``, those requests are using, nor one another process holds);
+    return their names."""
     if budget <= 0:
         return []
     saved = []
@@ -51,7 +53,7 @@ def keep_within(pool: SessionPool, budget: int, keep: str) -> list[str]:
     saved.sort(reverse=True)
     removed = []
     for _, name in saved[budget:]:
-        if name == keep:
+        if name in keep:
             continue
         try:
             if name in pool:

@@ -44,8 +44,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": engine.lm.model_id,
-                             "running": engine.scheduler.running is not None,
-                             "waiting": len(engine.scheduler.waiting())})
+                             "running": engine.active > engine.waiting,
+                             "waiting": engine.waiting})
 
     async def models(request: Request) -> Response:
         _authorize(request, api_key)

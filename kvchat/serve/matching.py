@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,8 +77,10 @@ def _pairs(messages: list[dict]) -> list[tuple[str, str, str]]:
 class Matcher:
     """Finds sessions for requests among the pool's and the sessions folder's."""
 
-    def __init__(self, pool: SessionPool, lm: LoadedModel, kind: str):
+    def __init__(self, pool: SessionPool, lm: LoadedModel, kind: str,
+                 busy: Callable[[str], bool] = lambda name: False):
         self.pool, self.lm, self.kind = pool, lm, kind
+        self.busy = busy  # a session another request holds: neither continued nor copied
         self._saved: dict[str, tuple[tuple[int, int], _Candidate | None]] = {}
 
     def choose(self, history: list[dict], new: list[dict], name: str | None,
@@ -160,6 +163,9 @@ class Matcher:
         found = []
         live = set()
         for entry in self.pool.entries():
+            if entry.session.answering or self.busy(entry.name):
+                live.add(entry.name)
+                continue
             if entry.in_memory and entry.session.lm.fingerprint == self.lm.fingerprint:
                 live.add(entry.name)
                 found.append(_Candidate(entry.name, entry.session.ledger,

@@ -1,12 +1,16 @@
-"""The server's model thread: requests queue on the engine's scheduler, run one at a time.
+"""The server's request threads: up to ``decode_concurrency`` requests reply at once.
 
-Generation is blocking MLX work, so it runs on one worker thread per model
-(MLX arrays belong to the thread that made them); the event loop only moves
-bytes. A request takes a :class:`~kvchat.engine.scheduler.Scheduler` ticket
-when it arrives, so the queue's length is known at once and a full queue is
-refused (429) before any work. Each job reports back to the event loop
-through an :class:`asyncio.Queue`: a :class:`Started`, the reply's
-:class:`Piece` s, then a :class:`Finished` (or an :class:`~kvchat.serve.schema.ApiError`).
+Each request runs on a thread of its own; the event loop only moves bytes.
+Its replies decode together in the model's generation core
+(:mod:`kvchat.engine.generation`), one forward pass a step for all of them,
+and at most ``prompt_concurrency`` of them evaluate their prompts at a time.
+Choosing a request's session (which may load a cache from disk) and saving it
+afterwards must have the model to itself: those parts take a
+:class:`~kvchat.engine.scheduler.Scheduler` ticket. Requests beyond the
+running ones wait; more than ``max_queue`` waiting are refused (429) before
+any work. Each job reports back to the event loop through an
+:class:`asyncio.Queue`: a :class:`Started`, the reply's text pieces, then a
+:class:`Finished` (or an :class:`~kvchat.serve.schema.ApiError`).
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from kvchat import store
 from kvchat.engine.events import (
     Chunk,
     GenerationSettings,
+    Prefill,
     SessionError,
     TokenLogprobs,
     TurnDone,
 )
-from kvchat.engine.scheduler import Cancelled, Scheduler, Ticket
+from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.template import encode_plain
 from kvchat.settings import GENERATION, apply_overrides
 
@@ -84,7 +89,7 @@ class Job:
 
     request: ChatRequest | CompletionRequest
     name: str | None
-    ticket: Ticket
+    owner: str
     loop: asyncio.AbstractEventLoop
     grammar: str | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -96,9 +101,10 @@ class Job:
 
 
 class Engine:
-    """One loaded model behind the HTTP API: its pool, scheduler, matcher and thread.
+    """One loaded model behind the HTTP API: its pool, scheduler, matcher and threads.
 
-    ``max_queue`` requests may wait behind the running one; more are refused.
+    ``decode_concurrency`` requests reply at once (``prompt_concurrency`` of them
+    evaluating their prompts); ``max_queue`` more may wait; more are refused.
     ``keep_anonymous`` is how many of the sessions it names itself stay saved
     (:mod:`kvchat.serve.anonymous`; 0: all).
     """
@@ -106,43 +112,70 @@ class Engine:
     def __init__(self, lm: LoadedModel, pool: SessionPool, *, kind: str = "standard",
                  settings: GenerationSettings | None = None, max_queue: int = 16,
                  scheduler: Scheduler | None = None,
-                 keep_anonymous: int = anonymous.DEFAULT_BUDGET):
+                 keep_anonymous: int = anonymous.DEFAULT_BUDGET, decode_concurrency: int = 32,
+                 prompt_concurrency: int = 8):
         self.lm, self.pool = lm, pool
         self.keep_anonymous = keep_anonymous
         self.scheduler = scheduler or Scheduler()
-        self.matcher = Matcher(pool, lm, kind)
+        self.matcher = Matcher(pool, lm, kind, busy=self._held)
         # the sampling of a request that gives none (the config's), whatever a session kept
         given = settings or GenerationSettings()
         self.sampling = {s.name: getattr(given, s.name) for s in GENERATION}
         self.max_queue = max_queue
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvchat-model")
+        self.decode_concurrency = max(1, decode_concurrency)
+        self._thread = ThreadPoolExecutor(max_workers=self.decode_concurrency,
+                                          thread_name_prefix="kvchat-request")
+        self._prompts = threading.BoundedSemaphore(max(1, prompt_concurrency))
         self._owners = count(1)
         self._durations: deque[float] = deque(maxlen=20)
+        self._state = threading.Condition()
+        self._waiting = 0  # submitted, not replying yet
+        self._active = 0  # submitted, not finished
+        self._in_use: set[str] = set()  # names of the sessions running requests hold
+
+    @property
+    def waiting(self) -> int:
+        """Requests that have not started replying yet."""
+        with self._state:
+            return self._waiting
+
+    @property
+    def active(self) -> int:
+        """Requests submitted and not finished (waiting or replying)."""
+        with self._state:
+            return self._active
+
+    def _started(self) -> None:
+        with self._state:
+            self._waiting -= 1
 
     def submit(self, request: ChatRequest | CompletionRequest, name: str | None,
                grammar: str | None = None) -> Job:
         """Queue ``request`` (call from the event loop), its reply held to ``grammar`` (an
         llguidance grammar) if given; raise 429 when the queue is full."""
-        if len(self.scheduler.waiting()) >= self.max_queue:
-            raise ApiError(429, "The server is busy: too many requests are waiting; retry later.",
-                           type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(self.retry_after())})
-        ticket = self.scheduler.request(f"http-{next(self._owners)}")
-        job = Job(request, name, ticket, asyncio.get_running_loop(), grammar=grammar)
+        with self._state:
+            if self._waiting >= self.max_queue:
+                raise ApiError(429, "The server is busy: too many requests are waiting; "
+                               "retry later.", type="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(self.retry_after())})
+            self._waiting += 1
+            self._active += 1
+        job = Job(request, name, f"http-{next(self._owners)}", asyncio.get_running_loop(),
+                  grammar=grammar)
         self._thread.submit(self._run, job)
         return job
 
     def cancel(self, job: Job) -> None:
         """The client went away: withdraw the job, or stop its reply after the current token."""
         job.cancelled.set()
-        self.scheduler.cancel(job.ticket.owner)
+        self.scheduler.cancel(job.owner)
         if job.session is not None:
             job.session.stop()
 
     def retry_after(self) -> int:
         """Seconds until the queue has probably moved on (recent turns' mean × its length)."""
         mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
-        return max(1, math.ceil(mean * (len(self.scheduler.waiting()) + 1)))
+        return max(1, math.ceil(mean * (self._waiting // self.decode_concurrency + 1)))
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
@@ -163,37 +196,71 @@ class Engine:
     # --------------------------------------------------------- the model thread
 
     def _run(self, job: Job) -> None:
-        try:
-            self.scheduler.wait(job.ticket)
-        except Cancelled:
-            return
         started = time.perf_counter()
         try:
-            if not job.cancelled.is_set():
-                self.pool.expire()
-                job.emit(self._turn(job))
+            if job.cancelled.is_set():
+                self._started()
+                return
+            job.emit(self._turn(job))
         except ApiError as exc:
             job.emit(exc)
         except Exception as exc:  # the session stays consistent; the client hears why
             job.emit(ApiError(500, f"The turn failed: {type(exc).__name__}: {exc}",
                               type="server_error"))
         finally:
-            self.scheduler.done(job.ticket)
             self._durations.append(time.perf_counter() - started)
+            with self._state:
+                self._active -= 1
+
+    def _vocab(self) -> int:
+        return len(self.lm.tokenizer.get_vocab())
+
+    def _held(self, name: str) -> bool:
+        with self._state:
+            return name in self._in_use
+
+    def _choose(self, job: Job) -> Match:
+        """The request's session, held for it until its turn ends (choosing may load a
+        cache from disk: it has the model to itself). A named session another request
+        holds is waited for; the matcher passes over the others' sessions."""
+        req = job.request
+        while True:
+            if job.name is not None:
+                with self._state:
+                    self._state.wait_for(lambda: job.name not in self._in_use)
+            with self.scheduler.turn(job.owner):
+                if job.name is not None and self._held(job.name):
+                    continue  # another request took it first: wait for it again
+                self.pool.expire()
+                try:
+                    if isinstance(req, CompletionRequest):
+                        match = self.matcher.choose_completion(encode_plain(self.lm, req.text()))
+                    else:
+                        match = self.matcher.choose(req.history(), req.new_messages(), job.name,
+                                                    req.tool_specs())
+                except store.StoreError as exc:
+                    raise ApiError(500, str(exc), type="server_error") from None
+                with self._state:
+                    self._in_use.add(match.name)
+                return match
 
     def _turn(self, job: Job) -> Finished:
-        req = job.request
-        tools = None
-        biases = req.biases(len(self.lm.tokenizer.get_vocab()))  # refused before anything runs
         try:
-            if isinstance(req, CompletionRequest):
-                text = req.text()
-                match = self.matcher.choose_completion(encode_plain(self.lm, text))
-            else:
-                tools, new = req.tool_specs(), req.new_messages()
-                match = self.matcher.choose(req.history(), new, job.name, tools)
-        except store.StoreError as exc:
-            raise ApiError(500, str(exc), type="server_error") from None
+            job.request.biases(self._vocab())  # a bad logit_bias is refused before any work
+            match = self._choose(job)
+        finally:
+            self._started()
+        try:
+            return self._reply(job, match)
+        finally:
+            with self._state:
+                self._in_use.discard(match.name)
+                self._state.notify_all()
+
+    def _reply(self, job: Job, match: Match) -> Finished:
+        req = job.request
+        tools = req.tool_specs() if isinstance(req, ChatRequest) else None
+        biases = req.biases(self._vocab())
         session = match.session
         kept_settings = session.settings
         # the server's settings, then the request's: a field it leaves out is the server's
@@ -206,8 +273,9 @@ class Engine:
         ]
         session.tools = tools
         try:
+            new = [] if isinstance(req, CompletionRequest) else req.new_messages()
             if isinstance(req, CompletionRequest):
-                events = session.complete(text)
+                events = session.complete(req.text())
             elif new[-1]["role"] == "user":
                 events = session.send(new[-1]["content"])
             else:  # tools' results: the model answers them
@@ -232,6 +300,11 @@ class Engine:
             if calls_wanted:  # only a chat request offers tools
                 content, calls = split(self.lm, reply, tools)
                 calls = calls if req.parallel_tool_calls else calls[:1]
+        finally:
+            job.session = None
+            self._unset(session, kept_settings)
+        saved, notice = True, match.notice
+        with self.scheduler.turn(job.owner):
             if calls:  # kept as the client will send it back, the cache following it
                 session.messages[-1] = {"role": "assistant", "content": content,
                                         "tool_calls": plain(calls)}
@@ -239,23 +312,21 @@ class Engine:
             elif hit_stop:  # the transcript keeps what the client got, the cache follows
                 session.messages[-1] = {"role": "assistant", "content": reply}
                 session.sync()
-        finally:
-            job.session = None
-            self._unset(session, kept_settings)
-        saved, notice = True, match.notice
-        try:
-            self.pool.save(match.name)
-        except store.SessionChanged:  # another kvchat saved it meanwhile: keep both
             try:
-                self.pool.keep_as_branch(match.name)
-                notice = (f"Session {match.name} was saved by another kvchat while this "
-                          "answered; this reply was kept as a branch of it.")
+                self.pool.save(match.name)
+            except store.SessionChanged:  # another kvchat saved it meanwhile: keep both
+                try:
+                    self.pool.keep_as_branch(match.name)
+                    notice = (f"Session {match.name} was saved by another kvchat while this "
+                              "answered; this reply was kept as a branch of it.")
+                except store.StoreError as exc:
+                    saved, notice = False, str(exc)
             except store.StoreError as exc:
                 saved, notice = False, str(exc)
-        except store.StoreError as exc:
-            saved, notice = False, str(exc)
-        self.pool.enforce_budget()
-        anonymous.keep_within(self.pool, self.keep_anonymous, keep=match.name)
+            self.pool.enforce_budget()
+            with self._state:
+                held = set(self._in_use)  # this request's session and the others'
+            anonymous.keep_within(self.pool, self.keep_anonymous, keep=held)
         finished = self._finished(match, done, content if calls else reply, hit_stop, saved,
                                   notice)
         wanted = req.logprobs_wanted() is not None
@@ -274,7 +345,8 @@ class Engine:
         """Forward the reply's text to the client, holding back what could begin a stop
         string; stop the turn when one appears or the client leaves. Text from ``marker``
         (a tool call's start) on is not sent: the calls are, once parsed. A piece carries
-        the log probabilities of the tokens generated since the last piece."""
+        the log probabilities of the tokens generated since the last piece. At most
+        ``prompt_concurrency`` requests are evaluating their prompts at a time."""
         hold = max((len(s) for s in [*stops, *([marker] if marker else [])]), default=1) - 1
         reply, sent, hit_stop, done = "", 0, False, None
         entries: list[dict] = []
@@ -285,28 +357,36 @@ class Engine:
             job.emit(Piece(text, tuple(entries[reported:])))
             reported = len(entries)
 
-        for event in events:
-            if isinstance(event, TokenLogprobs) and not hit_stop:
-                entries.append(chat_entry(self.lm.tokenizer, event))
-            elif isinstance(event, Chunk) and not hit_stop:
-                if entries:  # the text a token adds is the chunk that follows it
-                    text_of(entries[-1], event.text)
-                reply += event.text
-                cut = min((i for i in (reply.find(s, max(0, sent - hold)) for s in stops)
-                           if i >= 0), default=-1)
-                if cut >= 0:
-                    reply, hit_stop = reply[:cut], True
+        prompting = self._prompts.acquire()
+        try:
+            for event in events:
+                if prompting and not isinstance(event, Prefill):
+                    self._prompts.release()
+                    prompting = False
+                if isinstance(event, TokenLogprobs) and not hit_stop:
+                    entries.append(chat_entry(self.lm.tokenizer, event))
+                elif isinstance(event, Chunk) and not hit_stop:
+                    if entries:  # the text a token adds is the chunk that follows it
+                        text_of(entries[-1], event.text)
+                    reply += event.text
+                    cut = min((i for i in (reply.find(s, max(0, sent - hold)) for s in stops)
+                               if i >= 0), default=-1)
+                    if cut >= 0:
+                        reply, hit_stop = reply[:cut], True
+                        session.stop()
+                    upto = len(reply) if hit_stop else max(sent, len(reply) - hold)
+                    if marker is not None and (at := reply.find(marker)) >= 0:
+                        upto = min(upto, at)
+                    if upto > sent:
+                        emit(reply[sent:upto])
+                        sent = upto
+                elif isinstance(event, TurnDone):
+                    done = event
+                if job.cancelled.is_set():
                     session.stop()
-                upto = len(reply) if hit_stop else max(sent, len(reply) - hold)
-                if marker is not None and (at := reply.find(marker)) >= 0:
-                    upto = min(upto, at)
-                if upto > sent:
-                    emit(reply[sent:upto])
-                    sent = upto
-            elif isinstance(event, TurnDone):
-                done = event
-            if job.cancelled.is_set():
-                session.stop()
+        finally:
+            if prompting:
+                self._prompts.release()
         if marker is not None and (at := reply.find(marker)) >= 0:
             reply_end = max(sent, at)
         else:

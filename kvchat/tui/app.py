@@ -1,7 +1,8 @@
 """The kvchat Textual app: tabs of conversations, the cache sidebar, dialogs and key bindings.
 
 A thin layer: every action here is one engine or store call run through a
-conversation's worker (see ``widgets/chat.py``), in the order the shared
+conversation's worker (see ``widgets/chat.py``); replies of several tabs run at
+once, and work that needs the model alone goes in the order the shared
 :class:`~kvchat.engine.scheduler.Scheduler` decides. Every key is declared
 once, in a ``BINDINGS`` list; the footer, the help screen and the command
 palette are built from those lists.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
@@ -16,6 +17,7 @@ from textual.widgets import ProgressBar, Static
 from kvchat import drafts, history, store
 from kvchat.engine.scheduler import Cancelled
 from kvchat.engine.session import Chunk, Prefill, Session, SessionError, TurnDone
+from kvchat.engine.stats import CacheFigures
 
 from .branching import BranchingMixin
 from .chat_input import ChatInput
@@ -67,6 +69,7 @@ class Conversation(BranchingMixin, Vertical):
         self.session_name = name
         self.scheduler = scheduler
         self.saved = False
+        self.figures: CacheFigures | None = None  # the session's, as its running turn began
         self.autosave = False
         self.pool: SessionPool | None = None  # set by the app: where the cache may be offloaded
         self._reply: AssistantMessage | None = None
@@ -277,18 +280,24 @@ class Conversation(BranchingMixin, Vertical):
         """Worker thread: wait for the model, stream the turn, report back by messages."""
         post = self.post_message
         try:
+            # Loading an offloaded cache must have the model to itself; the reply then
+            # decodes in the model's generation core, beside the other tabs' replies.
             with self.scheduler.turn(self.owner, on_wait=lambda ahead: post(Waiting(ahead))):
-                post(Started())
                 self.ensure_cache(lambda done, total: post(PrefillProgress(done, total, "loading")))
-                done = None
-                for event in events:
-                    if isinstance(event, Prefill):
-                        post(PrefillProgress(event.done, event.total, "prefill"))
-                    elif isinstance(event, Chunk):
-                        post(ReplyChunk(event.text))
-                    elif isinstance(event, TurnDone):
-                        done = event
-                if done is not None and self.autosave:
+                figures = self.session.figures()
+            if self._pending_text is not None:  # the message this turn adds counts already
+                figures = replace(figures, user_turns=figures.user_turns + 1)
+            post(Started(figures))
+            done = None
+            for event in events:
+                if isinstance(event, Prefill):
+                    post(PrefillProgress(event.done, event.total, "prefill"))
+                elif isinstance(event, Chunk):
+                    post(ReplyChunk(event.text))
+                elif isinstance(event, TurnDone):
+                    done = event
+            if done is not None and self.autosave:
+                with self.scheduler.turn(self.owner):
                     try:
                         self.save_now()
                     except store.SessionChanged:
@@ -328,6 +337,7 @@ class Conversation(BranchingMixin, Vertical):
     @on(Started)
     def _started(self, event: Started) -> None:
         event.stop()
+        self.figures = event.figures
         self.state = "answering"
 
     @on(PrefillProgress)

@@ -58,10 +58,13 @@ class CacheInfo:
 
     @classmethod
     def of(cls, conversation) -> CacheInfo:
+        """The panel's figures of ``conversation``: while its turn runs, those its worker
+        took as the turn began (the live session belongs to the turn's thread then)."""
         session = conversation.session
         running = conversation.state in TURN_STATES
         change = None if running else session.last_change
-        last = None if running or change is not None else session.last_stats
+        figures = conversation.figures if running and conversation.figures else session.figures()
+        last = None if running or change is not None else figures.last
         active, peak = memory()
         return cls(
             name=conversation.session_name,
@@ -69,17 +72,17 @@ class CacheInfo:
             kind=session.kind.name,
             state=("offloaded to disk" if conversation.state == "idle"
                    and getattr(conversation, "offloaded", False) else conversation.state),
-            cache_tokens=session.cache_tokens,
-            cache_bytes=session.cache_bytes,
-            checkpoints=(len(session.checkpoints), session.checkpoints.nbytes),
+            cache_tokens=figures.cache_tokens,
+            cache_bytes=figures.cache_bytes,
+            checkpoints=figures.checkpoints,
             active_memory=active,
             peak_memory=max(peak, last.peak_memory_bytes if last else 0),
-            turns=user_turns(session),
+            turns=figures.user_turns,
             last=last,
             prefill=conversation.prefill if running else None,
-            prompt_eval_history=tuple(t.prompt_eval_s for t in session.turns),
-            rebuilt=session.pending_rebuild or (last.rebuilt if last else None),
-            rebuild_pending=session.pending_rebuild is not None,
+            prompt_eval_history=figures.prompt_eval_history,
+            rebuilt=figures.pending_rebuild or (last.rebuilt if last else None),
+            rebuild_pending=figures.pending_rebuild is not None,
             # an undo, a trim, a kind... since the last save count too (read while idle only)
             saved=conversation.saved and (conversation.busy or not conversation.unsaved),
             layout=getattr(session.lm, "layout", None),
@@ -173,6 +176,11 @@ class CacheSidebar(Vertical):
             ("generated", f"{last.generated_tokens:,}" + (" (stopped)" if last.stopped else "")),
             ("gen speed", vol(f"{last.gen_tps:,.1f} tok/s") if answered else "—"),
         ]
+        if last is not None and last.not_batched:  # it decoded beside the batch, alone
+            turn.append(("batched", f"no: {last.not_batched}"))
+        elif last is not None and last.batch_size > 1:
+            turn.append(("batched", f"with {last.batch_size - 1} other"
+                         + ("s" if last.batch_size > 2 else "")))
         # mlx's figures are the whole process's (every tab, the model), not this cache's
         process = [
             ("memory", vol(human_bytes(info.active_memory))),

@@ -10,6 +10,7 @@ from textual.message import Message
 from textual.widget import Widget
 
 from kvchat.engine.session import TurnDone
+from kvchat.engine.stats import CacheFigures
 
 
 class TurnEvent(Message):
@@ -23,7 +24,11 @@ class Waiting(TurnEvent):
 
 
 class Started(TurnEvent):
-    pass
+    """The turn goes to the model; ``figures`` are its session's just before."""
+
+    def __init__(self, figures: CacheFigures | None = None) -> None:
+        super().__init__()
+        self.figures = figures
 
 
 class PrefillProgress(TurnEvent):

@@ -1,0 +1,160 @@
+"""How one decode step runs the model for several sequences: the forward backends.
+
+:class:`Merged` holds the caches of sequences that decode together in one of
+mlx-lm's batch caches (``BatchKVCache``, ``ArraysCache`` for recurrent layers),
+merged when a sequence joins and extracted back into its own cache objects when
+it leaves, as ``mlx_lm.generate.BatchGenerator`` does. :func:`separate` runs
+sequences whose caches stay apart: through the CPU fast path's batched step
+where it exists and takes them, else one forward pass each.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+from ..cpu import decode_batch
+from ..kinds import copy_cache
+from .sequence import Sequence
+
+
+def blocker(model: nn.Module, cache: list[Any], kind: str) -> str | None:
+    """Why ``cache`` cannot join a merged batch (the cache kind's name, or the model's
+    type when its layers do not take mlx-lm's batch caches), or None."""
+    odd = [c for c in cache if not (type(c) is KVCache or isinstance(c, ArraysCache))]
+    if odd:
+        return kind if kind != "standard" else type(odd[0]).__name__
+    if not merges(model):
+        return f"model {getattr(model, 'model_type', type(model).__name__)}"
+    return None
+
+
+_merges: dict[int, bool] = {}  # by id(model): whether a merged batch decodes as alone
+
+
+def merges(model: nn.Module) -> bool:
+    """Whether ``model`` decodes a merged batch as it decodes each row alone, found out
+    once with a probe (two short sequences, alone then merged): some architectures'
+    attention does not take a batch cache's mask, and must not be fed one."""
+    key = id(model)
+    if key not in _merges:
+        _merges[key] = _probe(model)
+        weakref.finalize(model, _merges.pop, key, None)
+    return _merges[key]
+
+
+def _probe(model: nn.Module) -> bool:
+    prompts, alone, caches = [[1, 2, 3], [4]], [], []
+    try:
+        for prompt in prompts:
+            cache = model.make_cache() if hasattr(model, "make_cache") else [
+                KVCache() for _ in model.layers]
+            if not all(type(c) is KVCache or isinstance(c, ArraysCache) for c in cache):
+                return False
+            model(mx.array([prompt]), cache=cache)
+            caches.append(cache)
+        copies = [copy_cache(cache) for cache in caches]
+        for cache in copies:
+            alone.append(model(mx.array([[5]]), cache=cache)[0, -1])
+        batch = [_merge([cache[i] for cache in caches]) for i in range(len(caches[0]))]
+        together = model(mx.array([[5], [5]]), cache=batch)[:, -1]
+        for row, one in zip(together, alone):
+            a, b = (x - mx.logsumexp(x) for x in (row, one))
+            if mx.abs(a - b).max().item() > 1e-3:
+                return False
+    except Exception:  # noqa: BLE001  a model whose layers cannot take a batch cache
+        return False
+    return True
+
+
+def separate_batches(fast_path: Any) -> bool:
+    """Whether decoding sequences keep their caches apart and go through the CPU fast
+    path's batched numpy step (``fast_path``, the model's, decodes in numpy), rather
+    than merge into mlx-lm's batch caches."""
+    return fast_path is not None and fast_path.decodes
+
+
+def separate(model: nn.Module, seqs: list[Sequence], fast_path: Any) -> list[mx.array]:
+    """Feed each sequence's pending token into its own cache; each one's logits ``(1, V)``."""
+    if len(seqs) > 1 and separate_batches(fast_path):
+        logits = decode_batch(model, [s.pending for s in seqs], [s.cache for s in seqs])
+        if logits is not None:
+            return [logits[i : i + 1] for i in range(len(seqs))]
+    return [model(mx.array([[s.pending]]), cache=s.cache)[:, -1, :] for s in seqs]
+
+
+class Merged:
+    """Sequences decoding in one forward pass over one batch cache, row i for ``seqs[i]``."""
+
+    def __init__(self, seqs: list[Sequence]):
+        self.seqs = list(seqs)
+        self.cache = [_merge([s.cache[i] for s in seqs]) for i in range(len(seqs[0].cache))]
+        _lend(self.cache, seqs)
+
+    def join(self, seqs: list[Sequence]) -> None:
+        """Add ``seqs`` (their own caches hold their prompts) at the end of the batch."""
+        for i, layer in enumerate(self.cache):
+            layer.extend(_merge([s.cache[i] for s in seqs]))
+        _lend(self.cache, seqs)
+        self.seqs.extend(seqs)
+
+    def step(self, model: nn.Module) -> mx.array:
+        """Feed every row's pending token; the logits ``(B, V)``."""
+        tokens = mx.array([[s.pending] for s in self.seqs])
+        return model(tokens, cache=self.cache)[:, -1, :]
+
+    def leave(self, gone: list[Sequence]) -> None:
+        """Give ``gone`` their caches back (and, when one row is left, that one too)."""
+        rows = [i for i, s in enumerate(self.seqs) if s in gone]
+        for i in rows:
+            _give_back(self.cache, i, self.seqs[i].cache)
+        kept = [i for i in range(len(self.seqs)) if i not in rows]
+        self.seqs = [self.seqs[i] for i in kept]
+        if len(self.seqs) == 1:
+            _give_back(self.cache, kept[0], self.seqs[0].cache)
+            self.seqs = []
+        elif rows and self.seqs:
+            index = mx.array(kept)
+            for layer in self.cache:
+                layer.filter(index)
+        if not self.seqs:
+            self.cache = []
+
+    def dissolve(self) -> list[Sequence]:
+        """Give every row its cache back; the sequences that were in it."""
+        seqs = list(self.seqs)
+        for i, s in enumerate(seqs):
+            _give_back(self.cache, i, s.cache)
+        self.seqs, self.cache = [], []
+        return seqs
+
+
+def _merge(layers: list[Any]) -> Any:
+    return (ArraysCache.merge if isinstance(layers[0], ArraysCache) else BatchKVCache.merge)(layers)
+
+
+def _lend(batch: list[Any], seqs: list[Sequence]) -> None:
+    """The batch holds the sequences' keys and values now: let go of their own copies
+    (they come back at :func:`_give_back`), so a batch does not hold every cache twice."""
+    mx.eval([c.state for c in batch])
+    for seq in seqs:
+        for mine in seq.cache:
+            if isinstance(mine, ArraysCache):
+                mine.cache = [None] * len(mine.cache)
+            else:
+                mine.keys = mine.values = None
+
+
+def _give_back(batch: list[Any], row: int, own: list[Any]) -> None:
+    """Put row ``row`` of the batch cache into the sequence's own cache objects."""
+    for layer, mine in zip(batch, own):
+        got = layer.extract(row)
+        if isinstance(mine, ArraysCache):
+            mine.cache, mine.left_padding, mine.lengths = got.cache, None, None
+        else:
+            mine.keys, mine.values, mine.offset = got.keys, got.values, got.offset
+    mx.eval([c.state for c in own])

@@ -1,0 +1,296 @@
+"""The generation core of a loaded model: its step loop, the only place replies are decoded.
+
+A session's turn submits a :class:`~.sequence.Sequence` with :meth:`GenerationCore.run`
+and reads its messages (``Prefill`` progress, sampled token ids, a final
+``Left``). Each step of the loop, under the device gate (:mod:`.gate`):
+
+1. joining sequences evaluate their prompts in chunks of ``prefill_step`` on their
+   own caches, about one chunk's worth of tokens a step whoever they are, so a
+   long paste does not freeze the others; a prompt done, its first token is sampled;
+2. every decoding sequence feeds its last sampled token and samples the next, in
+   one forward pass for those whose caches merge (:class:`~.batch.Merged`), the
+   others (caches that cannot batch, or the CPU fast path's separate rows) beside;
+3. sequences that ended (an end token, the length limit, a stop, a consumer gone)
+   leave with their caches extracted back, and the rest go on.
+
+A batch of one is the same loop. The loop runs on its own thread; a sharded
+model's core runs it on the caller's thread instead, one sequence at a time, so
+every rank does the same operations in the same order.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+
+from ..events import Prefill
+from .batch import Merged, blocker, separate, separate_batches
+from .gate import GATE
+from .sequence import Left, Sequence
+
+
+class GenerationCore:
+    """Runs the forward passes of one model for every sequence submitted to it."""
+
+    def __init__(self, model: nn.Module, *, threaded: bool = True, fast_path: Any = None):
+        self._model = weakref.ref(model)  # the core never keeps an unloaded model alive
+        self.threaded = threaded
+        self.fast_path = fast_path  # the model's CPU fast path (kvchat.engine.cpu), if any
+        self._cond = threading.Condition()
+        self._joining: list[Sequence] = []  # submitted, prompt not all in the cache yet
+        self._alone: list[Sequence] = []  # decoding on their own caches
+        self._merged: Merged | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model()
+
+    # ---------------------------------------------------------------- actions
+
+    def run(self, seq: Sequence) -> Iterator[Prefill | int | Left]:
+        """Submit ``seq`` and yield its messages until its :class:`Left`. Closing the
+        iterator early cancels the sequence and returns once it has left (its cache
+        and ledger agree again)."""
+        if not self.threaded or GATE.held_here():
+            yield from self._inline(seq)
+            return
+        with self._cond:
+            self._joining.append(seq)
+            self._start()
+            self._cond.notify_all()
+        try:
+            while True:
+                message = seq.messages.get()
+                yield message
+                if isinstance(message, Left):
+                    return
+        finally:
+            if not seq.left.is_set():
+                seq.cancelled.set()
+                with self._cond:
+                    self._cond.notify_all()
+                seq.left.wait()
+
+    def _inline(self, seq: Sequence) -> Iterator[Prefill | int | Left]:
+        """The loop on the caller's thread, which holds the device gate (a sharded model's
+        core, or a caller that has the model to itself): it steps every sequence of
+        this core until ``seq`` leaves."""
+        with self._cond:
+            self._joining.append(seq)
+        try:
+            while not seq.left.is_set():
+                with GATE.step():
+                    self._step()
+                while not seq.messages.empty():
+                    yield seq.messages.get()
+        finally:
+            if not seq.left.is_set():
+                seq.cancelled.set()
+                with GATE.step():
+                    self._step()
+            while not seq.messages.empty():
+                seq.messages.get()
+
+    # --------------------------------------------------------------- the loop
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="kvchat-generation",
+                                            daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(self._busy, timeout=30.0):
+                    self._thread = None  # idle: the next submit starts a new thread
+                    return
+            with GATE.step():
+                self._step()
+
+    def _busy(self) -> bool:
+        return bool(self._joining or self._alone or (self._merged and self._merged.seqs))
+
+    def _step(self) -> None:
+        with self._cond:
+            joining = list(self._joining)
+        decoding = [*self._alone, *(self._merged.seqs if self._merged else [])]
+        try:
+            with mx.stream(generation_stream):
+                ready = self._prefill(joining)
+                ended = self._decode(decoding)
+                self._leave(ended)
+                self._join(ready)
+        except Exception as error:  # noqa: BLE001  every sequence learns why, and leaves
+            self._fail(error)
+
+    def _prefill(self, joining: list[Sequence]) -> list[Sequence]:
+        """Evaluate about one chunk of prompt tokens among the joining sequences (the
+        first in line first); those whose prompt is all in sample their first token.
+        Returns those ready to decode; the ones that ended at once leave here."""
+        budget = max(1, joining[0].prefill_step) if joining else 0
+        ready = []
+        for seq in joining:
+            if seq.halted() and seq.fed < len(seq.prompt):
+                self._left(seq, Left(stopped=True))
+                continue
+            if budget <= 0:
+                break
+            budget -= self._prefill_chunk(seq, budget)
+            if seq.fed < len(seq.prompt):
+                continue
+            if seq.halted() and seq.prompt:  # stopped at the end of its prefill
+                self._left(seq, Left(stopped=True))
+                continue
+            seq.tokens.append(int(seq.sample(seq.logprobs[None]).item()))
+            seq.post(seq.tokens[-1])
+            if seq.ended():
+                self._left(seq, Left(stopped=seq.halted()))
+            else:
+                ready.append(seq)
+        return ready
+
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
+        """Evaluate the next chunk of ``seq``'s prompt; how many tokens it took."""
+        body = len(seq.prompt) - 1  # the last token goes alone, for its log probabilities
+        if seq.fed == 0 and seq.prompt:
+            seq.post(Prefill(0, len(seq.prompt)))
+        if seq.fed < body:
+            size = min(budget, seq.prefill_step, body - seq.fed)
+            held = len(seq.ledger)  # a chunk ends at the next checkpoint mark it would pass
+            size = min([size, *(m - held for m in seq.marks if held < m < held + size)])
+            chunk = seq.prompt[seq.fed : seq.fed + size]
+            self.model(mx.array(chunk)[None], cache=seq.cache)
+            mx.eval([c.state for c in seq.cache])
+            seq.ledger.extend(chunk)
+            seq.fed += len(chunk)
+            if seq.on_mark is not None and len(seq.ledger) in seq.marks:
+                seq.on_mark(len(seq.ledger))
+            seq.post(Prefill(seq.fed, len(seq.prompt)))
+            mx.clear_cache()
+            return len(chunk)
+        if seq.fed == body and seq.prompt:
+            if seq.halted():
+                return 0
+            last = seq.prompt[-1]
+            logits = self.model(mx.array([[last]]), cache=seq.cache)[:, -1, :]
+            logprobs = (logits - mx.logsumexp(logits, keepdims=True)).squeeze(0)
+            mx.eval(logprobs, [c.state for c in seq.cache])
+            seq.ledger.append(last)
+            seq.fed += 1
+            seq.logprobs = logprobs
+        if seq.on_prompt is not None:
+            seq.on_prompt(seq.logprobs)
+        return 1
+
+    def _decode(self, decoding: list[Sequence]) -> list[Sequence]:
+        """One decode step for every decoding sequence; those that ended."""
+        if not decoding:
+            return []
+        rows: list[tuple[Sequence, mx.array]] = []
+        if self._merged and self._merged.seqs:
+            logits = self._merged.step(self.model)
+            rows += [(s, logits[i : i + 1]) for i, s in enumerate(self._merged.seqs)]
+        if self._alone:
+            rows += list(zip(self._alone, separate(self.model, self._alone, self.fast_path)))
+        for seq, _ in rows:
+            seq.batch_peak = max(seq.batch_peak, len(rows) if separate_batches(self.fast_path) else
+                                 len(self._merged.seqs) if seq in self._merged_seqs() else 1)
+        caches: list[Any] = [c.state for s in self._alone for c in s.cache]
+        if self._merged:
+            caches += [c.state for c in self._merged.cache]
+        if not self.threaded:  # a sharded model: its collectives first, then the sampler's
+            mx.eval([row for _, row in rows], caches)
+        sampled = [s.sample(row) for s, row in rows]
+        mx.eval(sampled, caches)
+        ended = []
+        for (seq, _), token in zip(rows, sampled):
+            seq.ledger.append(seq.pending)  # its keys and values are in the cache now
+            seq.tokens.append(int(token.item()))
+            seq.post(seq.tokens[-1])
+            if seq.ended():
+                ended.append(seq)
+        return ended
+
+    def _merged_seqs(self) -> list[Sequence]:
+        return self._merged.seqs if self._merged else []
+
+    def _leave(self, ended: list[Sequence]) -> None:
+        if self._merged:
+            gone = [s for s in ended if s in self._merged.seqs]
+            if gone:
+                stay = [s for s in self._merged.seqs if s not in gone]
+                self._merged.leave(gone)
+                if not self._merged.seqs:
+                    self._alone += stay  # the last row decodes on its own cache again
+                    self._merged = None
+        for seq in ended:
+            if seq in self._alone:
+                self._alone.remove(seq)
+            self._left(seq, Left(stopped=seq.halted()))
+
+    def _join(self, ready: list[Sequence]) -> None:
+        """Move sequences whose prompt is in from joining to decoding, merging the
+        caches that batch."""
+        for seq in ready:
+            self._remove_joining(seq)
+        batching = self.threaded and not separate_batches(self.fast_path)
+        for seq in ready:  # a sharded model's sequences run one at a time, on every rank
+            seq.not_batched = blocker(self.model, seq.cache, seq.kind) if self.threaded else None
+        mergeable = [s for s in [*self._alone, *ready] if batching and s.not_batched is None]
+        self._alone += [s for s in ready if s not in mergeable]
+        if self._merged:
+            if any(s in mergeable for s in ready):
+                self._merged.join([s for s in ready if s in mergeable])
+        elif len(mergeable) > 1:
+            self._alone = [s for s in self._alone if s not in mergeable]
+            self._merged = Merged(mergeable)
+        else:
+            self._alone += [s for s in mergeable if s not in self._alone]
+
+    def _left(self, seq: Sequence, message: Left) -> None:
+        self._remove_joining(seq)
+        seq.post(message)
+        seq.left.set()
+
+    def _remove_joining(self, seq: Sequence) -> None:
+        with self._cond:
+            if seq in self._joining:
+                self._joining.remove(seq)
+
+    def _fail(self, error: BaseException) -> None:
+        """A step failed: every sequence leaves with the error (their caches are not
+        trusted: the sessions empty them)."""
+        with self._cond:
+            everyone = [*self._joining, *self._alone,
+                        *(self._merged.seqs if self._merged else [])]
+            self._joining, self._alone, self._merged = [], [], None
+        for seq in everyone:
+            seq.post(Left(stopped=False, error=error))
+            seq.left.set()
+
+
+_cores: dict[int, GenerationCore] = {}  # by id(model), dropped when the model goes
+_cores_lock = threading.Lock()
+
+
+def core_for(lm: Any) -> GenerationCore:
+    """The core of loaded model ``lm`` (made on first use; one per model). A sharded
+    model's (one with a ``group``) runs its loop on the caller's thread."""
+    with _cores_lock:
+        core = _cores.get(id(lm.model))
+        if core is None or core.model is not lm.model:
+            core = GenerationCore(lm.model, threaded=getattr(lm, "group", None) is None,
+                                  fast_path=getattr(lm, "fast_path", None))
+            _cores[id(lm.model)] = core
+            weakref.finalize(lm.model, _cores.pop, id(lm.model), None)
+        return core

@@ -1,0 +1,98 @@
+"""One request of the generation core: a prompt to evaluate into a session's cache, then
+tokens sampled one a step until an end token, the length limit or a stop.
+
+The cache contract: the ledger lists exactly the tokens whose keys and values
+are in the cache, at every step. A token joins both when it is fed to the
+model. The last sampled token is never fed (nothing asks for the token after
+it), so after a turn the cache holds the prompt and the reply but its last
+token; the next turn's prefix match evaluates that one with the new message.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from ..events import Prefill
+from ..sampling import LogitsProcessor, Sampler
+
+
+@dataclass(frozen=True)
+class Left:
+    """The last message of a sequence: it left the core, its cache is its own again.
+    ``stopped`` when a stop or a cancel ended it; ``error`` when a step failed (the
+    cache is then not to be trusted)."""
+
+    stopped: bool
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """What a turn asks of the core, and what the core keeps of it while it runs.
+
+    ``prompt`` is evaluated into ``cache`` (whose tokens ``ledger`` lists, and
+    to which the core appends what it feeds); an empty prompt samples its first
+    token from ``logprobs`` (the log probabilities at the prompt's end, kept
+    from an earlier turn). ``on_prompt(logprobs)`` is called once the whole
+    prompt is in the cache, before the first token is sampled. ``stop`` is any
+    object with ``is_set()``.
+    """
+
+    prompt: list[int]
+    cache: list[Any]
+    ledger: list[int]
+    sampler: Sampler
+    processors: list[LogitsProcessor]
+    max_tokens: int
+    stop: Any
+    eos: frozenset[int] = frozenset()
+    prefill_step: int = 512
+    logprobs: mx.array | None = None
+    on_prompt: Callable[[mx.array], None] | None = None
+    marks: frozenset[int] = frozenset()  # ledger lengths where the prefill keeps a checkpoint
+    on_mark: Callable[[int], None] | None = None  # called with the ledger length at a mark
+    report_logprobs: bool = False  # keep each sampled token's log probabilities
+    tokens: list[int] = field(default_factory=list)  # sampled so far
+    sampled_logprobs: list[mx.array] = field(default_factory=list)  # one a token, if reported
+    kind: str = "standard"  # the cache kind's name, said when it cannot batch
+    not_batched: str | None = None  # why its cache decodes alone, if it does
+    messages: queue.Queue = field(default_factory=queue.Queue)  # Prefill | int | Left
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    left: threading.Event = field(default_factory=threading.Event)
+    fed: int = 0  # prompt tokens in the cache so far
+    batch_peak: int = 1  # the most rows of a forward pass that decoded it
+
+    @property
+    def pending(self) -> int:
+        """The last sampled token, which the next decode step feeds."""
+        return self.tokens[-1]
+
+    def post(self, message: Prefill | int | Left) -> None:
+        self.messages.put(message)
+
+    def ended(self) -> bool:
+        """Whether the token just sampled ends the reply (and then is not fed)."""
+        return (self.tokens[-1] in self.eos or len(self.tokens) >= self.max_tokens
+                or self.halted())
+
+    def halted(self) -> bool:
+        """A stop or a cancel (a consumer that went away) was asked for."""
+        return self.cancelled.is_set() or self.stop.is_set()
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """This sequence's next token from its row of logits ``(1, vocab)`` (lazy). Its draws
+        are its own: a seeded sampler carries its key (:mod:`kvchat.engine.sampling`)."""
+        if self.processors:
+            so_far = mx.array(self.ledger)  # everything fed so far, this prompt included
+            for processor in self.processors:
+                logits = processor(so_far, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.report_logprobs:  # read by the consumer with the token (appended first)
+            self.sampled_logprobs.append(logprobs[0])
+        return self.sampler(logprobs)

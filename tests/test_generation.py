@@ -1,0 +1,185 @@
+"""The generation core: sequences decoding together give what each gives alone, and
+every ledger lists exactly what its cache holds, whoever joins, leaves or is cancelled."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+
+from kvchat.engine.events import GenerationSettings, TurnDone
+from kvchat.engine.generation import GATE, Left, Sequence, core_for
+from kvchat.engine.kinds import held_tokens, make_cache, parse_kind
+from kvchat.engine.sampling import for_settings
+from kvchat.engine.session import Session
+
+QUESTIONS = [
+    "What is a cache?", "Tell me about the sea.", "Why is the sky blue?",
+    "Name three colours.", "How do birds fly?", "What is a number?",
+    "Say something kind.", "Where do rivers go?",
+]
+
+
+def _reply(session: Session, text: str) -> TurnDone:
+    done = None
+    for event in session.send(text):
+        if isinstance(event, TurnDone):
+            done = event
+    return done
+
+
+def _together(sessions: list[Session], texts: list[str]) -> list[TurnDone]:
+    """Send ``texts`` at once, one thread a session, all submitted before any step runs."""
+    core = core_for(sessions[0].lm)
+    results: list[TurnDone | None] = [None] * len(sessions)
+
+    def run(i: int) -> None:
+        results[i] = _reply(sessions[i], texts[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sessions))]
+    with GATE.exclusive():  # the core waits until every turn has been submitted
+        for t in threads:
+            t.start()
+        with core._cond:
+            assert core._cond.wait_for(lambda: len(core._joining) == len(sessions), 60)
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def _session(lm, max_tokens: int = 24) -> Session:
+    return Session(lm, system="You are terse.",
+                   settings=GenerationSettings(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_eight_greedy_replies_in_a_batch_equal_each_alone(demo_model):
+    alone = [_reply(_session(demo_model), q) for q in QUESTIONS]
+    sessions = [_session(demo_model) for _ in QUESTIONS]
+    batched = _together(sessions, QUESTIONS)
+    for one, many, session in zip(alone, batched, sessions):
+        assert many.tokens == one.tokens and many.reply == one.reply
+        assert many.stats.batch_size == len(QUESTIONS) and one.stats.batch_size == 1
+        # the contract: the cache holds the prompt and the reply but its last token
+        assert held_tokens(session.cache) == len(session.ledger)
+        assert session.ledger[-len(many.tokens) + 1:] == list(many.tokens[:-1])
+    # and a second turn of each, together again, matches its second turn alone
+    again = _together(sessions, ["And then?"] * len(sessions))
+    singles = [_session(demo_model) for _ in QUESTIONS]
+    for s, q in zip(singles, QUESTIONS):
+        _reply(s, q)
+    for s, many in zip(singles, again):
+        one = _reply(s, "And then?")
+        assert many.tokens == one.tokens
+        assert many.stats.reused_tokens == one.stats.reused_tokens > 0
+
+
+class Recorder:
+    """A logits processor that keeps what it is given (the row of this sequence)."""
+
+    def __init__(self) -> None:
+        self.rows: list[mx.array] = []
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        row = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(row)  # on the core's thread, whose stream it was made on
+        self.rows.append(row)
+        return logits
+
+
+def _sequence(lm, prompt: list[int], max_tokens: int, stop=None, processors=(), step=64):
+    sampler, _ = for_settings(GenerationSettings(temp=0.0))
+    return Sequence(prompt=prompt, cache=make_cache(lm.model, parse_kind("standard")),
+                    ledger=[], sampler=sampler, processors=list(processors),
+                    max_tokens=max_tokens, stop=stop or threading.Event(), prefill_step=step)
+
+
+def _prompts(lm, n: int) -> list[list[int]]:
+    return [lm.tokenizer.encode(f"{q} " * (i + 1)) for i, q in enumerate(QUESTIONS[:n])]
+
+
+@pytest.mark.parametrize("family", ["phi3", "lfm2", "mamba", "gemma2"])
+def test_batched_log_probabilities_agree_with_alone(arch, family):
+    lm = arch(family)
+    core = core_for(lm)
+    prompts = _prompts(lm, 4)
+    alone = []
+    for p in prompts:
+        rec = Recorder()
+        list(core.run(_sequence(lm, p, 6, processors=[rec])))
+        alone.append(rec)
+    recs = [Recorder() for _ in prompts]
+    seqs = [_sequence(lm, p, 6, processors=[r]) for p, r in zip(prompts, recs)]
+    _run_all(core, seqs)
+    if family == "gemma2":  # its attention does not take a batch cache's mask: rows apart
+        assert [(s.batch_peak, s.not_batched) for s in seqs] == [(1, "model gemma2")] * 4
+    else:
+        assert [(s.batch_peak, s.not_batched) for s in seqs] == [(len(prompts), None)] * 4
+    for one, many in zip(alone, recs):
+        assert len(one.rows) == len(many.rows) == 6
+        for a, b in zip(one.rows, many.rows):
+            assert mx.abs(a - b).max().item() < 1e-4
+
+
+def _run_all(core, seqs, on_token=None) -> dict:
+    """Run ``seqs`` at once on threads; ``on_token(seq, messages)`` after each token."""
+    out = {}
+
+    def run(seq):
+        gen = core.run(seq)
+        got = []
+        for message in gen:
+            got.append(message)
+            if isinstance(message, int) and on_token is not None and on_token(seq, got):
+                gen.close()
+                break
+        out[id(seq)] = got
+        assert not got or not isinstance(got[-1], Left) or got[-1].error is None, got[-1]
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in seqs]
+    with GATE.exclusive():
+        for t in threads:
+            t.start()
+        with core._cond:
+            assert core._cond.wait_for(lambda: len(core._joining) == len(seqs), 60)
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def test_join_leave_cancel_and_abandon_leave_the_others_as_alone(demo_model):
+    lm = demo_model
+    core = core_for(lm)
+    prompts = _prompts(lm, 5)
+    alone = []
+    for p in prompts:
+        seq = _sequence(lm, p, 12)
+        list(core.run(seq))
+        alone.append(seq.tokens)
+    stop = threading.Event()
+    seqs = [_sequence(lm, p, 12 if i != 1 else 4, stop=stop if i == 2 else None)
+            for i, p in enumerate(prompts[:4])]
+    late = _sequence(lm, prompts[4], 12)
+    joined = threading.Event()
+
+    def on_token(seq, got):
+        tokens = [m for m in got if isinstance(m, int)]
+        if seq is seqs[0] and len(tokens) == 3 and not joined.is_set():
+            joined.set()  # a newcomer joins the running batch
+            threading.Thread(target=lambda: list(core.run(late))).start()
+        if seq is seqs[2] and len(tokens) == 2:
+            stop.set()  # a stop: it leaves after its next token
+        return seq is seqs[3] and len(tokens) == 2  # a consumer that walks away
+
+    out = _run_all(core, seqs, on_token)
+    late.left.wait(60)
+    assert seqs[0].tokens == alone[0] and late.tokens == alone[4]
+    assert seqs[1].tokens == alone[1][:4]  # it left early (its length limit)
+    assert seqs[2].tokens == alone[2][: len(seqs[2].tokens)] and len(seqs[2].tokens) < 12
+    assert seqs[3].tokens == alone[3][: len(seqs[3].tokens)] and len(seqs[3].tokens) < 12
+    lefts = [m for m in out[id(seqs[2])] if isinstance(m, Left)]
+    assert lefts == [Left(stopped=True)]
+    for seq, prompt in zip([*seqs, late], prompts):
+        assert seq.left.is_set()
+        assert seq.ledger == [*prompt, *seq.tokens[:-1]]
+        assert held_tokens(seq.cache) == len(seq.ledger)
