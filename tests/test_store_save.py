@@ -89,7 +89,9 @@ def test_a_full_disk_shows_the_reply_then_one_sentence(demo_model, small_disk, m
     out = ask_more()
     assert out.returncode == 1
     assert out.stdout == expected_reply(demo_model) + "\n"  # the reply was shown
-    assert out.stderr == ("kvchat: Could not save session chat: no space left on device; "
+    assert out.stderr == ("kvchat: the message could not be kept on disk while it is sent "
+                          "(no space left on device).\n"
+                          "kvchat: Could not save session chat: no space left on device; "
                           "the previous save is intact.\n")
     (small_disk / "filler").unlink()
     assert_previous_save_intact(demo_model, folder, before)

@@ -87,7 +87,12 @@ def ask(
                 typer.echo(f"kvchat: {printable(notice)}", err=True)
             events = chat.send(text)
             if session:  # on disk before the prefill: a kill now loses no message
-                drafts.keep(session, text)
+                try:
+                    drafts.keep(session, text)
+                except (store.StoreError, OSError) as exc:  # a full disk: sent all the same
+                    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                    typer.echo(f"kvchat: the message could not be kept on disk while it is "
+                               f"sent ({printable(str(reason)).lower()}).", err=True)
             try:
                 done = _stream_reply(events, echo=not as_json)
             except KeyboardInterrupt:

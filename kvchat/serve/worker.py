@@ -300,18 +300,21 @@ class Engine:
             if calls_wanted:  # only a chat request offers tools
                 content, calls = split(self.lm, reply, tools)
                 calls = calls if req.parallel_tool_calls else calls[:1]
+            # the transcript keeps what the client got (rendered with this request's
+            # tools), and the cache follows it
+            with self.scheduler.turn(job.owner):
+                if calls:
+                    session.messages[-1] = {"role": "assistant", "content": content,
+                                            "tool_calls": plain(calls)}
+                    session.sync()
+                elif hit_stop:
+                    session.messages[-1] = {"role": "assistant", "content": reply}
+                    session.sync()
         finally:
             job.session = None
             self._unset(session, kept_settings)
         saved, notice = True, match.notice
         with self.scheduler.turn(job.owner):
-            if calls:  # kept as the client will send it back, the cache following it
-                session.messages[-1] = {"role": "assistant", "content": content,
-                                        "tool_calls": plain(calls)}
-                session.sync()
-            elif hit_stop:  # the transcript keeps what the client got, the cache follows
-                session.messages[-1] = {"role": "assistant", "content": reply}
-                session.sync()
             try:
                 self.pool.save(match.name)
             except store.SessionChanged:  # another kvchat saved it meanwhile: keep both

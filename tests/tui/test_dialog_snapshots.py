@@ -69,5 +69,5 @@ def test_loading_screen(snap_compare, make_app):
 
 
 def test_close_dialog(snap_compare, make_app):
-    screen = CloseDialog("chat-1", saved_before=False)
+    screen = CloseDialog({"chat-1": False})
     assert snap_compare(make_app(), terminal_size=SIZE, run_before=_pushed(screen))

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from textual.widgets import Button
 
 from kvchat import drafts, store
 from kvchat.engine.session import Prefill, Session
@@ -70,7 +71,7 @@ async def test_a_message_killed_in_its_prefill_is_offered_back_and_restored(offe
                     and drafts.OFFER in widget_text(app.screen), timeout=30)
         shown = widget_text(app.screen.query_one("#draft-preview"))
         assert " ".join(shown.split()).startswith(" ".join(message[:200].split()))
-        await pilot.click("#draft-restore")
+        app.screen.query_one("#draft-restore", Button).press()
         await settle(pilot)
         conversation = app.active_conversation()
         assert conversation.input.text == message
@@ -82,8 +83,9 @@ async def test_a_message_killed_in_its_prefill_is_offered_back_and_restored(offe
 async def test_discard_lets_the_draft_go(offered):
     app, _ = offered
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: isinstance(app.screen, DraftDialog), timeout=30)
-        await pilot.click("#draft-discard")
+        await until(pilot, lambda: isinstance(app.screen, DraftDialog)
+                    and app.screen.query("#draft-discard"), timeout=30)
+        app.screen.query_one("#draft-discard", Button).press()
         await until(pilot, lambda: not isinstance(app.screen, DraftDialog))
         await until(pilot, lambda: not drafts.draft_file("paste").exists())
         assert app.active_conversation().input.text == ""

@@ -238,7 +238,9 @@ async def test_a_turn_stopped_in_its_prefill_shows_no_time_to_first_token(make_a
 
         session.send = send_paused
         session.settings.prefill_step = 4
-        assert await conversation.send("a message long enough to take a few prefill steps")
+        # long enough that its prefill (4 tokens a step, on the core's thread) is still
+        # running when the Escape lands
+        assert await conversation.send(" ".join(["a message of many prefill steps"] * 60))
         await until(pilot, started.is_set)
         await pilot.press("escape")
         go_on.set()

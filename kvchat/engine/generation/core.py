@@ -210,11 +210,12 @@ class GenerationCore:
             caches += [c.state for c in self._merged.cache]
         if not self.threaded:  # a sharded model: its collectives first, then the sampler's
             mx.eval([row for _, row in rows], caches)
+        for seq, _ in rows:  # fed: its keys and values are in the cache (the processors
+            seq.ledger.append(seq.pending)  # that sample the next token see it too)
         sampled = [s.sample(row) for s, row in rows]
         mx.eval(sampled, caches)
         ended = []
         for (seq, _), token in zip(rows, sampled):
-            seq.ledger.append(seq.pending)  # its keys and values are in the cache now
             seq.tokens.append(int(token.item()))
             seq.post(seq.tokens[-1])
             if seq.ended():

@@ -93,6 +93,8 @@ class Sequence:
             for processor in self.processors:
                 logits = processor(so_far, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if self.report_logprobs:  # read by the consumer with the token (appended first)
-            self.sampled_logprobs.append(logprobs[0])
+        if self.report_logprobs:  # read by the consumer's thread with the token: evaluated
+            row = logprobs[0]  # here, on the core's stream (MLX streams are per thread)
+            mx.eval(row)
+            self.sampled_logprobs.append(row)
         return self.sampler(logprobs)
