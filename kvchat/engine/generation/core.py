@@ -146,10 +146,15 @@ class GenerationCore:
             if budget <= 0:
                 break
             budget -= self._prefill_chunk(seq, budget)
-            if seq.fed < len(seq.prompt):
+            if seq.halted() and seq.prompt and seq.fed >= len(seq.prompt) - 1:
+                self._left(seq, Left(stopped=True))  # stopped at the end of its prefill
                 continue
-            if seq.halted() and seq.prompt:  # stopped at the end of its prefill
-                self._left(seq, Left(stopped=True))
+            if seq.fed == len(seq.prompt) - 1 and separate_batches(self.fast_path):
+                # the prompt's last token is fed by the next decode step, with the other
+                # rows of the numpy batched step: its logits are the prompt's end
+                ready.append(seq)
+                continue
+            if seq.fed < len(seq.prompt):
                 continue
             seq.tokens.append(int(seq.sample(seq.logprobs[None]).item()))
             seq.post(seq.tokens[-1])
@@ -179,8 +184,8 @@ class GenerationCore:
             mx.clear_cache()
             return len(chunk)
         if seq.fed == body and seq.prompt:
-            if seq.halted():
-                return 0
+            if seq.halted() or separate_batches(self.fast_path):
+                return 0  # stopped; or the last token goes with the next decode step
             last = seq.prompt[-1]
             logits = self.model(mx.array([[last]]), cache=seq.cache)[:, -1, :]
             logprobs = (logits - mx.logsumexp(logits, keepdims=True)).squeeze(0)
@@ -212,8 +217,16 @@ class GenerationCore:
             mx.eval([row for _, row in rows], caches)
         for seq, _ in rows:  # fed: its keys and values are in the cache (the processors
             seq.ledger.append(seq.pending)  # that sample the next token see it too)
+        opening = [s for s, _ in rows if not s.tokens]  # fed their prompt's last token
         sampled = [s.sample(row) for s, row in rows]
         mx.eval(sampled, caches)
+        for seq, row in rows:
+            if seq in opening:  # its logits are the prompt's end: keep them, as a prefill does
+                seq.fed += 1
+                seq.logprobs = (row - mx.logsumexp(row, axis=-1, keepdims=True))[0]
+                mx.eval(seq.logprobs)
+                if seq.on_prompt is not None:
+                    seq.on_prompt(seq.logprobs)
         ended = []
         for (seq, _), token in zip(rows, sampled):
             seq.tokens.append(int(token.item()))

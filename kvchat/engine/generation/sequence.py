@@ -70,8 +70,9 @@ class Sequence:
 
     @property
     def pending(self) -> int:
-        """The last sampled token, which the next decode step feeds."""
-        return self.tokens[-1]
+        """The token the next decode step feeds: the last sampled one, or before the first,
+        the prompt's last (when the decode step evaluates it with the other rows)."""
+        return self.tokens[-1] if self.tokens else self.prompt[-1]
 
     def post(self, message: Prefill | int | Left) -> None:
         self.messages.put(message)
