@@ -123,7 +123,7 @@ def _lost(ended: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
 
 def tui_flags(args: list[str]) -> dict:
     """The TUI's options (``kvchat``'s own, read by its own definitions) from ``args``:
-    :func:`kvchat.tui.app.tui_app`'s keyword arguments."""
+    :func:`kvchat.tui.run.tui_app`'s keyword arguments."""
     options = typer.core.TyperCommand("kvchat", params=typer.main.get_command(app).params,
                                       context_settings={"allow_extra_args": True})
     try:
@@ -160,7 +160,7 @@ def sharded_tui(ring: Ring, flags: dict, run=None) -> int:
     from kvchat import store
     from kvchat.config import ConfigError
     from kvchat.engine import distributed
-    from kvchat.tui.app import run_app, tui_app
+    from kvchat.tui.run import run_app, tui_app
 
     ring.start()
     try:

@@ -79,7 +79,7 @@ def root(
             raise _fail(SHARDED_ONLY, 2)
     if ctx.invoked_subcommand is not None:
         return
-    from kvchat.tui.app import run_tui
+    from kvchat.tui.run import run_tui
 
     if system is not None:
         system = _as_text(system, "--system")

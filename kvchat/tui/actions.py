@@ -1,24 +1,38 @@
 """The actions on the active tab that open a dialog or run one engine call in its worker:
-save, trim or undo, cache kind, reset, regenerate, drop, rename.
+save, trim or undo, cache kind, reset, regenerate, drop, rename, settings.
 
-A mixin of :class:`~kvchat.tui.app.KvChatApp`.
+The app holds a :class:`TabActions` (``app.tab_actions``); its ``action_*`` methods call
+it. Each acts on the app's idle active conversation, through its dialogs, its notices
+and its tab controller.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from kvchat import store
 from kvchat.engine.events import TurnDone
 from kvchat.engine.kinds import OFFERED_KINDS, applicable_kinds, known_applicable_kinds
 
 from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
+from .screens.settings import SettingsDialog, TabSettings
 from .widgets.sidebar import user_turns
 
+if TYPE_CHECKING:
+    from .app import KvChatApp
 
-class ActionsMixin:
-    """``action_*`` handlers for the active conversation (see ``KvChatApp.BINDINGS``)."""
 
-    def action_save(self) -> None:
-        conversation = self.idle_conversation()
+class TabActions:
+    """What the keys of ``KvChatApp.BINDINGS`` do to the active conversation of ``app``."""
+
+    def __init__(self, app: KvChatApp) -> None:
+        self.app = app
+        self.notify = app.notify
+        self.push_screen = app.push_screen
+
+    def save(self) -> None:
+        conversation = self.app.idle_conversation()
         if conversation is None:
             return
         if not user_turns(conversation.session):
@@ -34,8 +48,8 @@ class ActionsMixin:
         # through the pool, so that it knows the tab is clean (Ctrl+W then closes at once)
         conversation.save(saved)
 
-    def action_trim(self) -> None:
-        conversation = self.idle_conversation()
+    def trim(self) -> None:
+        conversation = self.app.idle_conversation()
         if conversation is None:
             return
         session = conversation.session
@@ -62,8 +76,8 @@ class ActionsMixin:
 
         self.push_screen(TrimDialog(session.cache_tokens, user_turns(session)), chosen)
 
-    def action_cache_kind(self) -> None:
-        conversation = self.idle_conversation()
+    def cache_kind(self) -> None:
+        conversation = self.app.idle_conversation()
         if conversation is None:
             return
         session = conversation.session
@@ -98,8 +112,8 @@ class ActionsMixin:
             needs_cache=False,
         )
 
-    def action_reset_cache(self) -> None:
-        conversation = self.idle_conversation()
+    def reset_cache(self) -> None:
+        conversation = self.app.idle_conversation()
         if conversation is None:
             return
 
@@ -109,8 +123,8 @@ class ActionsMixin:
 
         conversation.run_job("resetting", lambda progress: conversation.session.reset(), done)
 
-    async def action_regenerate(self) -> None:
-        conversation = self.idle_conversation()
+    async def regenerate(self) -> None:
+        conversation = self.app.idle_conversation()
         if conversation is None:
             return
         session = conversation.session
@@ -133,8 +147,8 @@ class ActionsMixin:
 
         await conversation.regenerate(said)
 
-    def action_drop(self) -> None:
-        conversation = self.idle_conversation()
+    def drop(self) -> None:
+        conversation = self.app.idle_conversation()
         if conversation is None:
             return
         name = conversation.session_name
@@ -143,31 +157,31 @@ class ActionsMixin:
             if where is None:
                 return
             if where == "disk":
-                await self.close_conversation(conversation, disk="delete")
+                await self.app.tab_control.close_conversation(conversation, disk="delete")
                 self.notify(f"Dropped {name} from memory and disk.", markup=False)
                 return
 
             def save(progress) -> None:
                 # An offloaded cache is on disk already, as the offload saved it.
-                if name not in self.pool or self.pool.entry(name).in_memory:
+                if name not in self.app.pool or self.app.pool.entry(name).in_memory:
                     store.save(conversation.session, name)
 
             async def closed() -> None:
-                await self.close_conversation(conversation)
+                await self.app.tab_control.close_conversation(conversation)
                 self.notify(f"Saved as {name} and closed; reopen it with Ctrl+O.",
                             markup=False)
 
             def saved(_) -> None:
                 conversation.saved = True
                 # not from inside the tab's own handler: removing it waits for that handler
-                self.call_later(closed)
+                self.app.call_later(closed)
 
             conversation.run_job("saving", save, saved, needs_cache=False)
 
         self.push_screen(DropDialog(name, store.exists(name)), chosen)
 
-    def action_rename(self) -> None:
-        conversation = self.idle_conversation()
+    def rename(self) -> None:
+        conversation = self.app.idle_conversation()
         if conversation is None:
             return
         old = conversation.session_name
@@ -180,7 +194,7 @@ class ActionsMixin:
             except store.StoreError as error:
                 self.notify(str(error), severity="error", markup=False)
                 return
-            taken = {c.session_name for c in self.conversations()}
+            taken = {c.session_name for c in self.app.conversations()}
             if new in taken or store.exists(new):
                 self.notify(f"A session named {new!r} already exists.", severity="error",
                             markup=False)
@@ -188,22 +202,53 @@ class ActionsMixin:
             saved = conversation.saved and store.exists(old)
 
             def move(progress):
-                if old in self.pool:
-                    self.pool.get(old, progress)  # back from disk if it was offloaded
+                if old in self.app.pool:
+                    self.app.pool.get(old, progress)  # back from disk if it was offloaded
                 if saved:
                     store.save(conversation.session, new)
                     store.delete(old)
 
             def moved(_) -> None:
-                if old in self.pool:
-                    self.pool.rename(old, new)
+                if old in self.app.pool:
+                    self.app.pool.rename(old, new)
                 else:
-                    self.pool.add(new, conversation.session)
+                    self.app.pool.add(new, conversation.session)
                 conversation.session_name = new
                 if conversation.parent is not None:
-                    self.tabs.get_tab(conversation.parent.id).label = new
-                self.refresh_sidebar()
+                    self.app.tabs.get_tab(conversation.parent.id).label = new
+                self.app.refresh_sidebar()
 
             conversation.run_job("renaming", move, moved, needs_cache=False)
 
         self.push_screen(RenameDialog(old), chosen)
+
+    def settings(self) -> None:
+        conversation = self.app.idle_conversation()
+        if conversation is None:
+            return
+        session = conversation.session
+
+        def chosen(result: TabSettings | None) -> None:
+            if result is None:
+                return
+            sampling = replace(session.settings, **result.values)
+            changed = sampling != session.settings
+            session.settings = sampling
+            if result.system == (session.system or ""):
+                self.notify("Settings apply from the next turn." if changed
+                            else "Nothing changed.")
+                self.app.refresh_sidebar()
+                return
+
+            def done(kept: int):
+                tokens = "token" if kept == 1 else "tokens"
+                self.notify(f"System prompt changed: the cache keeps its first {kept:,} "
+                            f"{tokens}; the next turn evaluates the rest.", markup=False)
+                return conversation.reload()
+
+            conversation.run_job("applying", lambda progress: session.set_system(result.system),
+                                 done, needs_cache=False)
+
+        self.push_screen(
+            SettingsDialog(session.lm.model_id, session.system or "", session.settings), chosen
+        )

@@ -10,55 +10,55 @@ palette are built from those lists.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from textual import on
-from textual.app import App, ComposeResult
-from textual.binding import Binding
+from textual.app import App, ComposeResult, SystemCommand
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, TabbedContent, Tabs
 
 from kvchat import store
-from kvchat.config import Config, ConfigError, load_config, remember
+from kvchat.config import Config
 from kvchat.engine.registry import ModelRegistry
 from kvchat.engine.scheduler import Scheduler
-from kvchat.engine.threads import mlx_event_loop
 from kvchat.pool import SessionPool
-from kvchat.settings import apply_overrides
-from kvchat.themes import kvchat_themes
 
-from .actions import ActionsMixin
+from .actions import TabActions
+from .bindings import APP_BINDINGS, SYSTEM_BINDINGS, TAB_ACTIONS
 from .conflict import Conflicts
-from .expiry import ExpiryMixin
-from .keys import KeysMixin
-from .models import ModelsMixin
+from .expiry import ExpiryTicker
+from .keys import BindingGroups, binding_groups, install_keymap, system_commands
+from .models import ModelLoader
 from .quitting import Quitter
+from .screens.help import HelpScreen
 from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker
-from .sharded import ShardedMixin
-from .tabs import TabsMixin
-from .transfer import TransferMixin
+from .sharded import ONE_TAB, ShardedRun
+from .tabs import TabController
+from .theming import install_themes, remember_theme
+from .transfer import TransferService
 from .widgets.chat import Conversation
 from .widgets.sidebar import CacheInfo, CacheSidebar
 from .widgets.turn_events import Changed, SessionConflict
 
-# Actions that need an open conversation (and no dialog on top).
-_TAB_ACTIONS = {
-    "close_tab", "next_tab", "previous_tab", "rename", "save", "trim", "cache_kind",
-    "reset_cache", "drop", "regenerate", "stop", "settings", "export",
-}
 
-
-class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin, KeysMixin,
-                TransferMixin, App):
+class KvChatApp(App):
     """kvchat's terminal UI.
 
     ``lm`` is a loaded model (tests pass the demo model); without it the app
     loads ``config.model`` behind a loading screen. ``volatile=False`` hides
     timings and memory figures, so snapshots are deterministic.
+
+    The work is done by collaborators the app holds: ``tab_control`` (a
+    :class:`TabController`: tabs opened, resumed, closed), ``tab_actions`` (a
+    :class:`TabActions`: what the keys do to the active tab), ``model_loader`` (a
+    :class:`ModelLoader`), ``transfer`` (a :class:`TransferService`: export, import),
+    ``expiry`` (an :class:`ExpiryTicker`: idle caches to disk) and, in a sharded run,
+    ``shards`` (a :class:`ShardedRun`). Its ``action_*`` methods call them.
     """
 
     CSS_PATH = "kvchat.tcss"
@@ -67,52 +67,9 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (70, "-medium"), (100, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
 
-    # The footer shows them in this order, as far as the width goes: help first. Each has
-    # an id, which ``[keymap]`` in config.toml may give other keys (see ``keymap.py``).
-    APP_BINDINGS = [
-        # F1 only: "?" is a character the message box needs.
-        Binding("f1", "help", "Help", id="help", tooltip="List every key."),
-        Binding("ctrl+t", "new_tab", "New tab", id="new_tab",
-                tooltip="Start a new conversation in a new tab."),
-        Binding("ctrl+w", "close_tab", "Close tab", id="close_tab", priority=True, show=False,
-                tooltip="Close the active tab; unsaved messages are saved first (autosave) "
-                        "or a dialog asks."),
-        Binding("ctrl+pagedown,alt+right", "next_tab", "Next tab", id="next_tab", show=False),
-        Binding("ctrl+pageup,alt+left", "previous_tab", "Previous tab", id="previous_tab",
-                show=False),
-        Binding("f2", "rename", "Rename", id="rename", show=False,
-                tooltip="Rename the active session."),
-        Binding("escape", "stop", "Stop", id="stop", tooltip="Stop the reply being written."),
-        Binding("ctrl+s", "save", "Save", id="save", tooltip="Save the session, cache included."),
-        Binding("ctrl+l", "trim", "Undo/trim", id="trim",
-                tooltip="Undo the last turn or trim the history."),
-        Binding("f4", "cache_kind", "Cache type", id="cache_kind",
-                tooltip="Switch the cache kind of this tab."),
-        Binding("f9", "settings", "Settings", id="settings", show=False,
-                tooltip="This tab's system prompt, temperature, top-p and max tokens."),
-        Binding("ctrl+n", "new_tab_model", "New tab, model…", id="new_tab_model", show=False,
-                tooltip="Open a new tab on another model (loaded on demand)."),
-        Binding("ctrl+r", "reset_cache", "Reset cache", id="reset_cache", show=False,
-                tooltip="Empty the cache; the next turn prefills the whole transcript."),
-        Binding("f5", "regenerate", "Regenerate", id="regenerate", show=False,
-                tooltip="Replace the last reply with a new one."),
-        Binding("f8", "drop", "Drop", id="drop", show=False,
-                tooltip="Drop the session from memory, or from disk too."),
-        Binding("ctrl+o,f3", "sessions", "Sessions", id="sessions",
-                tooltip="Open a saved session."),
-        Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="toggle_sidebar", show=False,
-                tooltip="Show or hide the cache panel."),
-        Binding("f12", "export", "Export…", id="export", show=False,
-                tooltip="Write this tab's transcript to a file, as Markdown or JSON."),
-        Binding("shift+f12", "import", "Import…", id="import", show=False,
-                tooltip="Open a JSON export as a new session (its cache built on first use)."),
-    ]
-    # Textual's own two, given ids (Textual adds the palette's key when no binding has it).
-    SYSTEM_BINDINGS = [
-        Binding("ctrl+p", "command_palette", "palette", id="command_palette", priority=True,
-                show=False, tooltip="Every action, and the themes."),
-        Binding("ctrl+q", "quit", "Quit", id="quit", priority=True, show=False),
-    ]
+    # Every key of the app, declared in bindings.py (the footer's order, their ids).
+    APP_BINDINGS = APP_BINDINGS
+    SYSTEM_BINDINGS = SYSTEM_BINDINGS
     BINDINGS = APP_BINDINGS + SYSTEM_BINDINGS
 
     def __init__(
@@ -146,9 +103,17 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
         # or when the caches and models in memory pass ``memory_budget`` bytes.
         self.pool = SessionPool.for_config(self.config, self.models)
         self.expire_every = expire_every
-        self._maintaining = False
+        self.expiry = ExpiryTicker(
+            self.pool, self.scheduler, tabs=self.conversations, call_from_thread=self.call_from_thread,
+            run_worker=lambda work: self.run_worker(work, name="expire", group="pool", thread=True),
+            done=self._expired)
+        self.transfer = TransferService(push_screen=self.push_screen, notify=self.notify,
+                                        open_saved=self.open_saved)
         self.quitter = Quitter(self)
-        self._tab_numbers = 0
+        self.shards: ShardedRun | None = None  # see shard()
+        self.tab_control = TabController(self)
+        self.tab_actions = TabActions(self)
+        self.model_loader = ModelLoader(self)
         self._theme_ready = False
         self.keymap: dict[str, str] = {}  # the [keymap] entries in use: binding id -> keys
 
@@ -177,46 +142,33 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
     def on_mount(self) -> None:
         if not self.is_headless:  # a terminal's app: SIGTERM and SIGHUP save, then quit
             self.quitter.listen()
-        self._apply_keymap()
-        self._register_themes()
+        self.keymap = install_keymap(self.config.keymap, self.binding_groups(), self.set_keymap,
+                                     self.notify)
+        if "command_palette" in self.keymap:  # the footer shows the palette by this key
+            self.COMMAND_PALETTE_BINDING = self.keymap["command_palette"].split(",")[0]
+        install_themes(self, self.config.theme)
+        self.theme_changed_signal.subscribe(self, self._theme_changed)
+        self._theme_ready = True
         if self.expire_every and self.expire_every > 0:
             self.set_interval(self.expire_every, self.expire_idle, name="expire")
         if self.lm is None:
             self.push_screen(LoadingScreen(f"Loading model {self.config.model}…"))
-            self._load_model(self.config.model)
+            self.model_loader.load_default(self.config.model)
         else:
-            self.call_later(self._start)
+            self.call_later(self.start)
 
     def on_unmount(self) -> None:
         if not self.is_headless:
             self.quitter.stop_listening()
 
-    def _register_themes(self) -> None:
-        themes, problems = kvchat_themes()
-        for theme in themes:
-            self.register_theme(theme)
-        for problem in problems:
-            self.notify(f"Theme skipped: {problem}", severity="warning", markup=False)
-        if self.config.theme in self.available_themes:
-            self.theme = self.config.theme
-        else:
-            self.notify(f"Unknown theme {self.config.theme!r}; using kvchat-dark.",
-                        severity="warning", markup=False)
-            self.theme = "kvchat-dark"
-        self.theme_changed_signal.subscribe(self, self._theme_changed)
-        self._theme_ready = True
-
     def _theme_changed(self, theme) -> None:
         if self._theme_ready and theme.name != self.config.theme:
             self.config = self.config.override(theme=theme.name)
-            try:
-                remember(self.config_path, theme=theme.name)
-            except ConfigError as error:  # the file does not parse: it was left alone
-                self.notify(str(error), severity="warning", markup=False)
-            except OSError as error:
-                self.notify(f"Could not remember the theme: {error}", severity="warning")
+            remember_theme(self.config_path, theme.name, self.notify)
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """With the app's model loaded: resume the session asked for, or offer the saved
+        ones, or open a new tab."""
         if self.resume:
             self.open_saved(self.resume)
             return
@@ -264,12 +216,11 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
         found = pane.query(Conversation)
         return found.first() if found else None
 
-    def _unique_name(self, base: str = "chat") -> str:
-        taken = {c.session_name for c in self.conversations()}
-        n = 1
-        while f"{base}-{n}" in taken or store.exists(f"{base}-{n}"):
-            n += 1
-        return f"{base}-{n}"
+    async def new_tab(self) -> Conversation | None:
+        return await self.tab_control.new_tab()
+
+    def open_saved(self, name: str) -> None:
+        self.tab_control.open_saved(name)
 
     @on(SessionConflict)
     def _session_conflict(self, event: SessionConflict) -> None:
@@ -299,7 +250,7 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
     # ------------------------------------------------------------- actions
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in _TAB_ACTIONS:
+        if action in TAB_ACTIONS:
             if self.lm is None or not self.is_mounted:
                 return False
             if len(self.screen_stack) > 1 and action != "stop":
@@ -343,9 +294,80 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
             self.run_worker(self.quitter.finish(), group="quit")
 
     def action_sessions(self) -> None:
-        if self._refused():
-            return
-        self.push_screen(SessionPicker(store.list_sessions()), self._picked)
+        if self.shards is None or not self.shards.refused():
+            self.push_screen(SessionPicker(store.list_sessions()), self._picked)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.binding_groups()))
+
+    @classmethod
+    def binding_groups(cls) -> BindingGroups:
+        """Every binding of the TUI, by where it works (see :func:`keys.binding_groups`)."""
+        return binding_groups(cls.APP_BINDINGS, cls.SYSTEM_BINDINGS)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from system_commands(self.APP_BINDINGS, self.keymap, self.run_action,
+                                   self.active_conversation())
+        yield from super().get_system_commands(screen)
+
+    def action_export(self) -> None:
+        conversation = self.idle_conversation()
+        if conversation is not None:
+            self.transfer.export(conversation.session, conversation.session_name)
+
+    def action_import(self) -> None:
+        if not self.one_tab_only():
+            self.transfer.import_(self.lm.model_id,
+                                  lambda: [c.session_name for c in self.conversations()])
+
+    # ------------------------------------------------------------- expiry
+
+    def expire_idle(self) -> None:
+        """The expiry timer's tick (see :class:`ExpiryTicker`)."""
+        if self.lm is not None:
+            self.expiry.tick()
+
+    def _expired(self, offloaded: list[str], error: str | None) -> None:
+        if error:
+            self.notify(error, severity="warning", markup=False)
+        self.tab_control.mark_offloaded(offloaded)
+
+    async def action_close_tab(self) -> None:
+        if not self.one_tab_only():
+            await self.tab_control.close_tab()
+
+    def action_new_tab_model(self) -> None:
+        if not self.one_tab_only():
+            self.model_loader.new_tab_model()
+
+    def action_save(self) -> None:
+        self.tab_actions.save()
+
+    def action_trim(self) -> None:
+        self.tab_actions.trim()
+
+    def action_cache_kind(self) -> None:
+        self.tab_actions.cache_kind()
+
+    def action_reset_cache(self) -> None:
+        self.tab_actions.reset_cache()
+
+    async def action_regenerate(self) -> None:
+        await self.tab_actions.regenerate()
+
+    def action_drop(self) -> None:
+        if self.shards is not None:
+            self.shards.drop()
+        else:
+            self.tab_actions.drop()
+
+    def action_rename(self) -> None:
+        if not self.one_tab_only():
+            self.tab_actions.rename()
+
+    def action_settings(self) -> None:
+        self.tab_actions.settings()
 
     def action_toggle_sidebar(self) -> None:
         shown = self.sidebar.display
@@ -353,56 +375,32 @@ class KvChatApp(ShardedMixin, TabsMixin, ActionsMixin, ModelsMixin, ExpiryMixin,
         self.main_screen.set_class(not shown, "-show-sidebar")
 
 
+    # ------------------------------------------------------------- a sharded run
 
-def tui_app(*, model: str | None = None, cache: str | None = None, system: str | None = None,
-            resume: str | None = None, flags: dict[str, Any] | None = None) -> KvChatApp:
-    """The TUI with the config file's settings, overridden by the given options and
-    ``flags`` (generation settings by name, None where not given, as
-    :func:`kvchat.cli.common.setting_options` passes them); the flags given also win
-    over the settings saved with the sessions it opens. :class:`ConfigError` or
-    :class:`store.StoreError` says why not."""
-    if resume and model is None:
-        model = store.summary(resume).model_id
-    flags = flags or {}
-    config = apply_overrides(load_config(), {"model": model, "cache": cache, "system": system},
-                             flags)
-    given = {name: getattr(config, name) for name, value in flags.items() if value is not None}
-    return KvChatApp(config, resume=resume, settings_flags=given)
+    @property
+    def sharded(self) -> bool:
+        return self.shards is not None
 
+    def shard(self, lm) -> None:
+        """Before the app runs: use ``lm`` (a model loaded over every rank) for one tab.
+        Idle caches stay in memory (an offload is one rank's, not every rank's). Which
+        cache kinds the model takes is found out now, on every rank together: the kind
+        dialog and new sessions then ask rank 0's kept answers, running nothing."""
+        self.shards = ShardedRun(self, lm)
+        self.shards.probe_kinds()
+        self.lm = lm
+        self.models.retain(lm)
+        self.expire_every = 0
+        self.picker_on_start = False
 
-def run_tui(**flags) -> int:
-    """Start the TUI (:func:`tui_app` says what ``flags`` can be). Returns the exit status."""
-    import sys
+    def rank_lost(self) -> None:
+        """Another rank ended: quit (status 1) as soon as the turn it was in has failed
+        too; ``kvchat launch`` then says which rank it was."""
+        self.run_worker(self.quitter.exit_when_idle(return_code=1), group="quit")
 
-    try:
-        app = tui_app(**flags)
-    except (store.StoreError, ConfigError) as error:
-        print(f"kvchat: {error}", file=sys.stderr)
-        return 2
-    return run_app(app)
+    def one_tab_only(self) -> bool:
+        """True (after saying why) in a sharded run: it keeps its one tab, on one model."""
+        if self.shards is not None:
+            self.notify(ONE_TAB, severity="warning", markup=False)
+        return self.shards is not None
 
-
-def run_app(app: KvChatApp) -> int:
-    """Run ``app`` until it exits; returns its exit status. Its thread workers run in an
-    :class:`~kvchat.engine.threads.MlxThreadPool`, whose threads have ended cleanly when
-    this returns, so the process then exits normally."""
-    with mlx_event_loop() as loop:
-        app.run(loop=loop)
-    return after_exit(app)
-
-
-def after_exit(app: KvChatApp) -> int:
-    """Once ``app`` has ended and every worker with it: save what is still unsaved (after a
-    signal, or a crash of the UI) where autosave is on, on the app's thread; return the
-    exit status. (A sharded run saves through its ring, which is gone by now.)"""
-    import sys
-
-    if app.config.autosave and not app.sharded:
-        try:
-            app.pool.save_unsaved()
-        except (store.StoreError, OSError) as error:
-            print(f"kvchat: could not save before quitting: {error}", file=sys.stderr)
-            return 1
-    if app.quitter.signalled is not None:
-        return 0
-    return app.return_code or 0

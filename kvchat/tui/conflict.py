@@ -31,7 +31,7 @@ class Conflicts:
         if isinstance(app.screen, ConflictDialog):
             return
         name = conversation.session_name
-        new = app._unique_name(name)
+        new = app.tab_control.unique_name(name)
 
         def chosen(choice: str | None) -> None:
             if choice == "reload":
@@ -56,7 +56,7 @@ class Conflicts:
         draft = conversation.input.text
         if conversation.parent is not None:
             await app.tabs.remove_pane(conversation.parent.id)  # the pool holds the new one
-        shown = await app.add_conversation(
+        shown = await app.tab_control.add_conversation(
             loaded.session, name, saved=True, notice_kind="info",
             notice=(f"Reloaded {name} as another kvchat saved it"
                     + ("; this tab's turns are kept as a branch (select a message, ← / → "

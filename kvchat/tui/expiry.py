@@ -1,34 +1,61 @@
 """Time to live and memory budget: idle tabs' caches go to disk (``SessionPool``), in a
-worker that holds the model, so an offload never overlaps a reply or a job.
-
-A mixin of :class:`~kvchat.tui.app.KvChatApp`; its timer calls :meth:`expire_idle`.
-"""
+worker that holds the model, so an offload never overlaps a reply or a job."""
 
 from __future__ import annotations
 
-from textual import work
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kvchat.engine.scheduler import Scheduler
+from kvchat.pool import SessionPool
 
 
-class ExpiryMixin:
-    """Offloads idle caches for the app (``pool``, ``scheduler``, ``conversations``)."""
+class Tab(Protocol):
+    """An open tab as the ticker reads it (a :class:`~kvchat.tui.widgets.chat.Conversation`)."""
 
-    def expire_idle(self) -> None:
-        """The timer's tick: offload caches idle past ``ttl`` or over ``memory_budget``.
+    owner: str  # its name in the scheduler's queue
+    session_name: str
+    busy: bool
+
+
+class ExpiryTicker:
+    """Offloads idle caches of ``pool`` in turn with the tabs (``scheduler``).
+
+    ``tabs()`` lists the open tabs; ``run_worker(fn)`` runs ``fn`` in a worker thread,
+    ``call_from_thread(fn, *args)`` runs ``fn`` back on the UI thread, where
+    ``done(offloaded, error)`` gets the names offloaded and what failed, if anything.
+    """
+
+    def __init__(self, pool: SessionPool, scheduler: Scheduler, *,
+                 tabs: Callable[[], list[Tab]],
+                 run_worker: Callable[[Callable[[], None]], Any],
+                 call_from_thread: Callable[..., Any],
+                 done: Callable[[list[str], str | None], None]) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self.tabs = tabs
+        self.run_worker = run_worker
+        self.call_from_thread = call_from_thread
+        self.done = done
+        self.running = False  # a tick's worker has not reported back yet
+
+    def tick(self) -> None:
+        """Offload caches idle past ``ttl`` or over ``memory_budget``.
 
         The offload runs in a worker holding the model (the scheduler), so it never
         overlaps a reply or a job; tabs that are busy or queued are marked as just
         used first, so neither rule picks them.
         """
-        if self.lm is None or self._maintaining or not self.pool.names():
+        if self.running or not self.pool.names():
             return
         if not (self.pool.ttl_s or self.pool.memory_budget_bytes):
             return
-        self._maintaining = True
-        tabs = [(c.owner, c.session_name, c.busy) for c in self.conversations()]
-        self._expire_worker(tabs)
+        self.running = True
+        tabs = [(tab.owner, tab.session_name, tab.busy) for tab in self.tabs()]
+        self.run_worker(lambda: self.offload(tabs))
 
-    @work(thread=True, group="pool")
-    def _expire_worker(self, tabs: list[tuple[str, str, bool]]) -> None:
+    def offload(self, tabs: list[tuple[str, str, bool]]) -> None:
+        """Worker thread: the offload itself, then the report to the UI thread."""
         offloaded: list[str] = []
         error = None
         try:
@@ -40,19 +67,10 @@ class ExpiryMixin:
         except Exception as exc:  # a failed save leaves the cache in memory
             error = f"Could not offload a session: {type(exc).__name__}: {exc}"
         try:
-            self.call_from_thread(self._expired, offloaded, error)
+            self.call_from_thread(self.finished, offloaded, error)
         except RuntimeError:  # the app closed meanwhile
             pass
 
-    def _expired(self, offloaded: list[str], error: str | None) -> None:
-        self._maintaining = False
-        if error:
-            self.notify(error, severity="warning", markup=False)
-        self.mark_offloaded(offloaded)
-
-    def mark_offloaded(self, offloaded: list[str]) -> None:
-        """The tabs whose caches went to disk are saved; the sidebar says offloaded."""
-        for conversation in self.conversations():
-            if conversation.session_name in offloaded:
-                conversation.saved = True
-        self.refresh_sidebar()
+    def finished(self, offloaded: list[str], error: str | None) -> None:
+        self.running = False
+        self.done(offloaded, error)

@@ -1,13 +1,14 @@
-"""The keys' side of the app: the ``[keymap]`` applied at start, the help screen and the
-command palette's entries, all read from the ``BINDINGS`` lists (see ``keymap.py``)."""
+"""The keys' side of the app: the ``[keymap]`` applied at start, and the command
+palette's entries, all read from the ``BINDINGS`` lists (see ``keymap.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
+from typing import Any
 
 from textual.app import SystemCommand
-from textual.screen import Screen
+from textual.binding import Binding
 
 from .keymap import check_keymap, clashes, keys_of
 from .keymap import notice as keymap_notice
@@ -19,57 +20,55 @@ from .widgets.chat import Conversation
 from .widgets.chat_input import ChatInput
 from .widgets.messages import SELECTED_BINDINGS
 
+BindingGroups = list[tuple[str, list[Binding]]]
 
-class KeysMixin:
-    """Needs ``APP_BINDINGS``, ``SYSTEM_BINDINGS``, ``config`` and ``keymap`` on the app."""
 
-    def _apply_keymap(self) -> None:
-        """Give Textual the config's ``[keymap]``, less the entries it cannot use (said in
-        one notice; those bindings keep their default keys)."""
-        ids = [binding.id for _, bindings in self.binding_groups() for binding in bindings]
-        self.keymap, problems = check_keymap(self.config.keymap, ids)
-        self.set_keymap(self.keymap)
-        if "command_palette" in self.keymap:  # the footer shows the palette by this key
-            self.COMMAND_PALETTE_BINDING = self.keymap["command_palette"].split(",")[0]
-        if problems:
-            self.notify(keymap_notice(problems), severity="warning", markup=False, timeout=10)
-        taken = clashes(self.binding_groups(), self.keymap)
-        if taken:
-            self.notify(f"Keymap: {'; '.join(taken)}.", severity="warning", markup=False,
-                        timeout=10)
+def binding_groups(app_bindings: list[Binding], system_bindings: list[Binding]) -> BindingGroups:
+    """Where each key works, and the BINDINGS list that defines it: every binding
+    of the TUI (the help screen, the keymap and the README's table read this)."""
+    return [
+        ("anywhere", app_bindings),
+        ("message box", ChatInput.BINDINGS),
+        ("conversation", Conversation.BINDINGS),
+        ("selected message", SELECTED_BINDINGS),
+        ("session picker", SessionPicker.BINDINGS),
+        ("dialogs", Dialog.BINDINGS),
+        ("edit dialog", EditDialog.BINDINGS),
+        ("help", HelpScreen.BINDINGS),
+        ("anywhere", system_bindings),
+    ]
 
-    def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(self.binding_groups()))
 
-    @classmethod
-    def binding_groups(cls) -> list[tuple[str, list]]:
-        """Where each key works, and the BINDINGS list that defines it: every binding
-        of the TUI (the help screen, the keymap and the README's table read this)."""
-        return [
-            ("anywhere", cls.APP_BINDINGS),
-            ("message box", ChatInput.BINDINGS),
-            ("conversation", Conversation.BINDINGS),
-            ("selected message", SELECTED_BINDINGS),
-            ("session picker", SessionPicker.BINDINGS),
-            ("dialogs", Dialog.BINDINGS),
-            ("edit dialog", EditDialog.BINDINGS),
-            ("help", HelpScreen.BINDINGS),
-            ("anywhere", cls.SYSTEM_BINDINGS),
-        ]
+def install_keymap(wanted: dict[str, str], groups: BindingGroups,
+                   set_keymap: Callable[[dict[str, str]], Any],
+                   notify: Callable[..., Any]) -> dict[str, str]:
+    """Give Textual (``set_keymap``) the config's ``[keymap]`` (``wanted``), less the
+    entries it cannot use (said in one notice; those bindings keep their default keys);
+    return the entries in use."""
+    ids = [binding.id for _, bindings in groups for binding in bindings]
+    keymap, problems = check_keymap(wanted, ids)
+    set_keymap(keymap)
+    if problems:
+        notify(keymap_notice(problems), severity="warning", markup=False, timeout=10)
+    taken = clashes(groups, keymap)
+    if taken:
+        notify(f"Keymap: {'; '.join(taken)}.", severity="warning", markup=False, timeout=10)
+    return keymap
 
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        for binding in self.APP_BINDINGS:
-            if binding.description:
-                key = keys_of(binding, self.keymap)[0]
-                help_text = f"{binding.tooltip or binding.description} ({key})"
-                yield SystemCommand(binding.description, help_text,
-                                    partial(self.run_action, binding.action))
-        conversation = self.active_conversation()
-        if conversation is not None:  # the message box's actions that are not typing
-            for binding in ChatInput.BINDINGS:
-                if binding.action in ("editor", "insert_file"):
-                    yield SystemCommand(binding.description,
-                                        f"{binding.tooltip} ({keys_of(binding, self.keymap)[0]})",
-                                        partial(conversation.input.run_action, binding.action))
-        yield from super().get_system_commands(screen)
+
+def system_commands(app_bindings: list[Binding], keymap: dict[str, str],
+                    run_action: Callable[[str], Any],
+                    conversation: Conversation | None) -> Iterable[SystemCommand]:
+    """The palette's entries for the app's bindings (run by ``run_action``) and for the
+    message box's actions that are not typing (when a ``conversation`` is open)."""
+    for binding in app_bindings:
+        if binding.description:
+            key = keys_of(binding, keymap)[0]
+            help_text = f"{binding.tooltip or binding.description} ({key})"
+            yield SystemCommand(binding.description, help_text, partial(run_action, binding.action))
+    if conversation is not None:
+        for binding in ChatInput.BINDINGS:
+            if binding.action in ("editor", "insert_file"):
+                yield SystemCommand(binding.description,
+                                    f"{binding.tooltip} ({keys_of(binding, keymap)[0]})",
+                                    partial(conversation.input.run_action, binding.action))

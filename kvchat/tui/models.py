@@ -1,116 +1,103 @@
-"""Models and a tab's settings: the app's model loaded at start, a tab's system prompt and
-sampling, and new tabs on another model, loaded on demand behind the loading screen and
-held in the app's model registry.
+"""Models for the app's tabs: the app's model loaded at start, and new tabs on another
+model, loaded on demand behind the loading screen and held in the app's model registry.
 
-A mixin of :class:`~kvchat.tui.app.KvChatApp`; it uses the app's ``models``
-(a :class:`~kvchat.engine.registry.ModelRegistry`), ``pool`` and ``scheduler``.
+The app holds a :class:`ModelLoader` (``app.model_loader``); it uses the app's ``models``
+(a :class:`~kvchat.engine.registry.ModelRegistry`), ``pool``, ``scheduler``, its tab
+controller and its loading screen.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from textual import work
+from functools import partial
+from typing import TYPE_CHECKING
 
 from kvchat.engine.kinds import applicable_kinds
 from kvchat.engine.model import LoadedModel, ModelLoadError
 
 from .screens.loading import LoadingScreen
-from .screens.settings import ModelDialog, SettingsDialog, TabSettings
+from .screens.settings import ModelDialog
+
+if TYPE_CHECKING:
+    from .app import KvChatApp
 
 
-class ModelsMixin:
-    """The app's model loaded at start, ``action_settings``, and ``action_new_tab_model``
-    with the worker that loads another model."""
+class ModelLoader:
+    """Loads the app's model at start, and the models of new tabs (Ctrl+N), for ``app``."""
 
-    @work(thread=True, exclusive=True, group="model")
-    def _load_model(self, spec: str) -> None:
+    def __init__(self, app: KvChatApp) -> None:
+        self.app = app
+
+    def load_default(self, spec: str) -> None:
+        """Load the app's model in a worker; the app starts when it is ready."""
+        self.app.run_worker(partial(self.load_model, spec), name="load_model", group="model",
+                            exclusive=True, thread=True)
+
+    def load_model(self, spec: str) -> None:
         """Worker: load the app's model at start; one that cannot load ends the app."""
+        app = self.app
         try:
-            lm = self.models.acquire(spec)
+            lm = app.models.acquire(spec)
         except ModelLoadError as error:
-            self.call_from_thread(self.exit, return_code=2, message=f"kvchat: {error}")
+            app.call_from_thread(app.exit, return_code=2, message=f"kvchat: {error}")
             return
-        self._probe_kinds(lm)
-        self.call_from_thread(self._model_ready, lm)
+        self.probe_kinds(lm)
+        app.call_from_thread(self.model_ready, lm)
 
-    def _probe_kinds(self, lm: LoadedModel) -> None:
+    def probe_kinds(self, lm: LoadedModel) -> None:
         """Find out whether ``lm`` can take the configured cache kind (it is tried on it
         once, see :mod:`kvchat.engine.fit`) in the loading worker, so that new tabs find
         the answer ready instead of running the model on the UI thread. The other kinds
         are tried when the kind dialog is first opened: each try is two forward passes,
         seconds on a big model on the CPU."""
-        applicable_kinds(lm.model, [self.config.cache])
+        applicable_kinds(lm.model, [self.app.config.cache])
 
-    def _model_ready(self, lm: LoadedModel) -> None:
-        self.lm = lm
-        if isinstance(self.screen, LoadingScreen):
-            self.pop_screen()
-        self._start()
+    def model_ready(self, lm: LoadedModel) -> None:
+        app = self.app
+        app.lm = lm
+        if isinstance(app.screen, LoadingScreen):
+            app.pop_screen()
+        app.start()
 
-    def action_settings(self) -> None:
-        conversation = self.idle_conversation()
-        if conversation is None:
-            return
-        session = conversation.session
+    def new_tab_model(self) -> None:
+        """Ask for a model, then open a new tab on it."""
 
-        def chosen(result: TabSettings | None) -> None:
-            if result is None:
-                return
-            sampling = replace(session.settings, **result.values)
-            changed = sampling != session.settings
-            session.settings = sampling
-            if result.system == (session.system or ""):
-                self.notify("Settings apply from the next turn." if changed
-                            else "Nothing changed.")
-                self.refresh_sidebar()
-                return
-
-            def done(kept: int):
-                tokens = "token" if kept == 1 else "tokens"
-                self.notify(f"System prompt changed: the cache keeps its first {kept:,} "
-                            f"{tokens}; the next turn evaluates the rest.", markup=False)
-                return conversation.reload()
-
-            conversation.run_job("applying", lambda progress: session.set_system(result.system),
-                                 done, needs_cache=False)
-
-        self.push_screen(
-            SettingsDialog(session.lm.model_id, session.system or "", session.settings), chosen
-        )
-
-    def action_new_tab_model(self) -> None:
         def chosen(spec: str | None) -> None:
             if spec:
                 self.open_model_tab(spec)
 
-        self.push_screen(ModelDialog(list(self.models.holders()), self.lm.model_id), chosen)
+        app = self.app
+        app.push_screen(ModelDialog(list(app.models.holders()), app.lm.model_id), chosen)
 
     def open_model_tab(self, spec: str) -> None:
         """A new tab on model ``spec``; the loading screen shows while it loads."""
-        if self.models.get(spec) is None:
-            self.main_screen.set_focus(None)  # see open_saved
-            self.push_screen(LoadingScreen(f"Loading model {spec}…"))
-        self._load_tab_model(spec)
+        app = self.app
+        if app.models.get(spec) is None:
+            app.main_screen.set_focus(None)  # see TabController.open_saved
+            app.push_screen(LoadingScreen(f"Loading model {spec}…"))
+        app.run_worker(partial(self.load_tab_model, spec), name="load_tab_model", group="load",
+                       thread=True)
 
-    @work(thread=True, group="load")
-    def _load_tab_model(self, spec: str) -> None:
+    def load_tab_model(self, spec: str) -> None:
+        """Worker: load model ``spec`` for a new tab, making room for it in the pool."""
+        app = self.app
         try:
-            with self.scheduler.turn(f"load:{spec}"):
-                lm = self.models.acquire(spec)
-                self._probe_kinds(lm)
-                offloaded = self.pool.enforce_budget()  # the new weights count too
+            with app.scheduler.turn(f"load:{spec}"):
+                lm = app.models.acquire(spec)
+                self.probe_kinds(lm)
+                offloaded = app.pool.enforce_budget()  # the new weights count too
         except ModelLoadError as error:
-            self.call_from_thread(self._load_failed, str(error))
+            app.call_from_thread(app.tab_control.load_failed, str(error))
             return
-        self.call_from_thread(self._model_tab_ready, lm, offloaded)
+        app.call_from_thread(self.model_tab_ready, lm, offloaded)
 
-    async def _model_tab_ready(self, lm: LoadedModel, offloaded: list[str]) -> None:
-        if isinstance(self.screen, LoadingScreen):
-            self.pop_screen()
+    async def model_tab_ready(self, lm: LoadedModel, offloaded: list[str]) -> None:
+        app = self.app
+        if isinstance(app.screen, LoadingScreen):
+            app.pop_screen()
+        tabs = app.tab_control
         try:
-            name = self._unique_name()
-            await self.add_conversation(self.new_session(name, lm), name)
+            name = tabs.unique_name()
+            await tabs.add_conversation(tabs.new_session(name, lm), name)
         finally:
-            self.models.release(lm)  # the worker's hold; the tab's session holds it now
-        self.mark_offloaded(offloaded)
+            app.models.release(lm)  # the worker's hold; the tab's session holds it now
+        app.tab_control.mark_offloaded(offloaded)

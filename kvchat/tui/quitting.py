@@ -6,7 +6,7 @@ or asks once, listing them (Save all, Discard, Cancel), as closing one tab does.
 A second Ctrl+Q while that goes on quits at once.
 
 A signal cannot ask and may come with no terminal left to draw on: it stops the
-replies and ends the app at once; :func:`kvchat.tui.app.run_app` then saves the
+replies and ends the app at once; :func:`kvchat.tui.run.run_app` then saves the
 unsaved sessions (``autosave`` on) once every worker has ended, on the app's
 thread, and the process exits with status 0.
 """

@@ -8,116 +8,90 @@ a branch, deleting a pair) it refuses in one sentence, shown as a notification.
 The actions that would open, close or move a tab say so in one sentence too. A
 drop (from memory, or from disk on every rank) leaves the tab on a new session.
 
-A mixin of :class:`~kvchat.tui.app.KvChatApp`, first among its bases.
+The app holds a :class:`ShardedRun` (``app.shards``) once :meth:`KvChatApp.shard` has
+given it a model loaded over every rank; its tab controller and actions ask it first.
 """
 
 from __future__ import annotations
 
-from textual import work
+from functools import partial
+from typing import TYPE_CHECKING
 
 from kvchat import store
 
 from .screens.dialogs import DropDialog
 from .screens.loading import LoadingScreen
 
+if TYPE_CHECKING:
+    from .app import KvChatApp
+
 ONE_TAB = ("A sharded run has one tab, on its one model: other tabs, models and sessions, "
            "closing and renaming need a run on one machine.")
 
 
-class ShardedMixin:
-    """``shard(lm)`` makes the app run its one session over the ranks ``lm`` spans."""
+class ShardedRun:
+    """The sharded side of ``app``: its one session over the ranks ``lm`` spans."""
 
-    sharded = False
+    def __init__(self, app: KvChatApp, lm) -> None:
+        self.app = app
+        self.lm = lm
 
-    def shard(self, lm) -> None:
-        """Before the app runs: use ``lm`` (a model loaded over every rank) for one tab.
-        Idle caches stay in memory (an offload is one rank's, not every rank's). Which
-        cache kinds the model takes is found out now, on every rank together: the kind
-        dialog and new sessions then ask rank 0's kept answers, running nothing."""
+    def probe_kinds(self) -> None:
+        """Find out which cache kinds the model takes, on every rank together (before the
+        app runs): the kind dialog and new sessions then ask rank 0's kept answers."""
         from kvchat.engine.distributed import probe_kinds
         from kvchat.engine.kinds import OFFERED_KINDS
 
-        probe_kinds(lm, list(dict.fromkeys([*OFFERED_KINDS, self.config.cache])))
-        self.sharded = True
-        self.lm = lm
-        self.models.retain(lm)
-        self.expire_every = 0
-        self.picker_on_start = False
+        probe_kinds(self.lm, list(dict.fromkeys([*OFFERED_KINDS, self.app.config.cache])))
 
-    def rank_lost(self) -> None:
-        """Another rank ended: quit (status 1) as soon as the turn it was in has failed
-        too; ``kvchat launch`` then says which rank it was."""
-        self.run_worker(self.quitter.exit_when_idle(return_code=1), group="quit")
-
-    def new_session(self, name=None, lm=None):
-        if not self.sharded:
-            return super().new_session(name, lm)
+    def new_session(self, name=None):
+        """A new session on every rank (in the app's pool as ``name`` when given)."""
         from kvchat.engine.distributed import new_session
         from kvchat.settings import generation_of
 
-        c = self.config
-        session = new_session(self.lm, kind=self._fitting_kind(self.lm), system=c.system or None,
-                              settings=generation_of(c))
+        app = self.app
+        c = app.config
+        session = new_session(self.lm, kind=app.tab_control.fitting_kind(self.lm),
+                              system=c.system or None, settings=generation_of(c))
         if name is not None:
-            self.pool.add(name, session)
+            app.pool.add(name, session)
         return session
 
-    def _refused(self) -> bool:
-        """True (after saying why) when this is a sharded run and it has its tab."""
-        if self.sharded and self.conversations():
-            self.notify(ONE_TAB, severity="warning", markup=False)
+    def refused(self) -> bool:
+        """True (after saying why) when the run has its tab already."""
+        if self.app.conversations():
+            self.app.notify(ONE_TAB, severity="warning", markup=False)
             return True
         return False
 
-    async def new_tab(self):
-        return None if self._refused() else await super().new_tab()
-
     def open_saved(self, name: str) -> None:
-        if not self.sharded:
-            return super().open_saved(name)
-        if self._refused():
+        if self.refused():
             return
-        self.push_screen(LoadingScreen(f"Opening session {name}…"))
-        self._load_sharded(name)
+        self.app.push_screen(LoadingScreen(f"Opening session {name}…"))
+        self.app.run_worker(partial(self.load, name), name="load_sharded", group="load",
+                            thread=True)
 
-    @work(thread=True, group="load")
-    def _load_sharded(self, name: str) -> None:
+    def load(self, name: str) -> None:
         """Worker: open saved session ``name`` on every rank (each its own cache shard)."""
         from kvchat.engine.distributed import load_session
 
+        tabs = self.app.tab_control
         try:
             loaded = load_session(name, self.lm)
         except store.StoreError as error:
-            self.call_from_thread(self._load_failed, str(error))
+            self.app.call_from_thread(tabs.load_failed, str(error))
             return
-        self.call_from_thread(self._loaded, name, loaded, [])
+        self.app.call_from_thread(tabs.loaded, name, loaded, [])
 
-    def _one_tab(self, action: str):
-        """The app's ``action``, or, in a sharded run, the sentence saying why not."""
-        if self.sharded:
-            self.notify(ONE_TAB, severity="warning", markup=False)
-            return None
-        return getattr(super(), f"action_{action}")()
-
-    def action_new_tab_model(self):
-        return self._one_tab("new_tab_model")
-
-    def action_import(self):
-        return self._one_tab("import")
-
-    def action_close_tab(self):
-        return self._one_tab("close_tab")
-
-    def action_drop(self):
+    def drop(self) -> None:
         """Drop the tab's session, from memory (saved on every rank first) or from disk
         too (on every rank), after the one-machine confirmation; the tab then holds a
         new session, made on every rank together."""
-        if not self.sharded:
-            return super().action_drop()
-        conversation = self.idle_conversation()
+        app = self.app
+        conversation = app.idle_conversation()
         if conversation is None:
             return
-        name, fresh = conversation.session_name, self._unique_name()
+        name, fresh = conversation.session_name, app.tab_control.unique_name()
 
         def drop(from_disk: bool):
             from kvchat.engine.distributed import delete_session
@@ -127,7 +101,7 @@ class ShardedMixin:
                 problem = delete_session(name)
             else:
                 conversation.save_now()  # every rank's shard, through the pool
-            self.pool.drop(name)
+            app.pool.drop(name)
             conversation.session.local.unload()  # rank 0's cache goes now, as the others' do
             return self.new_session(fresh), problem
 
@@ -139,19 +113,17 @@ class ShardedMixin:
                          f"(kvchat launch -- --resume {name} reopens it).")
             conversation.run_job(
                 "dropping", lambda progress: drop(where == "disk"),
-                lambda made: self.call_later(self._swap_tab, conversation, fresh, *made, said),
+                lambda made: app.call_later(self.swap_tab, conversation, fresh, *made, said),
                 needs_cache=False)
 
-        self.push_screen(DropDialog(name, store.exists(name), "start a new session in its tab"),
-                         chosen)
+        app.push_screen(DropDialog(name, store.exists(name), "start a new session in its tab"),
+                        chosen)
 
-    async def _swap_tab(self, conversation, name: str, session, problem: str | None,
-                        said: str) -> None:
+    async def swap_tab(self, conversation, name: str, session, problem: str | None,
+                       said: str) -> None:
         """Put ``session`` (new, as ``name``) in the place of ``conversation``'s tab."""
-        await self.tabs.remove_pane(conversation.parent.id)
-        await self.add_conversation(session, name)
-        self.notify(problem or said, severity="warning" if problem else "information",
-                    markup=False)
-
-    def action_rename(self):
-        return self._one_tab("rename")
+        app = self.app
+        await app.tabs.remove_pane(conversation.parent.id)
+        await app.tab_control.add_conversation(session, name)
+        app.notify(problem or said, severity="warning" if problem else "information",
+                   markup=False)

@@ -1,13 +1,15 @@
 """Opening and closing conversations: new tabs, saved sessions loaded (cache included) in
 a worker, and closing a tab without losing unsaved messages.
 
-A mixin of :class:`~kvchat.tui.app.KvChatApp`; it uses the app's ``tabs``,
-``pool``, ``scheduler`` and ``config``.
+The app holds a :class:`TabController` (``app.tab_control``); it uses the app's
+``tabs`` widget, ``pool``, ``models``, ``scheduler``, ``config`` and its dialogs.
 """
 
 from __future__ import annotations
 
-from textual import work
+from functools import partial
+from typing import TYPE_CHECKING
+
 from textual.widgets import TabPane
 
 from kvchat import drafts, store
@@ -21,9 +23,16 @@ from .screens.dialogs import CloseDialog, DraftDialog
 from .screens.loading import LoadingScreen
 from .widgets.chat import Conversation
 
+if TYPE_CHECKING:
+    from .app import KvChatApp
 
-class TabsMixin:
-    """New tabs, saved sessions opened into tabs, and tabs closed."""
+
+class TabController:
+    """New tabs, saved sessions opened into tabs, and tabs closed, for ``app``."""
+
+    def __init__(self, app: KvChatApp) -> None:
+        self.app = app
+        self.numbers = 0  # tabs made so far: each pane's id is its number
 
     def new_session(self, name: str | None = None, lm: LoadedModel | None = None) -> Session:
         """A new session on ``lm`` (default: the app's model), in the pool under ``name``
@@ -34,59 +43,76 @@ class TabsMixin:
         (:meth:`SessionPool.new_session`); while another tab uses the model it
         starts empty rather than wait or copy a cache being written.
         """
-        c = self.config
-        lm = lm or self.lm
+        app = self.app
+        if app.shards is not None:
+            return app.shards.new_session(name)
+        c = app.config
+        lm = lm or app.lm
         settings = generation_of(c)
         system = c.system or None
-        kind = self._fitting_kind(lm)
-        ticket = self.scheduler.request("new tab")
+        kind = self.fitting_kind(lm)
+        ticket = app.scheduler.request("new tab")
         try:
-            self.scheduler.wait(ticket, timeout=0)
+            app.scheduler.wait(ticket, timeout=0)
         except TimeoutError:
             session = Session(lm, kind=kind, system=system, settings=settings)
             if name is not None:
-                self.pool.add(name, session)
+                app.pool.add(name, session)
             return session
         try:
-            return self.pool.new_session(lm, kind, system, settings, name)
+            return app.pool.new_session(lm, kind, system, settings, name)
         finally:
-            self.scheduler.done(ticket)
+            app.scheduler.done(ticket)
 
-    def _fitting_kind(self, lm: LoadedModel) -> str:
+    def fitting_kind(self, lm: LoadedModel) -> str:
         """The configured cache kind, or 'standard' (saying why) when ``lm`` cannot take it."""
         try:
-            make_cache(lm.model, parse_kind(self.config.cache))
+            make_cache(lm.model, parse_kind(self.app.config.cache))
         except CacheKindError as error:
-            self.notify(f"{error} This tab uses 'standard'.", severity="warning", markup=False)
+            self.app.notify(f"{error} This tab uses 'standard'.", severity="warning",
+                            markup=False)
             return "standard"
-        return self.config.cache
+        return self.app.config.cache
+
+    def unique_name(self, base: str = "chat") -> str:
+        """``base-N``: the first N that no open tab and no saved session has."""
+        taken = {c.session_name for c in self.app.conversations()}
+        n = 1
+        while f"{base}-{n}" in taken or store.exists(f"{base}-{n}"):
+            n += 1
+        return f"{base}-{n}"
 
     async def new_tab(self) -> Conversation | None:
-        if self.lm is None:
+        """A new tab on the app's model (none before it is loaded, or in a sharded run
+        that has its tab)."""
+        if self.app.lm is None or (self.app.shards is not None and self.app.shards.refused()):
             return None
-        name = self._unique_name()
+        name = self.unique_name()
         return await self.add_conversation(self.new_session(name), name)
 
     async def add_conversation(
         self, session: Session, name: str, *, saved: bool = False, notice: str | None = None,
         notice_kind: str = "rebuild",
     ) -> Conversation:
-        self._tab_numbers += 1
-        n = self._tab_numbers
-        conversation = Conversation(session, name, self.scheduler, id=f"conv-{n}")
+        """Show ``session`` (as ``name``) in a new tab, made the active one, with ``notice``
+        at the end of its transcript if given."""
+        app = self.app
+        self.numbers += 1
+        n = self.numbers
+        conversation = Conversation(session, name, app.scheduler, id=f"conv-{n}")
         conversation.saved = saved
-        conversation.autosave = self.config.autosave
-        conversation.pool = self.pool
-        if name not in self.pool:
-            self.pool.add(name, session)
+        conversation.autosave = app.config.autosave
+        conversation.pool = app.pool
+        if name not in app.pool:
+            app.pool.add(name, session)
         pane = TabPane(name, conversation, id=f"pane-{n}")
-        await self.tabs.add_pane(pane)
-        self.tabs.active = pane.id
+        await app.tabs.add_pane(pane)
+        app.tabs.active = pane.id
         if notice:
             await conversation.add_notice(notice, notice_kind)
         conversation.log.scroll_end(animate=False)
         conversation.focus_input()
-        self.refresh_sidebar()
+        app.refresh_sidebar()
         self.offer_draft(conversation)
         return conversation
 
@@ -105,54 +131,63 @@ class TabsMixin:
             elif choice == "discard":
                 drafts.clear(name)
 
-        self.push_screen(DraftDialog(name, text), chosen)
+        self.app.push_screen(DraftDialog(name, text), chosen)
 
     def open_saved(self, name: str) -> None:
-        for conversation in self.conversations():
+        """Show saved session ``name``: its tab if open, else a new tab once it is loaded
+        (its model too, if no tab has it) behind the loading screen."""
+        app = self.app
+        if app.shards is not None:
+            app.shards.open_saved(name)
+            return
+        for conversation in app.conversations():
             if conversation.session_name == name:
                 pane = conversation.parent
-                self.tabs.active = pane.id
+                app.tabs.active = pane.id
                 conversation.focus_input()
                 return
         # Nothing keeps the focus: when the loading screen goes, Textual would focus the old
         # tab's input again, and a focused pane makes its tab the active one (TabPane.Focused).
-        self.main_screen.set_focus(None)
-        self.push_screen(LoadingScreen(f"Opening session {name}…"))
-        self._load_session(name)
+        app.main_screen.set_focus(None)
+        app.push_screen(LoadingScreen(f"Opening session {name}…"))
+        app.run_worker(partial(self.load_session, name), name="load_session", group="load",
+                       thread=True)
 
-    @work(thread=True, group="load")
-    def _load_session(self, name: str) -> None:
+    def load_session(self, name: str) -> None:
         """Worker: load the session's own model if no tab has it, then the session."""
-        screen = self.screen
+        app = self.app
+        screen = app.screen
         shown = isinstance(screen, LoadingScreen)
-        progress = (lambda done, total: self.call_from_thread(screen.set_progress, done, total)
+        progress = (lambda done, total: app.call_from_thread(screen.set_progress, done, total)
                     ) if shown else None
         try:
-            model_id = store.summary(name).model_id or self.lm.model_id
-            if shown and self.models.get(model_id) is None:
-                self.call_from_thread(screen.set_message,
-                                      f"Loading model {model_id} for session {name}…")
-            with self.scheduler.turn(f"load:{name}"):
-                lm = self.models.acquire(model_id)
+            model_id = store.summary(name).model_id or app.lm.model_id
+            if shown and app.models.get(model_id) is None:
+                app.call_from_thread(screen.set_message,
+                                     f"Loading model {model_id} for session {name}…")
+            with app.scheduler.turn(f"load:{name}"):
+                lm = app.models.acquire(model_id)
                 try:
-                    loaded = self.pool.open(name, lm, progress)
+                    loaded = app.pool.open(name, lm, progress)
                 finally:
-                    self.models.release(lm)  # the pool holds it for the open session
-                offloaded = self.pool.enforce_budget()
+                    app.models.release(lm)  # the pool holds it for the open session
+                offloaded = app.pool.enforce_budget()
         except (store.StoreError, ModelLoadError) as error:
-            self.call_from_thread(self._load_failed, str(error))
+            app.call_from_thread(self.load_failed, str(error))
             return
-        self.call_from_thread(self._loaded, name, loaded, offloaded)
+        app.call_from_thread(self.loaded, name, loaded, offloaded)
 
-    async def _loaded(self, name: str, loaded: store.Loaded, offloaded: list[str]) -> None:
-        if isinstance(self.screen, LoadingScreen):
-            self.pop_screen()
+    async def loaded(self, name: str, loaded: store.Loaded, offloaded: list[str]) -> None:
+        """UI thread: a saved session loaded (``offloaded`` made room for it) into a tab."""
+        app = self.app
+        if isinstance(app.screen, LoadingScreen):
+            app.pop_screen()
         self.mark_offloaded(offloaded)
-        Conflicts(self).warn_if_open_elsewhere(name)
-        if name not in self.pool:  # loaded outside the pool (a sharded run's)
-            self.pool.add(name, loaded.session, loaded.generation)
+        Conflicts(app).warn_if_open_elsewhere(name)
+        if name not in app.pool:  # loaded outside the pool (a sharded run's)
+            app.pool.add(name, loaded.session, loaded.generation)
         # the generation flags given (--temp, --top-k, ...): for this run, over the saved ones
-        loaded.session.settings = apply_overrides(loaded.session.settings, self.settings_flags)
+        loaded.session.settings = apply_overrides(loaded.session.settings, app.settings_flags)
         if loaded.resumed_from_disk:
             await self.add_conversation(  # with why its saved checkpoints were left out, if so
                 loaded.session, name, saved=True, notice_kind="info",
@@ -163,17 +198,20 @@ class TabsMixin:
         else:
             await self.add_conversation(loaded.session, name, saved=True, notice=loaded.notice)
 
-    async def _load_failed(self, message: str) -> None:
-        if isinstance(self.screen, LoadingScreen):
-            self.pop_screen()
-        self.notify(message, severity="error", markup=False, timeout=10)
-        if not self.conversations():
+    async def load_failed(self, message: str) -> None:
+        """UI thread: a session or a model could not load; say why (a tab stays open)."""
+        app = self.app
+        if isinstance(app.screen, LoadingScreen):
+            app.pop_screen()
+        app.notify(message, severity="error", markup=False, timeout=10)
+        if not app.conversations():
             await self.new_tab()
 
-    async def action_close_tab(self) -> None:
+    async def close_tab(self) -> None:
         """Close the active tab. Unsaved messages are saved first with ``autosave`` on
         (the default); with it off a dialog asks: Save, Discard or Cancel."""
-        conversation = self.idle_conversation()
+        app = self.app
+        conversation = app.idle_conversation()
         if conversation is None:
             return
         name = conversation.session_name
@@ -181,54 +219,64 @@ class TabsMixin:
             saved = any(m["role"] == "user" for m in conversation.session.messages)
             await self.close_conversation(conversation)
             if saved:
-                self.notify(f"Closed {name}; it is saved (Ctrl+O reopens it).", markup=False)
+                app.notify(f"Closed {name}; it is saved (Ctrl+O reopens it).", markup=False)
             return
-        if self.config.autosave:
-            self._save_and_close(conversation)
+        if app.config.autosave:
+            self.save_and_close(conversation)
             return
 
         async def chosen(choice: str | None) -> None:
             if choice == "save":
-                self._save_and_close(conversation)
+                self.save_and_close(conversation)
             elif choice == "discard":
                 await self.close_conversation(conversation, disk="discard")
-                self.notify(f"Closed {name} without saving.", markup=False)
+                app.notify(f"Closed {name} without saving.", markup=False)
 
-        self.push_screen(CloseDialog({name: store.exists(name)}), chosen)
+        app.push_screen(CloseDialog({name: store.exists(name)}), chosen)
 
-    def _save_and_close(self, conversation: Conversation) -> None:
+    def save_and_close(self, conversation: Conversation) -> None:
+        """Save ``conversation`` in its worker, then close its tab."""
         name = conversation.session_name
 
         async def closed() -> None:
             await self.close_conversation(conversation)
-            self.notify(f"Saved {name} and closed it; Ctrl+O reopens it.", markup=False)
+            self.app.notify(f"Saved {name} and closed it; Ctrl+O reopens it.", markup=False)
 
         # then: not from inside the tab's own handler, as removing the tab waits for it
-        conversation.save(lambda _: self.call_later(closed))
+        conversation.save(lambda _: self.app.call_later(closed))
 
     async def close_conversation(self, conversation: Conversation, disk: str = "keep") -> None:
         """Remove a tab and its session from memory; its copy on disk stays (``keep``), goes
         if only an offload wrote it (``discard``) or goes whatever wrote it (``delete``).
         Its model is unloaded, in a worker, when no other tab uses it."""
+        app = self.app
         if conversation.parent is not None:
-            await self.tabs.remove_pane(conversation.parent.id)
+            await app.tabs.remove_pane(conversation.parent.id)
         name = conversation.session_name
         if disk == "discard":
-            held = self.pool.discard(name, keep_hold=True)
+            held = app.pool.discard(name, keep_hold=True)
         else:
-            held = self.pool.drop(name, delete_from_disk=disk == "delete", keep_hold=True)
-        self._let_go(conversation.session, held.model_id if held is not None else None)
-        self.refresh_sidebar()
+            held = app.pool.drop(name, delete_from_disk=disk == "delete", keep_hold=True)
+        model_id = held.model_id if held is not None else None
+        app.run_worker(partial(self.let_go, conversation.session, model_id), name="let_go",
+                       group="close", thread=True)
+        app.refresh_sidebar()
 
-    @work(thread=True, group="close")
-    def _let_go(self, session: Session, model_id: str | None) -> None:
+    def let_go(self, session: Session, model_id: str | None) -> None:
         """Worker: give back a closed tab's hold on model ``model_id`` (unloading it when no
         other tab holds it) and free its cache, in turn with the other tabs. (Textual keeps
         the last worker each thread ran, and with it its arguments, for a while: they
         name the model rather than hold it.)"""
-        with self.scheduler.turn("closing a tab"):
-            lm = self.models.get(model_id) if model_id is not None else None
+        with self.app.scheduler.turn("closing a tab"):
+            lm = self.app.models.get(model_id) if model_id is not None else None
             if lm is not None:
-                self.models.release(lm)
+                self.app.models.release(lm)
             del lm
             session.close()  # drops the session's own reference to the model last
+
+    def mark_offloaded(self, offloaded: list[str]) -> None:
+        """The tabs whose caches went to disk are saved; the sidebar says offloaded."""
+        for conversation in self.app.conversations():
+            if conversation.session_name in offloaded:
+                conversation.saved = True
+        self.app.refresh_sidebar()

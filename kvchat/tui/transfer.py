@@ -3,27 +3,38 @@ store's own export and import (the ones ``kvchat sessions export|import`` use)."
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any
+
 from kvchat import store
+from kvchat.engine.session import Session
 from kvchat.safety import printable
 
 from .screens.transfer import ExportDialog, ImportDialog
 
 
-class TransferMixin:
-    """Export (Markdown or JSON) and import actions of the app."""
+class TransferService:
+    """Export (Markdown or JSON) and import, each behind its dialog.
 
-    def action_export(self) -> None:
-        conversation = self.idle_conversation()
-        if conversation is None:
-            return
-        name = conversation.session_name
+    ``push_screen(screen, callback)`` shows a dialog, ``notify(text, **options)`` says
+    what happened, ``open_saved(name)`` opens an imported session in a new tab.
+    """
+
+    def __init__(self, *, push_screen: Callable[..., Any], notify: Callable[..., Any],
+                 open_saved: Callable[[str], Any]) -> None:
+        self.push_screen = push_screen
+        self.notify = notify
+        self.open_saved = open_saved
+
+    def export(self, session: Session, name: str) -> None:
+        """Ask where, then write ``session`` (saved as ``name``) there."""
 
         def chosen(choice: tuple[str, str] | None) -> None:
             if choice is None:
                 return
             fmt, path = choice
             try:
-                text = store.export_session(conversation.session, name, fmt)
+                text = store.export_session(session, name, fmt)
                 written = store.write_export(path, text)
             except store.StoreError as error:
                 self.notify(str(error), severity="error", markup=False)
@@ -33,14 +44,15 @@ class TransferMixin:
 
         self.push_screen(ExportDialog(name), chosen)
 
-    def action_import(self) -> None:
+    def import_(self, default_model: str, in_use: Callable[[], Iterable[str]]) -> None:
+        """Ask for a JSON export, import it as a new session (a name not in ``in_use()``,
+        on ``default_model`` when it names none) and open it."""
+
         def chosen(path: str | None) -> None:
             if path is None:
                 return
             try:
-                name = store.import_session(
-                    path, default_model=self.lm.model_id,
-                    in_use={c.session_name for c in self.conversations()})
+                name = store.import_session(path, default_model=default_model, in_use=set(in_use()))
             except store.StoreError as error:
                 self.notify(str(error), severity="error", markup=False)
                 return

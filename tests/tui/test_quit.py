@@ -10,7 +10,8 @@ import pytest
 
 from kvchat import store
 from kvchat.config import Config
-from kvchat.tui.app import KvChatApp, after_exit
+from kvchat.tui.app import KvChatApp
+from kvchat.tui.run import after_exit
 from kvchat.tui.screens.dialogs import CloseDialog
 
 from .conftest import SIZE, new_tab, send, settle, until, widget_text

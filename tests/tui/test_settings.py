@@ -176,7 +176,7 @@ async def test_the_palette_reaches_the_settings_and_a_model_tab(make_app):
 async def test_max_tokens_and_temp_flags_win_over_a_resumed_sessions_saved_ones(demo_model, home):
     """`kvchat --resume chat --max-tokens 3 --temp 0`: the flags, not the saved settings,
     make the next turn and are what is saved."""
-    from kvchat.tui.app import tui_app
+    from kvchat.tui.run import tui_app
 
     saved = Session(demo_model, settings=GenerationSettings(max_tokens=40, temp=0.9))
     [e for e in saved.send("Hello there.") if isinstance(e, TurnDone)]

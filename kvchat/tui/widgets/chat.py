@@ -19,16 +19,21 @@ from kvchat.engine.scheduler import Cancelled
 from kvchat.engine.session import Chunk, Prefill, Session, SessionError, TurnDone
 from kvchat.engine.stats import CacheFigures
 
-from .branching import BranchingMixin
+from .branching import BranchNavigator
 from .chat_input import ChatInput
+from .jobs import JobRunner, Progress
 from .messages import (
     AssistantMessage,
     BranchBar,
+    MessageAction,
     NoticeMessage,
+    Selectable,
     UserMessage,
     Welcome,
     rebuild_note,
 )
+from .status import holder_name, state_text
+from .transcript import selectable, show_branches_from, transcript_widgets
 from .turn_events import (
     Changed,
     JobFinished,
@@ -44,14 +49,14 @@ if TYPE_CHECKING:
     from kvchat.engine.scheduler import Scheduler
     from kvchat.pool import SessionPool
 
-Progress = Callable[[int, int], None]
 
-
-class Conversation(BranchingMixin, Vertical):
+class Conversation(Vertical):
     """One tab: a session, its transcript, its input and a status line.
 
     ``state`` is ``idle``, ``waiting`` (queued behind another tab), ``answering``
-    or a short label of a running job (``rebuilding``...).
+    or a short label of a running job (``rebuilding``...). Its message actions are its
+    ``branches`` (a :class:`~kvchat.tui.widgets.branching.BranchNavigator`), its jobs
+    its ``jobs`` (a :class:`~kvchat.tui.widgets.jobs.JobRunner`).
     """
 
     BINDINGS = [
@@ -78,7 +83,8 @@ class Conversation(BranchingMixin, Vertical):
         self._reply_index = -1  # where the reply being written goes in the transcript
         self._redraw: int | None = None  # an edit or regenerate point: redraw from there
         self._then: Callable[[TurnDone], Any] | None = None  # for the running turn's end
-        self._code_copies: dict[int, int] = {}
+        self.branches = BranchNavigator(self)
+        self.jobs = JobRunner(self)
         # the running turn's prompt evaluation: tokens done, of how many (for the sidebar)
         self.prefill: tuple[int, int] | None = None
 
@@ -109,7 +115,7 @@ class Conversation(BranchingMixin, Vertical):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="log"):
-            yield from self._transcript_widgets()
+            yield from transcript_widgets(self.session)
         yield Static("", classes="status", markup=False)
         yield ProgressBar(total=100, show_eta=False, classes="progress")
         yield ChatInput(self.prompt_history, self.count_tokens, lambda: self.busy, classes="input",
@@ -144,32 +150,26 @@ class Conversation(BranchingMixin, Vertical):
     def focus_input(self) -> None:
         self.input.focus()
 
-    def watch_state(self, state: str) -> None:
-        status = self.query_one(".status", Static)
-        bar = self.query_one(".progress", ProgressBar)
-        if state == "idle":
-            status.update("")
-            bar.display = False
-        elif state == "waiting":
-            status.update(Text(f"Waiting for the model ({self._holder()} is using it)… "
-                               "Esc cancels"))
-        elif state == "answering":
-            status.update(Text("Answering… Esc stops"))
-        else:
-            status.update(Text(f"{state.capitalize()}…"))
-        self.post_message(Changed(self))
+    def selectable(self) -> list[Selectable]:
+        """The messages shown that can be selected, in order."""
+        return selectable(self.log)
 
-    def _holder(self) -> str:
-        """Who holds the model, as the user knows it: a tab's name rather than its widget id."""
-        owner = self.scheduler.running
-        if owner is None:
-            return "another tab"
-        for tab in self.screen.query(Conversation):
-            if tab.owner == owner:
-                return tab.session_name
-        if owner.startswith("load:"):
-            return f"opening {owner.removeprefix('load:')}"
-        return owner
+    def action_select_last(self) -> None:
+        self.branches.select_last()
+
+    @on(MessageAction)
+    async def _message_action(self, event: MessageAction) -> None:
+        event.stop()
+        await self.branches.handle(event)
+
+    def watch_state(self, state: str) -> None:
+        tabs = {} if state != "waiting" else {
+            t.owner: t.session_name for t in self.screen.query(Conversation)}
+        holder = holder_name(self.scheduler.running, tabs)
+        self.query_one(".status", Static).update(state_text(state, holder))
+        if state == "idle":
+            self.query_one(".progress", ProgressBar).display = False
+        self.post_message(Changed(self))
 
     def refuse_if_busy(self) -> bool:
         """True, with a notice saying what to do, when a reply or a job is running here."""
@@ -185,7 +185,7 @@ class Conversation(BranchingMixin, Vertical):
         """Redraw the transcript from the session (after undo, trim or resume)."""
         log = self.log
         await log.remove_children()
-        widgets = self._transcript_widgets()
+        widgets = transcript_widgets(self.session)
         if widgets:
             await log.mount_all(widgets)
         log.scroll_end(animate=False)
@@ -397,7 +397,7 @@ class Conversation(BranchingMixin, Vertical):
         if self._redraw is not None:  # the branches of the messages changed
             upto, self._redraw = self._redraw, None
             if event.done is not None and not (event.cancelled or event.error):
-                await self._show_branches_from(upto)
+                await show_branches_from(self.log, self.session, upto)
             else:  # no reply: the transcript as the session has it, from the start
                 await self.reload()
         self.log.scroll_end(animate=False)
@@ -406,52 +406,12 @@ class Conversation(BranchingMixin, Vertical):
 
     # ---------------------------------------------------------------- jobs
 
-    def run_job(
-        self,
-        label: str,
-        job: Callable[[Progress], Any],
-        then: Callable[[Any], Any] | None = None,
-        *,
-        needs_cache: bool = True,
-    ) -> bool:
-        """Run ``job(progress)`` (an engine call that uses the model) in a worker thread,
-        in turn with the other tabs; call ``then(result)`` on the UI thread afterwards.
-        With ``needs_cache`` an offloaded cache is loaded back from disk first."""
-        if self.refuse_if_busy():
-            return False
-        self.state = label
-        self._job(label, job, then, needs_cache)
-        return True
-
-    @work(thread=True, group="job")
-    def _job(
-        self, label: str, job: Callable[[Progress], Any], then: Callable | None, needs_cache: bool
-    ) -> None:
-        post = self.post_message
-        try:
-            with self.scheduler.turn(self.owner):
-                if needs_cache:
-                    self.ensure_cache(
-                        lambda done, total: post(PrefillProgress(done, total, "loading")))
-                result = job(lambda done, total: post(PrefillProgress(done, total, label)))
-        except SessionError as error:  # a refusal, such as a sharded run's: nothing was done
-            post(JobFinished(label, None, None, None, refusal=str(error)))
-        except Exception as error:
-            post(JobFinished(label, None, f"{type(error).__name__}: {error}", None))
-        else:
-            post(JobFinished(label, result, None, then))
+    def run_job(self, label: str, job: Callable[[Progress], Any],
+                then: Callable[[Any], Any] | None = None, *, needs_cache: bool = True) -> bool:
+        """Run ``job(progress)`` in the tab's worker (see :meth:`JobRunner.run`)."""
+        return self.jobs.run(label, job, then, needs_cache=needs_cache)
 
     @on(JobFinished)
     async def _job_finished(self, event: JobFinished) -> None:
         event.stop()
-        self.touch_pool()
-        self.state = "idle"
-        if event.refusal:
-            self.notify(event.refusal, severity="warning", markup=False)
-        elif event.error:
-            await self.add_notice(f"{event.label.capitalize()} failed: {event.error}", "error")
-        elif event.then is not None:
-            outcome = event.then(event.result)
-            if hasattr(outcome, "__await__"):
-                await outcome
-        self.post_message(Changed(self))
+        await self.jobs.finished(event)

@@ -1,0 +1,73 @@
+"""A tab's jobs: one engine call that uses the model (undo, trim, a kind switch, a save…),
+run in a worker thread in turn with the other tabs, its result handed to a callback on
+the UI thread."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from kvchat.engine.session import SessionError
+
+from .turn_events import Changed, JobFinished, PrefillProgress
+
+if TYPE_CHECKING:
+    from .chat import Conversation
+
+Progress = Callable[[int, int], None]
+
+
+class JobRunner:
+    """Runs ``conversation``'s jobs: it uses the tab's scheduler, owner, state, cache
+    (loaded back when offloaded) and notices."""
+
+    def __init__(self, conversation: Conversation) -> None:
+        self.conversation = conversation
+
+    def run(self, label: str, job: Callable[[Progress], Any],
+            then: Callable[[Any], Any] | None = None, *, needs_cache: bool = True) -> bool:
+        """Run ``job(progress)`` in a worker thread, in turn with the other tabs; call
+        ``then(result)`` on the UI thread afterwards. With ``needs_cache`` an offloaded
+        cache is loaded back from disk first. False (and a notice) if the tab is busy."""
+        tab = self.conversation
+        if tab.refuse_if_busy():
+            return False
+        tab.state = label
+        tab.run_worker(partial(self.work, label, job, then, needs_cache), name="job",
+                       group="job", thread=True)
+        return True
+
+    def work(
+        self, label: str, job: Callable[[Progress], Any], then: Callable | None, needs_cache: bool
+    ) -> None:
+        """Worker thread: wait for the model, run the job, report back by a message."""
+        tab = self.conversation
+        post = tab.post_message
+        try:
+            with tab.scheduler.turn(tab.owner):
+                if needs_cache:
+                    tab.ensure_cache(
+                        lambda done, total: post(PrefillProgress(done, total, "loading")))
+                result = job(lambda done, total: post(PrefillProgress(done, total, label)))
+        except SessionError as error:  # a refusal, such as a sharded run's: nothing was done
+            post(JobFinished(label, None, None, None, refusal=str(error)))
+        except Exception as error:
+            post(JobFinished(label, None, f"{type(error).__name__}: {error}", None))
+        else:
+            post(JobFinished(label, result, None, then))
+
+    async def finished(self, event: JobFinished) -> None:
+        """UI thread: the job's end (its callback, or why it failed)."""
+        tab = self.conversation
+        tab.touch_pool()
+        tab.state = "idle"
+        if event.refusal:
+            tab.notify(event.refusal, severity="warning", markup=False)
+        elif event.error:
+            await tab.add_notice(f"{event.label.capitalize()} failed: {event.error}", "error")
+        elif event.then is not None:
+            outcome = event.then(event.result)
+            if hasattr(outcome, "__await__"):
+                await outcome
+        tab.post_message(Changed(tab))
