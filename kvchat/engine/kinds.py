@@ -28,7 +28,7 @@ from mlx_lm.models.cache import (
 )
 
 from . import fit, rotated
-from .families import (  # noqa: F401  (the names every user of cache kinds imports from here)
+from .families import (
     FAMILIES,
     OFFERED_KINDS,
     QUANT_GROUP_SIZE,
@@ -38,6 +38,15 @@ from .families import (  # noqa: F401  (the names every user of cache kinds impo
     parse_kind,
 )
 from .rotated import RotatedKVCache, rotate
+
+# The names of .families are re-exported: every user of cache kinds imports from here.
+__all__ = [
+    "FAMILIES", "OFFERED_KINDS", "QUANT_GROUP_SIZE", "CacheKind", "CacheKindError", "Family",
+    "parse_kind",
+    "after_turn", "allocated_bytes", "applicable_kinds", "cache_bytes", "cache_offset",
+    "compacted", "convert_cache", "copy_cache", "group_size", "held_tokens",
+    "known_applicable_kinds", "make_cache", "settle", "trim_to",
+]
 
 
 def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
