@@ -175,11 +175,11 @@ def bytes_per_token(cache: list[Any]) -> float:
     """Bytes one token takes across all layers: each layer's key and value buffers divided
     by the token slots they have (preallocated slots cost the same as used ones), so the
     figure is exact for standard, quantized and bounded kinds alike."""
-    from mlx.utils import tree_flatten
+    from kvchat.engine.trees import flatten
 
     total = 0.0
     for layer in cache:
-        arrays = [v for _, v in tree_flatten(layer.state) if hasattr(v, "nbytes")]
+        arrays = [v for _, v in flatten(layer.state) if hasattr(v, "nbytes")]
         if not arrays or arrays[0].ndim < 2 or arrays[0].shape[-2] == 0:
             continue
         total += sum(a.nbytes for a in arrays) / arrays[0].shape[-2]

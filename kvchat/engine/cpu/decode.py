@@ -24,6 +24,7 @@ The rotary embedding's cosines and sines are the model's own RoPE module's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -73,7 +74,7 @@ def rope_form(rope: nn.Module) -> RopeForm | str:
                     (type(rope).__name__, settings, table))
 
 
-def _rotations(needed: dict) -> dict:
+def _rotations(needed: dict[str, Any]) -> dict[str, Any]:
     """``{(form key, offset): (cos, sin)}`` for ``needed`` ``{(key, offset): (rope, form)}``:
     the RoPE module applied to ones and zeros (all of them in one evaluation)."""
     probes = {}
