@@ -124,7 +124,9 @@ class CacheKind:
         """
         if self.family == "standard":
             return KVCache()
-        size = self.size
+        if self.family == "concatenate":
+            return ConcatenateKVCache()
+        size = self.size  # every other family takes one
         if size is None:
             raise CacheKindError(f"Cache kind {self.name!r} needs a size, "
                                  f"e.g. {FAMILIES[self.family].offered_names()[0]}.")
@@ -136,8 +138,6 @@ class CacheKind:
             return RotatingKVCache(max_size=size, keep=min(keep, size // 2))
         if self.family == "chunked":
             return ChunkedKVCache(chunk_size=size)
-        if self.family == "concatenate":
-            return ConcatenateKVCache()
         raise AssertionError(self.family)
 
 
