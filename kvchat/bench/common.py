@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from importlib.metadata import version as package_version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import kvchat
 from kvchat import blas
@@ -93,7 +93,7 @@ def machine() -> dict[str, Any]:
         "memory_bytes": mem,
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "mlx": mx.__version__,
+        "mlx": mx.__version__,  # type: ignore[attr-defined]  # mlx.core's stubs leave it out
         "mlx_lm": package_version("mlx-lm"),
         "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
         "blas": blas.describe(),
@@ -200,7 +200,7 @@ def _eval_only_s(lm: LoadedModel, tokens: list[int]) -> float:
             lm.model(mx.array(tokens[:-1])[None], cache=cache)
             mx.eval([c.state for c in cache])
         logits = lm.model(mx.array(tokens[-1:])[None], cache=cache)
-        int(mx.argmax(logits[0, -1]).item())
+        cast(int, mx.argmax(logits[0, -1]).item())
     return time.perf_counter() - start
 
 
