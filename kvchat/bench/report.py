@@ -248,7 +248,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
 
 
 def _cpu_tables(result: dict[str, Any]) -> list[Table]:
-    out = []
+    out: list[Table] = []
     c = result.get("cpu", {})
     if "rows" in c:
         out.append((

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 try:
     import llguidance
 except ImportError:  # an optional dependency: without it response_format is refused
-    llguidance = None
+    llguidance = None  # type: ignore[assignment]  # None marks the module as missing
 
 _tokenizers: dict[tuple, Any] = {}  # (model fingerprint, end tokens) -> llguidance's tokenizer
 
