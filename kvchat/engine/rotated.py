@@ -76,8 +76,9 @@ class RotatedKVCache(QuantizedKVCache):
     """A :class:`QuantizedKVCache` of rotated keys and values (see the module)."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        keys, values = rotate(keys), rotate(values)
         # mlx-lm leaves QuantizedKVCache.update_and_fetch unannotated
-        return super().update_and_fetch(rotate(keys), rotate(values))  # type: ignore[no-untyped-call]
+        return super().update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
 
     def attention(
         self, queries: mx.array, keys: Any, values: Any, scale: float,

@@ -41,8 +41,10 @@ class ChatShape:
         return {"index": 0, "delta": {}, "finish_reason": done.finish_reason}
 
     def whole(self, done: Finished) -> dict:
-        message: dict[str, Any] = {"role": "assistant", "content": done.text or None if done.tool_calls
-                   else done.text}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": done.text or None if done.tool_calls else done.text,
+        }
         if done.tool_calls:
             message["tool_calls"] = done.tool_calls
         return {"index": 0, "finish_reason": done.finish_reason, "message": message,

@@ -42,7 +42,8 @@ class Message(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
     stopped: bool = False
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls of the tools it was offered
+    # an assistant's calls of the tools it was offered
+    tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None  # a tool's result: the call it answers
 
 
