@@ -80,8 +80,9 @@ class Attention(nn.Module):
             if out is not None:
                 return out
         # mlx-lm annotates mask as an array; it takes "causal" too, as its own models pass
+        stock_mask = cast("mx.array | None", mask)
         return scaled_dot_product_attention(queries, keys, values, cache, scale=scale,
-                                            mask=mask, sinks=sinks)  # type: ignore[arg-type]
+                                            mask=stock_mask, sinks=sinks)
 
 
 def _unpacked(keys: Any, values: Any, cache: Any) -> tuple[mx.array, mx.array]:
