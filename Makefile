@@ -27,8 +27,12 @@ test: install
 bench: install
 	$(BIN)/kvchat bench
 
+# Style (ruff's lint rules and its formatter, as pyproject.toml sets them) and types (mypy:
+# strict on the engine and the store, checked everywhere else; see [tool.mypy]).
 lint: install
 	$(BIN)/ruff check kvchat tests
+	$(BIN)/ruff format --check kvchat tests
+	$(BIN)/mypy
 
 # The engine and store tests on the lowest versions pyproject.toml allows (.ci/floors.py
 # pins each floor), in a venv of their own made afresh: the floors it declares stay true.

@@ -20,7 +20,7 @@ TMP_PREFIX = ".tmp-"  # a killed write leaves ``.tmp-<pid>-<random><suffix>``; s
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP}  # link(2) on FAT, some FUSE
 
-Writer = Callable[[BinaryIO], None]
+Writer = Callable[[BinaryIO], object]  # what it returns (a byte count, None) is not used
 
 
 def write_atomic(path: Path | str, data: bytes, *, replace: bool = True) -> str:

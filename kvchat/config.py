@@ -19,7 +19,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import field, make_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomlkit
 from tomlkit.exceptions import ParseError
@@ -44,16 +44,26 @@ __all__ = ["Config", "ConfigError", "load_config", "parse_config", "parse_size",
 MAX_FILE_BYTES = 1 << 20  # a settings file is a few hundred bytes
 
 
-def _override(self, **values: Any):
+def _override(self: Config, **values: Any) -> Config:
     """A copy with the given values set, skipping ``None`` (flags the user did not pass)."""
     return apply_overrides(self, values)
 
 
-Config = make_dataclass(
-    "Config", [(s.name, Any, field(default=s.default)) for s in SETTINGS], frozen=True,
-    namespace={"override": _override,
-               "__doc__": "Everything kvchat can be told before it starts (see kvchat.settings)."},
-)
+if TYPE_CHECKING:  # a dataclass made at run time from SETTINGS: what a type checker can see
+
+    class Config:
+        """Everything kvchat can be told before it starts (see kvchat.settings)."""
+
+        def __init__(self, **values: Any) -> None: ...
+        def __getattr__(self, name: str) -> Any: ...
+        def override(self, **values: Any) -> Config: ...
+
+else:
+    Config = make_dataclass(
+        "Config", [(s.name, Any, field(default=s.default)) for s in SETTINGS], frozen=True,
+        namespace={"override": _override, "__doc__": "Everything kvchat can be told before it "
+                   "starts (see kvchat.settings)."},
+    )
 
 
 def _check_keymap(value: Any, source: str) -> tuple[tuple[str, str], ...]:
@@ -94,7 +104,7 @@ def _read_text(path: Path) -> str | None:
         ) from None
 
 
-def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None):
+def load_config(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
     """The defaults, then ``path`` (default ``config_file()``; a missing file is fine), then
     the ``KVCHAT_<NAME>`` variables of ``environ`` (default ``os.environ``)."""
     path = _config_path(path)
@@ -103,7 +113,7 @@ def load_config(path: Path | None = None, environ: Mapping[str, str] | None = No
     return apply_overrides(config, from_env(os.environ if environ is None else environ))
 
 
-def parse_config(text: str, name: str = "config.toml"):
+def parse_config(text: str, name: str = "config.toml") -> Config:
     """A :class:`Config` from TOML text; ``name`` prefixes error messages."""
     try:
         data = tomllib.loads(text)

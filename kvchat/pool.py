@@ -31,6 +31,7 @@ from kvchat.engine.kinds import parse_kind
 
 if TYPE_CHECKING:
     from kvchat.config import Config
+    from kvchat.engine.kinds import CacheKind
     from kvchat.engine.model import LoadedModel
     from kvchat.engine.registry import ModelRegistry
     from kvchat.engine.session import GenerationSettings, Session
@@ -155,7 +156,7 @@ class SessionPool:
     def new_session(
         self,
         lm: LoadedModel,
-        kind: str = "standard",
+        kind: str | CacheKind = "standard",
         system: str | None = None,
         settings: GenerationSettings | None = None,
         name: str | None = None,
@@ -314,7 +315,7 @@ class SessionPool:
         if entry is not None:
             store.let_go(name)
         held = entry.session.lm if entry is not None and self.models is not None else None
-        if held is not None and not keep_hold:
+        if held is not None and not keep_hold and self.models is not None:
             self.models.release(held)
             held = None
         if delete_from_disk and store.exists(name):

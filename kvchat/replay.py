@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .engine.distributed import new_session
-from .engine.kinds import CacheKindError, parse_kind
+from .engine.kinds import CacheKind, CacheKindError, parse_kind
 from .engine.session import GenerationSettings, SessionError, TurnDone
 from .safety import printable, read_limited
 
@@ -102,7 +102,7 @@ def run_script(
     lm,
     script: Script,
     *,
-    kind: str = "standard",
+    kind: str | CacheKind = "standard",
     settings: GenerationSettings | None = None,
     no_cache: bool = False,
 ) -> dict:

@@ -77,11 +77,9 @@ class Setting:
         if self.rule:
             return self.rule
         more = "more than" if self.low_open else "at least"
-        if self.low is not None and self.high is not None:
-            return f"must be {more} {_number(self.low)} and at most {_number(self.high)}."
-        if self.low is not None:
-            return f"must be {more} {_number(self.low)}."
-        return f"must be at most {_number(self.high)}."
+        low = None if self.low is None else f"{more} {_number(self.low)}"
+        high = None if self.high is None else f"at most {_number(self.high)}"
+        return "must be " + " and ".join(part for part in (low, high) if part) + "."
 
     def check(self, value: Any, source: str) -> Any:
         """``value`` checked and normalised; :class:`ConfigError` says ``source = value: why``."""
@@ -113,7 +111,7 @@ class Setting:
             raise ValueError(self.out_of_range())
         if self.type is float:
             return float(value)
-        return value if self.high is not None else _bounded(value)
+        return value if self.high is not None else _bounded(int(value))
 
     def _outside(self, value: float) -> bool:
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
@@ -142,8 +140,8 @@ class Setting:
         return self.check(value, source)
 
 
-def _number(bound: float | None) -> str:
-    return str(int(bound)) if float(bound or 0).is_integer() else f"{bound:g}"
+def _number(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
 
 
 def _bounded(value: int) -> int:

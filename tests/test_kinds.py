@@ -13,6 +13,7 @@ from mlx_lm.models.cache import (
 
 from kvchat.engine.kinds import (
     OFFERED_KINDS,
+    CacheKind,
     CacheKindError,
     cache_bytes,
     make_cache,
@@ -88,3 +89,9 @@ def test_bad_names_are_clear_errors(name, message):
 @pytest.mark.parametrize("name", ["standard", "quantized:8", "quantized:4", "rotating:256", "chunked:256", "concatenate"])
 def test_an_empty_cache_holds_no_bytes(demo_model, name):
     assert cache_bytes(make_cache(demo_model.model, parse_kind(name))) == 0
+
+
+def test_a_kind_built_without_its_size_says_which_size_it_needs():
+    with pytest.raises(CacheKindError) as error:
+        CacheKind("rotating").make_layer()
+    assert str(error.value) == "Cache kind 'rotating' needs a size, e.g. rotating:4096."

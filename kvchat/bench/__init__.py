@@ -111,13 +111,13 @@ def run_bench(
 
 
 def _model_dtype(lm: LoadedModel) -> str:
-    from mlx.utils import tree_flatten
+    from kvchat.engine.trees import flatten
 
-    dtypes = {str(v.dtype) for _, v in tree_flatten(lm.model.parameters())}
+    dtypes = {str(v.dtype) for _, v in flatten(lm.model.parameters())}
     return ", ".join(sorted(d.replace("mlx.core.", "") for d in dtypes))
 
 
 def _parameters(lm: LoadedModel) -> int:
-    from mlx.utils import tree_flatten
+    from kvchat.engine.trees import flatten
 
-    return sum(v.size for _, v in tree_flatten(lm.model.parameters()))
+    return sum(v.size for _, v in flatten(lm.model.parameters()))

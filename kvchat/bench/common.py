@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from importlib.metadata import version as package_version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import kvchat
 from kvchat import blas
@@ -94,7 +94,7 @@ def machine() -> dict[str, Any]:
         "memory_bytes": mem,
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "mlx": mx.__version__,
+        "mlx": mx.__version__,  # type: ignore[attr-defined]  # mlx.core's stubs leave it out
         "mlx_lm": package_version("mlx-lm"),
         "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
         "blas": blas.describe(),
@@ -176,11 +176,11 @@ def bytes_per_token(cache: list[Any]) -> float:
     """Bytes one token takes across all layers: each layer's key and value buffers divided
     by the token slots they have (preallocated slots cost the same as used ones), so the
     figure is exact for standard, quantized and bounded kinds alike."""
-    from mlx.utils import tree_flatten
+    from kvchat.engine.trees import flatten
 
     total = 0.0
     for layer in cache:
-        arrays = [v for _, v in tree_flatten(layer.state) if hasattr(v, "nbytes")]
+        arrays = [v for _, v in flatten(layer.state) if hasattr(v, "nbytes")]
         if not arrays or arrays[0].ndim < 2 or arrays[0].shape[-2] == 0:
             continue
         total += sum(a.nbytes for a in arrays) / arrays[0].shape[-2]
@@ -201,7 +201,7 @@ def _eval_only_s(lm: LoadedModel, tokens: list[int]) -> float:
             lm.model(mx.array(tokens[:-1])[None], cache=cache)
             mx.eval([c.state for c in cache])
         logits = lm.model(mx.array(tokens[-1:])[None], cache=cache)
-        int(mx.argmax(logits[0, -1]).item())
+        cast(int, mx.argmax(logits[0, -1]).item())
     return time.perf_counter() - start
 
 

@@ -94,12 +94,14 @@ def roofline(lm: LoadedModel, rows: int, repeats: int = 2) -> dict[str, float]:
     from kvchat.engine.cpu.linear import CpuEmbedding, CpuLinear, CpuOutput, param_view
 
     layers = [m for m in lm.model.modules() if isinstance(m, CpuLinear)]
-    body = [param_view(m) for m in layers if not isinstance(m, CpuOutput)]
-    output = [param_view(m) for m in layers if isinstance(m, CpuOutput)]
-    if not output:  # tied: the embedding is the output projection
-        output = [param_view(m) for m in lm.model.modules() if isinstance(m, CpuEmbedding)]
-    if not body or any(w is None for w in body + output):
-        return {}
+    body_views = [param_view(m) for m in layers if not isinstance(m, CpuOutput)]
+    output_views = [param_view(m) for m in layers if isinstance(m, CpuOutput)]
+    if not output_views:  # tied: the embedding is the output projection
+        output_views = [param_view(m) for m in lm.model.modules() if isinstance(m, CpuEmbedding)]
+    body = [w for w in body_views if w is not None]
+    output = [w for w in output_views if w is not None]
+    if not body or len(body) + len(output) < len(body_views) + len(output_views):
+        return {}  # a weight numpy cannot take
     rng = np.random.default_rng(0)
     inputs = {n: rng.standard_normal((rows, n), dtype=np.float32) for n in {w.shape[1] for w in body + output}}
 

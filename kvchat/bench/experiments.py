@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvchat import blas
 
@@ -161,7 +161,7 @@ class Bench:
                     mx.eval([c.state for c in cache])
                     mx.clear_cache()
                 logits = self.lm.model(mx.array(prompt[-1:])[None], cache=cache)
-                first_uncached = int(mx.argmax(logits[0, -1]).item())
+                first_uncached = cast(int, mx.argmax(logits[0, -1]).item())
             clock += time.perf_counter() - t0
             done = len(prompt)
             uncached = {"ttft_s": render_s + clock, "prompt_eval_s": clock,
@@ -350,7 +350,7 @@ class Bench:
     def blas(self) -> dict[str, Any]:
         if not sys.platform.startswith("linux"):
             return {"skipped": "not Linux: mlx uses the platform BLAS"}
-        out = {}
+        out: dict[str, Any] = {}
         for label, off in (("optimised", False), ("reference", True)):
             self._say(f"blas: prefill probe with the {label} BLAS (subprocess)")
             env = dict(os.environ)

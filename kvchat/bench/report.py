@@ -139,9 +139,12 @@ def _cpu_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]], str | None]]:
+Table = tuple[str, list[str], list[list[str]], str | None]  # title, headers, rows, note
+
+
+def tables(result: dict[str, Any]) -> list[Table]:
     """(title, headers, rows, note) for every section: one source for Markdown and rich."""
-    out = []
+    out: list[Table] = []
     c = result["classic"]
     out.append((
         f"Classic: a {c['article_tokens']:,}-token article, then \"{SUMMARY_PROMPT}\"",
@@ -244,8 +247,8 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
     return out
 
 
-def _cpu_tables(result: dict[str, Any]) -> list:
-    out = []
+def _cpu_tables(result: dict[str, Any]) -> list[Table]:
+    out: list[Table] = []
     c = result.get("cpu", {})
     if "rows" in c:
         out.append((

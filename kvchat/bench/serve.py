@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from .common import DEFAULT_MODEL, make_text, temp_home
 
@@ -94,7 +95,8 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
     request = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     started = time.perf_counter()
-    first, text, extra = None, "", {}
+    first, text = None, ""
+    extra: dict[str, Any] = {}
     with urllib.request.urlopen(request, timeout=1800) as response:
         for line in response:
             line = line.strip()
@@ -175,6 +177,8 @@ def load(model: str, clients: int, turns: int, out: Path) -> dict:
     lm = load_model(model)
     whole = 0
     for name, messages, _ in done:
+        if name is None:
+            raise RuntimeError("kvchat serve named no session for a client's turns")
         saved = store.read(name)
         loaded = store.load(name, lm)
         same = [(m["role"], m["content"]) for m in saved["messages"]] == [

@@ -68,7 +68,7 @@ def ask(
             lm = load_or_exit(spec)
             resumed, notice = False, None
             base = store.Generation()  # nothing saved: the save checks that it still is not
-            if saved is not None:
+            if saved is not None and session:
                 loaded = load_session(session, lm)
                 chat, resumed, notice = loaded.session, loaded.resumed_from_disk, loaded.notice
                 base = loaded.generation

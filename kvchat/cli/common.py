@@ -74,10 +74,11 @@ def _as_text(raw: bytes | str, what: str) -> str:
     """``raw`` (stdin's bytes, or an argument holding bytes Python could not decode) as
     text: bytes that are not UTF-8 become U+FFFD, and stderr says so."""
     if isinstance(raw, str):
+        text = raw
         try:
-            raw = raw.encode("utf-8", "surrogateescape")
+            raw = text.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:
-            raw = raw.encode("utf-8", "surrogatepass")
+            raw = text.encode("utf-8", "surrogatepass")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -95,6 +95,7 @@ def _run(argv: list[str]) -> int:
     # a lost rank, shown only if rank 0 is the one that ended the run. (mlx.launch
     # relays output in pieces, so a line of theirs can be cut by one of its notes.)
     held: list[str] = []
+    assert proc.stderr is not None  # stderr=PIPE
     for raw in proc.stderr:
         line = raw.decode("utf-8", "replace")
         note = RANK_NOTE.search(ANSI.sub("", line))
@@ -190,7 +191,7 @@ def sharded_tui(ring: Ring, flags: dict, run=None) -> int:
     finally:
         ring.on_lost = lambda rank, code: None
         ended = link is not None and not link.broken and ring.running()
-        if ended:
+        if ended and link is not None:
             try:
                 link.broadcast({"op": "end"})
             except RuntimeError:  # a follower went in the meantime

@@ -41,7 +41,8 @@ def _print_version(value: bool) -> None:
     from kvchat.engine import fit
 
     typer.echo(f"kvchat {kvchat.__version__}")
-    typer.echo(f"mlx {mx.__version__}, device {fit.device()}")
+    version = mx.__version__  # type: ignore[attr-defined]  # mlx.core's stubs leave it out
+    typer.echo(f"mlx {version}, device {fit.device()}")
     typer.echo(f"BLAS: {blas.describe()}")
     raise typer.Exit()
 
@@ -115,7 +116,7 @@ def _doctor_report(model: str | None) -> dict[str, Any]:
         "python": f"{platform.python_version()} ({sys.executable})",
         "platform": platform.platform(),
         "kvchat": kvchat.__version__,
-        "mlx": mx.__version__,
+        "mlx": mx.__version__,  # type: ignore[attr-defined]  # mlx.core's stubs leave it out
         "mlx-lm": package_version("mlx-lm"),
         "textual": package_version("textual"),
         **_device_report(),

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 LOCAL = "127.0.0.1"  # a host mlx.launch runs without ssh
@@ -96,7 +96,7 @@ def ring_hostfile(hosts: list, port: int) -> str:
     return json.dumps(ring)
 
 
-def follower_command(rank: int, host, hostfile: str, envs: list[str] = (),
+def follower_command(rank: int, host, hostfile: str, envs: Sequence[str] = (),
                      ssh_log: Path | None = None, entry: str = ENTRY) -> str:
     """The shell command that starts rank ``rank`` on ``host``: mlx.launch's own launch
     script (``envs``, hostfile in a temporary file, ``MLX_RANK``, this Python), through
@@ -170,14 +170,16 @@ class Ring:
     def _relay(self, proc: subprocess.Popen, ready: threading.Event) -> None:
         """Append a follower's output to the log, noting when it says READY."""
         seen = b""
+        stdout = proc.stdout
+        assert stdout is not None  # stdout=PIPE
         with open(self.log, "ab", buffering=0) as out:
-            while chunk := os.read(proc.stdout.fileno(), 65536):
+            while chunk := os.read(stdout.fileno(), 65536):
                 out.write(chunk)
                 if not ready.is_set():
                     seen = seen[-len(READY):] + chunk
                     if READY.encode() in seen:
                         ready.set()
-        proc.stdout.close()
+        stdout.close()
 
     def wait_ready(self) -> str | None:
         """Wait until every follower is joining the ring. Returns None, or the sentence

@@ -44,7 +44,8 @@ def sessions_list(
     if not found:
         typer.echo(f"No saved sessions in {printable(str(locations.sessions_dir()))}.")
         return
-    rows = [("NAME", "MODEL", "CACHE", "TURNS", "TOKENS", "SIZE", "LAST USED")]
+    rows: list[tuple[str, ...]] = [("NAME", "MODEL", "CACHE", "TURNS", "TOKENS", "SIZE",
+                                    "LAST USED")]
     for s in found:
         rows.append((s.name, s.model_id, s.cache_kind, str(s.turns), str(s.cache_tokens),
                      human_bytes(s.size_bytes), s.last_used[:19].replace("T", " ")))

@@ -13,9 +13,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .branches import Branches, talk
 from .events import Event, SessionError
+from .stats import TurnStats
 
 Progress = Callable[[int, int], None]
 
@@ -31,9 +33,27 @@ class Refilled:
 class BranchOps:
     """Edit, regenerate, switch and delete, keeping every other branch in ``branches``."""
 
+    # What the Session this is part of provides (see the module).
     branches: Branches
+    messages: list[dict[str, Any]]
+    turns: list[TurnStats]
 
-    def talk(self) -> list[dict]:
+    if TYPE_CHECKING:
+
+        @property
+        def system(self) -> str | None: ...
+
+        def _fitting_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]: ...
+
+        def _turn(
+            self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]
+        ) -> Iterator[Event]: ...
+
+        def _refill(self, progress: Progress | None = None) -> tuple[int, int]: ...
+
+        def _changed(self, action: str, evaluated: int = 0) -> None: ...
+
+    def talk(self) -> list[dict[str, Any]]:
         """The messages without the system prompt: what the branches are made of."""
         return talk(self.messages)
 
@@ -43,7 +63,7 @@ class BranchOps:
     def _record(self) -> None:
         self.branches.record(self.talk())
 
-    def branch_record(self) -> dict | None:
+    def branch_record(self) -> dict[str, Any] | None:
         """The branches as saved in ``session.json``; None while there is only one path.
         Changes nothing (a save may read it while another thread holds the session)."""
         tree, talk = self.branches, self.talk()

@@ -15,7 +15,9 @@ becomes a new child) and shrinks only by an explicit deletion.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .stats import TurnStats
 
@@ -27,20 +29,20 @@ class BranchError(ValueError):
 @dataclass
 class Node:
     parent: int  # the index of the parent node, -1 for a first message
-    message: dict
+    message: dict[str, Any]
     turn: TurnStats | None = None
 
 
-def _key(message: dict) -> tuple:
+def _key(message: dict[str, Any]) -> tuple[Any, Any, bool]:
     return message["role"], message["content"], bool(message.get("stopped"))
 
 
-def talk(messages: list[dict]) -> list[dict]:
+def talk(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` without the system prompt: what the branches are made of."""
     return messages[1:] if messages and messages[0]["role"] == "system" else list(messages)
 
 
-def _plain(message: dict) -> dict:
+def _plain(message: dict[str, Any]) -> dict[str, Any]:
     out = {"role": message["role"], "content": message["content"]}
     if message.get("stopped"):
         out["stopped"] = True
@@ -56,7 +58,7 @@ class Branches:
         self._chosen: dict[int, int] = {}  # node (-1: the root) -> its child last on the path
 
     @classmethod
-    def linear(cls, messages: list[dict], turns: list[TurnStats] = ()) -> Branches:
+    def linear(cls, messages: list[dict[str, Any]], turns: Sequence[TurnStats] = ()) -> Branches:
         """One path: ``messages``; ``turns`` belong to its last replies, in order."""
         tree = cls()
         tree.record(messages)
@@ -88,20 +90,20 @@ class Branches:
         """(k, n): the message at ``index`` on the path is branch k of n (from 1) there."""
         return self.positions()[index]
 
-    def holds(self, messages: list[dict]) -> bool:
+    def holds(self, messages: list[dict[str, Any]]) -> bool:
         """True when ``messages`` are the current path."""
         return len(messages) == len(self.path) and all(
             _key(self.nodes[i].message) == _key(m) for i, m in zip(self.path, messages))
 
-    def messages(self) -> list[dict]:
+    def messages(self) -> list[dict[str, Any]]:
         return [dict(self.nodes[i].message) for i in self.path]
 
     def path_turns(self) -> list[TurnStats]:
-        return [self.nodes[i].turn for i in self.path if self.nodes[i].turn is not None]
+        return [turn for i in self.path if (turn := self.nodes[i].turn) is not None]
 
     # ------------------------------------------------------------ changing
 
-    def record(self, messages: list[dict]) -> None:
+    def record(self, messages: list[dict[str, Any]]) -> None:
         """Make ``messages`` the current path, adding the ones the tree lacks."""
         path: list[int] = []
         parent = -1
@@ -109,6 +111,7 @@ class Branches:
         for i, message in enumerate(messages):
             key = _key(message)
             on_path = self.path[i] if i < len(self.path) else None
+            node: int | None
             if on_path is not None and self.nodes[on_path].parent == parent \
                     and _key(self.nodes[on_path].message) == key:
                 node = on_path
@@ -174,7 +177,7 @@ class Branches:
 
     # ------------------------------------------------------------ records
 
-    def to_record(self) -> dict:
+    def to_record(self) -> dict[str, Any]:
         nodes = []
         for node in self.nodes:
             item = {"parent": node.parent, **node.message}
@@ -184,7 +187,7 @@ class Branches:
         return {"nodes": nodes, "path": list(self.path)}
 
     @classmethod
-    def from_record(cls, record: dict, messages: list[dict]) -> Branches:
+    def from_record(cls, record: dict[str, Any], messages: list[dict[str, Any]]) -> Branches:
         """The tree a saved record describes, checked against the session's ``messages``
         (system prompt excluded); :class:`BranchError` says what does not fit."""
         tree = cls()
@@ -228,7 +231,7 @@ class Branches:
     def _remove(self, gone: set[int], path: list[int]) -> None:
         """Drop the nodes in ``gone`` (whose children were moved or go too), renumbering."""
         new_index = {-1: -1}
-        nodes = []
+        nodes: list[Node] = []
         for i, node in enumerate(self.nodes):
             if i not in gone:
                 new_index[i] = len(nodes)

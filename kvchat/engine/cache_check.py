@@ -21,10 +21,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, ChunkedKVCache, RotatingKVCache
 
 from .kinds import held_tokens, settle
+from .trees import flatten
 
 # Settings of a layer that must be what this kind makes for this model.
 _FIXED = ("bits", "group_size", "max_size", "chunk_size", "keep")
@@ -128,7 +128,7 @@ def _layer_problem(
         return None
 
     kv = hasattr(ref, "offset") and hasattr(ref, "keys")
-    have, want = tree_flatten(saved.state), tree_flatten(ref.state)
+    have, want = flatten(saved.state), flatten(ref.state)
     if [p for p, _ in have] != [p for p, _ in want]:
         return "does not hold the arrays the model's cache holds"
     lengths, floats = set(), []

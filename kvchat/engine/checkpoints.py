@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
 from .kinds import allocated_bytes, copy_cache, trim_to
+from .trees import flatten
 
 MAX_CHECKPOINTS = 16
 CHECKPOINT_BUDGET = 512 << 20  # bytes of checkpoints one session keeps at most
@@ -41,7 +41,7 @@ class Checkpoint:
     @classmethod
     def of(cls, tokens: int, layers: dict[Path, Any]) -> Checkpoint:
         """A checkpoint of ``layers`` (evaluated now) at ``tokens`` tokens."""
-        arrays = [v for layer in layers.values() for _, v in tree_flatten(layer.state)
+        arrays = [v for layer in layers.values() for _, v in flatten(layer.state)
                   if isinstance(v, mx.array)]
         mx.eval(arrays)
         return cls(tokens, layers, sum(a.nbytes for a in arrays))

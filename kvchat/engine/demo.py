@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from kvchat.engine.trees import flatten
 from kvchat.locations import models_dir
 
 BUILD_VERSION = "v2"  # bump when a build changes, so old folders are not reused
@@ -176,11 +176,12 @@ def build_demo(name: str) -> Path:
     target = demo_path(name)
     if target.is_dir():
         return target
-    source = build_demo(shape) if suffix else None
+    bits = QUANTIZED[suffix]
+    source = build_demo(shape) if bits else None
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        if source is not None:
-            _quantize(source, scratch, QUANTIZED[suffix])
+        if source is not None and bits:
+            _quantize(source, scratch, bits)
         elif shape == PREFIX:
             _copy_trained(scratch)
         else:
@@ -300,7 +301,7 @@ def _write_weights(folder: Path, config: dict[str, Any]) -> None:
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(0)
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
+    weights = dict(flatten(model.parameters()))
     del model
     shards = _split(weights)
     names = (

@@ -26,6 +26,7 @@ import hashlib
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -37,10 +38,10 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import qwen2  # noqa: E402
 
 from kvchat.engine import demo  # noqa: E402
+from kvchat.engine.trees import flatten  # noqa: E402
 
 WEIGHTS = Path(__file__).with_name("demo_weights")
 FILES = ("config.json", "tokenizer.json", "model.safetensors")
@@ -75,7 +76,7 @@ def training_text() -> str:
     return body + "\n" + "".join(chats)
 
 
-def train(folder: Path, log=print) -> None:
+def train(folder: Path, log: Callable[[str], object] = print) -> None:
     """Train the demo model and write its three files into ``folder``."""
     mx.set_default_device(mx.cpu)
     tokenizer = demo.train_tokenizer()
@@ -92,14 +93,15 @@ def train(folder: Path, log=print) -> None:
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
     rng = np.random.default_rng(SEED)
 
-    def loss_fn(model, x, y):
+    def loss_fn(model: nn.Module, x: mx.array, y: mx.array) -> mx.array:
         return nn.losses.cross_entropy(model(x), y, reduction="mean")
 
     grad_fn = nn.value_and_grad(model, loss_fn)
     state = [model.state, optimizer.state]
 
     @partial(mx.compile, inputs=state, outputs=state)
-    def train_step(x, y):
+    def train_step(x: mx.array, y: mx.array) -> mx.array:
+        loss: mx.array
         loss, grads = grad_fn(model, x, y)
         optimizer.update(model, grads)
         return loss
@@ -112,7 +114,7 @@ def train(folder: Path, log=print) -> None:
         if step % 150 == 0 or step == STEPS - 1:
             log(f"step {step:4d}  loss {loss.item():.3f}")
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
+    weights = {k: v.astype(mx.float32) for k, v in flatten(model.parameters())}
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     demo._write_json(folder / "config.json", config)
     tokenizer.save(str(folder / "tokenizer.json"))

@@ -124,16 +124,20 @@ class CacheKind:
         """
         if self.family == "standard":
             return KVCache()
-        if self.family == "quantized":
-            return QuantizedKVCache(group_size=group_size, bits=self.size)
-        if self.family == "rotated":
-            return RotatedKVCache(group_size=group_size, bits=self.size)
-        if self.family == "rotating":
-            return RotatingKVCache(max_size=self.size, keep=min(keep, self.size // 2))
-        if self.family == "chunked":
-            return ChunkedKVCache(chunk_size=self.size)
         if self.family == "concatenate":
             return ConcatenateKVCache()
+        size = self.size  # every other family takes one
+        if size is None:
+            raise CacheKindError(f"Cache kind {self.name!r} needs a size, "
+                                 f"e.g. {FAMILIES[self.family].offered_names()[0]}.")
+        if self.family == "quantized":
+            return QuantizedKVCache(group_size=group_size, bits=size)
+        if self.family == "rotated":
+            return RotatedKVCache(group_size=group_size, bits=size)
+        if self.family == "rotating":
+            return RotatingKVCache(max_size=size, keep=min(keep, size // 2))
+        if self.family == "chunked":
+            return ChunkedKVCache(chunk_size=size)
         raise AssertionError(self.family)
 
 

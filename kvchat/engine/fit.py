@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+T = TypeVar("T")
+
 GROUP_SIZES = (64, 32)  # preferred first: 64 is mlx-lm's default
 
 # id(model) -> (a weak reference to it, {(device, question): answer})
-_FOUND: dict[int, tuple[weakref.ref, dict[tuple[str, str], Any]]] = {}
+_FOUND: dict[int, tuple[weakref.ref[nn.Module], dict[tuple[str, str], Any]]] = {}
 
 QUANTIZED_ATTENTION = "quantized attention"  # attention that reads a quantized cache
 
@@ -56,18 +58,18 @@ def known(model: nn.Module, key: str) -> bool:
     return ref is not None and ref() is model and (device(), key) in found
 
 
-def once(model: nn.Module, key: str, find: Callable[[], Any]) -> Any:
+def once(model: nn.Module, key: str, find: Callable[[], T]) -> T:
     """``find()``'s answer to ``key`` for ``model`` on this device, found the first time
     and then kept."""
     slot = id(model)
-    ref, found = _FOUND.get(slot, (None, None))
+    ref, found = _FOUND.get(slot, (None, {}))
     if ref is None or ref() is not model:
         found = {}
         _FOUND[slot] = (weakref.ref(model, lambda _: _FOUND.pop(slot, None)), found)
     question = (device(), key)
     if question not in found:
         found[question] = find()
-    return found[question]
+    return cast(T, found[question])  # the answer find() gave for this key
 
 
 def backend() -> str:
@@ -99,8 +101,9 @@ def _backend_problem(need: str, bits: int, group: int) -> str | None:
     try:
         keys, values = (mx.quantize(mx.ones((1, 1, 4, group)), group_size=group, bits=bits)
                         for _ in range(2))
-        mx.eval(quantized_scaled_dot_product_attention(
-            queries, keys, values, scale=1.0, mask="causal", group_size=group, bits=bits))
+        mx.eval(quantized_scaled_dot_product_attention(  # mlx-lm takes "causal" as a mask too
+            queries, keys, values, scale=1.0, mask="causal",  # type: ignore[arg-type]
+            group_size=group, bits=bits))
     except Exception as exc:  # the backend says it in its own words
         said = str(exc).strip().splitlines()[:1]
         return f"{type(exc).__name__}: {said[0]}" if said else type(exc).__name__
@@ -110,7 +113,8 @@ def _backend_problem(need: str, bits: int, group: int) -> str | None:
 def _group_size(model: nn.Module) -> int | str:
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[0]]), cache=cache))
-    dims = sorted({x.shape[-1] for c in cache if type(c) is KVCache for x in (c.keys, c.values)})
+    dims = sorted({x.shape[-1] for c in cache if type(c) is KVCache for x in (c.keys, c.values)
+                   if x is not None})
     group = next((g for g in GROUP_SIZES if all(d % g == 0 for d in dims)), None)
     if group is None:
         shown = dims[0] if len(dims) == 1 else dims

@@ -12,11 +12,11 @@ The names themselves (families, sizes, the parser) are in :mod:`.families`.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
     CacheList,
     ChunkedKVCache,
@@ -28,7 +28,7 @@ from mlx_lm.models.cache import (
 )
 
 from . import fit, rotated
-from .families import (  # noqa: F401  (the names every user of cache kinds imports from here)
+from .families import (
     FAMILIES,
     OFFERED_KINDS,
     QUANT_GROUP_SIZE,
@@ -38,6 +38,16 @@ from .families import (  # noqa: F401  (the names every user of cache kinds impo
     parse_kind,
 )
 from .rotated import RotatedKVCache, rotate
+from .trees import flatten
+
+# The names of .families are re-exported: every user of cache kinds imports from here.
+__all__ = [
+    "FAMILIES", "OFFERED_KINDS", "QUANT_GROUP_SIZE", "CacheKind", "CacheKindError", "Family",
+    "parse_kind",
+    "after_turn", "allocated_bytes", "applicable_kinds", "cache_bytes", "cache_offset",
+    "compacted", "convert_cache", "copy_cache", "group_size", "held_tokens",
+    "known_applicable_kinds", "make_cache", "settle", "trim_to",
+]
 
 
 def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
@@ -100,7 +110,7 @@ def _cannot(kind: CacheKind, why: str) -> CacheKindError:
 def applicable_kinds(model: nn.Module, names: list[str]) -> list[str]:
     """The kind names of ``names`` that can apply to ``model`` (each found out once per
     model: :mod:`kvchat.engine.fit` keeps the answers)."""
-    return [n for n in names if fit.once(model, f"applies {n}", lambda n=n: _applies(model, n))]
+    return [n for n in names if fit.once(model, f"applies {n}", partial(_applies, model, n))]
 
 
 def known_applicable_kinds(model: nn.Module, names: list[str]) -> list[str] | None:
@@ -172,7 +182,7 @@ def _slots(c: Any) -> int | None:
         return 0
     if isinstance(keys, (tuple, list)):  # quantized: (data, scales, biases)
         keys = keys[0]
-    return keys.shape[-2]
+    return int(keys.shape[-2])
 
 
 def compacted(cache: list[Any]) -> list[Any]:
@@ -221,7 +231,7 @@ def trim_to(cache: list[Any], n: int) -> bool:
     for c in cache:
         # mlx-lm's ConcatenateKVCache.trim only moves its offset, and the next
         # update appends after the stale keys; cut them here.
-        if isinstance(c, ConcatenateKVCache) and c.keys is not None:
+        if isinstance(c, ConcatenateKVCache) and c.keys is not None and c.values is not None:
             c.keys, c.values = c.keys[..., :n, :], c.values[..., :n, :]
     return all(c.offset == n for c in cache if hasattr(c, "offset"))
 
@@ -240,7 +250,7 @@ def settle(cache: list[Any]) -> None:
     MLX streams belong to threads: an unevaluated array built on one thread
     fails when the next turn, on another thread, evaluates it.
     """
-    mx.eval([v for c in cache for _, v in tree_flatten(c.state) if isinstance(v, mx.array)])
+    mx.eval([v for c in cache for _, v in flatten(c.state) if isinstance(v, mx.array)])
 
 
 def _copy_layer(src: Any, dst_kind: CacheKind, group: int) -> Any | None:
@@ -305,10 +315,10 @@ def held_tokens(cache: list[Any], default: int = 0) -> int:
 
 def _held(c: Any) -> int:
     if isinstance(c, ChunkedKVCache):
-        return c.offset - c.start_position
+        return int(c.offset - c.start_position)
     if isinstance(c, RotatingKVCache):
-        return min(c.offset, c.max_size)
-    return c.offset
+        return int(min(c.offset, c.max_size))
+    return int(c.offset)
 
 
 def copy_cache(cache: list[Any]) -> list[Any]:

@@ -6,6 +6,7 @@ here leaves the ledger equal to what the cache holds.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -29,6 +30,12 @@ from .stats import CacheChange
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
+    from .branches import Branches
+    from .checkpoints import Checkpoints
+    from .events import GenerationSettings
+    from .model import LoadedModel
+    from .stats import TurnStats
+
     Progress = Callable[[int, int], None]
 
 
@@ -47,6 +54,39 @@ class CacheMaintenance:
     ``checkpoints``)."""
 
     last_change: CacheChange | None = None  # maintenance since the last turn, if any
+
+    # What the Session this is part of provides.
+    lm: LoadedModel
+    kind: CacheKind
+    settings: GenerationSettings
+    messages: list[dict[str, Any]]
+    archived: list[dict[str, Any]]
+    turns: list[TurnStats]
+    branches: Branches
+    ledger: list[int]
+    cache: list[Any]
+    checkpoints: Checkpoints
+    _logits: tuple[int, mx.array] | None
+    _stop: threading.Event
+    _pending_rebuild: str | None  # why the cache was dropped, until it is refilled
+
+    if TYPE_CHECKING:
+
+        @property
+        def system(self) -> str | None: ...
+
+        @property
+        def cache_tokens(self) -> int: ...
+
+        def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]: ...
+
+        def _system_tokens(self) -> int: ...
+
+        def _keep_turns(self, messages: list[dict[str, Any]]) -> None: ...
+
+        def talk(self) -> list[dict[str, Any]]: ...
+
+        def _record(self) -> None: ...
 
     def _changed(self, action: str, evaluated: int = 0) -> None:
         """Record maintenance work on the cache (the next turn clears it)."""
@@ -166,7 +206,9 @@ class CacheMaintenance:
         self._recomputed = evaluated if next_turn_counts else 0
         return reason
 
-    def _turn_ends(self, messages: list[dict], tokens: list[int], after: int = 0) -> frozenset[int]:
+    def _turn_ends(
+        self, messages: list[dict[str, Any]], tokens: list[int], after: int = 0
+    ) -> frozenset[int]:
         """Where in ``tokens`` (the rendering of ``messages``) the prompts and replies that
         end past token ``after`` end, for checkpoints while they are evaluated again; none
         for a model that keeps no checkpoints.
@@ -241,7 +283,7 @@ class CacheMaintenance:
         self._record()
         keep_system = 1 if self.system else 0
         messages = list(self.messages)
-        dropped: list[dict] = []
+        dropped: list[dict[str, Any]] = []
         while len(self.render(messages, False)) > max_tokens:
             if len(messages) <= keep_system:
                 raise SessionError(

@@ -89,7 +89,8 @@ def load_model(spec: str, keep_quantized: bool | None = None) -> LoadedModel:
     if not (path / "config.json").is_file():
         raise _load_error(spec, "the folder has no config.json", source)
     try:
-        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+        # mlx-lm annotates load as a pair or a triple; return_config=True gives the triple.
+        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)  # type: ignore[misc]
     except json.JSONDecodeError as exc:
         raise _load_error(spec, f"a JSON file in it is damaged ({exc})", source) from exc
     except Exception as exc:  # a broken folder fails in many ways; all mean the same here
@@ -166,13 +167,14 @@ def fingerprint(model_id: str, path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def context_length(config: dict) -> int:
+def context_length(config: dict[str, Any]) -> int:
     """The longest context the config declares, or DEFAULT_CONTEXT_LENGTH."""
     text_config = config.get("text_config", {})
     for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
         for source in (config, text_config):
-            if isinstance(source.get(key), int):
-                return source[key]
+            value = source.get(key)
+            if isinstance(value, int):
+                return value
     return DEFAULT_CONTEXT_LENGTH
 
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from .model import LoadedModel, load_model
+from .trees import flatten
 
 
 @dataclass
@@ -31,7 +31,7 @@ class _Held:
 
 def weight_bytes(lm: LoadedModel) -> int:
     """Bytes of a model's parameters in memory."""
-    return sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()) if isinstance(v, mx.array))
+    return sum(v.nbytes for _, v in flatten(lm.model.parameters()) if isinstance(v, mx.array))
 
 
 class ModelRegistry:

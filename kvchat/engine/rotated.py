@@ -22,9 +22,12 @@ it by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm.models.cache as mlx_cache
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
@@ -58,7 +61,7 @@ def unrotate(x: mx.array) -> mx.array:
     return x @ rotation(x.shape[-1]).T.astype(x.dtype)
 
 
-def unreadable(model) -> str | None:
+def unreadable(model: nn.Module) -> str | None:
     """None when every attention layer of ``model`` reads a :class:`RotatedKVCache`, else
     why not, in a phrase."""
     for i, layer in enumerate(getattr(model, "layers", None) or []):
@@ -72,10 +75,15 @@ def unreadable(model) -> str | None:
 class RotatedKVCache(QuantizedKVCache):
     """A :class:`QuantizedKVCache` of rotated keys and values (see the module)."""
 
-    def update_and_fetch(self, keys, values):
-        return super().update_and_fetch(rotate(keys), rotate(values))
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        keys, values = rotate(keys), rotate(values)
+        # mlx-lm leaves QuantizedKVCache.update_and_fetch unannotated
+        return super().update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
 
-    def attention(self, queries, keys, values, scale, mask, sdpa, sinks=None):
+    def attention(
+        self, queries: mx.array, keys: Any, values: Any, scale: float,
+        mask: mx.array | str | None, sdpa: Callable[..., mx.array], sinks: mx.array | None = None,
+    ) -> mx.array:
         """Attention over this cache's (rotated, quantized) ``keys`` and ``values``
         through ``sdpa`` (an attention for quantized caches: numpy's on the CPU fast
         path, mlx-lm's otherwise), for unrotated ``queries``."""
@@ -83,4 +91,5 @@ class RotatedKVCache(QuantizedKVCache):
         return unrotate(out)
 
 
-mlx_cache.RotatedKVCache = RotatedKVCache  # load_prompt_cache looks classes up by name there
+# load_prompt_cache looks classes up by name there
+mlx_cache.RotatedKVCache = RotatedKVCache  # type: ignore[attr-defined]

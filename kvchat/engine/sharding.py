@@ -14,6 +14,7 @@ by one layout is never taken for another's: :func:`layout_problem` says why.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -43,11 +44,11 @@ class ShardedModel(LoadedModel):
 
     @property
     def world(self) -> int:
-        return self.group.size()
+        return int(self.group.size())
 
     @property
     def rank(self) -> int:
-        return self.group.rank()
+        return int(self.group.rank())
 
     @property
     def layout(self) -> str:
@@ -89,7 +90,7 @@ def load_sharded(spec: str, group: Any) -> ShardedModel:
     )
 
 
-def choose_mode(model: Any, config: dict, world: int, spec: str) -> str:
+def choose_mode(model: Any, config: dict[str, Any], world: int, spec: str) -> str:
     """"tensor" or "pipeline" for ``model`` over ``world`` ranks, or ModelLoadError."""
     heads = config.get("num_attention_heads") or config.get("text_config", {}).get(
         "num_attention_heads", 0)
@@ -106,7 +107,9 @@ def choose_mode(model: Any, config: dict, world: int, spec: str) -> str:
     )
 
 
-def _pipeline_one_file(path, group) -> tuple[Any, Any, dict]:
+def _pipeline_one_file(
+    path: Path, group: mx.distributed.Group
+) -> tuple[Any, Any, dict[str, Any]]:
     """What ``sharded_load`` does for a pipeline, for a checkpoint in one file (which it
     cannot split by its index): every rank reads the file, keeping only its own layers."""
     model, config = mlx_load_model(path, lazy=True, strict=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import mlx.core as mx
 
@@ -41,11 +42,11 @@ class TurnStats:
     not_batched: str | None = None
     batch_size: int = 1
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "TurnStats":
+    def from_dict(cls, data: dict[str, Any]) -> "TurnStats":
         """Rebuild from :meth:`to_dict` output, ignoring keys this version does not know."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})

@@ -6,20 +6,20 @@ thoughts a template drops) and the server's prefix matching render alike.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .model import LoadedModel
 
 
-def render(lm: LoadedModel, messages: list[dict], generation_prompt: bool,
-           tools: list[dict] | None = None) -> list[int]:
+def render(lm: LoadedModel, messages: list[dict[str, Any]], generation_prompt: bool,
+           tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of ``messages`` through ``lm``'s chat template (see :func:`template_text`)."""
     return encode(lm, template_text(lm, messages, generation_prompt, tools))
 
 
-def template_text(lm: LoadedModel, messages: list[dict], generation_prompt: bool,
-                  tools: list[dict] | None = None) -> str:
+def template_text(lm: LoadedModel, messages: list[dict[str, Any]], generation_prompt: bool,
+                  tools: list[dict[str, Any]] | None = None) -> str:
     """The text ``lm``'s chat template makes of ``messages`` (role and content, and a tool
     call's or a tool result's fields), offering ``tools`` (OpenAI's function specs) if given."""
     if not messages:
@@ -27,9 +27,9 @@ def template_text(lm: LoadedModel, messages: list[dict], generation_prompt: bool
     plain = [{"role": m["role"], "content": m["content"],
               **{k: m[k] for k in _TOOL_FIELDS if m.get(k) is not None}} for m in messages]
     extra = {"tools": tools} if tools else {}
-    return lm.tokenizer.apply_chat_template(
+    return str(lm.tokenizer.apply_chat_template(
         plain, tokenize=False, add_generation_prompt=generation_prompt, **extra
-    )
+    ))
 
 
 _TOOL_FIELDS = ("tool_calls", "tool_call_id")

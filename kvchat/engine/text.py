@@ -15,13 +15,18 @@ word's leading space is kept, and the work per token stays constant.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 REPLACEMENT = "\ufffd"
 
 
 class ReplyText:
     """Feed generated tokens with :meth:`add`; each call returns the newly stable text."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: TokenizerWrapper) -> None:
         self._tokenizer = tokenizer
         self.tokens: list[int] = []
         self.text = ""

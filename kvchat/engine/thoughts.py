@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from os.path import commonprefix
+from typing import Any
 
 from .maintenance import common_prefix
 
@@ -67,8 +68,8 @@ def split_thoughts(text: str) -> Thoughts:
     return Thoughts(thought, "".join(answer).lstrip(), thinking)
 
 
-def reevaluated_reply(template: Callable[[list[dict], bool], str],
-                      encode: Callable[[str], list[int]], messages: list[dict], text: str,
+def reevaluated_reply(template: Callable[[list[dict[str, Any]], bool], str],
+                      encode: Callable[[str], list[int]], messages: list[dict[str, Any]], text: str,
                       prompt: list[int], reused: int) -> int:
     """Tokens of the last reply before the turn's new message that the turn evaluates
     again because the chat template renders it without its thoughts.

@@ -53,7 +53,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
 
     async def chat(request: Request) -> Response:
         _authorize(request, api_key)
-        req = parse_request(await _body(request, max_body_bytes))
+        req = parse_request(await _body(request, max_body_bytes), ChatRequest)
         name = session_name(request.headers.get("x-session-id"))
         req.history()  # refuse a conversation that does not end with the user or a tool now
         if req.tool_specs() is not None:
@@ -139,9 +139,9 @@ async def _reply(engine: Engine, request: Request, req: ChatRequest | Completion
         gone.cancel()
     if isinstance(item, ApiError):
         raise item
-    body = {**_envelope(engine, reply_id, shape.object), "choices": [shape.whole(item)],
-            "usage": item.usage, "kvchat": item.kvchat}
-    return JSONResponse(body, headers={**headers, **_stat_headers(item)})
+    reply = {**_envelope(engine, reply_id, shape.object), "choices": [shape.whole(item)],
+             "usage": item.usage, "kvchat": item.kvchat}
+    return JSONResponse(reply, headers={**headers, **_stat_headers(item)})
 
 
 async def _sse(engine: Engine, job: Job, gone: asyncio.Future, reply_id: str, shape: Shape,

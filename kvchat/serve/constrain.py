@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from copy import copy
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 try:
     import llguidance
 except ImportError:  # an optional dependency: without it response_format is refused
-    llguidance = None
+    llguidance = None  # type: ignore[assignment]  # None marks the module as missing
 
 _tokenizers: dict[tuple, Any] = {}  # (model fingerprint, end tokens) -> llguidance's tokenizer
 
@@ -71,7 +71,7 @@ class JsonConstraint:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._started:  # the previous call's sample is the tokens' last
-            self._matcher.consume_token(int(tokens[-1].item()))
+            self._matcher.consume_token(cast(int, tokens[-1].item()))
         self._started = True
         if self._matcher.is_error():
             return logits  # the matcher gave up (it says why); the reply goes on free

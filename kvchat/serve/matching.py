@@ -123,7 +123,7 @@ class Matcher:
         ``scored`` up to what it shares with ``prompt`` (the new message's tokens too)."""
         name = anonymous.new_name(self.pool)
         n, best = max(scored, key=lambda s: s[0], default=(0, None))
-        if n > 0:
+        if n > 0 and best is not None:
             source = self._open(best.name, "forked")
             child = source.session.fork_prefix(history, tokens=prompt)
             self.pool.add(name, child)

@@ -10,7 +10,7 @@ echo back ``"tool_calls": null`` and the like). Every problem becomes
 from __future__ import annotations
 
 import json
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -108,7 +108,7 @@ class Message(_Strict):
     def plain(self) -> dict:
         """The message as a Session keeps it (``developer`` is the newer name for ``system``)."""
         role = "system" if self.role == "developer" else self.role
-        out = {"role": role, "content": self.text()}
+        out: dict[str, Any] = {"role": role, "content": self.text()}
         if self.tool_calls:
             out["tool_calls"] = [call.plain() for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -143,7 +143,13 @@ class StreamOptions(_Strict):
 
 # the sampling fields (temperature, top_p, top_k, min_p, the penalties, seed, max_tokens),
 # with the ranges kvchat/settings.py declares for them
-_Sampling = create_model("_Sampling", __base__=_Strict, **model_fields(API, api=True))
+if TYPE_CHECKING:  # a model made at run time: a checker sees its fields as Any
+
+    class _Sampling(_Strict):
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    _Sampling = create_model("_Sampling", __base__=_Strict, **model_fields(API, api=True))
 
 
 class JsonSchemaFormat(_Strict):
@@ -162,12 +168,14 @@ class ResponseFormat(_Strict):
 
     def required_schema(self) -> dict | None:
         """The JSON schema the reply must validate against; None for plain text."""
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ApiError(400, "'response_format.json_schema' is needed with type "
-                           "json_schema.", param="response_format.json_schema")
         if self.type == "json_object":
             return {"type": "object"}
-        return self.json_schema.json_schema if self.type == "json_schema" else None
+        if self.type != "json_schema":
+            return None
+        if self.json_schema is None:
+            raise ApiError(400, "'response_format.json_schema' is needed with type "
+                           "json_schema.", param="response_format.json_schema")
+        return self.json_schema.json_schema
 
 
 class _Generation(_Sampling):
@@ -311,7 +319,7 @@ class CompletionRequest(_Generation):
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
-def parse_request(raw: bytes, model: type[RequestT] = ChatRequest) -> RequestT:
+def parse_request(raw: bytes, model: type[RequestT]) -> RequestT:
     """Validate a request body as ``model``; any problem is an :class:`ApiError` naming
     the field."""
     try:

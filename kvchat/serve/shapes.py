@@ -7,6 +7,8 @@ count text offsets across chunks). ``whole`` is a non-streamed reply's choice;
 
 from __future__ import annotations
 
+from typing import Any
+
 from .logprobs import completion_shape
 from .worker import Finished, Piece
 
@@ -39,8 +41,10 @@ class ChatShape:
         return {"index": 0, "delta": {}, "finish_reason": done.finish_reason}
 
     def whole(self, done: Finished) -> dict:
-        message = {"role": "assistant", "content": done.text or None if done.tool_calls
-                   else done.text}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": done.text or None if done.tool_calls else done.text,
+        }
         if done.tool_calls:
             message["tool_calls"] = done.tool_calls
         return {"index": 0, "finish_reason": done.finish_reason, "message": message,
@@ -71,4 +75,5 @@ class CompletionShape:
 
     def whole(self, done: Finished) -> dict:
         return {"index": 0, "text": done.text, "finish_reason": done.finish_reason,
-                "logprobs": completion_shape(done.logprobs) if self.logprobs else None}
+                "logprobs": (completion_shape(done.logprobs)
+                             if self.logprobs and done.logprobs is not None else None)}

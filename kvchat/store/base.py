@@ -8,7 +8,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvchat import __version__, locations
 
@@ -42,7 +42,7 @@ class SessionSummary:
     path: Path
     note: str | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["path"] = str(self.path)
         return data

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvchat import __version__
 from kvchat.atomic import sha256_of
@@ -19,10 +19,14 @@ if TYPE_CHECKING:
     from kvchat.engine.session import Session
 
 
+# A saved cache as read: (the cache, its ledger, why it cannot be used).
+CacheRead = tuple[list[Any] | None, list[int] | None, str | None]
+
+
 def read_cache(
-    folder: Path, data: dict, lm: LoadedModel, ledger: list[int], empty: Session,
+    folder: Path, data: dict[str, Any], lm: LoadedModel, ledger: list[int], empty: Session,
     reference: Reference, rank: int = 0,
-) -> tuple[list | None, list[int] | None, str | None]:
+) -> CacheRead:
     """(cache, its ledger, None) if the saved cache is sound for ``lm`` and ``ledger``
     (checked against ``reference``, made from ``empty``'s cache), else (None, None, why
     not); (None, None, None) when an empty cache was saved.

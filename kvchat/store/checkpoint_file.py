@@ -50,10 +50,10 @@ class _OnDisk:
     """A checkpoints file as this process last wrote or read it: the objects saved in it
     (held weakly: the session may let them go), the file's identity and its entry."""
 
-    refs: tuple[weakref.ref, ...]
+    refs: tuple[weakref.ref[Any], ...]
     key: tuple[str, int | None]  # the model's fingerprint, where the log-probabilities are
     file: tuple[int, int, int, int]  # st_dev, st_ino, st_mtime_ns, st_size
-    entry: dict
+    entry: dict[str, Any]
 
 
 _on_disk: dict[Path, _OnDisk] = {}
@@ -63,7 +63,7 @@ def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
     return info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size
 
 
-def _saved_as(path: Path, objects: list[Any], key: tuple[str, int | None]) -> dict | None:
+def _saved_as(path: Path, objects: list[Any], key: tuple[str, int | None]) -> dict[str, Any] | None:
     """The entry of ``path`` if it holds exactly ``objects`` as this process put them
     there, untouched since; else None."""
     known = _on_disk.get(path)
@@ -80,12 +80,12 @@ def _saved_as(path: Path, objects: list[Any], key: tuple[str, int | None]) -> di
 
 
 def _remember(path: Path, objects: list[Any], key: tuple[str, int | None],
-              info: os.stat_result, entry: dict) -> None:
+              info: os.stat_result, entry: dict[str, Any]) -> None:
     refs = tuple(weakref.ref(obj) for obj in objects)
     _on_disk[path] = _OnDisk(refs, key, _identity(info), dict(entry))
 
 
-def write_checkpoints(folder: Path, session: Session) -> dict | None:
+def write_checkpoints(folder: Path, session: Session) -> dict[str, Any] | None:
     """Write ``session``'s checkpoints atomically; return their entry for ``session.json``
     (None, and no file, when it keeps none)."""
     from mlx_lm.models.cache import ArraysCache
@@ -130,7 +130,7 @@ def _newest_within(kept: list[Checkpoint], budget: int) -> list[Checkpoint]:
 
 
 def read_checkpoints(
-    folder: Path, info: dict | None, session: Session, reference: Reference
+    folder: Path, info: dict[str, Any] | None, session: Session, reference: Reference
 ) -> tuple[list[Checkpoint], str | None]:
     """The checkpoints saved for ``session`` (just resumed with its cache, checked against
     ``reference``), and None; or none and why not, as a clause; none and None when none
@@ -172,7 +172,7 @@ def read_checkpoints(
 
 
 def _logprobs(
-    layers: list[Any], meta: dict, tokens: list[int], reference: Reference
+    layers: list[Any], meta: dict[str, Any], tokens: list[int], reference: Reference
 ) -> tuple[int, Any] | None:
     """Take the log-probabilities off the end of ``layers``, with their position; None
     when none were saved. ValueError when they are not what the model makes (as the
@@ -197,7 +197,7 @@ def _logprobs(
 
 
 def _checkpoints(
-    layers: list[Any], meta: dict, tokens: list[int], session: Session
+    layers: list[Any], meta: dict[str, Any], tokens: list[int], session: Session
 ) -> list[Checkpoint]:
     """The checkpoints ``layers`` make, checked against ``session``; ValueError says why not."""
     from kvchat.engine.cache_check import checkpoint_problem

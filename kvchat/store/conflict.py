@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvchat.atomic import write_atomic
 from kvchat.engine.branches import Branches, talk
@@ -37,14 +37,14 @@ class SessionChanged(StoreError):
     """A save refused because another process saved the session since this one loaded
     it. ``data`` is the ``session.json`` on disk now (parsed), ``generation`` its."""
 
-    def __init__(self, name: str, data: dict, generation: Generation) -> None:
+    def __init__(self, name: str, data: dict[str, Any], generation: Generation) -> None:
         self.name, self.data, self.generation = name, data, generation
         super().__init__(
             f"Session {name} was saved by another kvchat since this one loaded it "
             f"(it is at generation {generation.number} now); nothing was overwritten.")
 
 
-def on_disk(path: Path) -> tuple[bytes | None, dict | None, Generation]:
+def on_disk(path: Path) -> tuple[bytes | None, dict[str, Any] | None, Generation]:
     """The bytes, parsed content and generation of ``session.json`` ``path`` as it is
     now; (None, None, Generation()) when there is none. A damaged one is a StoreError."""
     try:
@@ -55,7 +55,7 @@ def on_disk(path: Path) -> tuple[bytes | None, dict | None, Generation]:
     return raw, data, Generation(data.get("generation", 0), hashlib.sha256(raw).hexdigest())
 
 
-def check_base(name: str, path: Path, base: Generation | None) -> tuple[int, dict | None]:
+def check_base(name: str, path: Path, base: Generation | None) -> tuple[int, dict[str, Any] | None]:
     """Under the session's lock, before a save writes anything: the generation number
     the save writes and the file on disk now (parsed; None when there is none). Raises
     :class:`SessionChanged` when ``base`` is given and the file on disk is not the one
@@ -68,6 +68,7 @@ def check_base(name: str, path: Path, base: Generation | None) -> tuple[int, dic
             raise
         return 1, None
     if base is not None and raw is not None and not base.describes(raw):
+        assert data is not None  # on_disk parses whatever it read
         raise SessionChanged(name, data, current)
     return current.number + 1, data
 
@@ -115,7 +116,7 @@ def save_as_branch(session: Session, name: str) -> Generation:
         return Generation(data["generation"], sha)
 
 
-def _tree(data: dict) -> Branches:
+def _tree(data: dict[str, Any]) -> Branches:
     """The branch tree of a parsed ``session.json`` (one path where it saved none)."""
     messages = talk(data["messages"])
     if data.get("branches"):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvchat import __version__
 from kvchat.atomic import remove_stale, write_atomic
@@ -26,7 +26,7 @@ from kvchat.store.base import (
     one_line,
     session_dir,
 )
-from kvchat.store.cache_file import read_cache
+from kvchat.store.cache_file import CacheRead, read_cache
 from kvchat.store.checkpoint_file import read_checkpoints, write_checkpoints
 from kvchat.store.conflict import check_base
 from kvchat.store.files import (
@@ -44,7 +44,7 @@ from kvchat.store.shards import drop_shards
 if TYPE_CHECKING:
     from kvchat.engine.cache_check import Reference
     from kvchat.engine.model import LoadedModel
-    from kvchat.engine.session import Session
+    from kvchat.engine.session import GenerationSettings, Session
 
 Progress = Callable[[int, int], None]
 
@@ -87,7 +87,7 @@ def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | 
         set_aside(name)
 
     ledger = list(session.ledger)
-    cache_info = None
+    cache_info: dict[str, Any] | None = None
     if ledger:
         metadata = cache_metadata(session)
         if os.path.isdir(cache_path) and not os.path.islink(cache_path):
@@ -136,7 +136,7 @@ def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | 
     return folder
 
 
-def transcript(session: Session, name: str) -> dict:
+def transcript(session: Session, name: str) -> dict[str, Any]:
     """What ``session.json`` holds of ``session`` besides its cache, ledger and times (and
     what an export shows)."""
     return {
@@ -182,7 +182,8 @@ def _keep_aside(path: Path) -> Path:
 
 
 def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
-         data: dict | None = None, reader: Callable = read_cache) -> Loaded:
+         data: dict[str, Any] | None = None,
+         reader: Callable[..., CacheRead] = read_cache) -> Loaded:
     """Load session ``name`` for model ``lm``, cache included when it is sound.
 
     When the cache cannot be used, the transcript still loads, the cache is
@@ -207,7 +208,7 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
     turns = [TurnStats.from_dict(t) for t in data.get("turns", [])]
     messages = [dict(m) for m in data["messages"]]
     archived = list(data.get("archived", []))
-    ledger = list(data.get("ledger", []))
+    ledger: list[int] | None = list(data.get("ledger", []))
     kind = data.get("cache_kind", "standard")
 
     kind_notice = None
@@ -219,7 +220,7 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
         empty = Session(lm, kind=kind, settings=settings, messages=messages)
 
     problem = kind_notice
-    cache = None
+    cache: list[Any] | None = None
     reference = Reference(empty.cache, lm.model)  # the model runs on it only when asked
     if problem is None:
         cache, ledger, problem = reader(folder, data, lm, ledger, empty, reference)
@@ -239,7 +240,7 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
     return loaded
 
 
-def _with_checkpoints(folder: Path, data: dict, session: Session, reference: Reference,
+def _with_checkpoints(folder: Path, data: dict[str, Any], session: Session, reference: Reference,
                       resumed: bool) -> Loaded:
     """``session``, resumed with its cache (checked against ``reference``), given the
     checkpoints saved with it; a checkpoints file that cannot be used is left out with a
@@ -255,6 +256,6 @@ def _with_checkpoints(folder: Path, data: dict, session: Session, reference: Ref
     return Loaded(session, resumed_from_disk=True, notice=notice)
 
 
-def _settings(cls, raw: dict):
+def _settings(cls: type[GenerationSettings], raw: dict[str, Any]) -> GenerationSettings:
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in raw.items() if k in names})

@@ -106,5 +106,8 @@ def write_caches_atomic(
 
     from kvchat.engine.kinds import compacted
 
-    return write_atomic_with(path, lambda f: save_prompt_cache(f, compacted(caches), metadata),
-                             before_rename=before_rename)
+    def write(file: BinaryIO) -> None:
+        # mlx-lm annotates file_name as str; mx.save_safetensors, which it calls, takes a file.
+        save_prompt_cache(file, compacted(caches), metadata)  # type: ignore[arg-type]
+
+    return write_atomic_with(path, write, before_rename=before_rename)

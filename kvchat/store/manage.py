@@ -59,13 +59,13 @@ def _summary(folder: Path) -> SessionSummary | None:
         data = read_json(json_path)
     except StoreError as exc:
         return SessionSummary(folder.name, "?", "?", 0, 0, size, mtime, folder, note=str(exc))
-    info = data.get("cache") or {}
+    cache = data.get("cache") or {}
     return SessionSummary(
         name=folder.name,
         model_id=str(data.get("model_id", "?")),
         cache_kind=str(data.get("cache_kind", "?")),
         turns=sum(1 for m in data["messages"] if m["role"] == "user"),
-        cache_tokens=int(info.get("tokens", 0)) if isinstance(info, dict) else 0,
+        cache_tokens=int(cache.get("tokens", 0)) if isinstance(cache, dict) else 0,
         size_bytes=size,
         last_used=str(data.get("updated", mtime)),
         path=folder,

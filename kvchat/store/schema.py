@@ -13,7 +13,7 @@ message names. Per-turn stats are validated against the engine's own
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -42,7 +42,8 @@ class Message(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
     stopped: bool = False
-    tool_calls: list[dict] | None = None  # an assistant's calls of the tools it was offered
+    # an assistant's calls of the tools it was offered
+    tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None  # a tool's result: the call it answers
 
 
@@ -68,7 +69,10 @@ class _StoredSettings(_Strict):
     ignore_eos: bool = False
 
 
-Settings = create_model("Settings", __base__=_StoredSettings, **model_fields(GENERATION))
+if TYPE_CHECKING:  # a model made at run time: its base is what a type checker can see
+    Settings = _StoredSettings
+else:
+    Settings = create_model("Settings", __base__=_StoredSettings, **model_fields(GENERATION))
 
 
 class CacheInfo(_Strict):
@@ -143,7 +147,7 @@ def parse_file(raw: bytes, path: Path) -> SessionFile:
         raise StoreError(f"{path} is damaged ({problem}); it was left as it is.") from None
 
 
-def parse_session(raw: bytes, path: Path) -> dict:
+def parse_session(raw: bytes, path: Path) -> dict[str, Any]:
     """The validated content of ``session.json`` ``path`` as plain data (only the keys
     the file has); any problem is a :class:`StoreError` naming the file and the field."""
     return parse_file(raw, path).model_dump(exclude_unset=True)

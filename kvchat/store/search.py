@@ -25,6 +25,7 @@ import stat
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvchat import locations
 from kvchat.store.base import NAME_RE, SESSION_FILE, StoreError, one_line
@@ -81,7 +82,7 @@ class Hit:
     snippet: str
     last_used: str
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -174,11 +175,11 @@ def _open(notes: list[str] | None = None) -> Iterator[sqlite3.Connection]:
         conn.close()
 
 
-def _transcript(data: dict) -> list[dict]:
+def _transcript(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [*data.get("archived", []), *data["messages"]]
 
 
-def _put(conn: sqlite3.Connection, name: str, file_id: str | None, data: dict | None,
+def _put(conn: sqlite3.Connection, name: str, file_id: str | None, data: dict[str, Any] | None,
          note: str | None) -> None:
     """Replace ``name``'s rows with ``data``'s messages (none when it could not be read)."""
     conn.execute("DELETE FROM rows WHERE name = ?", (name,))
@@ -192,7 +193,7 @@ def _put(conn: sqlite3.Connection, name: str, file_id: str | None, data: dict | 
         )
 
 
-def index_session(name: str, data: dict, json_path: Path) -> None:
+def index_session(name: str, data: dict[str, Any], json_path: Path) -> None:
     """Bring ``name``'s rows up to date after a save wrote ``data`` to ``json_path``.
 
     Never raises: a failure (a full disk, a locked or damaged index) leaves the
@@ -308,10 +309,10 @@ def _query(conn: sqlite3.Connection, terms: list[str], limit: int) -> list[Hit]:
     snippets = dict(conn.execute(
         f"SELECT rowid, snippet(fts, 0, '[', ']', '…', ?) FROM fts WHERE fts MATCH ? "
         f"AND rowid IN ({','.join('?' * len(ids))})", (SNIPPET_TOKENS, match, *ids)))
-    rows = {r[0]: r[1:] for r in conn.execute(
+    by_id = {r[0]: r[1:] for r in conn.execute(
         "SELECT r.id, r.name, r.role, r.idx, s.updated FROM rows r JOIN sessions s "
         f"ON s.name = r.name WHERE r.id IN ({','.join('?' * len(ids))})", ids)}
-    return [Hit(rows[i][0], rows[i][1], rows[i][2], snippets[i], rows[i][3]) for i in ids]
+    return [Hit(by_id[i][0], by_id[i][1], by_id[i][2], snippets[i], by_id[i][3]) for i in ids]
 
 
 def search_sessions(text: str, limit: int = 50) -> Found:
@@ -337,7 +338,7 @@ def matching_sessions(text: str) -> set[str]:
         return set()
     if HAS_FTS5:
         sql = "SELECT DISTINCT name FROM rows WHERE id IN (SELECT rowid FROM fts WHERE fts MATCH ?)"
-        args: tuple = (_fts_query(terms),)
+        args: tuple[str, ...] = (_fts_query(terms),)
     else:
         sql = ("SELECT DISTINCT name FROM rows WHERE "
                + " AND ".join("text LIKE ? ESCAPE '\\'" for _ in terms))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 from kvchat.engine.branches import Branches
 from kvchat.store.base import SESSION_FILE, Generation, StoreError, one_line, session_dir
@@ -31,24 +32,24 @@ def _path(name: str) -> Path:
     return path
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict[str, Any]:
     """Parse a ``session.json``; any problem is a :class:`StoreError` naming the file."""
     return _parsed(path)[0].model_dump(exclude_unset=True)
 
 
-def read(name: str) -> dict:
+def read(name: str) -> dict[str, Any]:
     """The parsed ``session.json`` of ``name`` (no model needed)."""
     return read_json(_path(name))
 
 
-def read_with_generation(name: str) -> tuple[dict, Generation]:
+def read_with_generation(name: str) -> tuple[dict[str, Any], Generation]:
     """:func:`read`, with the file's generation (a sharded run's rank 0 reads the file
     once, sends it to every rank, and checks its save against this)."""
     parsed, generation = _parsed(_path(name))
     return parsed.model_dump(exclude_unset=True), generation
 
 
-def read_with_tree(name: str) -> tuple[dict, Branches | None, Generation]:
+def read_with_tree(name: str) -> tuple[dict[str, Any], Branches | None, Generation]:
     """:func:`read`, with the branch tree the validation built from the file (None where
     the file has none), so that a load does not build it again, and its generation."""
     parsed, generation = _parsed(_path(name))

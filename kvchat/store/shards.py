@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvchat.store.base import CACHE_FILE, cache_metadata, session_dir
 from kvchat.store.files import check_folder, make_dir, write_caches_atomic
@@ -40,7 +40,7 @@ def drop_shards(folder: Path, keep: int) -> None:
             path.unlink(missing_ok=True)
 
 
-def shard_sha(info: dict, rank: int) -> str | None:
+def shard_sha(info: dict[str, Any], rank: int) -> str | None:
     """The sha256 ``session.json``'s cache record lists for rank ``rank``'s file."""
     if rank == 0:
         return info.get("sha256")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvchat import __version__
 from kvchat.atomic import write_atomic
@@ -50,7 +50,7 @@ def export_session(session: Session, name: str, fmt: str = "md") -> str:
     return render({**transcript(session, name), "created": created, "updated": now()}, fmt)
 
 
-def render(data: dict, fmt: str) -> str:
+def render(data: dict[str, Any], fmt: str) -> str:
     """``data`` (as in ``session.json``) as the export format ``fmt``."""
     if fmt not in FORMATS:
         raise StoreError(f"Unknown export format {fmt!r}; use {' or '.join(FORMATS)}.")
@@ -78,7 +78,7 @@ def render(data: dict, fmt: str) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _md_messages(messages: list[dict], level: int) -> list[str]:
+def _md_messages(messages: list[dict[str, Any]], level: int) -> list[str]:
     out = []
     for m in messages:
         title = m["role"].capitalize() + (" (stopped)" if m.get("stopped") else "")

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import decode, linear
 from .layers import MLP, Attention, Body
-from .linear import param_view
 
 __all__ = ["ENV", "FastPath", "prepare", "step_problem", "decode_batch", "wanted"]
 
@@ -98,7 +98,7 @@ def _layer_problem(layer: nn.Module) -> str | None:
         if type(layer.get(name)) is not nn.RMSNorm:
             return f"{name} is not RMSNorm"
     attn, mlp = layer.get("self_attn"), layer.get("mlp")
-    if type(attn).__name__ != "Attention" or type(attn).__module__ not in FAMILY:
+    if attn is None or type(attn).__name__ != "Attention" or type(attn).__module__ not in FAMILY:
         return f"its attention is {type(attn).__name__}"
     if type(mlp).__name__ != "MLP" or type(mlp).__module__ not in FAMILY:
         return f"its MLP is {type(mlp).__name__}"
@@ -156,7 +156,9 @@ def prepare(model: nn.Module, dequantize: bool) -> FastPath | str:
     return fast
 
 
-def decode_batch(model: nn.Module, tokens: list[int], caches: list[list]) -> mx.array | None:
+def decode_batch(
+    model: nn.Module, tokens: list[int], caches: list[list[Any]]
+) -> mx.array | None:
     """One decoding step of B sequences: ``tokens[b]`` appended to ``caches[b]`` (one cache
     per layer, as mlx-lm's step would with ``update_and_fetch``); returns the logits
     ``(B, vocab)`` float32, or None, with nothing changed, when the model has no numpy
@@ -171,4 +173,4 @@ def decode_batch(model: nn.Module, tokens: list[int], caches: list[list]) -> mx.
     h = decode.hidden(body, [int(t) for t in tokens], caches, extra=(head,))
     if h is None:
         return None
-    return mx.array(linear.product(param_view(head), h))
+    return mx.array(linear.product(decode.view(head), h))

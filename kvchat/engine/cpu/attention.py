@@ -59,7 +59,10 @@ BLOCK_FLOATS = 1 << 21  # scores computed at once: 8 MiB, so a block's passes st
 BLOCK_ROWS = 64
 
 
-def sdpa(queries, keys, values, scale: float, mask) -> mx.array | None:
+def sdpa(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+    mask: mx.array | str | None,
+) -> mx.array | None:
     """``softmax(q·kᵀ·scale + mask)·v`` for ``(B, H, L, D)`` inputs, or None (see module doc).
 
     Query positions go in blocks whose scores fit in the processor's cache, and
@@ -118,10 +121,11 @@ def _softmax_rows(scores: np.ndarray) -> np.ndarray:
     """Exponentiate ``scores`` in place less each row's maximum; return the row sums."""
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    return scores.sum(axis=-1, keepdims=True)
+    sums: np.ndarray = scores.sum(axis=-1, keepdims=True)
+    return sums
 
 
-def swiglu(gate, x) -> mx.array | None:
+def swiglu(gate: mx.array, x: mx.array) -> mx.array | None:
     """``silu(gate) * x``, or None (see module doc); in parts over the cores for many rows."""
     g, u = _numpy(gate), _numpy(x)
     if g is None or u is None or g.shape != u.shape:

@@ -24,6 +24,7 @@ The rotary embedding's cosines and sines are the model's own RoPE module's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,9 +44,15 @@ ROPES = (nn.RoPE, rope_utils.Llama3RoPE, rope_utils.YarnRoPE, rope_utils.SuScale
          rope_utils.ProportionalRoPE, rope_utils.DynamicNTKScalingRoPE)
 
 
-def takes(cache: list) -> bool:
+def takes(cache: list[Any]) -> bool:
     """Every layer's cache is of a class the step reads."""
     return all(type(c) in CACHES for c in cache)
+
+
+# A RoPE module's class name, its settings and its frequency table (bytes), if any.
+RopeKey = tuple[str, tuple[tuple[str, bool | int | float | str], ...], bytes | None]
+# (cos, sin) of the angles one offset turns each feature pair by
+Turn = tuple[np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ class RopeForm:
 
     dims: int
     traditional: bool
-    key: tuple
+    key: RopeKey
 
 
 def rope_form(rope: nn.Module) -> RopeForm | str:
@@ -73,17 +80,19 @@ def rope_form(rope: nn.Module) -> RopeForm | str:
                     (type(rope).__name__, settings, table))
 
 
-def _rotations(needed: dict) -> dict:
+def _rotations(
+    needed: dict[tuple[RopeKey, int], tuple[nn.Module, RopeForm]],
+) -> dict[tuple[RopeKey, int], Turn]:
     """``{(form key, offset): (cos, sin)}`` for ``needed`` ``{(key, offset): (rope, form)}``:
     the RoPE module applied to ones and zeros (all of them in one evaluation)."""
-    probes = {}
+    probes: dict[tuple[RopeKey, int], mx.array] = {}
     for (key, offset), (rope, form) in needed.items():
         probe = np.zeros(form.dims, dtype=np.float32)
         half = form.dims // 2
         probe[slice(0, None, 2) if form.traditional else slice(0, half)] = 1  # first of pairs
         probes[key, offset] = rope(mx.array(probe).reshape(1, 1, 1, -1), offset=offset)
     mx.eval(list(probes.values()))
-    tables = {}
+    tables: dict[tuple[RopeKey, int], Turn] = {}
     for (key, offset), turned in probes.items():
         flat, form = np.asarray(turned).reshape(-1), needed[key, offset][1]
         if form.traditional:
@@ -109,16 +118,25 @@ def _rope(x: np.ndarray, form: RopeForm, cos: np.ndarray, sin: np.ndarray) -> np
     return out
 
 
+def view(module: nn.Module, name: str = "weight") -> np.ndarray:
+    """:func:`param_view` where :func:`numpy_inputs` found one for every parameter read."""
+    array = param_view(module, name)
+    if array is None:
+        raise TypeError(f"{type(module).__name__}.{name} has no float32 numpy view")
+    return array
+
+
 def _rms(x: np.ndarray, norm: nn.RMSNorm) -> np.ndarray:
     """RMSNorm of each row of ``x`` (rows × features)."""
     mean = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[-1])
     scale = np.float32(1) / np.sqrt(mean + np.float32(norm.eps))
-    return (x * scale[:, None]) * param_view(norm)
+    out: np.ndarray = (x * scale[:, None]) * view(norm)
+    return out
 
 
 def _linear(layer: nn.Module, x: np.ndarray) -> np.ndarray:
-    y = product(param_view(layer), x)
-    return y + param_view(layer, "bias") if "bias" in layer else y
+    y = product(view(layer), x)
+    return y + view(layer, "bias") if "bias" in layer else y
 
 
 def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
@@ -129,7 +147,10 @@ def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
     return _linear(mlp.down_proj, act * up)
 
 
-def _attention(attn: nn.Module, form: RopeForm, q, k, v, cache, turn) -> tuple:
+def _attention(
+    attn: nn.Module, form: RopeForm, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: Any,
+    turn: Turn,
+) -> tuple[np.ndarray, Turn | None]:
     """One row's attention output for one token, and its new key and value for the caller
     to hand to the cache (None when they are stored already: a quantized cache stores them
     first, so that the token attends to its own key as stored, as in mlx-lm); the keys and
@@ -140,6 +161,8 @@ def _attention(attn: nn.Module, form: RopeForm, q, k, v, cache, turn) -> tuple:
     v = v.reshape(kv_heads, -1)
     grouped = q.reshape(kv_heads, heads // kv_heads, -1) * np.float32(attn.scale)
     turned = None  # a rotated cache's rotation R: keys, values and queries times R
+    keys: np.ndarray | None
+    values: np.ndarray | None
     if isinstance(cache, QuantizedKVCache):
         keys, values = _stored(cache, k, v)
         own, span = False, keys.shape[1]
@@ -153,7 +176,7 @@ def _attention(attn: nn.Module, form: RopeForm, q, k, v, cache, turn) -> tuple:
     # Scores as (kv heads, keys, group), the token's own key last: the cached keys are
     # the long side of the product, which BLAS streams twice as fast as grouped·keysᵀ.
     scores = np.empty((kv_heads, span + own, grouped.shape[1]), dtype=np.float32)
-    if span:
+    if span and keys is not None:  # keys and values are there whenever span is
         np.matmul(keys, grouped.swapaxes(-1, -2), out=scores[:, :span])
     if own:
         scores[:, span] = np.matmul(grouped, k[:, :, None])[..., 0]
@@ -161,7 +184,7 @@ def _attention(attn: nn.Module, form: RopeForm, q, k, v, cache, turn) -> tuple:
     np.exp(scores, out=scores)
     weights = scores.swapaxes(-1, -2)  # (kv heads, group, span + own)
     out = np.zeros((kv_heads, grouped.shape[1], v.shape[-1]), dtype=np.float32)
-    if span:
+    if span and values is not None:
         np.matmul(weights[..., :span], values, out=out)
     if own:
         out += weights[..., span:] * v[:, None, :]
@@ -171,13 +194,14 @@ def _attention(attn: nn.Module, form: RopeForm, q, k, v, cache, turn) -> tuple:
     return out.reshape(-1), ((k, v) if own else None)
 
 
-def _stored(cache: QuantizedKVCache, k: np.ndarray, v: np.ndarray):
+def _stored(cache: QuantizedKVCache, k: np.ndarray, v: np.ndarray) -> Turn:
     """Store a token's key and value in a quantized cache, then read every key and value
     it holds back, dequantized (float32 for a float32 model), as ``(kv heads, tokens,
     head dim)``: what mlx-lm's quantized attention computes with."""
     keys, values = cache.update_and_fetch(mx.array(k[None, :, None]), mx.array(v[None, :, None]))
     if cache.bits not in (4, 8):
-        full = [mx.dequantize(*packed, group_size=cache.group_size, bits=cache.bits)
+        full = [mx.dequantize(packed[0], packed[1], packed[2], group_size=cache.group_size,
+                              bits=cache.bits)
                 for packed in (keys, values)]
         mx.eval(full)
         return np.asarray(full[0])[0], np.asarray(full[1])[0]
@@ -186,7 +210,9 @@ def _stored(cache: QuantizedKVCache, k: np.ndarray, v: np.ndarray):
         _dequantized(values, cache.group_size, cache.bits)
 
 
-def _dequantized(packed, group_size: int, bits: int) -> np.ndarray:
+def _dequantized(
+    packed: tuple[mx.array, mx.array, mx.array], group_size: int, bits: int
+) -> np.ndarray:
     """mlx's affine ``dequantize`` of 8- or 4-bit values in numpy (bit for bit; 15-20%
     faster a decoding step at 2k tokens than mlx's): each uint32 holds 4 or 8 values,
     lowest bits first, and each group of ``group_size`` has a scale and a bias."""
@@ -200,10 +226,13 @@ def _dequantized(packed, group_size: int, bits: int) -> np.ndarray:
     out = codes.reshape(*codes.shape[:-1], -1, group_size).astype(scales.dtype)
     out *= scales[..., None]
     out += biases[..., None]
-    return out.reshape(*codes.shape)
+    values: np.ndarray = out.reshape(*codes.shape)
+    return values
 
 
-def numpy_inputs(body: nn.Module, caches: list[list], extra: tuple = ()) -> bool:
+def numpy_inputs(
+    body: nn.Module, caches: list[list[Any]], extra: tuple[nn.Module, ...] = ()
+) -> bool:
     """Every parameter the step reads (and those of the ``extra`` modules) has a float32
     numpy view and the caches hold float32 (checked before the step touches a cache, so a
     refusal leaves nothing half done)."""
@@ -223,13 +252,15 @@ def numpy_inputs(body: nn.Module, caches: list[list], extra: tuple = ()) -> bool
     return all(v is not None for v in views)
 
 
-def _dtype(stored) -> mx.Dtype:
+def _dtype(stored: mx.array | tuple[mx.array, ...]) -> mx.Dtype:
     """The dtype of a cache's keys: a quantized cache's scales (its values' dtype)."""
     return stored[1].dtype if isinstance(stored, (tuple, list)) else stored.dtype
 
 
-def hidden(body: nn.Module, tokens: list[int], caches: list[list], extra: tuple = ()
-           ) -> np.ndarray | None:
+def hidden(
+    body: nn.Module, tokens: list[int], caches: list[list[Any]],
+    extra: tuple[nn.Module, ...] = (),
+) -> np.ndarray | None:
     """The final hidden states ``(B, D)`` after one token for each of B sequences, each
     token's keys and values appended to its own ``caches[b]``; or None, nothing changed,
     when numpy cannot take the parameters or caches (another dtype)."""
@@ -237,13 +268,13 @@ def hidden(body: nn.Module, tokens: list[int], caches: list[list], extra: tuple 
         return None
     layers = body.layers
     forms = [layer.self_attn.rope_form for layer in layers]
-    needed = {}
+    needed: dict[tuple[RopeKey, int], tuple[nn.Module, RopeForm]] = {}
     for cache in caches:
         for layer, form, c in zip(layers, forms, cache):
             needed.setdefault((form.key, c.offset), (layer.self_attn.rope, form))
     turns = _rotations(needed)
-    x = param_view(body.embed_tokens)[np.asarray(tokens, dtype=np.int64)]
-    new: list[list] = [[None] * len(layers) for _ in tokens]
+    x = view(body.embed_tokens)[np.asarray(tokens, dtype=np.int64)]
+    new: list[list[Turn | None]] = [[None] * len(layers) for _ in tokens]
     for i, (layer, form) in enumerate(zip(layers, forms)):
         attn = layer.self_attn
         h = _rms(x, layer.input_layernorm)

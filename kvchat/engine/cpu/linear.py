@@ -17,7 +17,7 @@ model then runs at its float32 twin's speed, in its memory.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,6 +25,9 @@ import numpy as np
 from mlx.utils import tree_map_with_path
 
 from .attention import _numpy
+
+if TYPE_CHECKING:
+    from . import FastPath
 
 # Up to this many rows (a cached turn's new tokens), ``(W · xᵀ)ᵀ`` beats ``x · Wᵀ`` through
 # numpy's OpenBLAS: 44 rows through qwen2.5-0.5b's projections ran 10–25% faster on one
@@ -49,11 +52,14 @@ def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
 
 def product(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``rows @ wᵀ`` for ``(n, in)`` rows, by the fastest route for ``n`` (see SKINNY_ROWS)."""
+    out: np.ndarray
     if rows.shape[0] == 1:
-        return (w @ rows[0])[None]  # a matrix-vector product: BLAS gemv
-    if rows.shape[0] <= SKINNY_ROWS:
-        return (w @ rows.T).T  # the weight as the long side of the product
-    return rows @ w.T
+        out = (w @ rows[0])[None]  # a matrix-vector product: BLAS gemv
+    elif rows.shape[0] <= SKINNY_ROWS:
+        out = (w @ rows.T).T  # the weight as the long side of the product
+    else:
+        out = rows @ w.T
+    return out
 
 
 def _matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None:
@@ -70,7 +76,7 @@ def _matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None:
 class CpuLinear(nn.Linear):
     """``nn.Linear`` whose product runs through numpy while ``fast`` is on."""
 
-    def __init__(self, weight: mx.array, bias: mx.array | None, fast: Any):
+    def __init__(self, weight: mx.array, bias: mx.array | None, fast: FastPath):
         nn.Module.__init__(self)
         self.weight = weight
         if bias is not None:
@@ -101,14 +107,18 @@ class CpuOutput(CpuLinear):
 class CpuEmbedding(nn.Embedding):
     """``nn.Embedding`` whose tied output projection runs like :class:`CpuOutput`."""
 
-    def __init__(self, weight: mx.array, fast: Any):
+    def __init__(self, weight: mx.array, fast: FastPath):
         nn.Module.__init__(self)
         self.weight = weight
         self.fast = fast
 
     def as_linear(self, x: mx.array) -> mx.array:
         y = _matmul_t(x, self) if _rows(x) == 1 else None
-        return super().as_linear(x) if y is None else y
+        if y is not None:
+            return y
+        # mlx leaves nn.Embedding.as_linear unannotated
+        out: mx.array = super().as_linear(x)  # type: ignore[no-untyped-call]
+        return out
 
 
 def _rows(x: mx.array) -> int:
@@ -122,7 +132,7 @@ def _dequantized(layer: nn.Module) -> mx.array:
     ).astype(mx.float32)
 
 
-def _cpu_layer(path: str, layer: nn.Module, dequantize: bool, fast: Any) -> nn.Module:
+def _cpu_layer(path: str, layer: nn.Module, dequantize: bool, fast: FastPath) -> nn.Module:
     """The CPU layer that takes ``layer``'s place (``layer`` itself when none does)."""
     output = path.rsplit(".", 1)[-1] == "lm_head"
     linear = CpuOutput if output else CpuLinear
@@ -138,7 +148,7 @@ def _cpu_layer(path: str, layer: nn.Module, dequantize: bool, fast: Any) -> nn.M
     return layer
 
 
-def replace(model: nn.Module, dequantize: bool, fast: Any) -> int:
+def replace(model: nn.Module, dequantize: bool, fast: FastPath) -> int:
     """Give ``model`` CPU linear layers (dequantizing packed ones if asked) that compute
     through numpy while ``fast.on``. Returns how many quantized layers were dequantized."""
     def packed() -> int:

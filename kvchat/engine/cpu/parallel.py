@@ -18,6 +18,7 @@ from typing import TypeVar
 import numpy as np
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 MIN_FLOATS = 1 << 16  # a part smaller than this costs more to hand over than it saves
 
@@ -45,7 +46,7 @@ def bounds(items: int, n: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
 
 
-def run(fn: Callable[[T], object], pieces: Sequence[T]) -> list:
+def run(fn: Callable[[T], R], pieces: Sequence[T]) -> list[R]:
     """``[fn(p) for p in pieces]``, the first on this thread and the others on a pool's."""
     global _pool
     if len(pieces) == 1:
