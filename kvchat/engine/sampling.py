@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -75,9 +76,9 @@ def _processors(s: GenerationSettings) -> list[LogitsProcessor]:
 def token_logprobs(token: int, logprobs: mx.array, top: int) -> TokenLogprobs:
     """The event reporting ``token``'s log probability and the ``top`` likeliest tokens'
     (most likely first) from the vector it was sampled from."""
-    vector = logprobs.reshape(-1).astype(mx.float32)
+    vector = np.asarray(logprobs.reshape(-1).astype(mx.float32))
     alternatives: list[tuple[int, float]] = []
     if top > 0:
-        ids = mx.argpartition(-vector, top - 1)[:top]
-        alternatives = sorted(zip(ids.tolist(), vector[ids].tolist()), key=lambda p: -p[1])
-    return TokenLogprobs(token, float(vector[token].item()), tuple(alternatives))
+        ids = np.argpartition(-vector, top - 1)[:top]
+        alternatives = sorted(((int(i), float(vector[i])) for i in ids), key=lambda p: -p[1])
+    return TokenLogprobs(token, float(vector[token]), tuple(alternatives))
