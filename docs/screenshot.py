@@ -18,7 +18,7 @@ TURNS = ("Hello! Can you help me?", "What should I pack?")
 
 async def draw() -> None:
     from kvchat.config import Config
-    from kvchat.engine.model import load_model
+    from kvchat.engine.models.model import load_model
     from kvchat.tui.app import KvChatApp
 
     app = KvChatApp(Config(model="demo", max_tokens=60, autosave=False),

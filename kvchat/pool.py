@@ -6,7 +6,7 @@ dropped from memory. The next :meth:`SessionPool.get` loads it back, so the
 caller never sees the difference except in time. Caches are offloaded when
 idle longer than ``ttl_s`` (:meth:`SessionPool.expire`) and, least recently
 used first, when the caches in memory, and the weights of the models the
-pool's :class:`~kvchat.engine.registry.ModelRegistry` holds, pass
+pool's :class:`~kvchat.engine.models.registry.ModelRegistry` holds, pass
 ``memory_budget_bytes`` (:meth:`SessionPool.enforce_budget`). Each open
 session holds its model in that registry: the model is unloaded when the last
 session using it is dropped. A new session starts from a copy of a
@@ -27,14 +27,14 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from kvchat import store
-from kvchat.engine.kinds import parse_kind
+from kvchat.engine.caches.kinds import parse_kind
 
 if TYPE_CHECKING:
     from kvchat.config import Config
-    from kvchat.engine.kinds import CacheKind
-    from kvchat.engine.model import LoadedModel
-    from kvchat.engine.registry import ModelRegistry
-    from kvchat.engine.session import GenerationSettings, Session
+    from kvchat.engine.caches.kinds import CacheKind
+    from kvchat.engine.conversation.session import GenerationSettings, Session
+    from kvchat.engine.models.model import LoadedModel
+    from kvchat.engine.models.registry import ModelRegistry
 
 
 @dataclass
@@ -167,7 +167,7 @@ class SessionPool:
         prompt gives its cache, cut to the system prompt, so the first turn
         evaluates only the new message. Added to the pool when ``name`` is given.
         """
-        from kvchat.engine.session import Session
+        from kvchat.engine.conversation.session import Session
 
         kind = parse_kind(kind)
         session = None
@@ -281,7 +281,9 @@ class SessionPool:
     def _write(self, name: str) -> None:
         entry = self.entry(name)
         if entry.in_memory and (entry.dirty or not store.exists(name)):
-            from kvchat.engine.distributed import save_session  # a sharded run's: every rank's
+            from kvchat.engine.distributed.driver import (
+                save_session,  # a sharded run's: every rank's
+            )
 
             save_session(entry.session, name, base=entry.generation)
             entry.saved_state = _signature(entry.session)

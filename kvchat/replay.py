@@ -19,9 +19,10 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from .engine.distributed import new_session
-from .engine.kinds import CacheKind, CacheKindError, parse_kind
-from .engine.session import GenerationSettings, SessionError, TurnDone
+from kvchat.engine.caches.kinds import CacheKind, CacheKindError, parse_kind
+from kvchat.engine.conversation.session import GenerationSettings, SessionError, TurnDone
+from kvchat.engine.distributed.driver import new_session
+
 from .safety import printable, read_limited
 
 OPS = ("regenerate", "undo", "cache", "reset")

@@ -32,7 +32,7 @@ from kvchat.safety import ascii_int
 
 if TYPE_CHECKING:  # the engine (and mlx with it) is imported when a value is checked:
     # kvchat's entry point chooses the BLAS before anything imports mlx.core
-    from kvchat.engine.events import GenerationSettings
+    from kvchat.engine.conversation.events import GenerationSettings
 
 MAX_NUMBER = 1 << 60  # no count, size or time kvchat takes comes near this
 
@@ -159,7 +159,7 @@ def _not_empty(value: Any) -> str:
 
 
 def _kind(value: Any) -> str:
-    from kvchat.engine.kinds import CacheKindError, parse_kind
+    from kvchat.engine.caches.kinds import CacheKindError, parse_kind
 
     if not isinstance(value, str):
         raise ValueError('expected a cache kind such as "standard" or "quantized:8".')
@@ -306,7 +306,7 @@ def model_fields(settings: tuple[Setting, ...], *, api: bool = False) -> dict[st
 
 def generation_of(config: Any, **extra: Any) -> GenerationSettings:
     """The generation settings of a :class:`~kvchat.config.Config` (new sessions start so)."""
-    from kvchat.engine.events import GenerationSettings
+    from kvchat.engine.conversation.events import GenerationSettings
 
     return GenerationSettings(**{s.name: getattr(config, s.name) for s in GENERATION}, **extra)
 

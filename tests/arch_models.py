@@ -1,14 +1,14 @@
 """Tiny random-weight models of other mlx-lm architectures, for the
 ``arch`` fixture: each is built from mlx-lm's own model class with the demo tokenizer
-(:func:`kvchat.engine.demo.model_config`), saved in mlx-lm's format and loaded through
+(:func:`kvchat.engine.models.demo.model_config`), saved in mlx-lm's format and loaded through
 ``mlx_lm.load`` like any downloaded model: 2 layers, width 64."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvchat.engine import demo
-from kvchat.engine.model import LoadedModel, load_model
+from kvchat.engine.models import demo
+from kvchat.engine.models.model import LoadedModel, load_model
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": True}

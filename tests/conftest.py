@@ -49,7 +49,7 @@ def kvchat_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def demo_model(kvchat_dirs):
     """The tiny demo model, built once for the whole run."""
-    from kvchat.engine.model import load_model
+    from kvchat.engine.models.model import load_model
 
     return load_model("demo")
 
@@ -92,7 +92,7 @@ def dropping_model(demo_model, tmp_path_factory):
     import json
     import shutil
 
-    from kvchat.engine.model import load_model
+    from kvchat.engine.models.model import load_model
 
     folder = tmp_path_factory.mktemp("models") / "demo-drops-thoughts"
     shutil.copytree(demo_model.path, folder)

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from kvchat.engine.session import Session, TurnDone
+from kvchat.engine.conversation.session import Session, TurnDone
 
 # What each rank of a test's sharded run may run in place of kvchat's entry
 # (kvchat/cli/ring.py's ENTRY): rank 1 kills itself at the third token of each turn.

@@ -15,7 +15,7 @@ import urllib.request
 import openai
 import uvicorn
 
-from kvchat.engine.events import GenerationSettings
+from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.pool import SessionPool
 from kvchat.serve import DEFAULT_MAX_BODY, Engine, create_app
 

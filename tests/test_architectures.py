@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app
-from kvchat.engine import checkpoints
-from kvchat.engine.events import GenerationSettings, TurnDone
-from kvchat.engine.kinds import OFFERED_KINDS, CacheKindError, applicable_kinds
-from kvchat.engine.session import Session
+from kvchat.engine.caches import checkpoints
+from kvchat.engine.caches.kinds import OFFERED_KINDS, CacheKindError, applicable_kinds
+from kvchat.engine.conversation.events import GenerationSettings, TurnDone
+from kvchat.engine.conversation.session import Session
 from tests.arch_models import SHAPES
 from tests.helpers import turn
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 

@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 
 from kvchat import store
-from kvchat.engine.branches import BranchError, Branches, talk
-from kvchat.engine.kinds import cache_offset
-from kvchat.engine.maintenance import common_prefix
-from kvchat.engine.session import GenerationSettings, Session, SessionError, TurnDone
+from kvchat.engine.caches.kinds import cache_offset
+from kvchat.engine.conversation.branches import BranchError, Branches, talk
+from kvchat.engine.conversation.maintenance import common_prefix
+from kvchat.engine.conversation.session import GenerationSettings, Session, SessionError, TurnDone
 from kvchat.store.base import SESSION_FILE, session_dir
 
 SETTINGS = GenerationSettings(max_tokens=8)

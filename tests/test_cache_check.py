@@ -16,9 +16,9 @@ from mlx_lm.models import gemma3_text, mamba
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from kvchat import store
-from kvchat.engine.cache_check import Reference, cache_problem
-from kvchat.engine.kinds import compacted, make_cache, parse_kind
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.caches.cache_check import Reference, cache_problem
+from kvchat.engine.caches.kinds import compacted, make_cache, parse_kind
+from kvchat.engine.conversation.session import GenerationSettings, Session
 
 SYSTEM = "You are terse."
 FIRST = ["Hello there.", "What is a cache?"]

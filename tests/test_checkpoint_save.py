@@ -8,8 +8,8 @@ import os
 import pytest
 
 from kvchat import store
-from kvchat.engine.events import GenerationSettings
-from kvchat.engine.session import Session
+from kvchat.engine.conversation.events import GenerationSettings
+from kvchat.engine.conversation.session import Session
 from tests.helpers import turn
 
 

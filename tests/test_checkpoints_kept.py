@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine.events import GenerationSettings, TurnDone
-from kvchat.engine.session import Session
+from kvchat.engine.conversation.events import GenerationSettings, TurnDone
+from kvchat.engine.conversation.session import Session
 from tests.helpers import turn
 
 GREEDY = GenerationSettings(max_tokens=6, temp=0.0)

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 from kvchat.safety import dumps_json, printable
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]

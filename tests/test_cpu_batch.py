@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 from kvchat.cli import app
 from kvchat.engine import cpu
+from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
 from kvchat.engine.cpu import decode
-from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
-from kvchat.engine.model import load_model
+from kvchat.engine.models.model import load_model
 
 TINY = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, head_dim=32,

@@ -16,12 +16,12 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 
 from kvchat.engine import cpu
+from kvchat.engine.caches.kinds import make_cache, parse_kind
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 from kvchat.engine.cpu import attention, decode, linear, parallel
 from kvchat.engine.cpu.layers import MLP, Attention, Body
 from kvchat.engine.cpu.linear import CpuEmbedding, CpuLinear, CpuOutput
-from kvchat.engine.kinds import make_cache, parse_kind
-from kvchat.engine.model import load_model
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.models.model import load_model
 
 pytestmark = pytest.mark.cpu_only
 
@@ -258,7 +258,7 @@ def test_numpy_rotary_embedding_matches_mlx(traditional, dims):
 def test_numpy_decoding_step_leaves_other_caches_to_mlx_lm(demo_model, fast_path, monkeypatch):
     kinds = ("rotating:64", "chunked:64")
     # made first: making a kind's cache may run the model once on a standard cache
-    # (kvchat.engine.fit's probes), which is the numpy step's to take
+    # (kvchat.engine.caches.fit's probes), which is the numpy step's to take
     caches = {kind: make_cache(demo_model.model, parse_kind(kind)) for kind in kinds}
     calls = []
     monkeypatch.setattr(decode, "hidden", lambda *a: calls.append(1))
@@ -332,7 +332,7 @@ def test_output_projection_stays_lazy_for_a_prefill(demo_model, fast_path):
 
 def test_environment_switch_turns_it_off(tmp_path):
     env = {**os.environ, "KVCHAT_CPU_FASTPATH": "0"}
-    script = ("import kvchat; from kvchat.engine.model import load_model; "
+    script = ("import kvchat; from kvchat.engine.models.model import load_model; "
               "lm = load_model('demo'); print(lm.fast_path, lm.weights); "
               "print(lm.fast_path_line()); print(type(lm.model.model.layers[0].self_attn))")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,

@@ -18,8 +18,8 @@ from helpers import turn
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
-from kvchat.engine import demo
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
+from kvchat.engine.models import demo
 from kvchat.safety import printable
 
 MESSAGES = [
@@ -37,7 +37,7 @@ def file_hashes(folder: Path) -> dict[str, str]:
 def test_build_is_deterministic_across_processes(demo_model, tmp_path):
     """A second build in a fresh process, into another cache dir, gives identical files."""
     env = {**os.environ, "KVCHAT_CACHE_DIR": str(tmp_path)}
-    code = "from kvchat.engine.demo import build_demo; print(build_demo('demo'))"
+    code = "from kvchat.engine.models.demo import build_demo; print(build_demo('demo'))"
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
@@ -50,7 +50,7 @@ def test_build_is_deterministic_across_processes(demo_model, tmp_path):
 def test_racing_builds_agree(tmp_path):
     """Two processes building at once both end up with one complete folder."""
     env = {**os.environ, "KVCHAT_CACHE_DIR": str(tmp_path)}
-    code = "from kvchat.engine.demo import build_demo; print(build_demo('demo'))"
+    code = "from kvchat.engine.models.demo import build_demo; print(build_demo('demo'))"
     racers = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(2)

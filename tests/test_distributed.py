@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 from kvchat import store
 from kvchat.cli import app
 from kvchat.cli.launch import _run
-from kvchat.engine import demo
-from kvchat.engine.cache_check import Reference
-from kvchat.engine.distributed import (
+from kvchat.engine.caches.cache_check import Reference
+from kvchat.engine.conversation.session import Session, SessionError, TurnDone
+from kvchat.engine.distributed.driver import (
     DistributedSession,
     Link,
     OpError,
@@ -35,9 +35,9 @@ from kvchat.engine.distributed import (
     decode_op,
     encode_op,
 )
-from kvchat.engine.model import ModelLoadError
-from kvchat.engine.session import Session, SessionError, TurnDone
-from kvchat.engine.sharding import choose_mode, layout, layout_problem
+from kvchat.engine.distributed.sharding import choose_mode, layout, layout_problem
+from kvchat.engine.models import demo
+from kvchat.engine.models.model import ModelLoadError
 from kvchat.store.cache_file import read_cache
 from kvchat.store.shards import delete_shard, write_shard
 from tests.arch_models import TINY

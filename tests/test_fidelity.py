@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvchat.engine import demo
-from kvchat.engine.fidelity import DEFAULT_KINDS, evaluate, heldout_text, logprobs
-from kvchat.engine.kinds import parse_kind
+from kvchat.bench.fidelity import DEFAULT_KINDS, evaluate, heldout_text, logprobs
+from kvchat.engine.caches.kinds import parse_kind
+from kvchat.engine.models import demo
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 
@@ -87,7 +87,7 @@ def test_rotation_spreads_outlier_key_channels(kvchat_dirs):
     quantized:4 on it. Given such channels (the two lowest-frequency RoPE channels of every
     key head offset by 20, which leaves the model's own predictions almost unchanged),
     4-bit groups lose their resolution to them and the rotation spreads them out."""
-    from kvchat.engine.model import load_model
+    from kvchat.engine.models.model import load_model
 
     lm = load_model("demo")
     tokens = lm.tokenizer.encode(heldout_text(), add_special_tokens=False)[:161]

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 
 CASES_PER_BLOCK = 50
 JSON_BLOCKS = 4  # 200 session.json mutations

@@ -8,11 +8,11 @@ import threading
 import mlx.core as mx
 import pytest
 
-from kvchat.engine.events import GenerationSettings, TurnDone
+from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
+from kvchat.engine.conversation.events import GenerationSettings, TurnDone
+from kvchat.engine.conversation.session import Session
 from kvchat.engine.generation import GATE, Left, Sequence, core_for
-from kvchat.engine.kinds import held_tokens, make_cache, parse_kind
-from kvchat.engine.sampling import for_settings
-from kvchat.engine.session import Session
+from kvchat.engine.generation.sampling import for_settings
 
 QUESTIONS = [
     "What is a cache?", "Tell me about the sea.", "Why is the sky blue?",

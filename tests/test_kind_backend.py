@@ -11,10 +11,10 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from kvchat.bench.experiments import Bench
-from kvchat.engine import fit
-from kvchat.engine.events import GenerationSettings
-from kvchat.engine.kinds import OFFERED_KINDS, CacheKindError, applicable_kinds, parse_kind
-from kvchat.engine.session import Session
+from kvchat.engine.caches import fit
+from kvchat.engine.caches.kinds import OFFERED_KINDS, CacheKindError, applicable_kinds, parse_kind
+from kvchat.engine.conversation.events import GenerationSettings
+from kvchat.engine.conversation.session import Session
 from tests.helpers import turn
 
 GREEDY = GenerationSettings(max_tokens=6, temp=0.0)

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvchat.engine.kinds import (
+from kvchat.engine.caches.kinds import (
     OFFERED_KINDS,
     CacheKind,
     CacheKindError,
@@ -19,7 +19,7 @@ from kvchat.engine.kinds import (
     make_cache,
     parse_kind,
 )
-from kvchat.engine.rotated import RotatedKVCache
+from kvchat.engine.caches.rotated import RotatedKVCache
 
 
 @pytest.mark.parametrize(

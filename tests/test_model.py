@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from kvchat.engine import demo
-from kvchat.engine.model import (
+from kvchat.engine.models import demo
+from kvchat.engine.models.model import (
     DEFAULT_CONTEXT_LENGTH,
     WAY_OUT,
     ModelLoadError,

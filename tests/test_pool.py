@@ -5,7 +5,7 @@ from __future__ import annotations
 from helpers import turn
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
 from kvchat.pool import SessionPool
 
 SYSTEM = "You are terse."

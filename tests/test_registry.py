@@ -12,11 +12,11 @@ import weakref
 import pytest
 from helpers import turn
 
-from kvchat.engine.maintenance import common_prefix
-from kvchat.engine.model import ModelLoadError
-from kvchat.engine.registry import ModelRegistry, weight_bytes
-from kvchat.engine.scheduler import Scheduler
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.maintenance import common_prefix
+from kvchat.engine.conversation.session import GenerationSettings, Session
+from kvchat.engine.generation.scheduler import Scheduler
+from kvchat.engine.models.model import ModelLoadError
+from kvchat.engine.models.registry import ModelRegistry, weight_bytes
 from kvchat.pool import SessionPool
 
 OTHER = "demo@q4"  # the demo's shape with 4-bit weights: another model, built in a second

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvchat.engine.session import GenerationSettings
-from kvchat.engine.stats import STAT_FIELDS
+from kvchat.engine.conversation.session import GenerationSettings
+from kvchat.engine.conversation.stats import STAT_FIELDS
 from kvchat.replay import ReplayError, load_script, parse_script, run_script
 
 SCRIPT = {

@@ -10,10 +10,10 @@ from helpers import turn
 from mlx_lm.models import base
 
 from kvchat import store
-from kvchat.engine import rotated
-from kvchat.engine.kinds import convert_cache, copy_cache, make_cache, parse_kind, trim_to
-from kvchat.engine.rotated import RotatedKVCache, rotation
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.caches import rotated
+from kvchat.engine.caches.kinds import convert_cache, copy_cache, make_cache, parse_kind, trim_to
+from kvchat.engine.caches.rotated import RotatedKVCache, rotation
+from kvchat.engine.conversation.session import GenerationSettings, Session
 from kvchat.tui.screens.dialogs import kind_bytes_per_token
 
 SYSTEM = "You are terse."

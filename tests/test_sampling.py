@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine.sampling import for_settings
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.generation.sampling import for_settings
 
 
 def reply(lm, text: str = "Tell me about the cache.", **settings) -> str:

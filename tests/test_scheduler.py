@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvchat.engine.scheduler import Cancelled, Scheduler
+from kvchat.engine.generation.scheduler import Cancelled, Scheduler
 
 
 def test_one_at_a_time_in_arrival_order():

@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 from kvchat.store.schema import Settings
 
 

@@ -16,7 +16,7 @@ import pytest
 from helpers import turn
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
 from kvchat.store import search as index
 from kvchat.store.base import StoreError
 

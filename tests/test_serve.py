@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from kvchat import store
 from kvchat.cli import app
 from kvchat.engine import cpu
-from kvchat.engine.maintenance import common_prefix
-from kvchat.engine.session import render
+from kvchat.engine.conversation.maintenance import common_prefix
+from kvchat.engine.conversation.session import render
 from kvchat.pool import SessionPool
 
 pytestmark = pytest.mark.timeout(300)
@@ -215,7 +215,7 @@ def test_serve_counts_its_models_weights_in_the_memory_budget(demo_model, home):
     holds only the newest cache (without the weights, both tiny caches would fit)."""
     from kvchat.cli.serve import serve_pool
     from kvchat.config import Config
-    from kvchat.engine.registry import weight_bytes
+    from kvchat.engine.models.registry import weight_bytes
 
     weights = weight_bytes(demo_model)
     pool = serve_pool(demo_model, Config(memory_budget=weights + 1))

@@ -8,9 +8,9 @@ import mlx.core as mx
 import pytest
 from serve_helpers import Server, chat
 
-from kvchat.engine.events import Chunk
-from kvchat.engine.session import Session, render
-from kvchat.engine.template import encode_plain
+from kvchat.engine.conversation.events import Chunk
+from kvchat.engine.conversation.session import Session, render
+from kvchat.engine.conversation.template import encode_plain
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,9 +9,9 @@ import pytest
 from serve_helpers import Server, chat
 
 from kvchat import store
-from kvchat.engine.maintenance import common_prefix
-from kvchat.engine.model import load_model
-from kvchat.engine.session import render
+from kvchat.engine.conversation.maintenance import common_prefix
+from kvchat.engine.conversation.session import render
+from kvchat.engine.models.model import load_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine.kinds import CacheKindError, cache_offset
-from kvchat.engine.session import (
+from kvchat.engine.caches.kinds import CacheKindError, cache_offset
+from kvchat.engine.conversation.session import (
     Chunk,
     GenerationSettings,
     Prefill,

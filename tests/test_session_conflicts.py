@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 
@@ -133,7 +133,7 @@ def test_two_stores_racing_saves_of_one_session_lose_neither(demo_model, home):
 
 HELD_BEFORE_SAVE = """
 import sys
-import kvchat.engine.distributed as distributed
+import kvchat.engine.distributed.driver as distributed
 from kvchat.cli import main
 real = distributed.save_session
 def held(*args, **kwargs):

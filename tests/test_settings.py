@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kvchat.cli import app
 from kvchat.config import Config, load_config
-from kvchat.engine.events import GenerationSettings
+from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.settings import (
     API,
     DIALOG,

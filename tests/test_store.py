@@ -14,7 +14,7 @@ from helpers import kill_when_stopped, stopped_before_rename, turn
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
 
 SETTINGS = GenerationSettings(max_tokens=10)
 SYSTEM = "You are terse."
@@ -63,8 +63,8 @@ def test_round_trip_every_kind(demo_model, home, kind):
 RESUME_SCRIPT = """
 import json, sys
 from kvchat import store
-from kvchat.engine.model import load_model
-from kvchat.engine.session import TurnDone
+from kvchat.engine.models.model import load_model
+from kvchat.engine.conversation.session import TurnDone
 loaded = store.load("chat", load_model("demo"))
 done = [e for e in loaded.session.send(sys.argv[1]) if isinstance(e, TurnDone)][0]
 store.save(loaded.session, "chat")

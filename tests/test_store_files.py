@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from kvchat import locations, store
 from kvchat.cli import app
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 PRUNE = [*CLI, "sessions", "prune", "--older-than", "0s"]

@@ -28,12 +28,12 @@ from pathlib import Path
 import pytest
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 
 FORK_SERVER = r"""
 import json, os, sys
 from kvchat.cli import main
-import kvchat.config, kvchat.engine.model, kvchat.engine.session, kvchat.store  # what ask imports
+import kvchat.config, kvchat.engine.models.model, kvchat.engine.conversation.session, kvchat.store  # what ask imports
 children = {}
 for line in sys.stdin:
     request = json.loads(line)

@@ -15,7 +15,7 @@ import pytest
 from helpers import kill_when_stopped, stopped_before_rename, turn
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 FIRST = ["Hello there.", "What is a cache?"]
@@ -112,8 +112,8 @@ def test_a_file_size_limit_shows_the_reply_then_one_sentence(demo_model, home):
 CUT_SHORT = """
 import sys
 from kvchat import store
-from kvchat.engine.model import load_model
-from kvchat.engine.session import TurnDone
+from kvchat.engine.models.model import load_model
+from kvchat.engine.conversation.session import TurnDone
 loaded = store.load("chat", load_model("demo"))
 [e for e in loaded.session.send(sys.argv[1]) if isinstance(e, TurnDone)]
 store.save(loaded.session, "chat")

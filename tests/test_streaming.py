@@ -12,15 +12,15 @@ import sys
 import pytest
 
 from kvchat.cli import _stream_reply
-from kvchat.engine.kinds import allocated_bytes, cache_bytes, compacted
-from kvchat.engine.session import (
+from kvchat.engine.caches.kinds import allocated_bytes, cache_bytes, compacted
+from kvchat.engine.conversation.session import (
     Chunk,
     GenerationSettings,
     Prefill,
     Session,
     TurnDone,
 )
-from kvchat.engine.text import ReplyText
+from kvchat.engine.conversation.text import ReplyText
 from kvchat.safety import printable
 
 SYSTEM = "You are terse."
@@ -216,7 +216,7 @@ def test_ask_prints_the_reply(demo_model, tmp_path):
 def test_ctrl_c_during_ask_keeps_the_partial_reply(tmp_path):
     import signal
 
-    from kvchat.engine.demo import build_demo
+    from kvchat.engine.models.demo import build_demo
 
     build_demo("random")  # built here, so the Ctrl-C lands in the reply, not in a build
     env = {**os.environ, "KVCHAT_HOME": str(tmp_path / "home")}

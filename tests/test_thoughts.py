@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine import session as session_module
-from kvchat.engine import template
-from kvchat.engine.maintenance import common_prefix
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
-from kvchat.engine.thoughts import Thoughts, reevaluated_note, split_thoughts
+from kvchat.engine.conversation import session as session_module
+from kvchat.engine.conversation import template
+from kvchat.engine.conversation.maintenance import common_prefix
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.thoughts import Thoughts, reevaluated_note, split_thoughts
 
 THOUGHTFUL = "<think>\nThe user greets me. I should greet back, briefly.\n</think>\n\nHello there, friend."
 ANSWER = "Hello there, friend."

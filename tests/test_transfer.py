@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
 
 TEXTS = ["Hello there.", "What is a cache?"]
 NEXT = "And why is it fast?"

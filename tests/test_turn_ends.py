@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine import checkpoints
-from kvchat.engine.events import GenerationSettings
-from kvchat.engine.session import Session
+from kvchat.engine.caches import checkpoints
+from kvchat.engine.conversation.events import GenerationSettings
+from kvchat.engine.conversation.session import Session
 from tests.conftest import DROPPING_TEMPLATE
 from tests.helpers import turn
 

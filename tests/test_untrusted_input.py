@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kvchat.cli import app
 from kvchat.config import ConfigError, load_config, parse_config, parse_size
-from kvchat.engine.kinds import CacheKindError, parse_kind
+from kvchat.engine.caches.kinds import CacheKindError, parse_kind
 from kvchat.replay import ReplayError, load_script
 from kvchat.safety import ascii_int, printable, read_limited
 
@@ -135,7 +135,7 @@ def test_durations_take_ascii_digits_only():
 
 
 def test_a_model_name_that_is_not_utf8_is_one_sentence():
-    from kvchat.engine.model import ModelLoadError, load_model
+    from kvchat.engine.models.model import ModelLoadError, load_model
 
     name = b"/tmp/mod\xffel".decode("utf-8", "surrogateescape")
     with pytest.raises(ModelLoadError, match="not valid UTF-8") as caught:

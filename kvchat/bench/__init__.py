@@ -20,7 +20,7 @@ seconds do not. Sections:
    off, and **quantized weights**: the model's 4- and 8-bit copies, dequantized
    at load and kept packed (see ``bench/cpu.py``).
 7. **fidelity**: each quantized kind's KL divergence against ``standard``, top-1
-   agreement and perplexity on a held-out text (:mod:`kvchat.engine.fidelity`).
+   agreement and perplexity on a held-out text (:mod:`kvchat.bench.fidelity`).
 
 :func:`run_bench` returns a plain dict (what ``--json`` prints);
 :func:`to_markdown` and :func:`print_tables` render it. No Textual here.
@@ -41,7 +41,7 @@ from .report import print_tables, targets, to_markdown
 __all__ = ["DEFAULT_MODEL", "make_text", "print_tables", "run_bench", "to_markdown"]
 
 if TYPE_CHECKING:
-    from kvchat.engine.model import LoadedModel
+    from kvchat.engine.models.model import LoadedModel
 
 
 def run_bench(
@@ -55,9 +55,9 @@ def run_bench(
 
     Pass ``lm`` (and the seconds it took to load, ``load_s``) to reuse a loaded model.
     """
-    from kvchat.engine.fidelity import DEFAULT_KINDS, evaluate
-    from kvchat.engine.kinds import applicable_kinds
-    from kvchat.engine.model import load_model
+    from kvchat.bench.fidelity import DEFAULT_KINDS, evaluate
+    from kvchat.engine.caches.kinds import applicable_kinds
+    from kvchat.engine.models.model import load_model
 
     say = log or (lambda _m: None)
     started = time.perf_counter()
@@ -111,13 +111,13 @@ def run_bench(
 
 
 def _model_dtype(lm: LoadedModel) -> str:
-    from kvchat.engine.trees import flatten
+    from kvchat.engine.caches.trees import flatten
 
     dtypes = {str(v.dtype) for _, v in flatten(lm.model.parameters())}
     return ", ".join(sorted(d.replace("mlx.core.", "") for d in dtypes))
 
 
 def _parameters(lm: LoadedModel) -> int:
-    from kvchat.engine.trees import flatten
+    from kvchat.engine.caches.trees import flatten
 
     return sum(v.size for _, v in flatten(lm.model.parameters()))

@@ -21,11 +21,11 @@ import kvchat
 from kvchat import blas
 
 if TYPE_CHECKING:
-    from kvchat.engine.model import LoadedModel
-    from kvchat.engine.session import Session
+    from kvchat.engine.conversation.session import Session
+    from kvchat.engine.models.model import LoadedModel
 
 DEFAULT_MODEL = "demo:qwen2.5-0.5b"
-CORPUS = Path(__file__).parent.parent / "engine" / "demo_corpus.txt"
+CORPUS = Path(__file__).parent.parent / "engine" / "models" / "demo_corpus.txt"
 KINDS = (
     "standard", "quantized:8", "quantized:4", "rotated:4", "rotating:1024", "chunked:1024",
     "concatenate",
@@ -155,7 +155,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def run_turn(session: Session, text: str) -> dict[str, Any]:
     """Send ``text``, drain the reply; return the stats as a dict plus the reply's token ids."""
-    from kvchat.engine.session import TurnDone
+    from kvchat.engine.conversation.session import TurnDone
 
     done = None
     for event in session.send(text):
@@ -176,7 +176,7 @@ def bytes_per_token(cache: list[Any]) -> float:
     """Bytes one token takes across all layers: each layer's key and value buffers divided
     by the token slots they have (preallocated slots cost the same as used ones), so the
     figure is exact for standard, quantized and bounded kinds alike."""
-    from kvchat.engine.trees import flatten
+    from kvchat.engine.caches.trees import flatten
 
     total = 0.0
     for layer in cache:
@@ -192,7 +192,7 @@ def _eval_only_s(lm: LoadedModel, tokens: list[int]) -> float:
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
-    from kvchat.engine.kinds import make_cache, parse_kind
+    from kvchat.engine.caches.kinds import make_cache, parse_kind
 
     cache = make_cache(lm.model, parse_kind("standard"))
     start = time.perf_counter()
@@ -237,11 +237,11 @@ def profile_cached_turn(session: Session, text: str) -> dict[str, float]:
     """
     import mlx.core as mx
 
-    from kvchat.engine.events import GenerationSettings
+    from kvchat.engine.caches.kinds import trim_to
+    from kvchat.engine.conversation.events import GenerationSettings
+    from kvchat.engine.conversation.session import common_prefix
     from kvchat.engine.generation import Sequence, core_for
-    from kvchat.engine.kinds import trim_to
-    from kvchat.engine.sampling import for_settings
-    from kvchat.engine.session import common_prefix
+    from kvchat.engine.generation.sampling import for_settings
 
     history = list(session.messages)
     messages = [*history, {"role": "user", "content": text}]

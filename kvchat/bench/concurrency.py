@@ -24,7 +24,7 @@ LOADS = (1, 2, 4, 8)
 def concurrency(model: str, out: Path, first_tokens: int = 340, max_tokens: int = 64,
                 loads: tuple[int, ...] = LOADS) -> dict:
     """Each server's rows, one per load, and the ratios the issue asks about."""
-    from kvchat.engine.model import load_model
+    from kvchat.engine.models.model import load_model
 
     lm = load_model(model)
     tokenizer, folder = lm.tokenizer, lm.path

@@ -19,19 +19,19 @@ from typing import TYPE_CHECKING, Any
 from .common import FOLLOW_UP, Log, _ratio, make_text
 
 if TYPE_CHECKING:
-    from kvchat.engine.model import LoadedModel
-    from kvchat.engine.session import Session
+    from kvchat.engine.conversation.session import Session
+    from kvchat.engine.models.model import LoadedModel
 
 
 def _turn(session: Session, text: str):
-    from kvchat.engine.session import TurnDone
+    from kvchat.engine.conversation.session import TurnDone
 
     return [e for e in session.send(text) if isinstance(e, TurnDone)][0].stats
 
 
 def _prefill_and_decode(lm: LoadedModel, tokens: int, decode: int) -> dict[str, float]:
     """A fresh session answering a ``tokens``-token message: prefill tok/s, decode tok/s."""
-    from kvchat.engine.session import GenerationSettings, Session
+    from kvchat.engine.conversation.session import GenerationSettings, Session
 
     session = Session(lm, settings=GenerationSettings(max_tokens=decode, ignore_eos=True))
     stats = _turn(session, make_text(lm.tokenizer, tokens, seed=11))
@@ -125,7 +125,7 @@ def roofline(lm: LoadedModel, rows: int, repeats: int = 2) -> dict[str, float]:
 
 def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]:
     """Prefill, decode and cached follow-ups with the CPU fast path on and off."""
-    from kvchat.engine.session import GenerationSettings, Session
+    from kvchat.engine.conversation.session import GenerationSettings, Session
 
     if lm.fast_path is None:
         return {"skipped": lm.fast_path_line()}
@@ -158,8 +158,8 @@ def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]
 def quantized_weights(lm: LoadedModel, plan: dict[str, Any], log: Log,
                       float32: dict[str, float]) -> dict[str, Any]:
     """Prefill and decode of ``@q4``/``@q8`` copies of the model, dequantized and packed."""
-    from kvchat.engine.demo import parse_demo_spec
-    from kvchat.engine.model import load_model
+    from kvchat.engine.models.demo import parse_demo_spec
+    from kvchat.engine.models.model import load_model
 
     try:
         is_demo = parse_demo_spec(lm.model_id) is not None and "@" not in lm.model_id

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvchat.engine.demo import corpus_parts
+from kvchat.engine.models.demo import corpus_parts
 
 from .common import temp_home
 from .serve import free_port

@@ -30,8 +30,8 @@ from .common import (
 )
 
 if TYPE_CHECKING:
-    from kvchat.engine.model import LoadedModel
-    from kvchat.engine.session import Session
+    from kvchat.engine.conversation.session import Session
+    from kvchat.engine.models.model import LoadedModel
 
 
 
@@ -49,7 +49,7 @@ class Bench:
         self.log(f"[{time.perf_counter() - self.started:7.1f}s] {msg}")
 
     def _session(self, messages: list[dict] | None = None, max_tokens: int = 8, kind: str = "standard"):
-        from kvchat.engine.session import GenerationSettings, Session
+        from kvchat.engine.conversation.session import GenerationSettings, Session
 
         return Session(
             self.lm, kind=kind, messages=list(messages or []),
@@ -125,8 +125,8 @@ class Bench:
         import mlx.core as mx
         from mlx_lm.generate import generation_stream
 
-        from kvchat.engine.kinds import make_cache, parse_kind, trim_to
-        from kvchat.engine.session import copy_cache
+        from kvchat.engine.caches.kinds import make_cache, parse_kind, trim_to
+        from kvchat.engine.conversation.session import copy_cache
 
         plan = self.plan
         render = self._session().render
@@ -171,7 +171,7 @@ class Bench:
             copied = copy_cache(cache)
             if not trim_to(copied, len(h_tokens)):
                 raise RuntimeError("could not cut the cache copy back to the history")
-            from kvchat.engine.session import GenerationSettings, Session
+            from kvchat.engine.conversation.session import GenerationSettings, Session
 
             s = Session.restore(
                 self.lm, messages=list(history), kind="standard", ledger=h_tokens, cache=copied,
@@ -262,8 +262,8 @@ class Bench:
     def kinds(self) -> dict[str, Any]:
         import mlx.core as mx
 
-        from kvchat.engine.kinds import QUANT_GROUP_SIZE, CacheKindError
-        from kvchat.engine.session import GenerationSettings
+        from kvchat.engine.caches.kinds import QUANT_GROUP_SIZE, CacheKindError
+        from kvchat.engine.conversation.session import GenerationSettings
 
         plan = self.plan
         target = plan["kinds_history"]
@@ -382,8 +382,8 @@ def blas_probe(spec: str, tokens: int) -> dict[str, Any]:
     """Prefill speed of ``tokens`` tokens in one pass, and n×n matmul GFLOP/s, in this process."""
     import mlx.core as mx
 
-    from kvchat.engine.kinds import make_cache, parse_kind
-    from kvchat.engine.model import load_model
+    from kvchat.engine.caches.kinds import make_cache, parse_kind
+    from kvchat.engine.models.model import load_model
 
     lm = load_model(spec)
     ids = lm.tokenizer.encode(make_text(lm.tokenizer, tokens + 8, seed=7), add_special_tokens=False)

@@ -115,7 +115,7 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
 
 def ttft(model: str, history_tokens: int, out: Path) -> dict:
     """The side-by-side row: turn-2 TTFT and the first turn after a restart, both servers."""
-    from kvchat.engine.model import load_model
+    from kvchat.engine.models.model import load_model
 
     lm = load_model(model)
     article = make_text(lm.tokenizer, history_tokens, seed=1)
@@ -151,7 +151,7 @@ def ttft(model: str, history_tokens: int, out: Path) -> dict:
 def load(model: str, clients: int, turns: int, out: Path) -> dict:
     """C clients × T turns at once; every turn answered, every saved session whole."""
     from kvchat import store
-    from kvchat.engine.model import load_model
+    from kvchat.engine.models.model import load_model
 
     server = kvchat_serve(model, out / "kvchat-load.log")
 

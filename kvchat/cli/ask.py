@@ -42,9 +42,9 @@ def ask(
 
     from kvchat import drafts, store
     from kvchat.config import ConfigError, load_config
-    from kvchat.engine.distributed import load_session, new_session, save_session
-    from kvchat.engine.kinds import CacheKindError, parse_kind
-    from kvchat.engine.session import SessionError
+    from kvchat.engine.caches.kinds import CacheKindError, parse_kind
+    from kvchat.engine.conversation.session import SessionError
+    from kvchat.engine.distributed.driver import load_session, new_session, save_session
     from kvchat.settings import apply_overrides, generation_of
 
     text = _as_text(sys.stdin.buffer.read() if text == "-" else text, "the message")
@@ -126,7 +126,7 @@ def ask(
 def _stream_reply(events, echo: bool):
     """Consume a turn, writing each piece of the reply to stdout as it comes (made safe
     for the terminal) when ``echo``; return its ``TurnDone``."""
-    from kvchat.engine.session import Chunk, TurnDone
+    from kvchat.engine.conversation.session import Chunk, TurnDone
 
     done = None
     for event in events:
@@ -142,7 +142,7 @@ def _stream_reply(events, echo: bool):
 
 
 def _stats_line(done) -> str:
-    from kvchat.engine.thoughts import reevaluated_note
+    from kvchat.engine.conversation.thoughts import reevaluated_note
 
     s = done.stats
     line = (f"kvchat: {s.prompt_tokens:,} prompt tokens ({s.reused_tokens:,} reused, "

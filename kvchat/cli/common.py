@@ -13,7 +13,7 @@ from kvchat.safety import printable
 from kvchat.settings import FLAGS
 
 if TYPE_CHECKING:
-    from kvchat.engine.model import LoadedModel
+    from kvchat.engine.models.model import LoadedModel
 
 SHARDED_COMMANDS = ("ask", "replay")
 SHARDED_ONLY = (
@@ -54,8 +54,8 @@ def setting_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 def load_or_exit(spec: str) -> LoadedModel:
     """Load a model, or print the one-line reason to stderr and exit with status 2."""
-    from kvchat.engine import distributed
-    from kvchat.engine.model import ModelLoadError, load_model
+    from kvchat.engine.distributed import driver as distributed
+    from kvchat.engine.models.model import ModelLoadError, load_model
 
     try:
         return distributed.load_model(spec) if distributed.current() else load_model(spec)

@@ -38,7 +38,7 @@ def _print_version(value: bool) -> None:
         return
     import mlx.core as mx
 
-    from kvchat.engine import fit
+    from kvchat.engine.caches import fit
 
     typer.echo(f"kvchat {kvchat.__version__}")
     version = mx.__version__  # type: ignore[attr-defined]  # mlx.core's stubs leave it out
@@ -74,7 +74,7 @@ def root(
 ) -> None:
     """Chat with a local model in the terminal (the default when no command is given)."""
     if "MLX_RANK" in os.environ and ctx.invoked_subcommand not in SHARDED_COMMANDS:
-        from kvchat.engine import distributed  # (imports mlx-lm: only under mlx.launch)
+        from kvchat.engine.distributed import driver as distributed  # (mlx-lm: under mlx.launch)
 
         if distributed.current():
             raise _fail(SHARDED_ONLY, 2)
@@ -134,7 +134,7 @@ def _fastpath(spec: str | None) -> str:
     """For ``spec`` (the config's model when None): whether it gets the CPU fast path and
     what it runs through numpy, or why not."""
     from kvchat.config import ConfigError, load_config
-    from kvchat.engine.model import ModelLoadError, load_model
+    from kvchat.engine.models.model import ModelLoadError, load_model
 
     try:
         spec = spec or load_config().model
@@ -148,7 +148,7 @@ def _device_report() -> dict[str, Any]:
     """The default device, the backend that runs on it, and what that backend says of it."""
     import mlx.core as mx
 
-    from kvchat.engine import fit
+    from kvchat.engine.caches import fit
 
     info = mx.device_info()
     memory = info.get("total_memory", info.get("memory_size"))
@@ -196,8 +196,8 @@ def replay(
     """Run a scripted conversation through one session and show what each turn cost."""
     from rich.console import Console
 
-    from kvchat.engine.kinds import CacheKindError, parse_kind
-    from kvchat.engine.session import GenerationSettings
+    from kvchat.engine.caches.kinds import CacheKindError, parse_kind
+    from kvchat.engine.conversation.session import GenerationSettings
     from kvchat.replay import ReplayError, load_script, result_table, run_script
 
     try:
@@ -265,9 +265,9 @@ def eval_cache(
     on a held-out text (llama.cpp-style)."""
     from rich.console import Console
 
+    from kvchat.bench.fidelity import evaluate
     from kvchat.bench.report import fidelity_table, rich_table
-    from kvchat.engine.fidelity import evaluate
-    from kvchat.engine.kinds import CacheKindError, parse_kind
+    from kvchat.engine.caches.kinds import CacheKindError, parse_kind
 
     names = [k for k in kinds.split(",") if k.strip()]
     try:
@@ -289,8 +289,8 @@ def eval_cache(
 
 def main(on_token: Callable[[int], object] | None = None) -> None:
     """Console-script entry point. Under ``mlx.launch`` (``kvchat launch``), rank 0 runs the
-    command and the other ranks follow it (kvchat/engine/distributed.py); a follower
-    passes ``on_token`` to :func:`~kvchat.engine.follower.follow`.
+    command and the other ranks follow it (kvchat/engine/distributed/driver.py); a follower
+    passes ``on_token`` to :func:`~kvchat.engine.distributed.follower.follow`.
 
     It first routes mlx's CPU matmul to OpenBLAS (:func:`kvchat.blas.preload`), which
     must come before anything imports mlx.core: nothing imported so far does."""
@@ -298,7 +298,7 @@ def main(on_token: Callable[[int], object] | None = None) -> None:
     if "MLX_RANK" not in os.environ:  # not started by mlx.launch
         app()
         return
-    from kvchat.engine import distributed
+    from kvchat.engine.distributed import driver as distributed
 
     from .ring import READY, READY_ENV
 
@@ -309,7 +309,7 @@ def main(on_token: Callable[[int], object] | None = None) -> None:
         app()
         return
     if link.rank:
-        from kvchat.engine.follower import follow
+        from kvchat.engine.distributed.follower import follow
 
         sys.exit(follow(link, on_token))
     try:

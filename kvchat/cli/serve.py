@@ -11,7 +11,7 @@ from .common import _fail, app, load_or_exit
 
 if TYPE_CHECKING:
     from kvchat.config import Config
-    from kvchat.engine.model import LoadedModel
+    from kvchat.engine.models.model import LoadedModel
     from kvchat.pool import SessionPool
 
 
@@ -28,7 +28,7 @@ def is_loopback(host: str) -> bool:
 def serve_pool(lm: LoadedModel, config: Config) -> SessionPool:
     """The server's pool, as the TUI's: the weights of its model (which the server holds
     for as long as it runs) count in the memory budget with the caches."""
-    from kvchat.engine.registry import ModelRegistry
+    from kvchat.engine.models.registry import ModelRegistry
     from kvchat.pool import SessionPool
 
     models = ModelRegistry()
@@ -75,7 +75,7 @@ def serve(
     import uvicorn
 
     from kvchat.config import ConfigError, load_config, parse_size
-    from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
+    from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
     from kvchat.serve import Engine, create_app
     from kvchat.settings import generation_of
 

@@ -6,7 +6,7 @@ to minus infinity, and it feeds the matcher each token that was sampled. Once
 the JSON is complete only an end token is allowed, so the reply is the JSON
 alone. The engine calls it once per sampled token, in order; each call after
 the first sees the previous sample as its tokens' last
-(:mod:`kvchat.engine.decoding`).
+(:mod:`kvchat.engine.generation`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 from .schema import ApiError
 
 if TYPE_CHECKING:
-    from kvchat.engine.model import LoadedModel
+    from kvchat.engine.models.model import LoadedModel
 
 try:
     import llguidance

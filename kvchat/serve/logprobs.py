@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvchat.engine.events import TokenLogprobs
+from kvchat.engine.conversation.events import TokenLogprobs
 
 
 def chat_entry(tokenizer: Any, event: TokenLogprobs) -> dict:

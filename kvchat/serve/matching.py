@@ -7,7 +7,7 @@ template, so any client gets its history's cache back without knowing about
 kvchat. A session whose transcript *is* the request's history is continued in
 place. An anonymous session that holds only this very request's answer (the
 same prompt sent again) takes the new answer in place as a branch, its old
-answer kept (:mod:`kvchat.engine.branches`), so reruns leave no new sessions.
+answer kept (:mod:`kvchat.engine.conversation.branches`), so reruns leave no new sessions.
 Otherwise the best match lends a copy of its cache, cut to the prefix it
 shares with the whole prompt, the new message included, to a new session
 (:meth:`Session.fork_prefix`), so a conversation is never overwritten by
@@ -32,15 +32,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvchat import locations, store
-from kvchat.engine.branches import talk
-from kvchat.engine.maintenance import common_prefix
-from kvchat.engine.template import render
+from kvchat.engine.conversation.branches import talk
+from kvchat.engine.conversation.maintenance import common_prefix
+from kvchat.engine.conversation.template import render
 
 from . import anonymous
 
 if TYPE_CHECKING:
-    from kvchat.engine.model import LoadedModel
-    from kvchat.engine.session import Session
+    from kvchat.engine.conversation.session import Session
+    from kvchat.engine.models.model import LoadedModel
     from kvchat.pool import SessionPool
 
 

@@ -20,7 +20,7 @@ from .constrain import lark_grammar
 from .schema import ApiError
 
 if TYPE_CHECKING:
-    from kvchat.engine.model import LoadedModel
+    from kvchat.engine.models.model import LoadedModel
 
     from .schema import Tool
 

@@ -6,7 +6,7 @@ Its replies decode together in the model's generation core
 and at most ``prompt_concurrency`` of them evaluate their prompts at a time.
 Choosing a request's session (which may load a cache from disk) and saving it
 afterwards must have the model to itself: those parts take a
-:class:`~kvchat.engine.scheduler.Scheduler` ticket. Requests beyond the
+:class:`~kvchat.engine.generation.scheduler.Scheduler` ticket. Requests beyond the
 running ones wait; more than ``max_queue`` waiting are refused (429) before
 any work. Each job reports back to the event loop through an
 :class:`asyncio.Queue`: a :class:`Started`, the reply's text pieces, then a
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.sample_utils import make_logits_processors
 
 from kvchat import store
-from kvchat.engine.events import (
+from kvchat.engine.conversation.events import (
     Chunk,
     GenerationSettings,
     Prefill,
@@ -36,8 +36,8 @@ from kvchat.engine.events import (
     TokenLogprobs,
     TurnDone,
 )
-from kvchat.engine.scheduler import Scheduler
-from kvchat.engine.template import encode_plain
+from kvchat.engine.conversation.template import encode_plain
+from kvchat.engine.generation.scheduler import Scheduler
 from kvchat.settings import GENERATION, apply_overrides
 
 from . import anonymous
@@ -49,8 +49,8 @@ from .tools import marker as tool_marker
 from .tools import plain, split
 
 if TYPE_CHECKING:
-    from kvchat.engine.model import LoadedModel
-    from kvchat.engine.session import Session
+    from kvchat.engine.conversation.session import Session
+    from kvchat.engine.models.model import LoadedModel
     from kvchat.pool import SessionPool
 
 

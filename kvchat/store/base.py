@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvchat import __version__, locations
 
 if TYPE_CHECKING:
-    from kvchat.engine.session import Session
+    from kvchat.engine.conversation.session import Session
 
 FORMAT = 1
 SESSION_FILE = "session.json"

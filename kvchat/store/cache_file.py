@@ -14,9 +14,9 @@ from kvchat.store.files import open_regular, read_regular
 from kvchat.store.shards import shard_file, shard_sha
 
 if TYPE_CHECKING:
-    from kvchat.engine.cache_check import Reference
-    from kvchat.engine.model import LoadedModel
-    from kvchat.engine.session import Session
+    from kvchat.engine.caches.cache_check import Reference
+    from kvchat.engine.conversation.session import Session
+    from kvchat.engine.models.model import LoadedModel
 
 
 # A saved cache as read: (the cache, its ledger, why it cannot be used).
@@ -36,10 +36,10 @@ def read_cache(
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
 
-    from kvchat.engine.cache_check import cache_problem
-    from kvchat.engine.kinds import cache_offset, trim_to
-    from kvchat.engine.session import common_prefix
-    from kvchat.engine.sharding import layout_problem
+    from kvchat.engine.caches.cache_check import cache_problem
+    from kvchat.engine.caches.kinds import cache_offset, trim_to
+    from kvchat.engine.conversation.session import common_prefix
+    from kvchat.engine.distributed.sharding import layout_problem
 
     info = data.get("cache")
     path = folder / shard_file(rank)
@@ -122,7 +122,7 @@ def _verified(folder: Path, sha: str, ledger_sha: str | None) -> bool:
 def _size_cap(lm: LoadedModel) -> int:
     """The most bytes a cache file of ``lm`` is read for: four times the model's weights
     (a KV cache of the whole context stays well under that) plus 64 MiB."""
-    from kvchat.engine.registry import weight_bytes
+    from kvchat.engine.models.registry import weight_bytes
 
     return 4 * weight_bytes(lm) + (64 << 20)
 

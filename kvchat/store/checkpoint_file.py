@@ -1,4 +1,4 @@
-"""``checkpoints.safetensors``: a session's checkpoints (engine/checkpoints.py), saved
+"""``checkpoints.safetensors``: a session's checkpoints (engine/caches/checkpoints.py), saved
 beside its cache so that undo, regenerate and edits stay cheap after a resume.
 
 One file, written by mlx-lm's ``save_prompt_cache`` (no pickle): the layers of
@@ -33,9 +33,9 @@ from kvchat.store.files import open_regular, write_caches_atomic
 from kvchat.store.schema import Count
 
 if TYPE_CHECKING:
-    from kvchat.engine.cache_check import Reference
-    from kvchat.engine.checkpoints import Checkpoint
-    from kvchat.engine.session import Session
+    from kvchat.engine.caches.cache_check import Reference
+    from kvchat.engine.caches.checkpoints import Checkpoint
+    from kvchat.engine.conversation.session import Session
 
 # Bytes of checkpoints one save writes at most, the newest first: every save rewrites the
 # file, and undo or regenerate after a resume goes back a turn or two, not sixteen.
@@ -138,7 +138,7 @@ def read_checkpoints(
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
 
-    from kvchat.engine.checkpoints import CHECKPOINT_BUDGET
+    from kvchat.engine.caches.checkpoints import CHECKPOINT_BUDGET
 
     if info is None:
         return [], None
@@ -179,7 +179,7 @@ def _logprobs(
     ``reference`` the cache was checked against shows: no other model step)."""
     from mlx_lm.models.cache import ArraysCache
 
-    from kvchat.engine.cache_check import logprobs_problem
+    from kvchat.engine.caches.cache_check import logprobs_problem
 
     at = meta.get("logprobs_at")
     if at is None:
@@ -200,8 +200,8 @@ def _checkpoints(
     layers: list[Any], meta: dict[str, Any], tokens: list[int], session: Session
 ) -> list[Checkpoint]:
     """The checkpoints ``layers`` make, checked against ``session``; ValueError says why not."""
-    from kvchat.engine.cache_check import checkpoint_problem
-    from kvchat.engine.checkpoints import (
+    from kvchat.engine.caches.cache_check import checkpoint_problem
+    from kvchat.engine.caches.checkpoints import (
         MAX_CHECKPOINTS,
         Checkpoint,
         layer_parts,

@@ -20,8 +20,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from kvchat.atomic import write_atomic
-from kvchat.engine.branches import Branches, talk
-from kvchat.engine.stats import TurnStats
+from kvchat.engine.conversation.branches import Branches, talk
+from kvchat.engine.conversation.stats import TurnStats
 from kvchat.store.base import SESSION_FILE, Generation, StoreError, now, session_dir
 from kvchat.store.files import JSON_LIMIT, check_folder, read_regular
 from kvchat.store.lock import session_lock
@@ -30,7 +30,7 @@ from kvchat.store.schema import parse_file
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from kvchat.engine.session import Session
+    from kvchat.engine.conversation.session import Session
 
 
 class SessionChanged(StoreError):

@@ -42,9 +42,9 @@ from kvchat.store.session_file import read_with_tree
 from kvchat.store.shards import drop_shards
 
 if TYPE_CHECKING:
-    from kvchat.engine.cache_check import Reference
-    from kvchat.engine.model import LoadedModel
-    from kvchat.engine.session import GenerationSettings, Session
+    from kvchat.engine.caches.cache_check import Reference
+    from kvchat.engine.conversation.session import GenerationSettings, Session
+    from kvchat.engine.models.model import LoadedModel
 
 Progress = Callable[[int, int], None]
 
@@ -192,10 +192,10 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
     ``session.json`` (``data``, which rank 0 sent) and a ``reader`` that reads this
     rank's shard (:func:`~kvchat.store.cache_file.read_cache`'s signature).
     """
-    from kvchat.engine.cache_check import Reference
-    from kvchat.engine.kinds import CacheKindError
-    from kvchat.engine.session import GenerationSettings, Session
-    from kvchat.engine.stats import TurnStats
+    from kvchat.engine.caches.cache_check import Reference
+    from kvchat.engine.caches.kinds import CacheKindError
+    from kvchat.engine.conversation.session import GenerationSettings, Session
+    from kvchat.engine.conversation.stats import TurnStats
 
     folder = session_dir(name)
     if data is None:

@@ -104,7 +104,7 @@ def write_caches_atomic(
     ``path``'s place."""
     from mlx_lm.models.cache import save_prompt_cache
 
-    from kvchat.engine.kinds import compacted
+    from kvchat.engine.caches.kinds import compacted
 
     def write(file: BinaryIO) -> None:
         # mlx-lm annotates file_name as str; mx.save_safetensors, which it calls, takes a file.

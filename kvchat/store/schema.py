@@ -25,8 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from kvchat.engine.branches import BranchError, Branches, talk
-from kvchat.engine.stats import TurnStats
+from kvchat.engine.conversation.branches import BranchError, Branches, talk
+from kvchat.engine.conversation.stats import TurnStats
 from kvchat.settings import GENERATION, model_fields
 from kvchat.store.base import StoreError
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvchat.engine.branches import Branches
+from kvchat.engine.conversation.branches import Branches
 from kvchat.store.base import SESSION_FILE, Generation, StoreError, one_line, session_dir
 from kvchat.store.files import JSON_LIMIT, check_folder, read_regular
 from kvchat.store.schema import SessionFile, parse_file

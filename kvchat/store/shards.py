@@ -21,7 +21,7 @@ from kvchat.store.base import CACHE_FILE, cache_metadata, session_dir
 from kvchat.store.files import check_folder, make_dir, write_caches_atomic
 
 if TYPE_CHECKING:
-    from kvchat.engine.session import Session
+    from kvchat.engine.conversation.session import Session
 
 
 def shard_file(rank: int) -> str:

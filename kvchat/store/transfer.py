@@ -26,7 +26,7 @@ from kvchat.store.search import index_session
 from kvchat.store.session_file import read
 
 if TYPE_CHECKING:
-    from kvchat.engine.session import Session
+    from kvchat.engine.conversation.session import Session
 
 FORMATS = ("md", "json")  # the export formats: render writes them, every caller offers these
 _EXPORTED = ("name", "model_id", "cache_kind", "created", "updated", "settings", "messages",

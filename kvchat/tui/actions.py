@@ -12,8 +12,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvchat import store
-from kvchat.engine.events import TurnDone
-from kvchat.engine.kinds import OFFERED_KINDS, applicable_kinds, known_applicable_kinds
+from kvchat.engine.caches.kinds import OFFERED_KINDS, applicable_kinds, known_applicable_kinds
+from kvchat.engine.conversation.events import TurnDone
 
 from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
 from .screens.settings import SettingsDialog, TabSettings
@@ -100,7 +100,7 @@ class TabActions:
             self.push_screen(KindDialog(session.kind.name, model, applicable), chosen)
 
         # Which kinds the model takes is found by running it on each, once per model (see
-        # kvchat.engine.fit): in the tab's worker the first time, then from the answers kept.
+        # kvchat.engine.caches.fit): in the tab's worker the first time, then from the answers kept.
         known = known_applicable_kinds(model, list(OFFERED_KINDS))
         if known is not None:
             show(known)

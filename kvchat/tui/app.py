@@ -3,7 +3,7 @@
 A thin layer: every action here is one engine or store call run through a
 conversation's worker (see ``widgets/chat.py``); replies of several tabs run at
 once, and work that needs the model alone goes in the order the shared
-:class:`~kvchat.engine.scheduler.Scheduler` decides. Every key is declared
+:class:`~kvchat.engine.generation.scheduler.Scheduler` decides. Every key is declared
 once, in a ``BINDINGS`` list; the footer, the help screen and the command
 palette are built from those lists.
 """
@@ -23,8 +23,8 @@ from textual.widgets import Footer, TabbedContent, Tabs
 
 from kvchat import store
 from kvchat.config import Config
-from kvchat.engine.registry import ModelRegistry
-from kvchat.engine.scheduler import Scheduler
+from kvchat.engine.generation.scheduler import Scheduler
+from kvchat.engine.models.registry import ModelRegistry
 from kvchat.pool import SessionPool
 
 from .actions import TabActions

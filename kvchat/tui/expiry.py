@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvchat.engine.scheduler import Scheduler
+from kvchat.engine.generation.scheduler import Scheduler
 from kvchat.pool import SessionPool
 
 

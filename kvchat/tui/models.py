@@ -2,7 +2,7 @@
 model, loaded on demand behind the loading screen and held in the app's model registry.
 
 The app holds a :class:`ModelLoader` (``app.model_loader``); it uses the app's ``models``
-(a :class:`~kvchat.engine.registry.ModelRegistry`), ``pool``, ``scheduler``, its tab
+(a :class:`~kvchat.engine.models.registry.ModelRegistry`), ``pool``, ``scheduler``, its tab
 controller and its loading screen.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
-from kvchat.engine.kinds import applicable_kinds
-from kvchat.engine.model import LoadedModel, ModelLoadError
+from kvchat.engine.caches.kinds import applicable_kinds
+from kvchat.engine.models.model import LoadedModel, ModelLoadError
 
 from .screens.loading import LoadingScreen
 from .screens.settings import ModelDialog
@@ -45,7 +45,7 @@ class ModelLoader:
 
     def probe_kinds(self, lm: LoadedModel) -> None:
         """Find out whether ``lm`` can take the configured cache kind (it is tried on it
-        once, see :mod:`kvchat.engine.fit`) in the loading worker, so that new tabs find
+        once, see :mod:`kvchat.engine.caches.fit`) in the loading worker, so that new tabs find
         the answer ready instead of running the model on the UI thread. The other kinds
         are tried when the kind dialog is first opened: each try is two forward passes,
         seconds on a big model on the CPU."""

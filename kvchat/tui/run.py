@@ -7,7 +7,7 @@ from typing import Any
 
 from kvchat import store
 from kvchat.config import ConfigError, load_config
-from kvchat.engine.threads import mlx_event_loop
+from kvchat.engine.generation.threads import mlx_event_loop
 from kvchat.settings import apply_overrides
 
 from .app import KvChatApp
@@ -43,7 +43,7 @@ def run_tui(**flags) -> int:
 
 def run_app(app: KvChatApp) -> int:
     """Run ``app`` until it exits; returns its exit status. Its thread workers run in an
-    :class:`~kvchat.engine.threads.MlxThreadPool`, whose threads have ended cleanly when
+    :class:`~kvchat.engine.generation.threads.MlxThreadPool`, whose threads have ended cleanly when
     this returns, so the process then exits normally."""
     with mlx_event_loop() as loop:
         app.run(loop=loop)

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from textual.widgets import TabPane
 
 from kvchat import drafts, store
-from kvchat.engine.kinds import CacheKindError, make_cache, parse_kind
-from kvchat.engine.model import LoadedModel, ModelLoadError
-from kvchat.engine.session import Session
+from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
+from kvchat.engine.conversation.session import Session
+from kvchat.engine.models.model import LoadedModel, ModelLoadError
 from kvchat.settings import apply_overrides, generation_of
 
 from .conflict import Conflicts

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvchat import store
-from kvchat.engine.session import Session
+from kvchat.engine.conversation.session import Session
 from kvchat.safety import printable
 
 from .screens.transfer import ExportDialog, ImportDialog

@@ -22,7 +22,7 @@ from pathlib import Path
 from kvchat import locations, store
 from kvchat.cli.launch import sharded_tui
 from kvchat.cli.ring import Ring, ring_hosts
-from kvchat.engine.threads import mlx_event_loop
+from kvchat.engine.generation.threads import mlx_event_loop
 from kvchat.tui.textual_compat import notifications
 from tests.helpers import LOSING_RANK_1
 

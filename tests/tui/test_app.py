@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.screens.dialogs import KindDialog, TrimDialog
 from kvchat.tui.screens.help import HelpScreen, binding_rows

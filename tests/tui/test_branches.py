@@ -12,8 +12,8 @@ import pytest
 from textual.widgets import TextArea
 
 from kvchat import locations
-from kvchat.engine.branches import Branches
-from kvchat.engine.maintenance import common_prefix
+from kvchat.engine.conversation.branches import Branches
+from kvchat.engine.conversation.maintenance import common_prefix
 from kvchat.store.base import SESSION_FILE, session_dir
 from kvchat.tui.screens.message_dialogs import DeletePairDialog, EditDialog
 from kvchat.tui.textual_compat import driver, notifications

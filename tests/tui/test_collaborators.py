@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from helpers import turn
 
 from kvchat import store
-from kvchat.engine.scheduler import Scheduler
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
+from kvchat.engine.generation.scheduler import Scheduler
 from kvchat.pool import SessionPool
 from kvchat.tui.expiry import ExpiryTicker
 from kvchat.tui.screens.transfer import ExportDialog

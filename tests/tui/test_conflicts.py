@@ -13,7 +13,7 @@ import pytest
 
 from kvchat import store
 from kvchat.config import Config
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.screens.dialogs import ConflictDialog
 

@@ -15,7 +15,7 @@ import pytest
 from textual.widgets import Button
 
 from kvchat import drafts, store
-from kvchat.engine.session import Prefill, Session
+from kvchat.engine.conversation.session import Prefill, Session
 from kvchat.tui.screens.dialogs import DraftDialog
 
 from .conftest import SIZE, send, settle, until, widget_text

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
 from kvchat.tui.screens.dialogs import TrimDialog
 from kvchat.tui.screens.help import HelpScreen
 from kvchat.tui.textual_compat import notifications

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine import fit, kinds
+from kvchat.engine.caches import fit, kinds
 from kvchat.tui.screens.dialogs import KindDialog, kind_bytes_per_token
 from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.chat import Conversation

@@ -11,8 +11,8 @@ import pytest
 from textual.widgets import Input
 
 from kvchat import store
-from kvchat.engine.model import load_model
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.models.model import load_model
 from kvchat.tui.screens.loading import LoadingScreen
 from kvchat.tui.screens.settings import ModelDialog
 from kvchat.tui.textual_compat import notifications

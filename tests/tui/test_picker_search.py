@@ -7,7 +7,7 @@ import pytest
 from textual.widgets import Button, DataTable, Input
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
 from kvchat.tui.screens.picker import SessionPicker
 
 from .conftest import SIZE, settle, until, widget_text

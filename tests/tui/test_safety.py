@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine.session import TurnDone
-from kvchat.engine.stats import TurnStats
+from kvchat.engine.conversation.session import TurnDone
+from kvchat.engine.conversation.stats import TurnStats
 from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import AssistantMessage
 from kvchat.tui.widgets.turn_events import ReplyChunk, TurnFinished

@@ -8,8 +8,8 @@ from textual.widgets import Input, TextArea
 
 from kvchat import store
 from kvchat.config import Config
-from kvchat.engine.maintenance import common_prefix
-from kvchat.engine.session import GenerationSettings, Session, TurnDone
+from kvchat.engine.conversation.maintenance import common_prefix
+from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.screens.settings import ModelDialog, SettingsDialog
 from kvchat.tui.textual_compat import notifications

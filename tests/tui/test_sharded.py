@@ -35,7 +35,7 @@ from kvchat.cli.ring import (
     ring_hostfile,
     ring_hosts,
 )
-from kvchat.engine.session import Session
+from kvchat.engine.conversation.session import Session
 from kvchat.tui.sharded import ONE_TAB
 from kvchat.tui.widgets.sidebar import human_bytes
 from tests.helpers import run_bounded

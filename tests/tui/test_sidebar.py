@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from kvchat import store
-from kvchat.engine.session import Prefill
+from kvchat.engine.conversation.session import Prefill
 from kvchat.tui.widgets.messages import AssistantMessage
 from kvchat.units import human_bytes
 

@@ -8,7 +8,7 @@ from textual.geometry import Region
 from textual.widgets import Button, Footer
 
 from kvchat import store
-from kvchat.engine.session import GenerationSettings, Session
+from kvchat.engine.conversation.session import GenerationSettings, Session
 
 from .conftest import send, settle, until, widget_text
 

@@ -18,8 +18,8 @@ from textual.widgets import Markdown
 
 from kvchat import store
 from kvchat.config import Config
-from kvchat.engine.session import Chunk
-from kvchat.engine.thoughts import split_thoughts
+from kvchat.engine.conversation.session import Chunk
+from kvchat.engine.conversation.thoughts import split_thoughts
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.widgets.chat import AssistantMessage
 

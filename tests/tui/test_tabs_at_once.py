@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from textual.widgets import Markdown
 
-from kvchat.engine.kinds import held_tokens
+from kvchat.engine.caches.kinds import held_tokens
 from kvchat.tui.widgets.chat import AssistantMessage
 from kvchat.tui.widgets.sidebar import CacheInfo
 

@@ -8,7 +8,7 @@ import pytest
 from textual.widgets import Footer, Static
 
 from kvchat.config import Config
-from kvchat.engine.session import TurnDone
+from kvchat.engine.conversation.session import TurnDone
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.widgets.messages import AssistantMessage
 from kvchat.tui.widgets.turn_events import ReplyChunk, TurnFinished

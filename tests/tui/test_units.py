@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from kvchat import store
 from kvchat.cli import app as cli_app
-from kvchat.engine.session import Session
+from kvchat.engine.conversation.session import Session
 from kvchat.tui.screens.picker import SessionPicker
 from kvchat.units import human_bytes
 

@@ -25,8 +25,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import decode, linear
-from .layers import MLP, Attention, Body
+from kvchat.engine.cpu import decode, linear
+from kvchat.engine.cpu.layers import MLP, Attention, Body
 
 __all__ = ["ENV", "FastPath", "prepare", "step_problem", "decode_batch", "wanted"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import parallel
+from kvchat.engine.cpu import parallel
 
 _NEG_INF = np.float32(-np.inf)
 

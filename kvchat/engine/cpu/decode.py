@@ -32,9 +32,9 @@ import numpy as np
 from mlx_lm.models import rope_utils
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
-from .. import rotated
-from ..rotated import RotatedKVCache
-from .linear import param_view, product
+from kvchat.engine.caches import rotated
+from kvchat.engine.caches.rotated import RotatedKVCache
+from kvchat.engine.cpu.linear import param_view, product
 
 # caches whose single-token mask is None
 CACHES = (KVCache, ConcatenateKVCache, QuantizedKVCache, RotatedKVCache)

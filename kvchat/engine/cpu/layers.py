@@ -6,7 +6,7 @@ what mlx-lm's ``llama``/``qwen2`` modules compute:
 
 - :class:`Attention` sends the scores to numpy (:func:`.attention.sdpa`) while the
   model's :class:`~.FastPath` is on and to mlx-lm's attention otherwise, and reads a
-  :class:`~kvchat.engine.rotated.RotatedKVCache` through the cache's own
+  :class:`~kvchat.engine.caches.rotated.RotatedKVCache` through the cache's own
   ``attention`` (queries turned by its rotation, the output turned back) on any
   device;
 - :class:`MLP` computes SwiGLU in numpy (:func:`.attention.swiglu`);
@@ -23,12 +23,12 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
-from ..rotated import RotatedKVCache
-from . import attention, decode
+from kvchat.engine.caches.rotated import RotatedKVCache
+from kvchat.engine.cpu import attention, decode
 
 if TYPE_CHECKING:
-    from . import FastPath
-    from .decode import RopeForm
+    from kvchat.engine.cpu import FastPath
+    from kvchat.engine.cpu.decode import RopeForm
 
 
 def _on(fast: FastPath | None) -> bool:
@@ -38,7 +38,7 @@ def _on(fast: FastPath | None) -> bool:
 class Attention(nn.Module):
     """mlx-lm's llama/qwen2 attention, computed through numpy while ``fast`` is on."""
 
-    reads_rotated_cache = True  # what kvchat.engine.rotated asks of a model's attention
+    reads_rotated_cache = True  # what kvchat.engine.caches.rotated asks of a model's attention
 
     def __init__(
         self, stock: nn.Module, fast: FastPath | None, rope_form: RopeForm | str | None

@@ -24,10 +24,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map_with_path
 
-from .attention import _numpy
+from kvchat.engine.cpu.attention import _numpy
 
 if TYPE_CHECKING:
-    from . import FastPath
+    from kvchat.engine.cpu import FastPath
 
 # Up to this many rows (a cached turn's new tokens), ``(W · xᵀ)ᵀ`` beats ``x · Wᵀ`` through
 # numpy's OpenBLAS: 44 rows through qwen2.5-0.5b's projections ran 10–25% faster on one

@@ -1,8 +1,8 @@
 """The one decoding loop: a core per loaded model runs every session's prefill and decode
 steps, batching the sequences that decode at the same time into one forward pass a step."""
 
-from .core import GenerationCore, core_for
-from .gate import GATE
-from .sequence import Left, Sequence
+from kvchat.engine.generation.core import GenerationCore, core_for
+from kvchat.engine.generation.gate import GATE
+from kvchat.engine.generation.sequence import Left, Sequence
 
 __all__ = ["GATE", "GenerationCore", "Left", "Sequence", "core_for"]

@@ -17,9 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from ..cpu import decode_batch
-from ..kinds import copy_cache
-from .sequence import Sequence
+from kvchat.engine.caches.kinds import copy_cache
+from kvchat.engine.cpu import decode_batch
+from kvchat.engine.generation.sequence import Sequence
 
 
 def blocker(model: nn.Module, cache: list[Any], kind: str) -> str | None:

@@ -29,10 +29,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 
-from ..events import Prefill
-from .batch import Merged, blocker, separate, separate_batches
-from .gate import GATE
-from .sequence import Left, Sequence
+from kvchat.engine.conversation.events import Prefill
+from kvchat.engine.generation.batch import Merged, blocker, separate, separate_batches
+from kvchat.engine.generation.gate import GATE
+from kvchat.engine.generation.sequence import Left, Sequence
 
 
 class GenerationCore:

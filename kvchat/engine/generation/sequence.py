@@ -18,8 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..events import Prefill
-from ..sampling import LogitsProcessor, Sampler
+from kvchat.engine.conversation.events import Prefill
+from kvchat.engine.generation.sampling import LogitsProcessor, Sampler
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class Sequence:
 
     def sample(self, logits: mx.array) -> mx.array:
         """This sequence's next token from its row of logits ``(1, vocab)`` (lazy). Its draws
-        are its own: a seeded sampler carries its key (:mod:`kvchat.engine.sampling`)."""
+        are its own: a seeded sampler carries its key (:mod:`kvchat.engine.generation.sampling`)."""
         if self.processors:
             so_far = mx.array(self.ledger)  # everything fed so far, this prompt included
             for processor in self.processors:

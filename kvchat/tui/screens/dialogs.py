@@ -17,7 +17,7 @@ from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from kvchat.drafts import OFFER
-from kvchat.engine.kinds import (
+from kvchat.engine.caches.kinds import (
     OFFERED_KINDS,
     CacheKindError,
     group_size,

@@ -14,8 +14,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
 from textual.widgets.option_list import Option
 
-from kvchat.engine.demo import demo_specs
-from kvchat.engine.session import GenerationSettings
+from kvchat.engine.conversation.session import GenerationSettings
+from kvchat.engine.models.demo import demo_specs
 from kvchat.settings import DIALOG, ConfigError, Setting
 
 from .dialogs import Dialog

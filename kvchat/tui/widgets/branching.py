@@ -2,7 +2,7 @@
 delete an exchange, copy a message or a code block.
 
 A :class:`BranchNavigator` is held by each conversation tab. Every change is one
-engine call (:mod:`kvchat.engine.branch_ops`): an edit or a regenerate is a turn,
+engine call (:mod:`kvchat.engine.conversation.branch_ops`): an edit or a regenerate is a turn,
 a switch or a deletion a job; the transcript is then drawn again from the session.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvchat.clipboard import code_blocks, keep_copy
-from kvchat.engine.session import SessionError
+from kvchat.engine.conversation.session import SessionError
 
 from ..screens.message_dialogs import DeletePairDialog, EditDialog
 from .messages import MessageAction

@@ -15,9 +15,9 @@ from textual.reactive import reactive
 from textual.widgets import ProgressBar, Static
 
 from kvchat import drafts, history, store
-from kvchat.engine.scheduler import Cancelled
-from kvchat.engine.session import Chunk, Prefill, Session, SessionError, TurnDone
-from kvchat.engine.stats import CacheFigures
+from kvchat.engine.conversation.session import Chunk, Prefill, Session, SessionError, TurnDone
+from kvchat.engine.conversation.stats import CacheFigures
+from kvchat.engine.generation.scheduler import Cancelled
 
 from .branching import BranchNavigator
 from .chat_input import ChatInput
@@ -46,7 +46,7 @@ from .turn_events import (
 )
 
 if TYPE_CHECKING:
-    from kvchat.engine.scheduler import Scheduler
+    from kvchat.engine.generation.scheduler import Scheduler
     from kvchat.pool import SessionPool
 
 

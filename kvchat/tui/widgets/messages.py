@@ -17,7 +17,7 @@ from textual.message import Message
 from textual.timer import Timer
 from textual.widgets import Collapsible, Markdown, Static
 
-from kvchat.engine.thoughts import Thoughts, split_thoughts
+from kvchat.engine.conversation.thoughts import Thoughts, split_thoughts
 from kvchat.safety import printable
 
 

@@ -18,8 +18,8 @@ from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.widgets import Button, Sparkline, Static
 
-from kvchat.engine.stats import CacheChange, TurnStats, memory
-from kvchat.engine.thoughts import reevaluated_note
+from kvchat.engine.conversation.stats import CacheChange, TurnStats, memory
+from kvchat.engine.conversation.thoughts import reevaluated_note
 from kvchat.units import human_bytes
 
 TURN_STATES = ("waiting", "answering")  # a conversation's states while a turn runs

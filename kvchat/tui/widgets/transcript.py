@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from textual.containers import VerticalScroll
 
-from kvchat.engine.session import Session
+from kvchat.engine.conversation.session import Session
 
 from .messages import (
     AssistantMessage,

@@ -9,8 +9,8 @@ from typing import Any
 from textual.message import Message
 from textual.widget import Widget
 
-from kvchat.engine.session import TurnDone
-from kvchat.engine.stats import CacheFigures
+from kvchat.engine.conversation.session import TurnDone
+from kvchat.engine.conversation.stats import CacheFigures
 
 
 class TurnEvent(Message):

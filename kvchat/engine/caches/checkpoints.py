@@ -21,8 +21,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
-from .kinds import allocated_bytes, copy_cache, trim_to
-from .trees import flatten
+from kvchat.engine.caches.kinds import allocated_bytes, copy_cache, trim_to
+from kvchat.engine.caches.trees import flatten
 
 MAX_CHECKPOINTS = 16
 CHECKPOINT_BUDGET = 512 << 20  # bytes of checkpoints one session keeps at most

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .model import LoadedModel
+    from kvchat.engine.models.model import LoadedModel
 
 
 def render(lm: LoadedModel, messages: list[dict[str, Any]], generation_prompt: bool,

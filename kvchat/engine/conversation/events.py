@@ -1,6 +1,6 @@
 """What a turn yields and how replies are sampled: the plain data of the engine's API.
 
-:meth:`kvchat.engine.session.Session.send` yields :class:`Prefill` while the
+:meth:`kvchat.engine.conversation.session.Session.send` yields :class:`Prefill` while the
 prompt is evaluated, :class:`Chunk` for each piece of streamed text (with a
 :class:`TokenLogprobs` per token when asked) and a final :class:`TurnDone`; :class:`SessionError` says, in one sentence, why a request
 cannot be carried out.
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .stats import TurnStats
+from kvchat.engine.conversation.stats import TurnStats
 
 
 @dataclass
 class GenerationSettings:
-    """How replies are sampled (``kvchat/engine/sampling.py`` turns these into mlx-lm's
+    """How replies are sampled (``kvchat/engine/generation/sampling.py`` turns these into mlx-lm's
     sampler and logits processors; ranges and help are in ``kvchat/settings.py``).
     ``temp`` 0 is greedy, so runs are reproducible; a ``seed`` makes a sampled reply's
     draws its own and reproducible, whoever decodes beside it. ``ignore_eos`` generates

@@ -29,7 +29,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from .events import GenerationSettings, TokenLogprobs
+from kvchat.engine.conversation.events import GenerationSettings, TokenLogprobs
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]

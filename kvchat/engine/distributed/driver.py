@@ -1,7 +1,7 @@
 """One kvchat driving a model sharded over MLX distributed ranks (``kvchat launch``).
 
 Rank 0 runs the command (``ask``, ``replay``, the TUI); every other rank runs
-:func:`~kvchat.engine.follower.follow`. Each engine operation that changes a cache
+:func:`~kvchat.engine.distributed.follower.follow`. Each engine operation that changes a cache
 (load the model, new session, load, send, regenerate, edit, undo, reset, cache
 kind, trim, system prompt, save, drop) is a small JSON object that rank 0 sends
 to every rank with ``mx.distributed.all_sum`` over a uint8 buffer (its length
@@ -35,10 +35,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .events import Event, GenerationSettings, SessionError, TurnDone
-from .kinds import applicable_kinds, parse_kind
-from .session import Session
-from .sharding import ShardedModel, load_sharded
+from kvchat.engine.caches.kinds import applicable_kinds, parse_kind
+from kvchat.engine.conversation.events import Event, GenerationSettings, SessionError, TurnDone
+from kvchat.engine.conversation.session import Session
+from kvchat.engine.distributed.sharding import ShardedModel, load_sharded
 
 OPS = frozenset({
     "model", "new", "load", "send", "regenerate", "edit", "undo", "reset", "kind", "trim",
@@ -161,7 +161,7 @@ def load_model(spec: str) -> ShardedModel:
 def probe_kinds(lm: ShardedModel, names: list[str]) -> list[str]:
     """Rank 0: which of the cache kinds ``names`` the sharded model takes, found out on
     every rank at once (a probe runs the model, whose collectives need every rank). The
-    answers are kept (kvchat/engine/fit.py), so asking again later runs nothing."""
+    answers are kept (kvchat/engine/caches/fit.py), so asking again later runs nothing."""
     _link.broadcast({"op": "kinds", "names": names})
     return applicable_kinds(lm.model, names)
 
@@ -190,7 +190,7 @@ def new_session(lm, *, kind, system: str | None, settings: GenerationSettings | 
     """A new :class:`Session`, on every rank when ``lm`` is sharded.
 
     The ranks make it together: a kind other than ``standard`` runs the model once to
-    see that it fits (:func:`~kvchat.engine.kinds.make_cache`), a collective here.
+    see that it fits (:func:`~kvchat.engine.caches.kinds.make_cache`), a collective here.
     """
     if not isinstance(lm, ShardedModel):
         return Session(lm, kind=kind, system=system, settings=settings)

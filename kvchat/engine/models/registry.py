@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .model import LoadedModel, load_model
-from .trees import flatten
+from kvchat.engine.caches.trees import flatten
+from kvchat.engine.models.model import LoadedModel, load_model
 
 
 @dataclass
@@ -38,7 +38,7 @@ class ModelRegistry:
     """Loaded models by model id, with a count of holders each; thread-safe.
 
     ``loader`` turns a model id into a :class:`LoadedModel` (default
-    :func:`~kvchat.engine.model.load_model`; it raises ``ModelLoadError``).
+    :func:`~kvchat.engine.models.model.load_model`; it raises ``ModelLoadError``).
     Loads run one at a time, so two requests for one id load it once.
     """
 

@@ -1,6 +1,6 @@
 """Cache maintenance for a Session: rewind, rebuild, undo, trim, switch kind.
 
-Kept apart from the turn itself (:mod:`kvchat.engine.session`); every method
+Kept apart from the turn itself (:mod:`kvchat.engine.conversation.session`); every method
 here leaves the ledger equal to what the cache holds.
 """
 
@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from . import checkpoints as checkpoint_bounds
-from .checkpoints import stateful_paths, what_cannot_go_back
-from .events import Prefill, SessionError
-from .kinds import (
+from kvchat.engine.caches import checkpoints as checkpoint_bounds
+from kvchat.engine.caches.checkpoints import stateful_paths, what_cannot_go_back
+from kvchat.engine.caches.kinds import (
     CacheKind,
     after_turn,
     convert_cache,
@@ -25,16 +24,17 @@ from .kinds import (
     settle,
     trim_to,
 )
-from .stats import CacheChange
+from kvchat.engine.conversation.events import Prefill, SessionError
+from kvchat.engine.conversation.stats import CacheChange
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from .branches import Branches
-    from .checkpoints import Checkpoints
-    from .events import GenerationSettings
-    from .model import LoadedModel
-    from .stats import TurnStats
+    from kvchat.engine.caches.checkpoints import Checkpoints
+    from kvchat.engine.conversation.branches import Branches
+    from kvchat.engine.conversation.events import GenerationSettings
+    from kvchat.engine.conversation.stats import TurnStats
+    from kvchat.engine.models.model import LoadedModel
 
     Progress = Callable[[int, int], None]
 
@@ -49,7 +49,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class CacheMaintenance:
-    """The cache-changing operations of :class:`~kvchat.engine.session.Session` (a mixin:
+    """The cache-changing operations of :class:`~kvchat.engine.conversation.session.Session` (a mixin:
     it uses the session's ``cache``, ``ledger``, ``messages``, ``kind``, ``settings`` and
     ``checkpoints``)."""
 
@@ -213,7 +213,7 @@ class CacheMaintenance:
         end past token ``after`` end, for checkpoints while they are evaluated again; none
         for a model that keeps no checkpoints.
 
-        Only the newest :data:`~kvchat.engine.checkpoints.MAX_CHECKPOINTS`: a prefill
+        Only the newest :data:`~kvchat.engine.caches.checkpoints.MAX_CHECKPOINTS`: a prefill
         keeping more would drop the older ones as it kept newer ones. So the transcript
         is rendered up to each reply from the newest back, until that many are found
         or the renderings end before ``after`` (they grow with the transcript): a

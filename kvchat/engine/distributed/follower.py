@@ -1,4 +1,4 @@
-"""A follower rank of a sharded run (kvchat/engine/distributed.py): it performs every
+"""A follower rank of a sharded run (kvchat/engine/distributed/driver.py): it performs every
 operation rank 0 sends, in the same order, on its own part of the model and its own
 :class:`Session`, until rank 0 sends "end"."""
 
@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from .distributed import ROW, Link, _bind, _load_here, _perform
-from .events import GenerationSettings, SessionError
-from .kinds import CacheKindError, applicable_kinds
-from .session import Session
-from .sharding import load_sharded
+from kvchat.engine.caches.kinds import CacheKindError, applicable_kinds
+from kvchat.engine.conversation.events import GenerationSettings, SessionError
+from kvchat.engine.conversation.session import Session
+from kvchat.engine.distributed.driver import ROW, Link, _bind, _load_here, _perform
+from kvchat.engine.distributed.sharding import load_sharded
 
 
 def follow(link: Link, on_token: Callable[[int], object] | None = None) -> int:
@@ -22,7 +22,7 @@ def follow(link: Link, on_token: Callable[[int], object] | None = None) -> int:
     ``on_token``, when given, is called with each token's index in a turn (0, 1, ...)
     as this rank's send, regenerate or edit produces it (tests lose a rank mid-turn
     through it)."""
-    from kvchat.engine.model import ModelLoadError
+    from kvchat.engine.models.model import ModelLoadError
     from kvchat.store import StoreError
     from kvchat.store.shards import delete_shard, write_shard
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
 
-from .generation import GATE
+from kvchat.engine.generation import GATE
 
 
 class Cancelled(Exception):

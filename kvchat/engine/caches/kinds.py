@@ -27,8 +27,8 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from . import fit, rotated
-from .families import (
+from kvchat.engine.caches import fit, rotated
+from kvchat.engine.caches.families import (
     FAMILIES,
     OFFERED_KINDS,
     QUANT_GROUP_SIZE,
@@ -37,8 +37,8 @@ from .families import (
     Family,
     parse_kind,
 )
-from .rotated import RotatedKVCache, rotate
-from .trees import flatten
+from kvchat.engine.caches.rotated import RotatedKVCache, rotate
+from kvchat.engine.caches.trees import flatten
 
 # The names of .families are re-exported: every user of cache kinds imports from here.
 __all__ = [
@@ -57,7 +57,7 @@ def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
     state-space layers) keep their own classes for those layers; the kind
     replaces only their plain ``KVCache`` layers, and a kind that could
     replace none says so. So does a kind the model's attention cannot take
-    (:mod:`kvchat.engine.fit` runs the model once on it to find out).
+    (:mod:`kvchat.engine.caches.fit` runs the model once on it to find out).
     """
     if kind.family == "standard":
         return make_prompt_cache(model)
@@ -109,7 +109,7 @@ def _cannot(kind: CacheKind, why: str) -> CacheKindError:
 
 def applicable_kinds(model: nn.Module, names: list[str]) -> list[str]:
     """The kind names of ``names`` that can apply to ``model`` (each found out once per
-    model: :mod:`kvchat.engine.fit` keeps the answers)."""
+    model: :mod:`kvchat.engine.caches.fit` keeps the answers)."""
     return [n for n in names if fit.once(model, f"applies {n}", partial(_applies, model, n))]
 
 

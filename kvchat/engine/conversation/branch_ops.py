@@ -1,7 +1,7 @@
 """The branch operations of a Session: edit an earlier message, regenerate any reply,
 switch branch, delete a message pair.
 
-A mixin of :class:`~kvchat.engine.session.Session` (it uses the session's
+A mixin of :class:`~kvchat.engine.conversation.session.Session` (it uses the session's
 ``messages``, ``branches``, ``turns``, ``_turn`` and ``_refill``). Edits and
 regenerates are ordinary turns on a shortened transcript, so the engine's prefix
 match trims the cache to the edit point by itself; switching and deleting make
@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .branches import Branches, talk
-from .events import Event, SessionError
-from .stats import TurnStats
+from kvchat.engine.conversation.branches import Branches, talk
+from kvchat.engine.conversation.events import Event, SessionError
+from kvchat.engine.conversation.stats import TurnStats
 
 Progress = Callable[[int, int], None]
 

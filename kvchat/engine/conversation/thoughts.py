@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from os.path import commonprefix
 from typing import Any
 
-from .maintenance import common_prefix
+from kvchat.engine.conversation.maintenance import common_prefix
 
 OPEN, CLOSE = "<think>", "</think>"
 

@@ -1,6 +1,6 @@
 """Train the ``demo`` model's weights, bit for bit the ones shipped in ``demo_weights/``.
 
-``python -m kvchat.engine.demo_train`` rewrites ``demo_weights/`` (config.json,
+``python -m kvchat.engine.models.demo_train`` rewrites ``demo_weights/`` (config.json,
 tokenizer.json, model.safetensors); ``--check`` trains into a temporary folder and
 compares sha256 digests with the shipped files instead. Training is deterministic:
 the tokenizer is trained on the bundled corpus as for every demo shape, weights are
@@ -12,7 +12,7 @@ OpenBLAS 0.3.21 (see :mod:`kvchat.blas`); another BLAS or CPU may round differen
 and ``--check`` then says which files differ.
 
 The text is the corpus minus its last section (held out for
-:mod:`kvchat.engine.fidelity`), plus chat exchanges built from it in the demo's
+:mod:`kvchat.bench.fidelity`), plus chat exchanges built from it in the demo's
 ChatML template: each question in the corpus with its answer, each ``User:`` line
 with the ``Assistant:`` line after it, and each paragraph's first sentence with the
 sentences that follow, so that the model answers after the assistant header and
@@ -40,8 +40,8 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models import qwen2  # noqa: E402
 
-from kvchat.engine import demo  # noqa: E402
-from kvchat.engine.trees import flatten  # noqa: E402
+from kvchat.engine.caches.trees import flatten  # noqa: E402
+from kvchat.engine.models import demo  # noqa: E402
 
 WEIGHTS = Path(__file__).with_name("demo_weights")
 FILES = ("config.json", "tokenizer.json", "model.safetensors")

@@ -18,7 +18,7 @@ class TurnStats:
     None, or why the cache had to be recomputed this turn.
     ``reevaluated_reply_tokens`` counts the evaluated tokens that re-render the last
     reply, because the chat template drops its ``<think>`` blocks (see
-    :mod:`kvchat.engine.thoughts`). ``not_batched`` names the cache kind that kept
+    :mod:`kvchat.engine.conversation.thoughts`). ``not_batched`` names the cache kind that kept
     this turn's decoding out of a merged batch (it ran beside the others, one
     forward pass of its own a step), or is None. ``batch_size`` is the most
     sequences one forward pass decoded while this reply was decoding.

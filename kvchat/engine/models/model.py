@@ -27,7 +27,7 @@ from huggingface_hub.errors import (
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvchat.engine import cpu
-from kvchat.engine.demo import build_demo, parse_demo_spec
+from kvchat.engine.models.demo import build_demo, parse_demo_spec
 
 DEFAULT_CONTEXT_LENGTH = 4096
 # What mlx_lm.load downloads for a Hugging Face id (its DEFAULT_ALLOW_PATTERNS).

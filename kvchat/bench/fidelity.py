@@ -17,10 +17,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .demo import corpus_parts
-from .kinds import CacheKind, make_cache, parse_kind
-from .model import LoadedModel
-from .template import encode
+from kvchat.engine.caches.kinds import CacheKind, make_cache, parse_kind
+from kvchat.engine.conversation.template import encode
+from kvchat.engine.models.demo import corpus_parts
+from kvchat.engine.models.model import LoadedModel
 
 DEFAULT_KINDS = ("standard", "quantized:8", "quantized:4", "rotated:8", "rotated:4")
 CHUNK = 32  # tokens per forward pass: later chunks read the earlier ones from the cache
@@ -63,7 +63,7 @@ def evaluate(
 ) -> list[Fidelity]:
     """The figures of each kind (``standard`` first, its KLD zero) on ``text``.
 
-    Raises :class:`~kvchat.engine.kinds.CacheKindError` for a kind that does not apply.
+    Raises :class:`~kvchat.engine.caches.kinds.CacheKindError` for a kind that does not apply.
     """
     parsed = [parse_kind(k) for k in kinds]
     tokens = encode(lm, text if text is not None else heldout_text())[: max_tokens + 1]

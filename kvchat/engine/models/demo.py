@@ -7,7 +7,7 @@ files) is built into the cache dir, and from then on it is loaded like any
 other model with ``mlx_lm.load``.
 
 ``demo`` itself is trained: its weights ship in ``demo_weights/``, made by
-:mod:`kvchat.engine.demo_train` from the bundled corpus, so it writes words and
+:mod:`kvchat.engine.models.demo_train` from the bundled corpus, so it writes words and
 ends its turns. The other shapes have seeded random weights and speak nonsense,
 but every cache behaviour, timing and file is real; they copy the architecture
 (layers, heads, widths) of the models they are named after so that benchmarks on
@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from kvchat.engine.trees import flatten
+from kvchat.engine.caches.trees import flatten
 from kvchat.locations import models_dir
 
 BUILD_VERSION = "v2"  # bump when a build changes, so old folders are not reused

@@ -23,8 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, ChunkedKVCache, RotatingKVCache
 
-from .kinds import held_tokens, settle
-from .trees import flatten
+from kvchat.engine.caches.kinds import held_tokens, settle
+from kvchat.engine.caches.trees import flatten
 
 # Settings of a layer that must be what this kind makes for this model.
 _FIXED = ("bits", "group_size", "max_size", "chunk_size", "keep")

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .stats import TurnStats
+from kvchat.engine.conversation.stats import TurnStats
 
 
 class BranchError(ValueError):

@@ -11,7 +11,7 @@ re-tokenised replies need no special cases.
 :meth:`Session.send` returns a generator of small events, mlx-lm style:
 :class:`Prefill` while the prompt is evaluated, :class:`Chunk` for each
 piece of streamed text and a final :class:`TurnDone` carrying the reply and
-its :class:`~kvchat.engine.stats.TurnStats`. The TUI and the CLI consume the
+its :class:`~kvchat.engine.conversation.stats.TurnStats`. The TUI and the CLI consume the
 same stream.
 """
 
@@ -26,20 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from .branch_ops import BranchOps
-from .branches import Branches
-from .checkpoints import Checkpoints
-from .events import (
-    Chunk,
-    Event,
-    GenerationSettings,
-    Prefill,
-    SessionBusy,
-    SessionError,
-    TurnDone,
-)
-from .generation import Left, Sequence, core_for
-from .kinds import (
+from kvchat.engine.caches.checkpoints import Checkpoints
+from kvchat.engine.caches.kinds import (
     CacheKind,
     after_turn,
     allocated_bytes,
@@ -50,15 +38,27 @@ from .kinds import (
     parse_kind,
     trim_to,
 )
-from .maintenance import CacheMaintenance, common_prefix
-from .sampling import LogitsProcessor, Sampler, for_settings, token_logprobs
-from .stats import CacheFigures, TurnStats, memory
-from .template import encode, encode_plain, render, template_text
-from .text import ReplyText
-from .thoughts import reevaluated_reply
+from kvchat.engine.conversation.branch_ops import BranchOps
+from kvchat.engine.conversation.branches import Branches
+from kvchat.engine.conversation.events import (
+    Chunk,
+    Event,
+    GenerationSettings,
+    Prefill,
+    SessionBusy,
+    SessionError,
+    TurnDone,
+)
+from kvchat.engine.conversation.maintenance import CacheMaintenance, common_prefix
+from kvchat.engine.conversation.stats import CacheFigures, TurnStats, memory
+from kvchat.engine.conversation.template import encode, encode_plain, render, template_text
+from kvchat.engine.conversation.text import ReplyText
+from kvchat.engine.conversation.thoughts import reevaluated_reply
+from kvchat.engine.generation import Left, Sequence, core_for
+from kvchat.engine.generation.sampling import LogitsProcessor, Sampler, for_settings, token_logprobs
 
 if TYPE_CHECKING:
-    from .model import LoadedModel
+    from kvchat.engine.models.model import LoadedModel
 
 Progress = Callable[[int, int], None]
 

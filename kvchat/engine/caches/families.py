@@ -20,10 +20,9 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from kvchat.engine.caches import fit
+from kvchat.engine.caches.rotated import RotatedKVCache
 from kvchat.safety import ascii_int
-
-from . import fit
-from .rotated import RotatedKVCache
 
 QUANT_GROUP_SIZE = 64  # the group size quantized caches use unless the head size needs 32
 
@@ -113,7 +112,7 @@ class CacheKind:
     @property
     def needs(self) -> tuple[str, ...]:
         """What this kind needs of MLX's backend beyond plain attention
-        (:func:`kvchat.engine.fit.backend_problem` finds out whether it has it)."""
+        (:func:`kvchat.engine.caches.fit.backend_problem` finds out whether it has it)."""
         return (fit.QUANTIZED_ATTENTION,) if self.quantized else ()
 
     def make_layer(self, keep: int = 0, group_size: int = QUANT_GROUP_SIZE) -> Any:

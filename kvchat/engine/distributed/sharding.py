@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import load_model as mlx_load_model
 from mlx_lm.utils import load_tokenizer, sharded_load
 
-from .model import (
+from kvchat.engine.models.model import (
     LoadedModel,
     ModelLoadError,
     _first_line,
@@ -57,7 +57,7 @@ class ShardedModel(LoadedModel):
 
 
 def load_sharded(spec: str, group: Any) -> ShardedModel:
-    """Load ``spec`` (as :func:`~kvchat.engine.model.load_model` takes it) sharded over
+    """Load ``spec`` (as :func:`~kvchat.engine.models.model.load_model` takes it) sharded over
     ``group``; every rank of the group must call this together."""
     path = _resolve(spec)
     if not (path / "config.json").is_file():
