@@ -11,7 +11,7 @@ import pytest
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.generation import GATE, Left, Sequence, core_for
+from kvchat.engine.generation import GATE, GenerationCore, Left, Sequence, core_for
 from kvchat.engine.generation.sampling import for_settings
 
 QUESTIONS = [
@@ -183,3 +183,23 @@ def test_join_leave_cancel_and_abandon_leave_the_others_as_alone(demo_model):
         assert seq.left.is_set()
         assert seq.ledger == [*prompt, *seq.tokens[:-1]]
         assert held_tokens(seq.cache) == len(seq.ledger)
+
+
+def test_a_sequence_its_reader_leaves_on_the_callers_thread_runs_no_further_step(demo_model):
+    """A sharded model's core runs on the caller's thread; a reader that fails (there, a
+    collective after a rank was lost) closes it between two steps, and no forward pass
+    runs after that (a sharded one would wait forever on the lost rank)."""
+    lm = demo_model
+    prompt = _prompts(lm, 1)[0]
+    alone = _sequence(lm, prompt, 12)
+    list(core_for(lm).run(alone))
+    seq = _sequence(lm, prompt, 12)
+    read = []
+    with pytest.raises(RuntimeError, match="the reader failed"):
+        for message in GenerationCore(lm.model, threaded=False).run(seq):
+            read += [message] if isinstance(message, int) else []
+            if len(read) == 3:
+                raise RuntimeError("the reader failed")
+    assert seq.left.is_set() and seq.tokens == read == alone.tokens[:3]
+    assert seq.ledger == [*prompt, *read[:-1]]  # the last sampled token never fed
+    assert held_tokens(seq.cache) == len(seq.ledger)

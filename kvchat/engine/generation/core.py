@@ -83,7 +83,13 @@ class GenerationCore:
     def _inline(self, seq: Sequence) -> Iterator[Prefill | int | Left]:
         """The loop on the caller's thread, which holds the device gate (a sharded model's
         core, or a caller that has the model to itself): it steps every sequence of
-        this core until ``seq`` leaves."""
+        this core until ``seq`` leaves.
+
+        Closed early (a stop, or the reader failed: on a sharded model, most often a
+        collective of the shared stop flag after a rank was lost), ``seq`` leaves at
+        once, between two steps, where its cache and ledger agree, its last sampled
+        token not fed. No further step runs for it: a sharded model's forward pass
+        waits on every rank, and after a lost rank it would never return."""
         with self._cond:
             self._joining.append(seq)
         try:
@@ -96,7 +102,7 @@ class GenerationCore:
             if not seq.left.is_set():
                 seq.cancelled.set()
                 with GATE.step():
-                    self._step()
+                    self._leave([seq])
             while not seq.messages.empty():
                 seq.messages.get()
 
