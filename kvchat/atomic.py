@@ -34,7 +34,10 @@ def write_atomic(path: Path | str, data: bytes, *, replace: bool = True) -> str:
 
 
 def write_atomic_with(
-    path: Path, write: Writer, *, replace: bool = True,
+    path: Path,
+    write: Writer,
+    *,
+    replace: bool = True,
     before_rename: Callable[[str, int], None] | None = None,
 ) -> tuple[str, int]:
     """:func:`write_atomic` for content that ``write(file)`` writes itself (mlx's

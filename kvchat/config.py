@@ -38,8 +38,15 @@ from kvchat.settings import (
     toml_string,
 )
 
-__all__ = ["Config", "ConfigError", "load_config", "parse_config", "parse_size", "remember",
-           "tomllib"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "parse_config",
+    "parse_size",
+    "remember",
+    "tomllib",
+]
 
 MAX_FILE_BYTES = 1 << 20  # a settings file is a few hundred bytes
 
@@ -60,21 +67,29 @@ if TYPE_CHECKING:  # a dataclass made at run time from SETTINGS: what a type che
 
 else:
     Config = make_dataclass(
-        "Config", [(s.name, Any, field(default=s.default)) for s in SETTINGS], frozen=True,
-        namespace={"override": _override, "__doc__": "Everything kvchat can be told before it "
-                   "starts (see kvchat.settings)."},
+        "Config",
+        [(s.name, Any, field(default=s.default)) for s in SETTINGS],
+        frozen=True,
+        namespace={
+            "override": _override,
+            "__doc__": "Everything kvchat can be told before it starts (see kvchat.settings).",
+        },
     )
 
 
 def _check_keymap(value: Any, source: str) -> tuple[tuple[str, str], ...]:
     """The ``[keymap]`` table as (id, keys) pairs: every value a string of keys."""
     if not isinstance(value, dict):
-        raise ConfigError(f"{source}: expected a table of binding ids and keys, "
-                          'such as [keymap] then send = "ctrl+s".')
+        raise ConfigError(
+            f"{source}: expected a table of binding ids and keys, "
+            'such as [keymap] then send = "ctrl+s".'
+        )
     for binding_id, keys in value.items():
         if not isinstance(keys, str) or not keys.strip():
-            raise ConfigError(f"{source}.{toml_string(binding_id)[:40]} = {literal(keys)[:40]}: "
-                              'expected keys as a string, such as "ctrl+s" or "f5,ctrl+r".')
+            raise ConfigError(
+                f"{source}.{toml_string(binding_id)[:40]} = {literal(keys)[:40]}: "
+                'expected keys as a string, such as "ctrl+s" or "f5,ctrl+r".'
+            )
     return tuple(value.items())
 
 
@@ -120,9 +135,14 @@ def parse_config(text: str, name: str = "config.toml") -> Config:
     except (ValueError, RecursionError) as error:  # TOMLDecodeError, a 5,000-digit number, [[[[...
         reason = str(error).splitlines()[0] if str(error) else "nested too deeply"
         raise ConfigError(f"{name}: not valid TOML ({reason}).") from None
-    values = {key: (_check_keymap(value, f"{name}: {key}") if key == "keymap"
-                    else check(key, value, source=f"{name}: {key}"))
-              for key, value in data.items()}
+    values = {
+        key: (
+            _check_keymap(value, f"{name}: {key}")
+            if key == "keymap"
+            else check(key, value, source=f"{name}: {key}")
+        )
+        for key, value in data.items()
+    }
     return Config(**values)
 
 
@@ -131,8 +151,9 @@ def remember(path: Path | None = None, **values: Any) -> None:
     quoting and unknown keys stay as they are. A file that does not parse is not written:
     :class:`ConfigError` says where its error is."""
     path = _config_path(path)
-    checked = {key: check(key, value, source=f"{path.name}: {key}")
-               for key, value in values.items()}
+    checked = {
+        key: check(key, value, source=f"{path.name}: {key}") for key, value in values.items()
+    }
     text = _read_text(path) or ""
     try:
         document = tomlkit.parse(text)
@@ -140,12 +161,17 @@ def remember(path: Path | None = None, **values: Any) -> None:
         reason = str(error).split(" at line ")[0]
         raise ConfigError(
             f"{path.name} has an error at line {error.line} ({reason}); your change applies "
-            "to this run only and the file was left alone.") from None
+            "to this run only and the file was left alone."
+        ) from None
     for key, value in checked.items():
         old = document.get(key)
-        literal_quotes = (isinstance(old, String) and old.type is StringType.SLL
-                          and isinstance(value, str) and "'" not in value
-                          and value.isprintable())
+        literal_quotes = (
+            isinstance(old, String)
+            and old.type is StringType.SLL
+            and isinstance(value, str)
+            and "'" not in value
+            and value.isprintable()
+        )
         document[key] = tomlkit.string(value, literal=True) if literal_quotes else value
     target = path.resolve()  # a config kept elsewhere (dotfiles) and linked here stays linked
     target.parent.mkdir(parents=True, exist_ok=True)

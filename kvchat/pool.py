@@ -71,9 +71,15 @@ class PoolEntry:
 def _signature(session: Session) -> str:
     """A digest of everything :func:`store.save` writes that can change."""
     body = json.dumps(
-        [session.kind.name, session.messages, session.archived, session.ledger,
-         [t.to_dict() for t in session.turns], asdict(session.settings),
-         session.branch_record()],
+        [
+            session.kind.name,
+            session.messages,
+            session.archived,
+            session.ledger,
+            [t.to_dict() for t in session.turns],
+            asdict(session.settings),
+            session.branch_record(),
+        ],
         ensure_ascii=False,
     )
     return hashlib.sha256(body.encode()).hexdigest()
@@ -104,8 +110,11 @@ class SessionPool:
     def for_config(cls, config: Config, models: ModelRegistry) -> SessionPool:
         """A front end's pool (the TUI's, the server's): ``config``'s ``ttl`` and
         ``memory_budget``, the weights of the models ``models`` holds counted in it."""
-        return cls(ttl_s=config.ttl or None, memory_budget_bytes=config.memory_budget or None,
-                   models=models)
+        return cls(
+            ttl_s=config.ttl or None,
+            memory_budget_bytes=config.memory_budget or None,
+            models=models,
+        )
 
     def _put(self, entry: PoolEntry) -> None:
         if self.models is not None:
@@ -118,13 +127,15 @@ class SessionPool:
 
     # ------------------------------------------------------------- opening
 
-    def add(self, name: str, session: Session,
-            generation: store.Generation | None = None) -> Session:
+    def add(
+        self, name: str, session: Session, generation: store.Generation | None = None
+    ) -> Session:
         """Put a live session in the pool under ``name`` (a valid store name); one loaded
         from disk elsewhere (a sharded run's) comes with the ``generation`` it read."""
         store.check_name(name)
-        self._put(PoolEntry(name, session, self.clock(),
-                            generation=generation or store.Generation()))
+        self._put(
+            PoolEntry(name, session, self.clock(), generation=generation or store.Generation())
+        )
         return session
 
     def rename(self, old: str, new: str, generation: store.Generation | None = None) -> None:
@@ -147,8 +158,14 @@ class SessionPool:
 
     def _adopt(self, name: str, loaded: store.Loaded) -> store.Loaded:
         """Put a session just loaded from disk in the pool under ``name``."""
-        entry = PoolEntry(name, loaded.session, self.clock(), notice=loaded.notice, kept=True,
-                          generation=loaded.generation)
+        entry = PoolEntry(
+            name,
+            loaded.session,
+            self.clock(),
+            notice=loaded.notice,
+            kept=True,
+            generation=loaded.generation,
+        )
         entry.saved_state = _signature(loaded.session) if loaded.notice is None else None
         self._put(entry)
         return loaded
@@ -220,8 +237,10 @@ class SessionPool:
                 entry.notice = loaded.notice
             else:  # another process saved it since: that cache is not this transcript's
                 session.rebuild("the saved copy was changed by another kvchat", progress)
-                entry.notice = ("Another kvchat saved this session meanwhile; its cache was "
-                                "rebuilt from this conversation.")
+                entry.notice = (
+                    "Another kvchat saved this session meanwhile; its cache was "
+                    "rebuilt from this conversation."
+                )
             entry.in_memory = True
             entry.saved_state = _signature(session) if entry.notice is None else None
         entry.last_used = self.clock()
@@ -305,8 +324,9 @@ class SessionPool:
         entry.in_memory = False
         return True
 
-    def drop(self, name: str, delete_from_disk: bool = False,
-             keep_hold: bool = False) -> LoadedModel | None:
+    def drop(
+        self, name: str, delete_from_disk: bool = False, keep_hold: bool = False
+    ) -> LoadedModel | None:
         """Close ``name`` without saving; with ``delete_from_disk`` its copy on disk goes
         too (the one place a close deletes it: :meth:`discard` decides through here).
         Its model is unloaded if no other open session uses it. With ``keep_hold`` the
@@ -328,8 +348,9 @@ class SessionPool:
         """Close ``name`` without saving: as :meth:`drop`, and a copy on disk that only an
         offload wrote (the session was never opened from or saved to disk) goes too."""
         entry = self._entries.get(name)
-        return self.drop(name, delete_from_disk=entry is not None and not entry.kept,
-                         keep_hold=keep_hold)
+        return self.drop(
+            name, delete_from_disk=entry is not None and not entry.kept, keep_hold=keep_hold
+        )
 
     def expire(self, now: float | None = None) -> list[str]:
         """Offload every cache idle for longer than ``ttl_s``; return their names."""

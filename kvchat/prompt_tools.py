@@ -26,9 +26,9 @@ class PromptToolError(Exception):
 def file_request(message: str) -> tuple[str, str] | None:
     """(text before, path) when the message's last line is ``/file PATH``, else None."""
     before, _, last = message.rpartition("\n")
-    if not last.startswith(FILE_COMMAND) or not last[len(FILE_COMMAND):].strip():
+    if not last.startswith(FILE_COMMAND) or not last[len(FILE_COMMAND) :].strip():
         return None
-    return (before + "\n" if before else ""), last[len(FILE_COMMAND):].strip()
+    return (before + "\n" if before else ""), last[len(FILE_COMMAND) :].strip()
 
 
 def read_text_file(path: str, limit: int = FILE_LIMIT) -> str:
@@ -85,10 +85,12 @@ def edit_in_editor(text: str, command: list[str]) -> str:
         except OSError as error:
             raise PromptToolError(
                 f"The editor {command[0]} could not be started ({error.strerror}); "
-                "the message is unchanged.") from None
+                "the message is unchanged."
+            ) from None
         if status != 0:
             raise PromptToolError(
-                f"The editor exited with status {status}; the message is unchanged.")
+                f"The editor exited with status {status}; the message is unchanged."
+            )
         edited = read_text_file(name)
     finally:
         path.unlink(missing_ok=True)

@@ -145,17 +145,34 @@ def result_table(result: dict) -> Table:
     if result["no_cache"]:
         title += " · no cache (baseline)"
     table = Table(title=title)
-    columns = ("#", "step", "prompt", "reused", "eval", "eval s", "ttft s", "gen", "tok/s",
-               "cache", "KiB")
+    columns = (
+        "#",
+        "step",
+        "prompt",
+        "reused",
+        "eval",
+        "eval s",
+        "ttft s",
+        "gen",
+        "tok/s",
+        "cache",
+        "KiB",
+    )
     for name in columns:
         table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
     table.add_column("reply / note", no_wrap=True, overflow="ellipsis", max_width=40)
     for i, t in enumerate(result["turns"], 1):
         if "prompt_tokens" in t:
             numbers = [
-                str(t["prompt_tokens"]), str(t["reused_tokens"]), str(t["evaluated_tokens"]),
-                f"{t['prompt_eval_s']:.3f}", f"{t['ttft_s']:.3f}", str(t["generated_tokens"]),
-                f"{t['gen_tps']:.0f}", str(t["cache_tokens"]), f"{t['cache_bytes'] / 1024:.0f}",
+                str(t["prompt_tokens"]),
+                str(t["reused_tokens"]),
+                str(t["evaluated_tokens"]),
+                f"{t['prompt_eval_s']:.3f}",
+                f"{t['ttft_s']:.3f}",
+                str(t["generated_tokens"]),
+                f"{t['gen_tps']:.0f}",
+                str(t["cache_tokens"]),
+                f"{t['cache_bytes'] / 1024:.0f}",
             ]
         else:
             numbers = [""] * 7 + [str(t.get("cache_tokens", "")), ""]
@@ -164,4 +181,3 @@ def result_table(result: dict) -> Table:
             note = f"(rebuilt: {t['rebuilt']}) {note}"
         table.add_row(str(i), t["op"], *numbers, Text(printable(note).replace("\n", "↵")))
     return table
-

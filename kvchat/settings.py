@@ -103,10 +103,12 @@ class Setting:
             if not isinstance(value, str):
                 raise ValueError("expected a string.")
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float) if self.type is float
-                                                         else int):
-            raise ValueError("expected a number." if self.type is float else
-                             "expected a whole number.")
+        if isinstance(value, bool) or not isinstance(
+            value, (int, float) if self.type is float else int
+        ):
+            raise ValueError(
+                "expected a number." if self.type is float else "expected a whole number."
+            )
         if not math.isfinite(value) or self._outside(value):
             raise ValueError(self.out_of_range())
         if self.type is float:
@@ -129,8 +131,14 @@ class Setting:
         value: Any = text
         try:
             if self.type is bool and self.convert is None:
-                value = {"1": True, "true": True, "yes": True,
-                         "0": False, "false": False, "no": False}[stripped.lower()]
+                value = {
+                    "1": True,
+                    "true": True,
+                    "yes": True,
+                    "0": False,
+                    "false": False,
+                    "no": False,
+                }[stripped.lower()]
             elif self.type is int and self.convert is None:
                 value = int(stripped)
             elif self.type is float:
@@ -198,55 +206,177 @@ def parse_size(value: int | str) -> int:
 def _keymap(value: Any) -> tuple[tuple[str, str], ...]:
     """The ``[keymap]`` table as (id, keys) pairs: every value a string of keys."""
     if not isinstance(value, dict):
-        raise ValueError('expected a table of binding ids and keys, such as [keymap] then '
-                         'send = "ctrl+s".')
+        raise ValueError(
+            'expected a table of binding ids and keys, such as [keymap] then send = "ctrl+s".'
+        )
     return tuple(value.items())
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("model", str, "demo", "The model of new tabs: demo, a Hugging Face id or a folder.",
-            convert=_not_empty),
-    Setting("cache", str, "standard", "Cache kind, e.g. standard, quantized:8, rotating:4096.",
-            convert=_kind),
+    Setting(
+        "model",
+        str,
+        "demo",
+        "The model of new tabs: demo, a Hugging Face id or a folder.",
+        convert=_not_empty,
+    ),
+    Setting(
+        "cache",
+        str,
+        "standard",
+        "Cache kind, e.g. standard, quantized:8, rotating:4096.",
+        convert=_kind,
+    ),
     Setting("system", str, "", "System prompt for new sessions."),
-    Setting("max_tokens", int, 512, "Longest reply, in tokens.", low=1, generation=True,
-            flag=True, label="Max tokens", api="max_tokens"),
-    Setting("temp", float, 0.0, "Sampling temperature (0 = greedy).", low=0, high=5,
-            rule="expected a temperature between 0 and 5.", generation=True, flag=True,
-            label="Temperature", api="temperature"),
-    Setting("top_p", float, 1.0, "Nucleus sampling: keep the likeliest tokens up to this "
-            "probability (1 = off).", low=0, high=1, low_open=True,
-            rule="must be more than 0 and at most 1 (1: off).", generation=True, flag=True,
-            label="Top-p", api="top_p"),
-    Setting("top_k", int, 0, "Sample from the k likeliest tokens only (0 = off).", low=0,
-            generation=True, flag=True, label="Top-k", api="top_k"),
-    Setting("min_p", float, 0.0, "Drop tokens less likely than this fraction of the likeliest "
-            "(0 = off).", low=0, high=1, generation=True, flag=True, label="Min-p",
-            api="min_p"),
-    Setting("repetition_penalty", float, 1.0, "Divide the scores of recently seen tokens by "
-            "this (1 = off).", low=0, high=10, low_open=True, generation=True, flag=True,
-            label="Repetition penalty", api="repetition_penalty"),
-    Setting("repetition_context_size", int, 20, "How many recent tokens the repetition, "
-            "presence and frequency penalties look at.", low=1, high=1 << 20,
-            generation=True, flag=True, label="Penalty context", api="repetition_context_size"),
-    Setting("presence_penalty", float, 0.0, "Subtract this from the score of each token seen "
-            "recently (0 = off).", low=-2, high=2, generation=True, flag=True,
-            label="Presence penalty", api="presence_penalty"),
-    Setting("frequency_penalty", float, 0.0, "Subtract this from a token's score for each time "
-            "it was seen recently (0 = off).", low=-2, high=2, generation=True, flag=True,
-            label="Frequency penalty", api="frequency_penalty"),
-    Setting("seed", int, None, "Seed of the sampler: the same seed gives the same reply "
-            "(empty = random).", low=-(1 << 63), high=(1 << 64) - 1, optional=True,
-            generation=True, flag=True, label="Seed", api="seed"),
+    Setting(
+        "max_tokens",
+        int,
+        512,
+        "Longest reply, in tokens.",
+        low=1,
+        generation=True,
+        flag=True,
+        label="Max tokens",
+        api="max_tokens",
+    ),
+    Setting(
+        "temp",
+        float,
+        0.0,
+        "Sampling temperature (0 = greedy).",
+        low=0,
+        high=5,
+        rule="expected a temperature between 0 and 5.",
+        generation=True,
+        flag=True,
+        label="Temperature",
+        api="temperature",
+    ),
+    Setting(
+        "top_p",
+        float,
+        1.0,
+        "Nucleus sampling: keep the likeliest tokens up to this probability (1 = off).",
+        low=0,
+        high=1,
+        low_open=True,
+        rule="must be more than 0 and at most 1 (1: off).",
+        generation=True,
+        flag=True,
+        label="Top-p",
+        api="top_p",
+    ),
+    Setting(
+        "top_k",
+        int,
+        0,
+        "Sample from the k likeliest tokens only (0 = off).",
+        low=0,
+        generation=True,
+        flag=True,
+        label="Top-k",
+        api="top_k",
+    ),
+    Setting(
+        "min_p",
+        float,
+        0.0,
+        "Drop tokens less likely than this fraction of the likeliest (0 = off).",
+        low=0,
+        high=1,
+        generation=True,
+        flag=True,
+        label="Min-p",
+        api="min_p",
+    ),
+    Setting(
+        "repetition_penalty",
+        float,
+        1.0,
+        "Divide the scores of recently seen tokens by this (1 = off).",
+        low=0,
+        high=10,
+        low_open=True,
+        generation=True,
+        flag=True,
+        label="Repetition penalty",
+        api="repetition_penalty",
+    ),
+    Setting(
+        "repetition_context_size",
+        int,
+        20,
+        "How many recent tokens the repetition, presence and frequency penalties look at.",
+        low=1,
+        high=1 << 20,
+        generation=True,
+        flag=True,
+        label="Penalty context",
+        api="repetition_context_size",
+    ),
+    Setting(
+        "presence_penalty",
+        float,
+        0.0,
+        "Subtract this from the score of each token seen recently (0 = off).",
+        low=-2,
+        high=2,
+        generation=True,
+        flag=True,
+        label="Presence penalty",
+        api="presence_penalty",
+    ),
+    Setting(
+        "frequency_penalty",
+        float,
+        0.0,
+        "Subtract this from a token's score for each time it was seen recently (0 = off).",
+        low=-2,
+        high=2,
+        generation=True,
+        flag=True,
+        label="Frequency penalty",
+        api="frequency_penalty",
+    ),
+    Setting(
+        "seed",
+        int,
+        None,
+        "Seed of the sampler: the same seed gives the same reply (empty = random).",
+        low=-(1 << 63),
+        high=(1 << 64) - 1,
+        optional=True,
+        generation=True,
+        flag=True,
+        label="Seed",
+        api="seed",
+    ),
     Setting("theme", str, "kvchat-dark", "The colour theme.", convert=_not_empty),
     Setting("autosave", bool, True, "Save every tab after each reply."),
-    Setting("ttl", int, 1800, "Seconds an idle session stays in memory before it is "
-            "offloaded to disk (0: forever).", low=0, rule="must not be negative."),
-    Setting("memory_budget", int, 0, "Bytes of prompt caches (and loaded models' weights) kept "
-            "in memory before the least recently used caches are offloaded (0: no limit); "
-            'the file may say "4GiB", "512MB" or a number of bytes.', convert=parse_size),
-    Setting("keymap", dict, (), "[keymap] table: binding id = keys, e.g. send = \"ctrl+s\".",
-            convert=_keymap),
+    Setting(
+        "ttl",
+        int,
+        1800,
+        "Seconds an idle session stays in memory before it is offloaded to disk (0: forever).",
+        low=0,
+        rule="must not be negative.",
+    ),
+    Setting(
+        "memory_budget",
+        int,
+        0,
+        "Bytes of prompt caches (and loaded models' weights) kept "
+        "in memory before the least recently used caches are offloaded (0: no limit); "
+        'the file may say "4GiB", "512MB" or a number of bytes.',
+        convert=parse_size,
+    ),
+    Setting(
+        "keymap",
+        dict,
+        (),
+        '[keymap] table: binding id = keys, e.g. send = "ctrl+s".',
+        convert=_keymap,
+    ),
 )
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 KEYS: tuple[str, ...] = tuple(BY_NAME)
@@ -267,8 +397,11 @@ def check(name: str, value: Any, source: str) -> Any:
 
 def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     """The settings given as ``KVCHAT_<NAME>`` variables, checked (the keymap has none)."""
-    return {s.name: s.parse_text(environ[s.env], s.env)
-            for s in SETTINGS if s.type is not dict and s.env in environ}
+    return {
+        s.name: s.parse_text(environ[s.env], s.env)
+        for s in SETTINGS
+        if s.type is not dict and s.env in environ
+    }
 
 
 def apply_overrides(base: T, *layers: Mapping[str, Any]) -> T:
@@ -280,8 +413,9 @@ def apply_overrides(base: T, *layers: Mapping[str, Any]) -> T:
     for layer in layers:
         for name, value in layer.items():
             if value is not None and name in names:
-                merged[name] = (BY_NAME[name].check(value, BY_NAME[name].option)
-                                if name in BY_NAME else value)
+                merged[name] = (
+                    BY_NAME[name].check(value, BY_NAME[name].option) if name in BY_NAME else value
+                )
     return replace(base, **merged)  # type: ignore[type-var]
 
 

@@ -17,8 +17,17 @@ from textual.color import Color, ColorParseError
 from textual.theme import Theme
 
 _COLOURS = (
-    "primary", "secondary", "warning", "error", "success", "accent",
-    "foreground", "background", "surface", "panel", "boost",
+    "primary",
+    "secondary",
+    "warning",
+    "error",
+    "success",
+    "accent",
+    "foreground",
+    "background",
+    "surface",
+    "panel",
+    "boost",
 )
 _FIELDS = {f.name for f in fields(Theme)}
 
@@ -50,9 +59,7 @@ def load_theme(path: Path) -> Theme:
             except (ColorParseError, TypeError, ValueError):
                 raise ThemeError(f"{path.name}: {key} = {data[key]!r} is not a colour.") from None
     variables = data.get("variables", {})
-    if not isinstance(variables, dict) or not all(
-        isinstance(v, str) for v in variables.values()
-    ):
+    if not isinstance(variables, dict) or not all(isinstance(v, str) for v in variables.values()):
         raise ThemeError(f"{path.name}: [variables] must map names to strings.")
     if not isinstance(data.get("dark", True), bool):
         raise ThemeError(f"{path.name}: dark must be true or false.")

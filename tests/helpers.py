@@ -38,12 +38,21 @@ def turn(session: Session, text: str) -> TurnDone:
     return [e for e in session.send(text) if isinstance(e, TurnDone)][0]
 
 
-def run_bounded(argv: list[str], timeout: float, env: dict | None = None,
-                ) -> subprocess.CompletedProcess:
+def run_bounded(
+    argv: list[str],
+    timeout: float,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
     """``subprocess.run`` in a process group of its own, the whole group killed if it
     outlives ``timeout`` (a launch's ranks would otherwise wait on each other forever)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

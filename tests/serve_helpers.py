@@ -25,15 +25,29 @@ START_TIMEOUT_S = 30
 class Server:
     """Start with ``with Server(lm) as server:``; ``server.client`` is an ``openai.OpenAI``."""
 
-    def __init__(self, lm, *, api_key: str | None = None, max_queue: int = 16,
-                 max_body_bytes: int = DEFAULT_MAX_BODY, pool: SessionPool | None = None,
-                 kind: str = "standard", keep_anonymous: int = 64):
-        self.engine = Engine(lm, pool or SessionPool(), kind=kind,
-                             settings=GenerationSettings(max_tokens=16), max_queue=max_queue,
-                             keep_anonymous=keep_anonymous)
+    def __init__(
+        self,
+        lm,
+        *,
+        api_key: str | None = None,
+        max_queue: int = 16,
+        max_body_bytes: int = DEFAULT_MAX_BODY,
+        pool: SessionPool | None = None,
+        kind: str = "standard",
+        keep_anonymous: int = 64,
+    ):
+        self.engine = Engine(
+            lm,
+            pool or SessionPool(),
+            kind=kind,
+            settings=GenerationSettings(max_tokens=16),
+            max_queue=max_queue,
+            keep_anonymous=keep_anonymous,
+        )
         app = create_app(self.engine, api_key=api_key, max_body_bytes=max_body_bytes)
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5
+        )
         self.uvicorn = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.api_key = api_key
@@ -46,8 +60,9 @@ class Server:
             time.sleep(0.02)
         self.port = self.uvicorn.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none",
-                                    max_retries=0, timeout=60)
+        self.client = openai.OpenAI(
+            base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0, timeout=60
+        )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -67,12 +82,20 @@ class Server:
             assert time.monotonic() < deadline, "server stayed busy"
             time.sleep(0.02)
 
-    def raw(self, path: str, body: bytes | None = None, headers: dict | None = None,
-            method: str | None = None):
+    def raw(
+        self,
+        path: str,
+        body: bytes | None = None,
+        headers: dict | None = None,
+        method: str | None = None,
+    ):
         """One plain HTTP request: (status, headers (any case), decoded JSON body)."""
-        request = urllib.request.Request(self.url + path, data=body, method=method,
-                                         headers={"Content-Type": "application/json",
-                                                  **(headers or {})})
+        request = urllib.request.Request(
+            self.url + path,
+            data=body,
+            method=method,
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return response.status, response.headers, json.loads(response.read())
@@ -83,7 +106,8 @@ class Server:
 def chat(client: openai.OpenAI, messages: list[dict], **kw):
     """A non-streamed completion: (reply text, the response's dict, its headers)."""
     raw = client.chat.completions.with_raw_response.create(
-        model="demo", messages=messages, **{"temperature": 0, **kw})
+        model="demo", messages=messages, **{"temperature": 0, **kw}
+    )
     reply = raw.parse()
     return reply.choices[0].message.content, reply.model_dump(), raw.headers
 
@@ -91,8 +115,12 @@ def chat(client: openai.OpenAI, messages: list[dict], **kw):
 def chat_streamed(client: openai.OpenAI, messages: list[dict], **kw):
     """A streamed completion: (reply text, the last chunk's ``kvchat`` object, usage)."""
     stream = client.chat.completions.create(
-        model="demo", messages=messages, stream=True, stream_options={"include_usage": True},
-        **{"temperature": 0, **kw})
+        model="demo",
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+        **{"temperature": 0, **kw},
+    )
     text, stats, usage, reasons = "", None, None, []
     for chunk in stream:
         extra = chunk.model_extra or {}

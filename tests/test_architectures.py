@@ -70,12 +70,17 @@ def test_gemma2_refuses_quantized_kinds_and_keeps_the_session(arch):
     with pytest.raises(CacheKindError, match="attention cannot read a chunked cache"):
         Session(lm, kind="chunked:2048")  # its own mask does not fit a chunked cache
     assert applicable_kinds(lm.model, list(OFFERED_KINDS)) == [
-        "standard", "rotating:4096", "concatenate"]
+        "standard",
+        "rotating:4096",
+        "concatenate",
+    ]
 
     session = Session(lm, settings=GREEDY)
     turn(session, "hello there")
     cache, ledger, messages = session.cache, list(session.ledger), list(session.messages)
-    with pytest.raises(CacheKindError, match=r"^Cache kind 'quantized:4' cannot apply to this model"):
+    with pytest.raises(
+        CacheKindError, match=r"^Cache kind 'quantized:4' cannot apply to this model"
+    ):
         session.set_kind("quantized:4")
     assert session.kind.name == "standard"
     assert session.cache is cache and session.ledger == ledger and session.messages == messages
@@ -136,7 +141,6 @@ def test_recurrent_state_whose_count_disagrees_is_rebuilt(arch, home):
     assert loaded.session.ledger == session.render(session.messages, False)
 
 
-
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_cached_replies_equal_uncached_ones(arch, name):
     lm = arch(name)
@@ -189,8 +193,11 @@ def test_checkpoints_are_bounded_and_a_rebuild_names_the_window(arch, monkeypatc
     assert session.ledger == [] and len(session.checkpoints) == 0
     third = turn(session, THIRD)
     assert third.stats.evaluated_tokens == third.stats.prompt_tokens
-    assert re.fullmatch(r"the standard cache could not be trimmed back to token \d+: it holds a "
-                        r"sliding window, and no checkpoint is that early", third.stats.rebuilt)
+    assert re.fullmatch(
+        r"the standard cache could not be trimmed back to token \d+: it holds a "
+        r"sliding window, and no checkpoint is that early",
+        third.stats.rebuilt,
+    )
 
 
 def test_checkpoints_stay_within_their_memory_budget(arch, monkeypatch):
@@ -313,15 +320,22 @@ def _forge(session: Session, damage: str) -> None:
         layer.keys = layer.keys[..., :1]
 
 
-@pytest.mark.parametrize("name, damage, why", [
-    ("gemma3_text", "flipped", r"checkpoints.safetensors is damaged \(its checksum differs"),
-    ("gemma3_text", "forged", r"does not fit the cache: at token \d+, its RotatingKVCache has "
-                              r"keys of shape \(1, 1, n, 1\), the model makes \(1, 1, n, 32\)"),
-    ("mamba", "forged", r"does not fit the cache: at token \d+, its ArraysCache has state"),
-    ("gemma3_text", "logprobs", r"does not fit the cache: its log-probabilities are not the "),
-    ("mamba", "reordered", r"does not fit the cache: it holds checkpoints at tokens"),
-    ("mamba", "missing", r"checkpoints.safetensors is missing"),
-])
+@pytest.mark.parametrize(
+    "name, damage, why",
+    [
+        ("gemma3_text", "flipped", r"checkpoints.safetensors is damaged \(its checksum differs"),
+        (
+            "gemma3_text",
+            "forged",
+            r"does not fit the cache: at token \d+, its RotatingKVCache has "
+            r"keys of shape \(1, 1, n, 1\), the model makes \(1, 1, n, 32\)",
+        ),
+        ("mamba", "forged", r"does not fit the cache: at token \d+, its ArraysCache has state"),
+        ("gemma3_text", "logprobs", r"does not fit the cache: its log-probabilities are not the "),
+        ("mamba", "reordered", r"does not fit the cache: it holds checkpoints at tokens"),
+        ("mamba", "missing", r"checkpoints.safetensors is missing"),
+    ],
+)
 def test_bad_checkpoints_are_left_out_and_the_cache_resumes(arch, home, name, damage, why):
     lm = arch(name)
     session, after_first = _conversed(lm)
@@ -362,8 +376,10 @@ def test_ask_says_why_saved_checkpoints_were_left_out(arch, home):
     path.write_bytes(path.read_bytes()[:-4])  # cut short: its checksum no longer matches
     result = CliRunner().invoke(app, [*ask, SECOND])
     assert result.exit_code == 0
-    assert (f"kvchat: The saved checkpoints were not used ({path} is damaged (its checksum "
-            "differs from the one in session.json)); the cache was") in result.output
+    assert (
+        f"kvchat: The saved checkpoints were not used ({path} is damaged (its checksum "
+        "differs from the one in session.json)); the cache was"
+    ) in result.output
     assert "rebuilt" not in result.output
 
 

@@ -19,8 +19,12 @@ CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 
 def kvchat(*args, input=None, env=None):
     return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, input=input,
-        env={**os.environ, **(env or {})}, timeout=120,
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        input=input,
+        env={**os.environ, **(env or {})},
+        timeout=120,
     )
 
 
@@ -128,8 +132,12 @@ def test_locked_session_waits_or_fails_clearly(home):
 
     # two at once: the second waits for the first, and both turns are kept
     procs = [
-        subprocess.Popen([*CLI, "ask", "--session", "l", "--max-tokens", "8", "--json", text],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*CLI, "ask", "--session", "l", "--max-tokens", "8", "--json", text],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for text in ("One.", "Two.")
     ]
     results = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
@@ -166,8 +174,18 @@ def test_every_generation_setting_is_a_flag_checked_and_saved(home):
     assert all(s.option in shown for s in FLAGS)  # --top-k, --min-p, --seed, ...
     greedy = quick_ask("--temp", "0", "Tell me about the cache.")["reply"]
     assert quick_ask("--temp", "1.5", "--top-k", "1", "Tell me about the cache.")["reply"] == greedy
-    ask("--session", "p", "--top-k", "5", "--repetition-penalty", "1.2", "--seed", "9", "Hi.",
-        run=inproc)
+    ask(
+        "--session",
+        "p",
+        "--top-k",
+        "5",
+        "--repetition-penalty",
+        "1.2",
+        "--seed",
+        "9",
+        "Hi.",
+        run=inproc,
+    )
     saved = store.read("p")["settings"]
     assert (saved["top_k"], saved["repetition_penalty"], saved["seed"]) == (5, 1.2, 9)
     ask("--session", "p", "--min-p", "0.1", "Go on.", run=inproc)  # the others stay saved

@@ -16,8 +16,15 @@ import mlx.nn as nn
 import pytest
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
-KINDS = ["standard", "quantized:8", "quantized:4", "rotated:4", "rotating:1024", "chunked:1024",
-         "concatenate"]
+KINDS = [
+    "standard",
+    "quantized:8",
+    "quantized:4",
+    "rotated:4",
+    "rotating:1024",
+    "chunked:1024",
+    "concatenate",
+]
 
 
 def measured(x) -> bool:
@@ -32,12 +39,20 @@ def run(tmp_path_factory, kvchat_dirs):
     before = sorted(os.listdir(home)) if os.path.isdir(home) else []
     proc = subprocess.run(
         [*CLI, "bench", "--quick", "--json", "--model", "demo", "--out", str(out)],
-        capture_output=True, text=True, timeout=180, env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     after = sorted(os.listdir(home)) if os.path.isdir(home) else []
-    return {"result": json.loads(proc.stdout), "markdown": out.read_text(), "stderr": proc.stderr,
-            "home_before": before, "home_after": after}
+    return {
+        "result": json.loads(proc.stdout),
+        "markdown": out.read_text(),
+        "stderr": proc.stderr,
+        "home_before": before,
+        "home_after": after,
+    }
 
 
 def test_machine_heads_the_report(run):
@@ -77,8 +92,15 @@ def test_history_sweep_and_profile(run):
     assert [p["target_tokens"] for p in points] == [512, 1024, 2048]  # --quick stops at 2k
     for p in points:
         assert abs(p["history_tokens"] - p["target_tokens"]) <= 64
-        for key in ("cached_ttft_s", "uncached_ttft_s", "eval_new_only_s", "speedup_ttft",
-                    "cached_over_new_only", "new_tokens", "gen_tps_cached"):
+        for key in (
+            "cached_ttft_s",
+            "uncached_ttft_s",
+            "eval_new_only_s",
+            "speedup_ttft",
+            "cached_over_new_only",
+            "new_tokens",
+            "gen_tps_cached",
+        ):
             assert measured(p[key]), key
         assert p["new_tokens"] < p["uncached_prompt_tokens"]
         assert p["same_reply"] is True
@@ -100,7 +122,9 @@ def test_cache_kinds(run):
     for name, r in rows.items():
         for key in ("bytes_per_token", "ttft_s", "gen_tps", "bytes_vs_standard"):
             assert measured(r[key]), (name, key)
-        assert 0 <= r["agree_with_standard"] <= r["agree_of"] == rows["standard"]["generated_tokens"]
+        assert (
+            0 <= r["agree_with_standard"] <= r["agree_of"] == rows["standard"]["generated_tokens"]
+        )
     assert rows["standard"]["agree_with_standard"] == rows["standard"]["agree_of"] > 0
     assert rows["quantized:4"]["bytes_per_token"] < rows["quantized:8"]["bytes_per_token"]
     assert rows["quantized:8"]["bytes_per_token"] < rows["standard"]["bytes_per_token"]
@@ -114,8 +138,16 @@ def test_persistence_in_a_temporary_home(run):
     points = run["result"]["persistence"]["points"]
     assert [p["target_tokens"] for p in points] == [2048]
     p = points[0]
-    for key in ("save_s", "load_s", "folder_bytes", "cache_file_bytes", "resumed_ttft_s",
-                "reprefill_ttft_s", "speedup_ttft", "load_plus_turn_speedup"):
+    for key in (
+        "save_s",
+        "load_s",
+        "folder_bytes",
+        "cache_file_bytes",
+        "resumed_ttft_s",
+        "reprefill_ttft_s",
+        "speedup_ttft",
+        "load_plus_turn_speedup",
+    ):
         assert measured(p[key]), key
     assert p["resumed_from_disk"] is True and p["notice"] is None
     assert p["resumed_reused_tokens"] > 0 and p["same_reply"] is True
@@ -140,8 +172,10 @@ def test_blas_probe(run):
 def test_cpu_fast_path_on_and_off(run, demo_model):
     rows = run["result"]["cpu"]["rows"]
     assert [r["what"] for r in rows] == [
-        "prefill 512 tokens from empty", "decode at 512 tokens of context",
-        rows[2]["what"], rows[3]["what"],
+        "prefill 512 tokens from empty",
+        "decode at 512 tokens of context",
+        rows[2]["what"],
+        rows[3]["what"],
     ]
     assert rows[2]["what"].startswith("follow-up of ") and rows[2]["unit"] == "s TTFT"
     for r in rows:
@@ -150,10 +184,14 @@ def test_cpu_fast_path_on_and_off(run, demo_model):
     # every linear weight of the demo model, streamed once a decoding step
     tied = "lm_head" not in demo_model.model
     assert bound["weight_bytes"] == sum(
-        m.weight.nbytes for m in demo_model.model.modules()
-        if isinstance(m, nn.Linear) or (tied and isinstance(m, nn.Embedding)))
-    assert all(measured(bound[k]) for k in ("stream_gb_s", "decode_bound_tps", "matmul_gflop_s",
-                                             "prefill_bound_tps"))
+        m.weight.nbytes
+        for m in demo_model.model.modules()
+        if isinstance(m, nn.Linear) or (tied and isinstance(m, nn.Embedding))
+    )
+    assert all(
+        measured(bound[k])
+        for k in ("stream_gb_s", "decode_bound_tps", "matmul_gflop_s", "prefill_bound_tps")
+    )
     assert "## What this machine allows the float32 weights" in run["markdown"]
 
 
@@ -161,18 +199,23 @@ def test_cpu_fast_path_on_and_off(run, demo_model):
 def test_quantized_weights_dequantized_and_packed(run):
     rows = run["result"]["quantized_weights"]["rows"]
     assert [r["weights"] for r in rows] == [
-        "float32", "4-bit, dequantized to float32 for the CPU",
+        "float32",
+        "4-bit, dequantized to float32 for the CPU",
         "4-bit, kept packed (KVCHAT_KEEP_QUANTIZED)",
     ]
     for r in rows:
         assert measured(r["prefill_tps"]) and measured(r["decode_tps"]), r
     # The dequantized copy is compared with float32 runs interleaved with its own.
     dequantized = rows[1]
-    assert measured(dequantized["prefill_vs_float32"]) and measured(dequantized["decode_vs_float32"])
+    assert measured(dequantized["prefill_vs_float32"]) and measured(
+        dequantized["decode_vs_float32"]
+    )
     assert "prefill_vs_float32" not in rows[2]
     targets = {t["target"]: t["value"] for t in run["result"]["targets"]}
-    assert targets["4-bit weights: decode no slower than float32 (ratio, interleaved runs)"] == \
-        dequantized["decode_vs_float32"]
+    assert (
+        targets["4-bit weights: decode no slower than float32 (ratio, interleaved runs)"]
+        == dequantized["decode_vs_float32"]
+    )
     assert "## Quantized weights on the CPU" in run["markdown"]
     assert "## CPU fast path" in run["markdown"]
 
@@ -181,8 +224,11 @@ def test_fidelity_section(run):
     rows = {r["kind"]: r for r in run["result"]["fidelity"]}
     assert list(rows) == ["standard", "quantized:8", "quantized:4", "rotated:8", "rotated:4"]
     assert rows["standard"]["kld_mean"] == 0 and rows["standard"]["top1_agreement"] == 1
-    assert all(measured(r["kld_mean"]) and measured(r["perplexity"]) for k, r in rows.items()
-               if k != "standard")
+    assert all(
+        measured(r["kld_mean"]) and measured(r["perplexity"])
+        for k, r in rows.items()
+        if k != "standard"
+    )
     assert "## Cache fidelity: KL divergence against standard" in run["markdown"]
     targets = {t["target"].split(" ")[0]: t for t in run["result"]["targets"]}
     assert targets["quantized:8"]["value"] == rows["quantized:8"]["kld_mean"]
@@ -195,8 +241,14 @@ def test_targets_and_markdown(run):
     for t in targets:
         assert isinstance(t["met"], bool) and measured(t["value"]) and measured(t["limit"])
     md = run["markdown"]
-    for title in ("## Classic", "## History sweep", "## Cache kinds", "## Persistence",
-                  "## Profile of one cached turn", "## Targets"):
+    for title in (
+        "## Classic",
+        "## History sweep",
+        "## Cache kinds",
+        "## Persistence",
+        "## Profile of one cached turn",
+        "## Targets",
+    ):
         assert title in md
     assert measured(result["total_s"])
 

@@ -85,16 +85,23 @@ def test_blas_module_does_not_import_mlx():
 def test_importing_kvchat_loads_nothing_the_entry_point_decides():
     """``import kvchat`` (and its CLI package) leaves the BLAS alone; ``kvchat --version``,
     through the console script's function, has decided it before mlx is imported."""
-    code = ("import sys, kvchat, kvchat.cli; from kvchat import blas; "
-            "print(blas.info.status, 'mlx.core' in sys.modules)")
+    code = (
+        "import sys, kvchat, kvchat.cli; from kvchat import blas; "
+        "print(blas.info.status, 'mlx.core' in sys.modules)"
+    )
     environment = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
-    out = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "pending False"
     entry = "from kvchat.cli import main; main()"
-    out = subprocess.run([sys.executable, "-c", entry, "--version"],
-                         env={**environment, "KVCHAT_NO_BLAS": "1"}, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", entry, "--version"],
+        env={**environment, "KVCHAT_NO_BLAS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     want = "mlx's bundled reference BLAS (KVCHAT_NO_BLAS=1)"
     if not sys.platform.startswith("linux"):
@@ -109,11 +116,17 @@ def test_describe_is_one_line():
 @linux_only
 def test_openblas_threads_sleep_between_calls_unless_the_user_says_otherwise():
     """Set before mlx and numpy load their OpenBLAS; a value the user gave is kept."""
-    script = ("import os; from kvchat import blas; blas.preload(); import numpy; "
-              "print(os.environ['OPENBLAS_THREAD_TIMEOUT'])")
+    script = (
+        "import os; from kvchat import blas; blas.preload(); import numpy; "
+        "print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    )
     base = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    for env, want in ((base, blas.THREAD_TIMEOUT), ({**base, "OPENBLAS_THREAD_TIMEOUT": "20"}, "20")):
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                             text=True, timeout=60)
+    for env, want in (
+        (base, blas.THREAD_TIMEOUT),
+        ({**base, "OPENBLAS_THREAD_TIMEOUT": "20"}, "20"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == want

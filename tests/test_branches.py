@@ -177,8 +177,12 @@ def test_edit_trims_to_the_edit_point_and_keeps_the_old_branch(demo_model):
     tokens = session.render(old, False)
     assert session.ledger == tokens and cache_offset(session.cache) == len(tokens)
     # the cache was kept as far as the two branches agree, the rest evaluated
-    assert switched.reused == common_prefix(tokens, session.render(
-        [*old[:3], {"role": "user", "content": "second, edited"}, done_reply(done)], False))
+    assert switched.reused == common_prefix(
+        tokens,
+        session.render(
+            [*old[:3], {"role": "user", "content": "second, edited"}, done_reply(done)], False
+        ),
+    )
     assert switched.evaluated == len(tokens) - switched.reused
     assert len(session.turns) == 3
     reply = finish(session.send("fourth question")).reply
@@ -241,14 +245,17 @@ def test_branches_are_saved_loaded_and_exported(demo_model, home):
     data = json.loads((session_dir("tree") / SESSION_FILE).read_text())
     assert data["messages"] == edited
     assert [n["content"] for n in data["branches"]["nodes"]][-2:] == [
-        "third, edited", edited[-1]["content"]]
+        "third, edited",
+        edited[-1]["content"],
+    ]
 
     loaded = store.load("tree", demo_model)
     assert loaded.resumed_from_disk and loaded.session.messages == edited
     switched = loaded.session.switch_branch(5, -1)
     assert loaded.session.messages == old
     assert switched.reused == common_prefix(
-        session.render(edited, False), session.render(old, False))
+        session.render(edited, False), session.render(old, False)
+    )
 
     exported = json.loads(store.export("tree", "json"))
     assert exported["branches"] == data["branches"]

@@ -58,46 +58,99 @@ def _scalar(value):
 # (kind, crafted arrays of the safetensors file, words the notice must hold).
 # Layer 0's keys are "0.0", its values "0.1", its scalars "0.2" (offset) and on.
 CRAFTED = {
-    "twice-kv-heads": ("standard", lambda a: {
-        **a, "0.0": mx.concatenate([a["0.0"]] * 2, axis=1),
-        "0.1": mx.concatenate([a["0.1"]] * 2, axis=1)}, "keys of shape (1, 2, n, 64)"),
-    "int8-keys": ("standard", lambda a: _with(a, "0.0", lambda x: x.astype(mx.int8)),
-                  "keys of int8, the model makes float32"),
-    "float16-values": ("standard", lambda a: _with(a, "1.1", lambda x: x.astype(mx.float16)),
-                       "layer 1 has values of float16"),
+    "twice-kv-heads": (
+        "standard",
+        lambda a: {
+            **a,
+            "0.0": mx.concatenate([a["0.0"]] * 2, axis=1),
+            "0.1": mx.concatenate([a["0.1"]] * 2, axis=1),
+        },
+        "keys of shape (1, 2, n, 64)",
+    ),
+    "int8-keys": (
+        "standard",
+        lambda a: _with(a, "0.0", lambda x: x.astype(mx.int8)),
+        "keys of int8, the model makes float32",
+    ),
+    "float16-values": (
+        "standard",
+        lambda a: _with(a, "1.1", lambda x: x.astype(mx.float16)),
+        "layer 1 has values of float16",
+    ),
     "nan-keys": ("standard", lambda a: _with(a, "1.0", _nan), "not finite"),
-    "inf-quantized-scales": ("quantized:8", lambda a: _with(a, "0.0.1", lambda x: x / 0),
-                             "not finite"),
+    "inf-quantized-scales": (
+        "quantized:8",
+        lambda a: _with(a, "0.0.1", lambda x: x / 0),
+        "not finite",
+    ),
     "huge-values": ("standard", lambda a: _with(a, "1.1", lambda x: x * 1e30), "implausibly large"),
-    "huge-quantized-scales": ("quantized:8", lambda a: _with(a, "0.1.1", lambda x: x + 4e36),
-                              "implausibly large"),
-    "half-head-dim": ("standard", lambda a: _with(a, "0.0", lambda x: x[..., :32]),
-                      "keys of shape (1, 1, n, 32)"),
-    "rank-2": ("standard", lambda a: _with(a, "0.1", lambda x: x.reshape(-1, x.shape[-1])),
-               "rank-2 values"),
-    "batch-of-2": ("concatenate", lambda a: _with(a, "0.0", lambda x: mx.concatenate([x, x])),
-                   "keys of shape (2, 1, n, 64)"),
-    "renamed-key": ("standard", lambda a: {**{k: v for k, v in a.items() if k != "0.0"},
-                                           "0.keys": a["0.0"]}, "has no array for its keys"),
-    "keys-longer-than-values": ("concatenate",
-                                lambda a: _with(a, "0.0", lambda x: mx.concatenate([x, x], axis=2)),
-                                "different lengths"),
-    "offset-beyond-length": ("standard", lambda a: _with(a, "0.2", lambda x: x + 100),
-                             "but its buffer holds"),
-    "quantized-offset-beyond": ("quantized:8", lambda a: _with(a, "1.2", lambda x: x + 1),
-                                "but its buffer holds"),
-    "quantized-half-packed": ("quantized:4", lambda a: _with(a, "0.0.0", lambda x: x[..., :4]),
-                              "keys[0] of shape (1, 1, n, 4), the model makes (1, 1, n, 8)"),
+    "huge-quantized-scales": (
+        "quantized:8",
+        lambda a: _with(a, "0.1.1", lambda x: x + 4e36),
+        "implausibly large",
+    ),
+    "half-head-dim": (
+        "standard",
+        lambda a: _with(a, "0.0", lambda x: x[..., :32]),
+        "keys of shape (1, 1, n, 32)",
+    ),
+    "rank-2": (
+        "standard",
+        lambda a: _with(a, "0.1", lambda x: x.reshape(-1, x.shape[-1])),
+        "rank-2 values",
+    ),
+    "batch-of-2": (
+        "concatenate",
+        lambda a: _with(a, "0.0", lambda x: mx.concatenate([x, x])),
+        "keys of shape (2, 1, n, 64)",
+    ),
+    "renamed-key": (
+        "standard",
+        lambda a: {**{k: v for k, v in a.items() if k != "0.0"}, "0.keys": a["0.0"]},
+        "has no array for its keys",
+    ),
+    "keys-longer-than-values": (
+        "concatenate",
+        lambda a: _with(a, "0.0", lambda x: mx.concatenate([x, x], axis=2)),
+        "different lengths",
+    ),
+    "offset-beyond-length": (
+        "standard",
+        lambda a: _with(a, "0.2", lambda x: x + 100),
+        "but its buffer holds",
+    ),
+    "quantized-offset-beyond": (
+        "quantized:8",
+        lambda a: _with(a, "1.2", lambda x: x + 1),
+        "but its buffer holds",
+    ),
+    "quantized-half-packed": (
+        "quantized:4",
+        lambda a: _with(a, "0.0.0", lambda x: x[..., :4]),
+        "keys[0] of shape (1, 1, n, 4), the model makes (1, 1, n, 8)",
+    ),
     "quantized-bits": ("quantized:8", lambda a: _with(a, "0.4", _scalar(4)), "bits 4, expected 8"),
-    "offset-float": ("quantized:8", lambda a: _with(a, "0.2", lambda x: x.astype(mx.float32) + 0.5),
-                     "expected a whole number"),
-    "negative-offset": ("standard", lambda a: _with(a, "0.2", lambda x: x * 0 - 5),
-                        "expected a whole number"),
-    "rotating-slot-beyond": ("rotating:256", lambda a: _with(a, "0.5", lambda x: x + 1000),
-                             "writes at slot"),
+    "offset-float": (
+        "quantized:8",
+        lambda a: _with(a, "0.2", lambda x: x.astype(mx.float32) + 0.5),
+        "expected a whole number",
+    ),
+    "negative-offset": (
+        "standard",
+        lambda a: _with(a, "0.2", lambda x: x * 0 - 5),
+        "expected a whole number",
+    ),
+    "rotating-slot-beyond": (
+        "rotating:256",
+        lambda a: _with(a, "0.5", lambda x: x + 1000),
+        "writes at slot",
+    ),
     "rotating-keep": ("rotating:256", lambda a: _with(a, "0.3", _scalar(1)), "keep 1, expected"),
-    "chunked-start-after-offset": ("chunked:256", lambda a: _with(a, "1.4", lambda x: x + 10**6),
-                                   "after its position"),
+    "chunked-start-after-offset": (
+        "chunked:256",
+        lambda a: _with(a, "1.4", lambda x: x + 10**6),
+        "after its position",
+    ),
 }
 
 
@@ -130,10 +183,22 @@ def test_crafted_cache_is_rebuilt_never_used(demo_model, home, case):
     assert turn(loaded.session, NEXT).reply == never_saved_reply(demo_model, kind)
 
 
-@pytest.mark.parametrize("kind", ["standard", "quantized:8", "quantized:4", "rotated:4",
-                                  "rotating:64", "chunked:64", "concatenate"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "standard",
+        "quantized:8",
+        "quantized:4",
+        "rotated:4",
+        "rotating:64",
+        "chunked:64",
+        "concatenate",
+    ],
+)
 def test_sound_caches_pass_and_layer_count_is_checked(demo_model, kind):
-    session = Session(demo_model, kind=kind, system=SYSTEM, settings=GenerationSettings(max_tokens=40))
+    session = Session(
+        demo_model, kind=kind, system=SYSTEM, settings=GenerationSettings(max_tokens=40)
+    )
     for text in FIRST * 3:  # past 64 tokens: rotating and chunked layers have wrapped or dropped
         turn(session, text)
     fresh = Session(demo_model, kind=kind, system=SYSTEM).cache
@@ -153,25 +218,48 @@ def _round_trip(cache: list) -> list:
 
 def _gemma() -> gemma3_text.Model:
     """A tiny real Gemma 3: every other layer a 16-token sliding window (RotatingKVCache)."""
-    model = gemma3_text.Model(gemma3_text.ModelArgs(
-        model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-        num_attention_heads=2, head_dim=64, vocab_size=64, num_key_value_heads=1,
-        sliding_window=16, sliding_window_pattern=2))
+    model = gemma3_text.Model(
+        gemma3_text.ModelArgs(
+            model_type="gemma3_text",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            num_attention_heads=2,
+            head_dim=64,
+            vocab_size=64,
+            num_key_value_heads=1,
+            sliding_window=16,
+            sliding_window_pattern=2,
+        )
+    )
     mx.eval(model.parameters())
     return model
 
 
 def _mamba() -> mamba.Model:
     """A tiny real Mamba: state-space layers (ArraysCache), no keys or values at all."""
-    model = mamba.Model(mamba.ModelArgs(
-        model_type="mamba", vocab_size=64, hidden_size=32, intermediate_size=64, state_size=8,
-        num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4))
+    model = mamba.Model(
+        mamba.ModelArgs(
+            model_type="mamba",
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            state_size=8,
+            num_hidden_layers=2,
+            conv_kernel=4,
+            use_bias=False,
+            use_conv_bias=True,
+            time_step_rank=4,
+        )
+    )
     mx.eval(model.parameters())
     return model
 
 
-@pytest.mark.parametrize("build, kind", [(_gemma, "standard"), (_gemma, "quantized:8"),
-                                         (_gemma, "concatenate"), (_mamba, "standard")])
+@pytest.mark.parametrize(
+    "build, kind",
+    [(_gemma, "standard"), (_gemma, "quantized:8"), (_gemma, "concatenate"), (_mamba, "standard")],
+)
 def test_models_with_their_own_cache_layers(build, kind):
     model = build()
     cache = make_cache(model, parse_kind(kind))

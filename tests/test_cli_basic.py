@@ -32,7 +32,9 @@ def test_doctor_json(kvchat_dirs):
     assert report["kvchat"] == kvchat.__version__
     assert report["device"] in ("cpu", "gpu")
     assert report["backend"] in (("cpu",) if report["device"] == "cpu" else ("cuda", "metal"))
-    assert report["backends"] in [f"metal {m}, cuda {c}" for m in ("yes", "no") for c in ("yes", "no")]
+    assert report["backends"] in [
+        f"metal {m}, cuda {c}" for m in ("yes", "no") for c in ("yes", "no")
+    ]
     info = mx.device_info()
     assert report["device_name"] == info["device_name"]
     memory = info.get("total_memory", info.get("memory_size"))

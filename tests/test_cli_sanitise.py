@@ -17,15 +17,20 @@ from kvchat.engine.conversation.session import GenerationSettings, Session, Turn
 from kvchat.safety import dumps_json, printable
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
-EVIL = ("\x1b]52;c;cHduZWQ=\x07 \x1b]0;title\x07 \x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\ "
-        "\x1b[2J cr\r \x9b31m \u202eevil\u202c \x7f\x00")
+EVIL = (
+    "\x1b]52;c;cHduZWQ=\x07 \x1b]0;title\x07 \x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\ "
+    "\x1b[2J cr\r \x9b31m \u202eevil\u202c \x7f\x00"
+)
 # Raw C0 (but tab and newline), DEL, C1 (UTF-8 encoded), bidi overrides and isolates.
-RAW_CONTROL = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]|\xc2[\x80-\x9f]|\xe2\x80[\xaa-\xae]|\xe2\x81[\xa6-\xa9]")
+RAW_CONTROL = re.compile(
+    rb"[\x00-\x08\x0b-\x1f\x7f]|\xc2[\x80-\x9f]|\xe2\x80[\xaa-\xae]|\xe2\x81[\xa6-\xa9]"
+)
 
 
 def kvchat(*args, input: bytes | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, input=input, timeout=120,
-                          env=os.environ.copy())
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, input=input, timeout=120, env=os.environ.copy()
+    )
 
 
 def assert_clean(out: bytes) -> None:
@@ -41,12 +46,18 @@ def evil(demo_model, home):
     folder = store.save(session, "evil")
     path = folder / "session.json"
     data = json.loads(path.read_text())
-    data["messages"] = [{"role": "system", "content": "sys " + EVIL},
-                        {"role": "user", "content": "user " + EVIL},
-                        {"role": "assistant", "content": "reply " + EVIL}]
+    data["messages"] = [
+        {"role": "system", "content": "sys " + EVIL},
+        {"role": "user", "content": "user " + EVIL},
+        {"role": "assistant", "content": "reply " + EVIL},
+    ]
     data["archived"] = [{"role": "user", "content": "old " + EVIL}]
-    data.update(model_id="model " + EVIL, cache_kind="kind " + EVIL,
-                created="2026 " + EVIL, updated="2026-11-23T10:00:00 " + EVIL)
+    data.update(
+        model_id="model " + EVIL,
+        cache_kind="kind " + EVIL,
+        created="2026 " + EVIL,
+        updated="2026-11-23T10:00:00 " + EVIL,
+    )
     path.write_text(json.dumps(data))
     store.save(session, "broken")
     (store.session_dir("broken") / "session.json").write_text(json.dumps({"messages": EVIL}))
@@ -65,8 +76,12 @@ def test_sessions_list_show_export_print_no_raw_control(evil):
     assert show.returncode == 0, show.stderr
     assert_clean(show.stdout)
     shown = show.stdout.decode()
-    for key, value in (("system", "sys " + EVIL), ("model_id", "model " + EVIL),
-                       ("cache_kind", "kind " + EVIL), ("created", "2026 " + EVIL)):
+    for key, value in (
+        ("system", "sys " + EVIL),
+        ("model_id", "model " + EVIL),
+        ("cache_kind", "kind " + EVIL),
+        ("created", "2026 " + EVIL),
+    ):
         assert f"{key:<13} {printable(value, one_line=True)}\n" in shown
 
     md = kvchat("sessions", "export", "evil", "--format", "md")
@@ -78,8 +93,14 @@ def test_sessions_list_show_export_print_no_raw_control(evil):
     assert "\\x1b[2J cr\\x0d \\x9b31m" in exported
 
 
-@pytest.mark.parametrize("args", [["sessions", "list", "--json"], ["sessions", "show", "evil", "--json"],
-                                  ["sessions", "export", "evil", "--format", "json"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sessions", "list", "--json"],
+        ["sessions", "show", "evil", "--json"],
+        ["sessions", "export", "evil", "--format", "json"],
+    ],
+)
 def test_json_output_escapes_controls_and_round_trips(evil, args):
     out = kvchat(*args)
     assert out.returncode == 0, out.stderr
@@ -116,11 +137,21 @@ def test_dumps_json_is_lossless():
 def test_ask_decodes_invalid_utf8_with_replacement(demo_model, home, via):
     message = b"caf\xe9 and \xff\xfe bytes"
     args = [message] if via == "argv" else ["-"]
-    out = kvchat("ask", "--max-tokens", "4", "--session", "u", "--json", *args,
-                 input=message if via == "stdin" else None)
+    out = kvchat(
+        "ask",
+        "--max-tokens",
+        "4",
+        "--session",
+        "u",
+        "--json",
+        *args,
+        input=message if via == "stdin" else None,
+    )
     assert out.returncode == 0, out.stderr
-    assert out.stderr.decode() == ("kvchat: the message is not valid UTF-8; the bytes that are "
-                                   "not were replaced with U+FFFD.\n")
+    assert out.stderr.decode() == (
+        "kvchat: the message is not valid UTF-8; the bytes that are "
+        "not were replaced with U+FFFD.\n"
+    )
     sent = store.read("u")["messages"][0]
     assert sent == {"role": "user", "content": "caf\ufffd and \ufffd\ufffd bytes"}
     reference = Session(demo_model, settings=GenerationSettings(max_tokens=4))

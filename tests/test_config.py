@@ -43,7 +43,7 @@ def test_sizes_and_kinds_are_normalised():
         ('[keymap]\nsend = ""', 'config.toml: keymap."send" = "": expected keys as a string'),
         ('[keymap]\nsend = " "', 'config.toml: keymap."send" = " ": expected keys'),
         ('[keymap]\nsend = ["a"]', 'config.toml: keymap."send" = "[\'a\']": expected keys'),
-        ("[keymap.send]\nkey = 'a'", 'config.toml: keymap."send" = "{\'key\': \'a\'}": '),
+        ("[keymap.send]\nkey = 'a'", "config.toml: keymap.\"send\" = \"{'key': 'a'}\": "),
         ('[keymap]\n"\\u001b[31m" = 1', 'config.toml: keymap."\\u001b[31m" = 1: expected'),
     ],
 )
@@ -127,7 +127,8 @@ def test_a_file_that_does_not_parse_is_left_byte_for_byte(tmp_path):
         remember(path, theme="gruvbox")
     assert str(error.value) == (
         "config.toml has an error at line 5 (Invalid number); your change applies to this "
-        "run only and the file was left alone.")
+        "run only and the file was left alone."
+    )
     assert path.read_bytes() == broken
     assert [p.name for p in tmp_path.iterdir()] == ["config.toml"]  # no temporary left
 
@@ -160,7 +161,7 @@ def test_a_linked_config_is_edited_where_it_lives(tmp_path):
 
     kept = tmp_path / "dotfiles" / "kvchat.toml"
     kept.parent.mkdir()
-    kept.write_text('# mine\ntemp = 0.5\n')
+    kept.write_text("# mine\ntemp = 0.5\n")
     link = tmp_path / "config.toml"
     link.symlink_to(kept)
     remember(link, theme="gruvbox")

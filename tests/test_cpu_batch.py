@@ -18,11 +18,28 @@ from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
 from kvchat.engine.cpu import decode
 from kvchat.engine.models.model import load_model
 
-TINY = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
-            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, head_dim=32,
-            max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
-LLAMA3 = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+TINY = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=512,
+    head_dim=32,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+LLAMA3 = {
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+}
 
 
 def tiny(model_type: str, **extra):
@@ -135,12 +152,18 @@ def test_batched_step_declines_and_changes_nothing(llama3):
     assert cpu.decode_batch(model, [1], [standard]).shape == (1, TINY["vocab_size"])
 
 
-@pytest.mark.parametrize("model_type,extra,reason", [
-    ("gemma2", {"query_pre_attn_scalar": 32}, "model type 'gemma2'"),
-    ("qwen3", {}, "model type 'qwen3'"),
-    ("llama", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
-     "layer 1: sliding-window attention"),
-])
+@pytest.mark.parametrize(
+    "model_type,extra,reason",
+    [
+        ("gemma2", {"query_pre_attn_scalar": 32}, "model type 'gemma2'"),
+        ("qwen3", {}, "model type 'qwen3'"),
+        (
+            "llama",
+            {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
+            "layer 1: sliding-window attention",
+        ),
+    ],
+)
 def test_models_without_the_numpy_step_say_why(model_type, extra, reason):
     model, stock = tiny(model_type, **extra)
     fast = cpu.prepare(model, dequantize=False)
@@ -160,8 +183,11 @@ def test_kept_packed_weights_leave_the_step_out():
 def test_rotated_caches_are_refused_where_attention_cannot_rotate():
     model, _ = tiny("gemma2", query_pre_attn_scalar=32)
     cpu.prepare(model, dequantize=False)
-    with pytest.raises(CacheKindError, match=r"'rotated:4' cannot apply to this model: "
-                                             r"layer 0's attention \(Attention\) does not rotate"):
+    with pytest.raises(
+        CacheKindError,
+        match=r"'rotated:4' cannot apply to this model: "
+        r"layer 0's attention \(Attention\) does not rotate",
+    ):
         make_cache(model, parse_kind("rotated:4"))
 
 
@@ -191,6 +217,7 @@ def test_doctor_names_the_model_and_its_fast_path(demo_model):
 
 def test_an_unknown_rope_is_refused_by_name():
     """A RoPE module the step does not know is named in the reason, not computed wrongly."""
+
     class Unknown:
         pass
 

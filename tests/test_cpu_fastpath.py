@@ -106,11 +106,14 @@ def test_loaded_model_gets_kvchat_layers_and_mlx_lm_is_untouched(demo_model, fas
     assert {CpuLinear, CpuEmbedding, Attention, MLP, Body} <= kinds
     assert nn.Linear not in kinds and qwen2.Attention not in kinds
     stock = qwen2.Model(demo_model.model.args)
-    assert ({k for k, _ in tree_flatten(demo_model.model.parameters())}
-            == {k for k, _ in tree_flatten(stock.parameters())})
+    assert {k for k, _ in tree_flatten(demo_model.model.parameters())} == {
+        k for k, _ in tree_flatten(stock.parameters())
+    }
     assert qwen2.scaled_dot_product_attention.__module__ == "mlx_lm.models.base"
     assert qwen2.scaled_dot_product_attention is base.scaled_dot_product_attention
-    assert qwen2.swiglu is activations.swiglu and activations.swiglu.__module__ == activations.__name__
+    assert (
+        qwen2.swiglu is activations.swiglu and activations.swiglu.__module__ == activations.__name__
+    )
     assert type(demo_model.model.model).__call__ is Body.__call__
     assert demo_model.weights == "float32"
     assert demo_model.fast_path.step is None
@@ -173,8 +176,9 @@ def decode_run(lm, kind: str, prompt: list[int], forced: list[int]):
     return mx.stack(steps), greedy
 
 
-@pytest.mark.parametrize("kind", ["standard", "concatenate", "quantized:8", "quantized:4",
-                                  "rotated:4"])
+@pytest.mark.parametrize(
+    "kind", ["standard", "concatenate", "quantized:8", "quantized:4", "rotated:4"]
+)
 def test_numpy_decoding_step_matches_mlx_lm(demo_model, fast_path, kind, monkeypatch):
     """The whole-model numpy step computes what mlx-lm's modules do, step after step
     (positions move on, the cache grows), and is skipped when the fast path is off."""
@@ -224,12 +228,26 @@ def ropes(dims: int, traditional: bool) -> dict:
     scalings = {
         "default": None,
         "linear": {"type": "linear", "factor": 2.0},
-        "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                 "mscale": 1.0, "mscale_all_dim": 0.5},
-        "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 64,
-                     "short_factor": [1.0] * (dims // 2), "long_factor": [1.5] * (dims // 2)},
+        "llama3": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "yarn": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
+        "longrope": {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": 64,
+            "short_factor": [1.0] * (dims // 2),
+            "long_factor": [1.5] * (dims // 2),
+        },
         "dynamic": {"type": "dynamic", "factor": 2.0},
     }
     out = {}
@@ -298,8 +316,9 @@ def test_quantized_weights_are_dequantized_at_load(demo_model, fast_path, monkey
     assert packed.weights == "4-bit, kept packed (KVCHAT_KEEP_QUANTIZED)"
     assert any(isinstance(m, nn.QuantizedLinear) for m in packed.model.modules())
     tokens = demo_model.tokenizer.encode("Quantized weights, the same arithmetic.")
-    assert mx.allclose(logits_of(unpacked, tokens), logits_of(packed, tokens),
-                       atol=1e-3, rtol=1e-3).item()
+    assert mx.allclose(
+        logits_of(unpacked, tokens), logits_of(packed, tokens), atol=1e-3, rtol=1e-3
+    ).item()
     config = json.loads((unpacked.path / "config.json").read_text())
     assert config["quantization"]["bits"] == 4
 
@@ -332,33 +351,61 @@ def test_output_projection_stays_lazy_for_a_prefill(demo_model, fast_path):
 
 def test_environment_switch_turns_it_off(tmp_path):
     env = {**os.environ, "KVCHAT_CPU_FASTPATH": "0"}
-    script = ("import kvchat; from kvchat.engine.models.model import load_model; "
-              "lm = load_model('demo'); print(lm.fast_path, lm.weights); "
-              "print(lm.fast_path_line()); print(type(lm.model.model.layers[0].self_attn))")
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=120)
+    script = (
+        "import kvchat; from kvchat.engine.models.model import load_model; "
+        "lm = load_model('demo'); print(lm.fast_path, lm.weights); "
+        "print(lm.fast_path_line()); print(type(lm.model.model.layers[0].self_attn))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        "None as stored (CPU fast path off)", "off (KVCHAT_CPU_FASTPATH=0)",
+        "None as stored (CPU fast path off)",
+        "off (KVCHAT_CPU_FASTPATH=0)",
         "<class 'kvchat.engine.cpu.layers.Attention'>",  # with mlx's arithmetic: rotated caches
     ]
 
 
-TINY = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
-            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, head_dim=32,
-            max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
+TINY = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=512,
+    head_dim=32,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
 ARCHITECTURES = {
     "llama": {},
     "qwen3": {},
-    "gemma2": {"query_pre_attn_scalar": 32, "attn_logit_softcapping": 50.0,
-               "final_logit_softcapping": 30.0, "sliding_window": 8},
+    "gemma2": {
+        "query_pre_attn_scalar": 32,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": 8,
+    },
     "gemma3_text": {"sliding_window": 8, "sliding_window_pattern": 2, "query_pre_attn_scalar": 32},
     "phi3": {"rope_scaling": None},
     "starcoder2": {"norm_epsilon": 1e-5},
-    "gpt_neox": {"layer_norm_eps": 1e-5, "rotary_pct": 0.25, "rotary_emb_base": 10000,
-                 "use_parallel_residual": True},
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                  "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+    "gpt_neox": {
+        "layer_norm_eps": 1e-5,
+        "rotary_pct": 0.25,
+        "rotary_emb_base": 10000,
+        "use_parallel_residual": True,
+    },
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
 }
 
 
@@ -383,7 +430,10 @@ def test_every_architecture_computes_the_same_with_the_fast_path(architecture, f
     for on in (True, False):
         fast.on = on
         cache = make_prompt_cache(model)
-        parts = [model(tokens[:, :16], cache=cache), model(tokens[:, 16:], cache=cache),
-                 model(mx.array([[7]]), cache=cache)]
+        parts = [
+            model(tokens[:, :16], cache=cache),
+            model(tokens[:, 16:], cache=cache),
+            model(mx.array([[7]]), cache=cache),
+        ]
         logits[on] = mx.concatenate(parts, axis=1)
     assert mx.allclose(logits[True], logits[False], atol=5e-5, rtol=5e-5).item()

@@ -142,7 +142,9 @@ def test_big_shapes_load_in_mlx_lm(name, tmp_path):
     assert mx.isfinite(logits).all().item()
 
 
-@pytest.mark.parametrize("text", ["Hello!", "What should I pack for a trip?", "Tell me about bread."])
+@pytest.mark.parametrize(
+    "text", ["Hello!", "What should I pack for a trip?", "Tell me about bread."]
+)
 def test_the_trained_demo_writes_corpus_words(demo_model, text):
     """A turn on the trained demo gives printable text (no U+FFFD) made of the corpus's words,
     and ends its turn by itself."""

@@ -46,11 +46,26 @@ from tests.helpers import LOSING_RANK_1, run_bounded
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 SCRIPT = {
     "system": "You are terse.",
-    "turns": ["hello there", "what is a cache?", {"op": "regenerate"}, "tell me more",
-              {"op": "undo"}, {"op": "cache", "kind": "quantized:8"}, "and a map?"],
+    "turns": [
+        "hello there",
+        "what is a cache?",
+        {"op": "regenerate"},
+        "tell me more",
+        {"op": "undo"},
+        {"op": "cache", "kind": "quantized:8"},
+        "and a map?",
+    ],
 }
-COMPARED = ("op", "reply", "prompt_tokens", "reused_tokens", "evaluated_tokens",
-            "generated_tokens", "cache_tokens", "rebuilt")
+COMPARED = (
+    "op",
+    "reply",
+    "prompt_tokens",
+    "reused_tokens",
+    "evaluated_tokens",
+    "generated_tokens",
+    "cache_tokens",
+    "rebuilt",
+)
 
 
 def _free_port() -> int:
@@ -82,8 +97,21 @@ def launched_losing_rank_1(*args):
     """As :func:`launched`, through kvchat launch's own runner (its one-sentence report),
     with rank 1 killing itself in the middle of each turn."""
     runner = str(Path(sys.executable).with_name("mlx.launch"))
-    argv = [runner, "-n", "2", "--backend", "ring", "--python", sys.executable,
-            "--starting-port", str(_free_port()), "--", "-c", LOSING_RANK_1, *args]
+    argv = [
+        runner,
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--python",
+        sys.executable,
+        "--starting-port",
+        str(_free_port()),
+        "--",
+        "-c",
+        LOSING_RANK_1,
+        *args,
+    ]
     run = "import sys; from kvchat.cli.launch import _run; sys.exit(_run(sys.argv[1:]))"
     return run_bounded([sys.executable, "-c", run, *argv], 60, dict(os.environ))
 
@@ -98,8 +126,9 @@ def replayed_alike(*args) -> list[dict]:
     one = kvchat(*args, env={"KVCHAT_CPU_FASTPATH": "0"})
     assert one.returncode == 0, one.stderr
     sharded, single = json.loads(two.stdout)["turns"], json.loads(one.stdout)["turns"]
-    assert [[t.get(k) for k in COMPARED] for t in sharded] == \
-        [[t.get(k) for k in COMPARED] for t in single]
+    assert [[t.get(k) for k in COMPARED] for t in sharded] == [
+        [t.get(k) for k in COMPARED] for t in single
+    ]
     return sharded
 
 
@@ -123,14 +152,31 @@ def test_tensor_parallel_replay_gives_the_replies_of_one_process(tmp_path):
     folder = tmp_path / "qwen2-kv2"
     folder.mkdir()
     tokenizer = demo.train_tokenizer()
-    config = demo.model_config({**TINY, "model_type": "qwen2", "num_attention_heads": 2,
-                                "num_key_value_heads": 2, "head_dim": 32}, tokenizer)
+    config = demo.model_config(
+        {
+            **TINY,
+            "model_type": "qwen2",
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+        },
+        tokenizer,
+    )
     demo.write_model(folder, config, tokenizer)
     assert choose_mode(*load_model(folder, lazy=True), 2, "tiny") == "tensor"
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"turns": ["hello there", "and then?", {"op": "regenerate"}]}))
-    args = ("replay", str(script), "--model", str(folder), "--json", "--max-tokens", "6",
-            "--cache", "quantized:8")
+    args = (
+        "replay",
+        str(script),
+        "--model",
+        str(folder),
+        "--json",
+        "--max-tokens",
+        "6",
+        "--cache",
+        "quantized:8",
+    )
     sharded = replayed_alike(*args)
     assert sharded[1]["reused_tokens"] > 0 and sharded[1]["reply"] == sharded[2]["reply"]
     assert [t["generated_tokens"] for t in sharded] == [6, 6, 6]  # random weights: no end token
@@ -170,16 +216,22 @@ def test_ask_resumes_sharded_cache_files_and_a_lost_rank_damages_nothing(demo_mo
     assert lost.returncode == 1 and lost.stdout == ""
     assert lost.stderr == (  # one sentence: no traceback, no echo of the ring's errors
         "kvchat: rank 1 was killed by signal 9, so the run was ended on every rank; "
-        "saved sessions are as they were last saved.\n")
+        "saved sessions are as they were last saved.\n"
+    )
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
     loaded = store.load("dist", demo_model)  # on one machine: rebuilt from the transcript
     assert loaded.notice == (
         "The saved cache was not used (it was saved sharded over 2 ranks (pipeline parallel) "
-        "and this run is on one machine); it was rebuilt from the transcript.")
+        "and this run is on one machine); it was rebuilt from the transcript."
+    )
     assert loaded.session.messages == json.loads(before["session.json"])["messages"]
-    assert [m["content"] for m in loaded.session.messages[-4:]] == \
-        ["hello there", r1["reply"], "and more", r2["reply"]]
+    assert [m["content"] for m in loaded.session.messages[-4:]] == [
+        "hello there",
+        r1["reply"],
+        "and more",
+        r2["reply"],
+    ]
 
 
 # ------------------------------------------------------------- without launching
@@ -210,7 +262,8 @@ def test_layouts_are_told_apart_in_words():
     assert layout("abc+tensor2") == "sharded over 2 ranks (tensor parallel)"
     assert layout_problem("abc+pipeline4", "abc+pipeline2") == (
         "it was saved sharded over 4 ranks (pipeline parallel) and this run is sharded over "
-        "2 ranks (pipeline parallel)")
+        "2 ranks (pipeline parallel)"
+    )
     assert layout_problem("abc", "abc") is None
     assert layout_problem("other+tensor2", "abc") is None  # another model: said elsewhere
 
@@ -224,7 +277,8 @@ def test_a_session_saved_on_one_machine_resumed_sharded_is_rebuilt_with_a_notice
     loaded = store.load("single", sharded)
     assert loaded.notice == (
         "The saved cache was not used (it was saved on one machine and this run is sharded "
-        "over 2 ranks (tensor parallel)); it was rebuilt from the transcript.")
+        "over 2 ranks (tensor parallel)); it was rebuilt from the transcript."
+    )
     assert loaded.session.ledger == chat.render(chat.messages, False)
 
 
@@ -238,8 +292,14 @@ def test_sharding_is_tensor_where_heads_divide_else_pipeline_else_one_sentence(d
         choose_mode(model, config, 4, "demo")
 
 
-@pytest.mark.parametrize("args", [["launch", "--", "serve"], ["launch", "--", "sessions"],
-                                  ["launch", "--", "--model", "demo", "doctor"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["launch", "--", "serve"],
+        ["launch", "--", "sessions"],
+        ["launch", "--", "--model", "demo", "doctor"],
+    ],
+)
 def test_launch_runs_only_the_tui_ask_and_replay(args):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
@@ -264,18 +324,32 @@ def test_a_distributed_session_shares_its_stop_and_refuses_what_it_cannot_send(d
 
 
 LOST = (  # what mlx.launch relays when rank 1 is killed mid-turn (a line of rank 0's cut)
-    "kvchat: a notice\n", "[ring] Socket", "\x1b[33m[WARN] Node with rank 1 exited with code -9 "
-    "\x1b[0m\n", " 4 was closed by the peer\n", "kvchat (rank 0): the run failed: boom\n",
-    "\x1b[33m[WARN] Node with rank 0 exited with code -15 \x1b[0m\n")
-RANK0 = ("kvchat: No saved session named 'x'.\n", "[WARN] Node with rank 0 exited with code 2\n",
-         "[WARN] Node with rank 1 was killed\n")
+    "kvchat: a notice\n",
+    "[ring] Socket",
+    "\x1b[33m[WARN] Node with rank 1 exited with code -9 \x1b[0m\n",
+    " 4 was closed by the peer\n",
+    "kvchat (rank 0): the run failed: boom\n",
+    "\x1b[33m[WARN] Node with rank 0 exited with code -15 \x1b[0m\n",
+)
+RANK0 = (
+    "kvchat: No saved session named 'x'.\n",
+    "[WARN] Node with rank 0 exited with code 2\n",
+    "[WARN] Node with rank 1 was killed\n",
+)
 
 
-@pytest.mark.parametrize(("lines", "code", "err"), [
-    (LOST, 1, "kvchat: a notice\nkvchat: rank 1 was killed by signal 9, so the run was ended "
-              "on every rank; saved sessions are as they were last saved.\n"),
-    (RANK0, 2, "kvchat: No saved session named 'x'.\n"),
-])
+@pytest.mark.parametrize(
+    ("lines", "code", "err"),
+    [
+        (
+            LOST,
+            1,
+            "kvchat: a notice\nkvchat: rank 1 was killed by signal 9, so the run was ended "
+            "on every rank; saved sessions are as they were last saved.\n",
+        ),
+        (RANK0, 2, "kvchat: No saved session named 'x'.\n"),
+    ],
+)
 def test_launch_names_the_rank_that_ended_the_run_and_nothing_else(lines, code, err, capfd):
     fake = f"import sys\nfor piece in {list(lines)!r}:\n    sys.stderr.write(piece); sys.stderr.flush()"
     assert _run([sys.executable, "-c", fake]) == code
@@ -303,15 +377,18 @@ def test_a_rank_reads_its_own_shard_only_as_session_json_vouches_for_it(demo_mod
     raw = bytearray(shard.read_bytes())
     raw[-1] ^= 1
     shard.write_bytes(bytes(raw))
-    assert read()[2] == (f"{shard} is damaged (its checksum differs from the one in "
-                         "session.json)")
+    assert read()[2] == (f"{shard} is damaged (its checksum differs from the one in session.json)")
     store.save(chat, "shards")  # saved again on one machine: the shard is of no use now
-    assert sorted(p.name for p in folder.iterdir()) == \
-        ["cache.safetensors", "cache.sha256", "session.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "cache.safetensors",
+        "cache.sha256",
+        "session.json",
+    ]
 
 
 def test_a_dropped_shard_takes_its_folder_only_where_nothing_else_is_in_it(
-        demo_model, home, tmp_path):
+    demo_model, home, tmp_path
+):
     chat = Session(demo_model)
     chat.settings.max_tokens = 4
     [_ for _ in chat.send("hello")]
@@ -320,8 +397,11 @@ def test_a_dropped_shard_takes_its_folder_only_where_nothing_else_is_in_it(
     assert not os.path.lexists(store.session_dir("alone"))
     store.save(chat, "both", shards=[write_shard(chat, "both", 1)])  # ranks on one machine
     delete_shard("both", 1)
-    assert sorted(p.name for p in store.session_dir("both").iterdir()) == \
-        ["cache.safetensors", "cache.sha256", "session.json"]  # rank 0's: store.delete's
+    assert sorted(p.name for p in store.session_dir("both").iterdir()) == [
+        "cache.safetensors",
+        "cache.sha256",
+        "session.json",
+    ]  # rank 0's: store.delete's
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "cache.rank1.safetensors").write_bytes(b"kept")

@@ -70,14 +70,19 @@ def test_kld_is_computed_from_the_distributions(demo_model):
 
 
 def test_eval_cache_cli(kvchat_dirs):
-    proc = subprocess.run([*CLI, "eval-cache", "--kinds", "quantized:8", "--max-tokens", "48",
-                           "--json"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*CLI, "eval-cache", "--kinds", "quantized:8", "--max-tokens", "48", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert [r["kind"] for r in out] == ["standard", "quantized:8"]
     assert out[0]["kld_mean"] == 0 and out[1]["tokens"] == 48
-    bad = subprocess.run([*CLI, "eval-cache", "--kinds", "quantized:3"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [*CLI, "eval-cache", "--kinds", "quantized:3"], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "8 or 4 bits" in bad.stderr
 
 

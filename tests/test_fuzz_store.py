@@ -28,8 +28,29 @@ KINDS = ["standard", "quantized:8", "rotating:64", "chunked:64"]
 EVIL = "\x1b]52;c;eA==\x07\x9b2J\r\u202e"
 RAW_CONTROL = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]|\xc2[\x80-\x9f]")
 DEEP = "@@deep@@"
-VALUES = ["hot", "", EVIL, -1, 0, 1, -0.5, 0.5, 1e308, 10**30, 10**400, True, None, [], {}, [1],
-          [None], {"role": "user"}, "many", [[[[]]]], DEEP]
+VALUES = [
+    "hot",
+    "",
+    EVIL,
+    -1,
+    0,
+    1,
+    -0.5,
+    0.5,
+    1e308,
+    10**30,
+    10**400,
+    True,
+    None,
+    [],
+    {},
+    [1],
+    [None],
+    {"role": "user"},
+    "many",
+    [[[[]]]],
+    DEEP,
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +61,20 @@ def templates(demo_model, tmp_path_factory):
         mp.setenv("KVCHAT_HOME", str(home))
         out = {}
         for kind in KINDS:
-            session = Session(demo_model, kind=kind, system="Be brief.",
-                              settings=GenerationSettings(max_tokens=24))
+            session = Session(
+                demo_model,
+                kind=kind,
+                system="Be brief.",
+                settings=GenerationSettings(max_tokens=24),
+            )
             for text in ("Hello there, how are you today?", "What is a cache?", "Why?"):
                 [e for e in session.send(text) if isinstance(e, TurnDone)]
             session.settings.max_tokens = 2  # each case's turn: short
             folder = store.save(session, "t")
-            out[kind] = ((folder / "session.json").read_bytes(),
-                         (folder / "cache.safetensors").read_bytes())
+            out[kind] = (
+                (folder / "session.json").read_bytes(),
+                (folder / "cache.safetensors").read_bytes(),
+            )
         return out
 
 
@@ -87,7 +114,7 @@ def mutate_json(raw: bytes, rng: random.Random) -> bytes:
     out = bytearray(text.encode())
     op = rng.random()
     if op < 0.15:
-        del out[rng.randrange(len(out)):]
+        del out[rng.randrange(len(out)) :]
     elif op < 0.3:
         for _ in range(rng.randint(1, 8)):
             out[rng.randrange(len(out))] = rng.randrange(256)
@@ -137,8 +164,9 @@ def mutate_cache(raw: bytes, rng: random.Random) -> bytes:
             entry["shape"] = [10**12]
     elif op == 4:
         start, end = entry["data_offsets"]
-        entry["data_offsets"] = rng.choice([[start, end + 8], [end, start], [start, 10**15],
-                                            [start + 4, end + 4], [-8, end]])
+        entry["data_offsets"] = rng.choice(
+            [[start, end + 8], [end, start], [start, 10**15], [start + 4, end + 4], [-8, end]]
+        )
     elif op == 5:  # rename, drop or duplicate a tensor
         choice = rng.randrange(3)
         if choice == 0:
@@ -149,8 +177,23 @@ def mutate_cache(raw: bytes, rng: random.Random) -> bytes:
             header[f"{len(tensors) + 5}.0"] = dict(entry)
     else:  # metadata: class names, scalar types, kvchat's own fields
         key = rng.choice(sorted(meta))
-        meta[key] = rng.choice(["KVCache", "CacheList", "BatchKVCache", "LRUPromptCache", "copy",
-                                "scalar", "string", "none", "bogus", "", "-1", "1,2,x", EVIL])
+        meta[key] = rng.choice(
+            [
+                "KVCache",
+                "CacheList",
+                "BatchKVCache",
+                "LRUPromptCache",
+                "copy",
+                "scalar",
+                "string",
+                "none",
+                "bogus",
+                "",
+                "-1",
+                "1,2,x",
+                EVIL,
+            ]
+        )
     return _with_header(header, body)
 
 
@@ -236,7 +279,9 @@ def test_fuzz_cache_file(demo_model, templates, home, block):
         failures += [f"case cache-{block}-{case}: {problem}" for problem in problems]
     assert not failures, f"{len(failures)} failures; first:\n{failures[0]}"
     assert outcomes["resumed", False] == 0, outcomes  # a changed file never passes its checksum
-    assert outcomes["notice", True] + outcomes["notice", False] >= CASES_PER_BLOCK * 3 // 4, outcomes
+    assert outcomes["notice", True] + outcomes["notice", False] >= CASES_PER_BLOCK * 3 // 4, (
+        outcomes
+    )
 
 
 def test_cache_file_that_is_a_folder(demo_model, templates, home):

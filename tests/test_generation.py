@@ -15,9 +15,14 @@ from kvchat.engine.generation import GATE, GenerationCore, Left, Sequence, core_
 from kvchat.engine.generation.sampling import for_settings
 
 QUESTIONS = [
-    "What is a cache?", "Tell me about the sea.", "Why is the sky blue?",
-    "Name three colours.", "How do birds fly?", "What is a number?",
-    "Say something kind.", "Where do rivers go?",
+    "What is a cache?",
+    "Tell me about the sea.",
+    "Why is the sky blue?",
+    "Name three colours.",
+    "How do birds fly?",
+    "What is a number?",
+    "Say something kind.",
+    "Where do rivers go?",
 ]
 
 
@@ -49,8 +54,11 @@ def _together(sessions: list[Session], texts: list[str]) -> list[TurnDone]:
 
 
 def _session(lm, max_tokens: int = 24) -> Session:
-    return Session(lm, system="You are terse.",
-                   settings=GenerationSettings(max_tokens=max_tokens, ignore_eos=True))
+    return Session(
+        lm,
+        system="You are terse.",
+        settings=GenerationSettings(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def test_eight_greedy_replies_in_a_batch_equal_each_alone(demo_model):
@@ -62,7 +70,7 @@ def test_eight_greedy_replies_in_a_batch_equal_each_alone(demo_model):
         assert many.stats.batch_size == len(QUESTIONS) and one.stats.batch_size == 1
         # the contract: the cache holds the prompt and the reply but its last token
         assert held_tokens(session.cache) == len(session.ledger)
-        assert session.ledger[-len(many.tokens) + 1:] == list(many.tokens[:-1])
+        assert session.ledger[-len(many.tokens) + 1 :] == list(many.tokens[:-1])
     # and a second turn of each, together again, matches its second turn alone
     again = _together(sessions, ["And then?"] * len(sessions))
     singles = [_session(demo_model) for _ in QUESTIONS]
@@ -89,9 +97,16 @@ class Recorder:
 
 def _sequence(lm, prompt: list[int], max_tokens: int, stop=None, processors=(), step=64):
     sampler, _ = for_settings(GenerationSettings(temp=0.0))
-    return Sequence(prompt=prompt, cache=make_cache(lm.model, parse_kind("standard")),
-                    ledger=[], sampler=sampler, processors=list(processors),
-                    max_tokens=max_tokens, stop=stop or threading.Event(), prefill_step=step)
+    return Sequence(
+        prompt=prompt,
+        cache=make_cache(lm.model, parse_kind("standard")),
+        ledger=[],
+        sampler=sampler,
+        processors=list(processors),
+        max_tokens=max_tokens,
+        stop=stop or threading.Event(),
+        prefill_step=step,
+    )
 
 
 def _prompts(lm, n: int) -> list[list[int]]:
@@ -157,8 +172,10 @@ def test_join_leave_cancel_and_abandon_leave_the_others_as_alone(demo_model):
         list(core.run(seq))
         alone.append(seq.tokens)
     stop = threading.Event()
-    seqs = [_sequence(lm, p, 12 if i != 1 else 4, stop=stop if i == 2 else None)
-            for i, p in enumerate(prompts[:4])]
+    seqs = [
+        _sequence(lm, p, 12 if i != 1 else 4, stop=stop if i == 2 else None)
+        for i, p in enumerate(prompts[:4])
+    ]
     late = _sequence(lm, prompts[4], 12)
     joined = threading.Event()
 

@@ -82,12 +82,15 @@ def _editor(tmp_path, body: str) -> list[str]:
 
 
 def test_the_editor_runs_on_a_private_file_and_its_text_comes_back(tmp_path):
-    command = _editor(tmp_path, (
-        "import os, stat\n"
-        "assert stat.S_IMODE(os.stat(path).st_mode) == 0o600\n"
-        "text = open(path).read()\n"
-        "open(path, 'w').write(text + ' and more\\n')"
-    ))
+    command = _editor(
+        tmp_path,
+        (
+            "import os, stat\n"
+            "assert stat.S_IMODE(os.stat(path).st_mode) == 0o600\n"
+            "text = open(path).read()\n"
+            "open(path, 'w').write(text + ' and more\\n')"
+        ),
+    )
     assert edit_in_editor("draft", command) == "draft and more"
     failing = _editor(tmp_path, "open(path, 'w').write('lost'); sys.exit(3)")
     with pytest.raises(PromptToolError, match="exited with status 3; the message is unchanged"):
@@ -123,8 +126,10 @@ def test_two_kvchats_sending_at_once_lose_no_prompt(home, tmp_path):
 
     go = tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, tag, str(go)], env=env)
-               for tag in ("a", "b")]
+    writers = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, tag, str(go)], env=env)
+        for tag in ("a", "b")
+    ]
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"ready-{t}").exists() for t in "ab"):
         assert time.monotonic() < deadline and all(w.poll() is None for w in writers)

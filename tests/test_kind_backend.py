@@ -61,9 +61,13 @@ def test_the_cpu_backend_runs_quantized_attention():
 
 def test_a_kind_the_attention_cannot_run_is_refused_when_chosen(cuda_like):
     assert applicable_kinds(cuda_like.model, list(OFFERED_KINDS)) == [
-        k for k in OFFERED_KINDS if parse_kind(k).family not in ("quantized", "rotated")]
-    with pytest.raises(CacheKindError, match=r"^Cache kind 'quantized:8' cannot apply to this "
-                       r"model: its attention cannot read a quantized cache \(RuntimeError\)"):
+        k for k in OFFERED_KINDS if parse_kind(k).family not in ("quantized", "rotated")
+    ]
+    with pytest.raises(
+        CacheKindError,
+        match=r"^Cache kind 'quantized:8' cannot apply to this "
+        r"model: its attention cannot read a quantized cache \(RuntimeError\)",
+    ):
         Session(cuda_like, kind="quantized:8")
 
     session = Session(cuda_like, settings=GREEDY)
@@ -78,8 +82,11 @@ def test_a_kind_the_attention_cannot_run_is_refused_when_chosen(cuda_like):
 
 def test_bench_reports_a_kind_it_cannot_run_and_goes_on(cuda_like):
     bench = Bench(cuda_like, quick=True)
-    bench.plan.update(kinds_history=160, agree_tokens=4,
-                      kinds=["standard", "quantized:8", "concatenate", "rotated:4"])
+    bench.plan.update(
+        kinds_history=160,
+        agree_tokens=4,
+        kinds=["standard", "quantized:8", "concatenate", "rotated:4"],
+    )
     kinds = bench.kinds()
     assert [r["kind"] for r in kinds["rows"]] == ["standard", "concatenate"]
     assert list(kinds["unavailable"]) == ["quantized:8", "rotated:4"]

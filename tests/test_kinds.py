@@ -53,13 +53,22 @@ def test_kind_parameters_reach_the_cache(demo_model):
 
 
 def test_the_families_make_the_picker_list_and_the_error_text():
-    assert OFFERED_KINDS == ("standard", "quantized:8", "quantized:4", "rotated:8", "rotated:4",
-                             "rotating:4096", "chunked:2048", "concatenate")
+    assert OFFERED_KINDS == (
+        "standard",
+        "quantized:8",
+        "quantized:4",
+        "rotated:8",
+        "rotated:4",
+        "rotating:4096",
+        "chunked:2048",
+        "concatenate",
+    )
     with pytest.raises(CacheKindError) as error:
         parse_kind("bogus")
     assert str(error.value) == (
         "Unknown cache kind 'bogus'; use one of: standard, quantized:8|4, rotated:8|4, "
-        "rotating:N, chunked:N, concatenate.")
+        "rotating:N, chunked:N, concatenate."
+    )
     assert parse_kind("rotated:8").quantized and not parse_kind("rotating:64").quantized
 
 
@@ -86,7 +95,9 @@ def test_bad_names_are_clear_errors(name, message):
         parse_kind(name)
 
 
-@pytest.mark.parametrize("name", ["standard", "quantized:8", "quantized:4", "rotating:256", "chunked:256", "concatenate"])
+@pytest.mark.parametrize(
+    "name", ["standard", "quantized:8", "quantized:4", "rotating:256", "chunked:256", "concatenate"]
+)
 def test_an_empty_cache_holds_no_bytes(demo_model, name):
     assert cache_bytes(make_cache(demo_model.model, parse_kind(name))) == 0
 

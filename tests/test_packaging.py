@@ -28,19 +28,26 @@ def test_builtin_themes_dir_is_found():
 
 
 def test_the_floor_check_pins_each_declared_floor_that_applies_here():
-    out = subprocess.run([sys.executable, str(ROOT / ".ci" / "floors.py")], capture_output=True,
-                         text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "floors.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert "mlx-lm>=0.32.0" in dependencies and "mlx-lm==0.32.0" in out
     # mlx's line for this platform only (mlx[cpu] on Linux, mlx on macOS)
     line = next(d for d in dependencies if d.startswith("mlx") and sys.platform in d)
     assert [pin for pin in out if pin.startswith("mlx==")] == [
-        "mlx==" + line.split(">=")[1].split(";")[0]]
+        "mlx==" + line.split(">=")[1].split(";")[0]
+    ]
     assert not any(pin.startswith(("rich", "typer", "tokenizers")) for pin in out)  # no floor
 
 
 def test_cuda_extras_pull_mlx_cuda_backends():
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     for major in ("12", "13"):
         (line,) = extras[f"cuda{major}"]
         assert line.startswith(f"mlx[cuda{major}]>=") and "sys_platform == 'linux'" in line

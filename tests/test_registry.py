@@ -80,9 +80,12 @@ def test_the_pool_holds_each_open_sessions_model_and_counts_its_weights(demo_mod
 def test_turns_on_two_models_never_overlap_and_match_their_solo_runs(demo_model, kvchat_dirs):
     registry = ModelRegistry()
     other = registry.acquire(OTHER)
-    solo = {lm.model_id: turn(Session(lm, settings=GenerationSettings(max_tokens=12)),
-                              "hello there").reply
-            for lm in (demo_model, other)}
+    solo = {
+        lm.model_id: turn(
+            Session(lm, settings=GenerationSettings(max_tokens=12)), "hello there"
+        ).reply
+        for lm in (demo_model, other)
+    }
     assert solo["demo"] != solo[OTHER]  # the two models answer differently
 
     scheduler = Scheduler()
@@ -107,14 +110,16 @@ def test_turns_on_two_models_never_overlap_and_match_their_solo_runs(demo_model,
 
 
 def test_a_new_system_prompt_keeps_the_cache_up_to_the_change(demo_model):
-    session = Session(demo_model, system="You are terse.",
-                      settings=GenerationSettings(max_tokens=6))
+    session = Session(
+        demo_model, system="You are terse.", settings=GenerationSettings(max_tokens=6)
+    )
     turn(session, "hello there")
     old = list(session.ledger)
     kept = session.set_system("You are verbose.")
     tokenizer = demo_model.tokenizer
-    rendered = tokenizer.encode(tokenizer.apply_chat_template(
-        session.messages, tokenize=False), add_special_tokens=False)
+    rendered = tokenizer.encode(
+        tokenizer.apply_chat_template(session.messages, tokenize=False), add_special_tokens=False
+    )
     assert 0 < kept == common_prefix(old, rendered) < len(old)
     assert session.ledger == old[:kept] and session.cache_tokens == kept
     assert session.messages[0] == {"role": "system", "content": "You are verbose."}

@@ -26,13 +26,18 @@ def settings(n: int = 24) -> GenerationSettings:
 
 def logits_of(lm, tokens: list[int], kind: str) -> mx.array:
     cache = make_cache(lm.model, parse_kind(kind))
-    out = [lm.model(mx.array(tokens[i : i + 16])[None], cache=cache)[0] for i in range(0, len(tokens), 16)]
+    out = [
+        lm.model(mx.array(tokens[i : i + 16])[None], cache=cache)[0]
+        for i in range(0, len(tokens), 16)
+    ]
     return mx.concatenate(out)
 
 
 def prompt(lm) -> list[int]:
-    return lm.tokenizer.encode("The wind came in from the west before dawn, and by the time "
-                               "the kettle had boiled the whole island was humming with it.")
+    return lm.tokenizer.encode(
+        "The wind came in from the west before dawn, and by the time "
+        "the kettle had boiled the whole island was humming with it."
+    )
 
 
 @pytest.mark.parametrize("dim", [64, 128, 80])
@@ -59,8 +64,10 @@ def test_attention_matches_standard_within_tolerance():
     against full precision is under 0.05 at 8 bits and 0.5 at 4 bits (outputs of size ~1),
     less than half of plain quantization's at either width."""
     rng = np.random.default_rng(1)
-    q, k, v = (mx.array(rng.standard_normal(s), dtype=mx.float32)
-               for s in [(1, 2, 8, 64), (1, 1, 40, 64), (1, 1, 40, 64)])
+    q, k, v = (
+        mx.array(rng.standard_normal(s), dtype=mx.float32)
+        for s in [(1, 2, 8, 64), (1, 1, 40, 64), (1, 1, 40, 64)]
+    )
     k = k * mx.array(np.where(np.arange(64) % 16 == 3, 12.0, 1.0), dtype=mx.float32)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=None)
     errors = {}
@@ -70,11 +77,13 @@ def test_attention_matches_standard_within_tolerance():
         # a copy: mlx-lm's quantized attention scales its queries in place; a rotated
         # cache turns the queries for it and the output back (as kvchat's attention asks)
         if isinstance(cache, RotatedKVCache):
-            got = cache.attention(mx.array(q), keys, values, 0.125, None,
-                                  base.scaled_dot_product_attention)
+            got = cache.attention(
+                mx.array(q), keys, values, 0.125, None, base.scaled_dot_product_attention
+            )
         else:
-            got = base.scaled_dot_product_attention(mx.array(q), keys, values, cache,
-                                                    scale=0.125, mask=None)
+            got = base.scaled_dot_product_attention(
+                mx.array(q), keys, values, cache, scale=0.125, mask=None
+            )
         errors[name] = mx.abs(got - want).max().item()
     assert errors["rotated:8"] < 0.05 and errors["rotated:4"] < 0.5
     assert errors["rotated:8"] < errors["quantized:8"] / 2
@@ -137,7 +146,8 @@ def test_converts_from_standard_like_a_fresh_prefill(demo_model):
 def test_picker_bytes_per_token_equal_quantized(demo_model):
     for bits in (4, 8):
         assert kind_bytes_per_token(demo_model.model, f"rotated:{bits}") == kind_bytes_per_token(
-            demo_model.model, f"quantized:{bits}")
+            demo_model.model, f"quantized:{bits}"
+        )
     session = Session(demo_model, kind="rotated:4", settings=settings(8))
     other = Session(demo_model, kind="quantized:4", settings=settings(8))
     turn(session, TEXTS[0]), turn(other, TEXTS[0])

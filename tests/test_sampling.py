@@ -61,6 +61,5 @@ def test_penalties_change_a_reply_that_repeats(decoding):
 def test_no_processor_is_made_for_settings_that_are_off():
     sampler, processors = for_settings(GenerationSettings())
     assert processors == [] and sampler.__name__ == "greedy_sampler"
-    _, processors = for_settings(GenerationSettings(repetition_penalty=1.3,
-                                                    presence_penalty=0.5))
+    _, processors = for_settings(GenerationSettings(repetition_penalty=1.3, presence_penalty=0.5))
     assert len(processors) == 2

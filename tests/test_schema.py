@@ -84,17 +84,28 @@ def test_wrong_types_are_an_error_naming_the_file_and_field(demo_model, saved, f
     assert f"({named}: " in listed["bad"].note
 
 
-@pytest.mark.parametrize("text, words", [
-    ('{"cache": {"file": "c", "sha256": "0", "tokens": 1e400}, "messages": []}',
-     "cache.tokens: Input should be a valid integer"),
-    ('{"settings": {"temp": 1e400}, "messages": []}', "settings.temp: Input should be a finite number"),
-    ('{"settings": {"temp": NaN}, "messages": []}', "settings.temp: Input should be a finite"),
-    ('{"messages": [], "turns": ' + "[" * 100_000 + "]" * 100_000 + "}", "recursion limit exceeded"),
-    ("[" * 100_000, "recursion limit exceeded"),
-    ('{"messages": [{"role": "user", "content": "\\udc80"}]}', "lone leading surrogate"),
-    ('{"messages": [], "ledger": [' + "9" * 5000 + "]}", "number out of range"),
-    ("[1, 2]", "Input should be an object"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (
+            '{"cache": {"file": "c", "sha256": "0", "tokens": 1e400}, "messages": []}',
+            "cache.tokens: Input should be a valid integer",
+        ),
+        (
+            '{"settings": {"temp": 1e400}, "messages": []}',
+            "settings.temp: Input should be a finite number",
+        ),
+        ('{"settings": {"temp": NaN}, "messages": []}', "settings.temp: Input should be a finite"),
+        (
+            '{"messages": [], "turns": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            "recursion limit exceeded",
+        ),
+        ("[" * 100_000, "recursion limit exceeded"),
+        ('{"messages": [{"role": "user", "content": "\\udc80"}]}', "lone leading surrogate"),
+        ('{"messages": [], "ledger": [' + "9" * 5000 + "]}", "number out of range"),
+        ("[1, 2]", "Input should be an object"),
+    ],
+)
 def test_unparseable_content_is_one_sentence(demo_model, saved, text, words):
     path = store.session_dir("bad") / "session.json"
     path.write_text(text)
@@ -129,11 +140,23 @@ def test_settings_schema_has_the_engine_fields():
 
 
 def test_every_sampling_setting_survives_save_and_load(demo_model, home):
-    chosen = GenerationSettings(max_tokens=7, temp=0.9, top_p=0.8, top_k=12, min_p=0.05,
-                                repetition_penalty=1.3, repetition_context_size=64,
-                                presence_penalty=0.4, frequency_penalty=-0.5, seed=2**63 + 5)
-    assert all(getattr(chosen, f.name) != f.default for f in fields(GenerationSettings)
-               if f.name not in ("prefill_step", "ignore_eos"))  # none left at its default
+    chosen = GenerationSettings(
+        max_tokens=7,
+        temp=0.9,
+        top_p=0.8,
+        top_k=12,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        repetition_context_size=64,
+        presence_penalty=0.4,
+        frequency_penalty=-0.5,
+        seed=2**63 + 5,
+    )
+    assert all(
+        getattr(chosen, f.name) != f.default
+        for f in fields(GenerationSettings)
+        if f.name not in ("prefill_step", "ignore_eos")
+    )  # none left at its default
     session = Session(demo_model, settings=chosen)
     [e for e in session.send("Hello.") if isinstance(e, TurnDone)]
     folder = store.save(session, "sampled")

@@ -113,9 +113,32 @@ def test_a_damaged_or_foreign_session_is_skipped_with_a_note(two, tmp_path):
     assert any("linked" in n and "not a session folder" in n for n in found.notes), found.notes
 
 
-QUERIES = ['"', '*', 'OR', '(', ')', 'NEAR', 'NEAR(zebras stripes)', 'zebras OR ants', '"zebras',
-           'zebras*', '-zebras', 'text:zebras', '^zebras', 'zebras AND', 'NOT', '{text}', "'",
-           '"" ""', 'zeb"ras', '\\', '%', '_', 'zebras\x00', 'zebras\x1b[31m']
+QUERIES = [
+    '"',
+    "*",
+    "OR",
+    "(",
+    ")",
+    "NEAR",
+    "NEAR(zebras stripes)",
+    "zebras OR ants",
+    '"zebras',
+    "zebras*",
+    "-zebras",
+    "text:zebras",
+    "^zebras",
+    "zebras AND",
+    "NOT",
+    "{text}",
+    "'",
+    '"" ""',
+    'zeb"ras',
+    "\\",
+    "%",
+    "_",
+    "zebras\x00",
+    "zebras\x1b[31m",
+]
 
 
 @pytest.mark.parametrize("query", QUERIES)
@@ -125,14 +148,34 @@ def test_fts5_syntax_in_the_query_is_searched_for_never_raised(two, query):
     words = "".join(c if c.isalnum() else " " for c in query).split()
     if words and all(w.lower() in ("zebras", "text", "ras", "zeb") for w in words):
         assert {h.name for h in hits} <= {"zoo"}
-    if query in ('"zebras', 'zebras*', '-zebras', '^zebras', 'zebras\x00'):
+    if query in ('"zebras', "zebras*", "-zebras", "^zebras", "zebras\x00"):
         assert [h.name for h in hits] == ["zoo"], query
 
 
 def test_random_fts5_syntax_never_raises(two):
     rng = random.Random(7)
-    alphabet = ['"', '*', '(', ')', ':', '^', '-', '+', 'OR', 'AND', 'NOT', 'NEAR', ' ', 'zeb',
-                'ras', ',', '{', '}', "'", '\\']
+    alphabet = [
+        '"',
+        "*",
+        "(",
+        ")",
+        ":",
+        "^",
+        "-",
+        "+",
+        "OR",
+        "AND",
+        "NOT",
+        "NEAR",
+        " ",
+        "zeb",
+        "ras",
+        ",",
+        "{",
+        "}",
+        "'",
+        "\\",
+    ]
     for _ in range(200):
         query = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8)))
         if query.strip():
@@ -153,7 +196,9 @@ def test_a_locked_index_does_not_break_a_save_and_catches_up(two, demo_model, mo
     holder.execute("BEGIN EXCLUSIVE")
     try:
         _saved(demo_model, "late", "a question about okapis")
-        with pytest.raises(StoreError, match=r"search index .* cannot be used \(database is locked\)"):
+        with pytest.raises(
+            StoreError, match=r"search index .* cannot be used \(database is locked\)"
+        ):
             store.search_sessions("zebras")  # a lock is no damage: nothing is rebuilt
     finally:
         holder.execute("ROLLBACK")
@@ -178,18 +223,27 @@ def test_cli_search_prints_the_match_escaped(demo_model, home):
     session = Session(demo_model, settings=GenerationSettings(max_tokens=4))
     turn(session, "zebras \x1b]0;pwned\x07 \x1b[2J here")
     store.save(session, "evil")
-    run = subprocess.run([*CLI, "sessions", "search", "zebras"], capture_output=True,
-                         timeout=120, env=os.environ.copy())
+    run = subprocess.run(
+        [*CLI, "sessions", "search", "zebras"],
+        capture_output=True,
+        timeout=120,
+        env=os.environ.copy(),
+    )
     assert run.returncode == 0, run.stderr
     out = run.stdout.decode()
     assert out.startswith("evil #0 user (") and "[zebras]" in out
     assert "\\x1b]0;pwned\\x07" in out and "\\x1b[2J" in out and "\x1b" not in out
-    as_json = subprocess.run([*CLI, "sessions", "search", "zebras", "--json", "--limit", "1"],
-                             capture_output=True, timeout=120, env=os.environ.copy())
+    as_json = subprocess.run(
+        [*CLI, "sessions", "search", "zebras", "--json", "--limit", "1"],
+        capture_output=True,
+        timeout=120,
+        env=os.environ.copy(),
+    )
     hits = json.loads(as_json.stdout)
     assert [(h["name"], h["role"], h["index"]) for h in hits] == [("evil", "user", 0)]
     assert "\x1b]0;pwned\x07" in hits[0]["snippet"]
-    empty = subprocess.run([*CLI, "sessions", "search", " "], capture_output=True, timeout=120,
-                           env=os.environ.copy())
+    empty = subprocess.run(
+        [*CLI, "sessions", "search", " "], capture_output=True, timeout=120, env=os.environ.copy()
+    )
     assert empty.returncode == 1
     assert b"Nothing to search for; give a word or a phrase." in empty.stderr

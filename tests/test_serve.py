@@ -40,8 +40,11 @@ def test_multi_turn_non_streamed_then_streamed_reuses_the_history(demo_model, ho
         assert headers1["x-kvchat-cached-tokens"] == "0"
         assert body1["choices"][0]["finish_reason"] in ("stop", "length")
 
-        second = [*first, {"role": "assistant", "content": reply1},
-                  {"role": "user", "content": "And three mountains?"}]
+        second = [
+            *first,
+            {"role": "assistant", "content": reply1},
+            {"role": "user", "content": "And three mountains?"},
+        ]
         reply2, stats2, usage2 = chat_streamed(server.client, second, max_tokens=12)
         prompt2 = render(demo_model, second, True)
         history = render(demo_model, second[:-1], False)
@@ -57,7 +60,12 @@ def test_multi_turn_non_streamed_then_streamed_reuses_the_history(demo_model, ho
 
         session = server.pool.entry(stats2["session"]).session
         assert [m["content"] for m in session.messages] == [
-            SYSTEM["content"], first[1]["content"], reply1, second[-1]["content"], reply2]
+            SYSTEM["content"],
+            first[1]["content"],
+            reply1,
+            second[-1]["content"],
+            reply2,
+        ]
         assert len(session.ledger) == session.cache_tokens == stats2["ledger_tokens"]
 
 
@@ -66,8 +74,9 @@ def test_greedy_replies_equal_kvchat_replay(demo_model, home):
     turns = ["Tell me about caches.", "Why do they help?", "Say it shorter."]
     script = home.parent / "script.json"
     script.write_text(json.dumps({"system": SYSTEM["content"], "turns": turns}))
-    out = CliRunner().invoke(app, ["replay", str(script), "--model", "demo",
-                                   "--max-tokens", "10", "--json"])
+    out = CliRunner().invoke(
+        app, ["replay", str(script), "--model", "demo", "--max-tokens", "10", "--json"]
+    )
     assert out.exit_code == 0, out.output
     replayed = json.loads(out.stdout)["turns"]
     messages = [SYSTEM]
@@ -94,8 +103,11 @@ def test_a_restarted_server_resumes_the_conversation_from_disk(demo_model, home)
     assert [m["content"] for m in saved["messages"]][-1] == reply1
     assert len(saved["ledger"]) == body1["kvchat"]["ledger_tokens"]
 
-    second = [*first, {"role": "assistant", "content": reply1},
-              {"role": "user", "content": "Which number?"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": reply1},
+        {"role": "user", "content": "Which number?"},
+    ]
     with Server(demo_model) as server:  # a new process's pool: nothing in memory
         assert server.pool.names() == []
         _, body2, headers2 = chat(server.client, second, max_tokens=8)
@@ -107,28 +119,47 @@ def test_a_restarted_server_resumes_the_conversation_from_disk(demo_model, home)
 
 
 def test_a_session_written_by_kvchat_ask_is_continued_by_name(demo_model, home):
-    out = CliRunner().invoke(app, ["ask", "--session", "notes", "--model", "demo",
-                                   "--max-tokens", "6", "--json", "Hello from the shell."])
+    out = CliRunner().invoke(
+        app,
+        [
+            "ask",
+            "--session",
+            "notes",
+            "--model",
+            "demo",
+            "--max-tokens",
+            "6",
+            "--json",
+            "Hello from the shell.",
+        ],
+    )
     assert out.exit_code == 0, out.output
     saved = store.read("notes")
     follow = {"role": "user", "content": "Hello from HTTP."}
     expected_prompt = render(demo_model, [*saved["messages"], follow], True)
     with Server(demo_model) as server:
-        reply, body, headers = chat(server.client, [follow], max_tokens=6,
-                                    extra_headers={"X-Session-Id": "notes"})
+        reply, body, headers = chat(
+            server.client, [follow], max_tokens=6, extra_headers={"X-Session-Id": "notes"}
+        )
         stats = body["kvchat"]
         assert stats["session"] == "notes" and stats["match"] == "named"
         assert stats["resumed_from_disk"] is True
         assert body["usage"]["prompt_tokens"] == len(expected_prompt)
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == common_prefix(
-            saved["ledger"], expected_prompt)
+            saved["ledger"], expected_prompt
+        )
         # the whole history may also be sent
         history = [*saved["messages"], follow, {"role": "assistant", "content": reply}]
-        _, body3, _ = chat(server.client, [*history, {"role": "user", "content": "Again."}],
-                           max_tokens=6, extra_headers={"X-Session-Id": "notes"})
+        _, body3, _ = chat(
+            server.client,
+            [*history, {"role": "user", "content": "Again."}],
+            max_tokens=6,
+            extra_headers={"X-Session-Id": "notes"},
+        )
         assert body3["kvchat"]["session"] == "notes"
         assert body3["kvchat"]["reused_tokens"] == held_after(
-            body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
+            body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
+        )
     contents = [m["content"] for m in store.read("notes")["messages"]]
     assert contents[:2] == [m["content"] for m in saved["messages"]]
     assert contents[2:5] == ["Hello from HTTP.", reply, "Again."] and len(contents) == 6
@@ -138,7 +169,8 @@ def test_a_client_that_disconnects_mid_stream_stops_its_reply(demo_model, home):
     first = [{"role": "user", "content": "Talk for a long time."}]
     with Server(demo_model) as server:
         stream = server.client.chat.completions.create(
-            model="demo", messages=first, temperature=0, stream=True, max_tokens=2000)
+            model="demo", messages=first, temperature=0, stream=True, max_tokens=2000
+        )
         seen = ""
         for chunk in stream:
             seen += "".join(c.delta.content or "" for c in chunk.choices)
@@ -159,8 +191,11 @@ def test_a_client_that_disconnects_mid_stream_stops_its_reply(demo_model, home):
         assert store.read(name)["ledger"] == session.ledger
 
         # The client continues with what it saw; the shared prefix is reused.
-        second = [*first, {"role": "assistant", "content": seen},
-                  {"role": "user", "content": "Go on."}]
+        second = [
+            *first,
+            {"role": "assistant", "content": seen},
+            {"role": "user", "content": "Go on."},
+        ]
         reply, body, _ = chat(server.client, second, max_tokens=8)
         prompt1 = len(render(demo_model, first, True))
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt1
@@ -175,8 +210,12 @@ def test_stop_strings_seed_and_top_p(demo_model, home):
         full, body, _ = chat(server.client, ask, max_tokens=12)
         assert len(full) >= 4
         stop = full[2:4]  # a piece of what it will say again, greedy
-        cut, body_cut, _ = chat(server.client, [{"role": "user", "content": "Count with me."}],
-                                max_tokens=12, stop=[stop, "never said"])
+        cut, body_cut, _ = chat(
+            server.client,
+            [{"role": "user", "content": "Count with me."}],
+            max_tokens=12,
+            stop=[stop, "never said"],
+        )
         assert cut == full[: full.index(stop)]
         assert body_cut["choices"][0]["finish_reason"] == "stop"
         streamed, stats, _ = chat_streamed(server.client, ask, max_tokens=12, stop=stop)
@@ -186,11 +225,26 @@ def test_stop_strings_seed_and_top_p(demo_model, home):
         assert len(session.ledger) == session.cache_tokens
         assert store.read(stats["session"])["messages"][-1]["content"] == cut
 
-        sampled = [chat(server.client, [{"role": "user", "content": f"Seeded {i % 2}."}],
-                        max_tokens=10, temperature=1.5, top_p=0.9, seed=7)[0] for i in range(4)]
+        sampled = [
+            chat(
+                server.client,
+                [{"role": "user", "content": f"Seeded {i % 2}."}],
+                max_tokens=10,
+                temperature=1.5,
+                top_p=0.9,
+                seed=7,
+            )[0]
+            for i in range(4)
+        ]
         assert sampled[0] == sampled[2] and sampled[1] == sampled[3]
-        other = chat(server.client, [{"role": "user", "content": "Seeded 0."}],
-                     max_tokens=10, temperature=1.5, top_p=0.9, seed=8)[0]
+        other = chat(
+            server.client,
+            [{"role": "user", "content": "Seeded 0."}],
+            max_tokens=10,
+            temperature=1.5,
+            top_p=0.9,
+            seed=8,
+        )[0]
         assert other != sampled[0]
 
 
@@ -221,10 +275,12 @@ def test_serve_counts_its_models_weights_in_the_memory_budget(demo_model, home):
     pool = serve_pool(demo_model, Config(memory_budget=weights + 1))
     assert pool.memory_bytes() == weights and pool.models.holders() == {"demo": 1}
     with Server(demo_model, pool=pool) as server:
-        _, body_a, _ = chat(server.client, [{"role": "user", "content": "Conversation A."}],
-                            max_tokens=6)
-        _, body_b, _ = chat(server.client, [{"role": "user", "content": "Conversation B."}],
-                            max_tokens=6)
+        _, body_a, _ = chat(
+            server.client, [{"role": "user", "content": "Conversation A."}], max_tokens=6
+        )
+        _, body_b, _ = chat(
+            server.client, [{"role": "user", "content": "Conversation B."}], max_tokens=6
+        )
         a, b = (pool.entry(body["kvchat"]["session"]) for body in (body_a, body_b))
         assert 0 < 2 * b.cache_bytes <= weights  # the two caches alone would fit
         assert not a.in_memory and b.in_memory
@@ -235,8 +291,7 @@ def test_a_client_that_gives_up_on_a_non_streamed_reply_stops_it(endless, home):
     with Server(endless) as server:
         impatient = server.client.with_options(timeout=0.5)
         with pytest.raises(openai.APITimeoutError):
-            chat(impatient, [{"role": "user", "content": "Write a great deal."}],
-                 max_tokens=5000)
+            chat(impatient, [{"role": "user", "content": "Write a great deal."}], max_tokens=5000)
         server.wait_idle()
         (name,) = server.pool.names()
         session = server.pool.entry(name).session
@@ -251,8 +306,15 @@ def test_the_servers_cache_kind_is_used_and_kept(demo_model, home):
         first = [{"role": "user", "content": "Quantized, please."}]
         reply, body, _ = chat(server.client, first, max_tokens=6)
         assert body["kvchat"]["cache_kind"] == "quantized:8"
-        _, body2, _ = chat(server.client, [*first, {"role": "assistant", "content": reply},
-                                           {"role": "user", "content": "Again."}], max_tokens=6)
+        _, body2, _ = chat(
+            server.client,
+            [
+                *first,
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "Again."},
+            ],
+            max_tokens=6,
+        )
         assert body2["kvchat"]["cache_kind"] == "quantized:8"
         assert body2["kvchat"]["reused_tokens"] == body["kvchat"]["ledger_tokens"]
     assert store.read(body["kvchat"]["session"])["cache_kind"] == "quantized:8"
@@ -266,8 +328,9 @@ def test_every_sampling_setting_is_a_request_field_and_honoured(demo_model, home
     ask = [{"role": "user", "content": "Tell me about the cache."}]
     with Server(demo_model) as server:
         greedy = chat(server.client, ask, max_tokens=10, temperature=0)[0]
-        top_1 = chat(server.client, ask, max_tokens=10, temperature=1.5, seed=3,
-                     extra_body={"top_k": 1})[0]
+        top_1 = chat(
+            server.client, ask, max_tokens=10, temperature=1.5, seed=3, extra_body={"top_k": 1}
+        )[0]
         sampled = chat(server.client, ask, max_tokens=10, temperature=1.5, seed=3)[0]
         again = chat(server.client, ask, max_tokens=10, temperature=1.5, seed=3)[0]
         with pytest.raises(openai.BadRequestError, match="top_k"):

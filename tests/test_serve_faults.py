@@ -39,21 +39,58 @@ def assert_openai_error(status: int, body: dict, expected: int, param: str | Non
         (json.dumps({**GOOD, "max_tokens": True}).encode(), "max_tokens", "integer"),
         (json.dumps({**GOOD, "max_tokens": 0}).encode(), "max_tokens", "greater"),
         (json.dumps({**GOOD, "messages": "hi"}).encode(), "messages", "valid array"),
-        (json.dumps({**GOOD, "messages": [{"role": "robot", "content": "x"}]}).encode(),
-         "messages[0].role", "system"),
+        (
+            json.dumps({**GOOD, "messages": [{"role": "robot", "content": "x"}]}).encode(),
+            "messages[0].role",
+            "system",
+        ),
         (json.dumps({**GOOD, "stop": 7}).encode(), "stop", "valid string or Input should be a"),
-        (json.dumps({**GOOD, "messages": [{"role": "user", "content": "hi"},
-                                          {"role": "assistant", "content": "yo"}]}).encode(),
-         "messages", "last message must be the user's"),
-        (json.dumps({**GOOD, "audio": {"voice": "alloy"}}).encode(), "audio",
-         "'audio' is not supported by kvchat serve"),
-        (json.dumps({**GOOD, "messages": [{"role": "user", "content": "hi", "name": "bo"}]})
-         .encode(), "messages[0].name", "'messages[0].name' is not supported"),
-        (json.dumps({**GOOD, "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "What is this?"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
-         .encode(), "messages[0].content[1]",
-         "This model takes text only: image content parts are not supported"),
+        (
+            json.dumps(
+                {
+                    **GOOD,
+                    "messages": [
+                        {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": "yo"},
+                    ],
+                }
+            ).encode(),
+            "messages",
+            "last message must be the user's",
+        ),
+        (
+            json.dumps({**GOOD, "audio": {"voice": "alloy"}}).encode(),
+            "audio",
+            "'audio' is not supported by kvchat serve",
+        ),
+        (
+            json.dumps(
+                {**GOOD, "messages": [{"role": "user", "content": "hi", "name": "bo"}]}
+            ).encode(),
+            "messages[0].name",
+            "'messages[0].name' is not supported",
+        ),
+        (
+            json.dumps(
+                {
+                    **GOOD,
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "text", "text": "What is this?"},
+                                {
+                                    "type": "image_url",
+                                    "image_url": {"url": "data:image/png;base64,AAAA"},
+                                },
+                            ],
+                        }
+                    ],
+                }
+            ).encode(),
+            "messages[0].content[1]",
+            "This model takes text only: image content parts are not supported",
+        ),
         (json.dumps([1, 2]).encode(), "body", "object"),
     ],
 )
@@ -66,8 +103,9 @@ def test_bad_requests_get_400_in_openais_error_shape(demo_model, home, body, par
 
 def test_path_like_session_header_oversized_body_unknown_route(demo_model, home):
     with Server(demo_model, max_body_bytes=2000) as server:
-        status, _, reply = server.raw("/v1/chat/completions", json.dumps(GOOD).encode(),
-                                      {"X-Session-Id": "../secrets"})
+        status, _, reply = server.raw(
+            "/v1/chat/completions", json.dumps(GOOD).encode(), {"X-Session-Id": "../secrets"}
+        )
         assert "Invalid session name" in assert_openai_error(status, reply, 400, "X-Session-Id")
         big = {**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]}
         status, _, reply = server.raw("/v1/chat/completions", json.dumps(big).encode())
@@ -93,7 +131,9 @@ def test_a_conversation_over_the_context_is_refused(demo_model, home):
             chat(server.client, [{"role": "user", "content": long}])
         assert caught.value.body["code"] == "context_length_exceeded"
         assert server.pool.names() == []
-        chat(server.client, [{"role": "user", "content": "short"}], extra_headers=KEPT, max_tokens=3)
+        chat(
+            server.client, [{"role": "user", "content": "short"}], extra_headers=KEPT, max_tokens=3
+        )
         before = store.read("kept")["messages"]
         history = [{"role": "user", "content": "other"}, {"role": "assistant", "content": "x"}]
         with pytest.raises(openai.BadRequestError):  # a named session's transcript stays
@@ -101,7 +141,10 @@ def test_a_conversation_over_the_context_is_refused(demo_model, home):
         assert server.pool.entry("kept").session.messages == before
         chat(server.client, [{"role": "user", "content": "next"}], extra_headers=KEPT, max_tokens=3)
         assert [m["content"] for m in store.read("kept")["messages"]][:3] == [
-            "short", before[1]["content"], "next"]
+            "short",
+            before[1]["content"],
+            "next",
+        ]
 
 
 def test_the_api_key_is_required_when_set(demo_model, home):
@@ -120,8 +163,11 @@ def test_a_full_queue_answers_429_with_retry_after(demo_model, home):
         scheduler = server.engine.scheduler
         results = []
         with scheduler.turn("test holds the model"):
-            waiter = threading.Thread(target=lambda: results.append(
-                chat(server.client, [{"role": "user", "content": "queued"}], max_tokens=2)))
+            waiter = threading.Thread(
+                target=lambda: results.append(
+                    chat(server.client, [{"role": "user", "content": "queued"}], max_tokens=2)
+                )
+            )
             waiter.start()
             while server.engine.waiting < 1:
                 waiter.join(0.02)
@@ -156,7 +202,8 @@ def test_many_clients_lose_no_turn_and_corrupt_no_session(demo_model, home):
     for name, messages in done:
         saved = store.read(name)
         assert [(m["role"], m["content"]) for m in saved["messages"]] == [
-            (m["role"], m["content"]) for m in messages]
+            (m["role"], m["content"]) for m in messages
+        ]
         loaded = store.load(name, demo_model)
         assert loaded.resumed_from_disk and loaded.notice is None
         assert len(loaded.session.ledger) == loaded.session.cache_tokens

@@ -23,8 +23,9 @@ def serve_sessions() -> list[str]:
 
 def long_message(lm, tokens: int) -> str:
     """A user message whose prompt (through the chat template) is at least ``tokens`` long."""
-    words = ("the cache keeps every token of the conversation so a follow up costs only "
-             "its new words ").split()
+    words = (
+        "the cache keeps every token of the conversation so a follow up costs only its new words "
+    ).split()
     text = ""
     i = 0
     while len(render(lm, [{"role": "user", "content": text}], True)) < tokens:
@@ -43,12 +44,19 @@ def test_one_users_two_conversations_stay_apart(demo_model, home):
         first, second = body1["kvchat"]["session"], body2["kvchat"]["session"]
         assert first != second
         assert [m["content"] for m in store.read(first)["messages"]] == [
-            "Name three rivers.", reply1]
+            "Name three rivers.",
+            reply1,
+        ]
         assert [m["content"] for m in store.read(second)["messages"]] == [
-            "Tell me about caches.", reply2]
+            "Tell me about caches.",
+            reply2,
+        ]
         # her next turn in the first conversation continues it, and only it
-        follow = [*rivers, {"role": "assistant", "content": reply1},
-                  {"role": "user", "content": "And lakes?"}]
+        follow = [
+            *rivers,
+            {"role": "assistant", "content": reply1},
+            {"role": "user", "content": "And lakes?"},
+        ]
         _, body3, _ = chat(server.client, follow, max_tokens=8, user="alice@example.com")
         assert body3["kvchat"]["session"] == first and body3["kvchat"]["match"] == "continued"
         assert len(store.read(second)["messages"]) == 2
@@ -57,16 +65,26 @@ def test_one_users_two_conversations_stay_apart(demo_model, home):
 def test_a_named_session_sent_another_history_branches_and_keeps_its_line(demo_model, home):
     named = {"X-Session-Id": "work"}
     with Server(demo_model) as server:
-        reply1, _, _ = chat(server.client, [{"role": "user", "content": "Plan the week."}],
-                            max_tokens=6, extra_headers=named)
-        stranger = [{"role": "user", "content": "Name a fish."},
-                    {"role": "assistant", "content": "Cod."},
-                    {"role": "user", "content": "Another?"}]
+        reply1, _, _ = chat(
+            server.client,
+            [{"role": "user", "content": "Plan the week."}],
+            max_tokens=6,
+            extra_headers=named,
+        )
+        stranger = [
+            {"role": "user", "content": "Name a fish."},
+            {"role": "assistant", "content": "Cod."},
+            {"role": "user", "content": "Another?"},
+        ]
         reply2, body2, _ = chat(server.client, stranger, max_tokens=6, extra_headers=named)
         assert body2["kvchat"]["session"] == "work"
         saved = store.read("work")
         assert [m["content"] for m in saved["messages"]] == [
-            "Name a fish.", "Cod.", "Another?", reply2]
+            "Name a fish.",
+            "Cod.",
+            "Another?",
+            reply2,
+        ]
         lines = {tuple(n["content"] for n in branch) for branch in _paths(saved)}
         assert ("Plan the week.", reply1) in lines  # the old line is kept as a branch
         assert ("Name a fish.", "Cod.", "Another?", reply2) in lines
@@ -88,10 +106,11 @@ def _paths(saved: dict) -> list[list[dict]]:
     return out
 
 
-def test_the_same_long_first_message_is_reused_whole_and_reruns_leave_one_session(
-        demo_model, home):
-    message = [{"role": "system", "content": "You are terse."},
-               {"role": "user", "content": long_message(demo_model, 300)}]
+def test_the_same_long_first_message_is_reused_whole_and_reruns_leave_one_session(demo_model, home):
+    message = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": long_message(demo_model, 300)},
+    ]
     prompt = render(demo_model, message, True)
     assert len(prompt) >= 300
     with Server(demo_model) as server:
@@ -107,12 +126,16 @@ def test_the_same_long_first_message_is_reused_whole_and_reruns_leave_one_sessio
 
 
 def test_a_new_conversation_forks_the_whole_shared_prompt_and_leaves_the_old_alone(
-        demo_model, home):
+    demo_model, home
+):
     opening = [{"role": "user", "content": long_message(demo_model, 300)}]
     with Server(demo_model) as server:
         reply1, first, _ = chat(server.client, opening, max_tokens=4)
-        longer = [*opening, {"role": "assistant", "content": reply1},
-                  {"role": "user", "content": "Go on."}]
+        longer = [
+            *opening,
+            {"role": "assistant", "content": reply1},
+            {"role": "user", "content": "Go on."},
+        ]
         chat(server.client, longer, max_tokens=4)
         before = store.read(first["kvchat"]["session"])["messages"]
         _, fork, _ = chat(server.client, opening, max_tokens=4)  # another client, same start
@@ -124,31 +147,40 @@ def test_a_new_conversation_forks_the_whole_shared_prompt_and_leaves_the_old_alo
 
 def test_the_servers_own_sessions_stay_within_their_budget(demo_model, home):
     with Server(demo_model, keep_anonymous=3) as server:
-        chat(server.client, [{"role": "user", "content": "Keep me."}], max_tokens=2,
-             extra_headers={"X-Session-Id": "mine"})
+        chat(
+            server.client,
+            [{"role": "user", "content": "Keep me."}],
+            max_tokens=2,
+            extra_headers={"X-Session-Id": "mine"},
+        )
         names = []
         for i in range(5):
-            _, body, _ = chat(server.client, [{"role": "user", "content": f"Prompt {i}."}],
-                              max_tokens=2)
+            _, body, _ = chat(
+                server.client, [{"role": "user", "content": f"Prompt {i}."}], max_tokens=2
+            )
             names.append(body["kvchat"]["session"])
         assert serve_sessions() == sorted(names[-3:])
         assert store.exists("mine")  # a session a client named is never the server's to delete
 
 
-def test_an_oversized_body_gets_a_readable_413_while_the_client_is_still_sending(
-        demo_model, home):
-    big = json.dumps({"model": "demo", "messages": [
-        {"role": "user", "content": "x" * (10 << 20)}]}).encode()
+def test_an_oversized_body_gets_a_readable_413_while_the_client_is_still_sending(demo_model, home):
+    big = json.dumps(
+        {"model": "demo", "messages": [{"role": "user", "content": "x" * (10 << 20)}]}
+    ).encode()
     with Server(demo_model) as server:
-        request = urllib.request.Request(server.url + "/v1/chat/completions", data=big,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            server.url + "/v1/chat/completions",
+            data=big,
+            headers={"Content-Type": "application/json"},
+        )
         with pytest.raises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(request, timeout=60)
         assert caught.value.code == 413
         assert "8,388,608 bytes" in json.loads(caught.value.read())["error"]["message"]
         with pytest.raises(openai.APIStatusError) as caught_openai:
             server.client.chat.completions.create(
-                model="demo", messages=[{"role": "user", "content": "x" * (10 << 20)}])
+                model="demo", messages=[{"role": "user", "content": "x" * (10 << 20)}]
+            )
         assert caught_openai.value.status_code == 413
         assert caught_openai.value.body["code"] == "body_too_large"
 
@@ -156,15 +188,22 @@ def test_an_oversized_body_gets_a_readable_413_while_the_client_is_still_sending
 def test_the_kvchat_object_rides_on_the_last_chunk(demo_model, home):
     with Server(demo_model) as server:
         for include_usage in (True, False):
-            chunks = list(server.client.chat.completions.create(
-                model="demo", messages=[{"role": "user", "content": "Hi there."}],
-                max_tokens=4, temperature=0, stream=True,
-                stream_options={"include_usage": include_usage}))
+            chunks = list(
+                server.client.chat.completions.create(
+                    model="demo",
+                    messages=[{"role": "user", "content": "Hi there."}],
+                    max_tokens=4,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": include_usage},
+                )
+            )
             carrying = [i for i, c in enumerate(chunks) if "kvchat" in (c.model_extra or {})]
             assert carrying == [len(chunks) - 1]
             last = chunks[-1]
             assert (last.usage is not None) == include_usage
             if include_usage:
                 assert last.choices == []
-                assert last.model_extra["kvchat"]["generated_tokens"] == \
-                    last.usage.completion_tokens
+                assert (
+                    last.model_extra["kvchat"]["generated_tokens"] == last.usage.completion_tokens
+                )

@@ -54,18 +54,28 @@ def test_a_json_schema_reply_parses_and_validates_and_reuses_the_history(demo_mo
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
     with Server(demo_model) as server:
         reply1, body1, _ = chat(server.client, first, max_tokens=8)
-        follow = [*first, {"role": "assistant", "content": reply1},
-                  {"role": "user", "content": "As JSON, please."}]
+        follow = [
+            *first,
+            {"role": "assistant", "content": reply1},
+            {"role": "user", "content": "As JSON, please."},
+        ]
         reply2, body2, _ = chat(server.client, follow, max_tokens=80, response_format=fmt)
         assert valid(json.loads(reply2), WEATHER), reply2
         assert body2["choices"][0]["finish_reason"] == "stop"
         assert body2["kvchat"]["match"] == "continued"
-        assert body2["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
-            body1["usage"]["prompt_tokens"]
+        assert (
+            body2["usage"]["prompt_tokens_details"]["cached_tokens"]
+            >= body1["usage"]["prompt_tokens"]
+        )
         # streamed, the same
         stream = server.client.chat.completions.create(
-            model="demo", messages=follow, max_tokens=80, temperature=0, stream=True,
-            response_format=fmt)
+            model="demo",
+            messages=follow,
+            max_tokens=80,
+            temperature=0,
+            stream=True,
+            response_format=fmt,
+        )
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert valid(json.loads(text), WEATHER), text
 
@@ -74,13 +84,17 @@ def test_json_object_starts_an_object_and_keeps_to_json(demo_model, home):
     """Any JSON object: the tiny demo model may ramble inside a string until the token
     limit, so the reply is checked as the start of an object (completed by closing it)."""
     with Server(demo_model) as server:
-        reply, body, _ = chat(server.client, [{"role": "user", "content": "Anything."}],
-                              max_tokens=40, response_format={"type": "json_object"})
+        reply, body, _ = chat(
+            server.client,
+            [{"role": "user", "content": "Anything."}],
+            max_tokens=40,
+            response_format={"type": "json_object"},
+        )
         assert reply.startswith("{"), reply
         if body["choices"][0]["finish_reason"] == "stop":
             assert isinstance(json.loads(reply), dict)
         else:
-            assert any(_parses(reply + end) for end in ('"}', '":0}', '}', ':0}', '0}')), reply
+            assert any(_parses(reply + end) for end in ('"}', '":0}', "}", ":0}", "0}")), reply
 
 
 def _parses(text: str) -> bool:
@@ -90,15 +104,21 @@ def _parses(text: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize(("fmt", "param"), [
-    ({"type": "json_schema"}, "response_format.json_schema"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frog"}}},
-     "response_format.json_schema.schema"),
-    ({"type": "yaml"}, "response_format.type"),
-])
+@pytest.mark.parametrize(
+    ("fmt", "param"),
+    [
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frog"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"type": "yaml"}, "response_format.type"),
+    ],
+)
 def test_a_bad_response_format_is_refused_before_anything_runs(demo_model, home, fmt, param):
-    body = json.dumps({"messages": [{"role": "user", "content": "hi"}],
-                       "response_format": fmt}).encode()
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": fmt}
+    ).encode()
     with Server(demo_model) as server:
         status, _, reply = server.raw("/v1/chat/completions", body)
         assert status == 400 and reply["error"]["param"] == param, reply

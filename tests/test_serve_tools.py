@@ -23,7 +23,7 @@ TOOLS_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n' -}}{%- endif -%}"
     "{{- 'Tools:\\n' -}}"
     "{%- for tool in tools -%}{{- tool | tojson + '\\n' -}}{%- endfor -%}"
-    "{{- 'Call one as <tool_call>\\n{\"name\": ..., \"arguments\": ...}\\n</tool_call><|im_end|>\\n' -}}"
+    '{{- \'Call one as <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call><|im_end|>\\n\' -}}'
     "{%- elif messages[0]['role'] == 'system' -%}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' -}}"
     "{%- endif -%}"
@@ -33,7 +33,7 @@ TOOLS_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' + message['content'] -}}"
     "{%- for tool_call in message.tool_calls -%}"
     "{%- set tool_call = tool_call.function -%}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' -}}"
+    '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' -}}'
     "{{- tool_call.arguments | tojson + '}\\n</tool_call>' -}}"
     "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
@@ -47,16 +47,34 @@ TOOLS_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object",
-                   "properties": {"city": {"type": "string", "maxLength": 12},
-                                  "unit": {"enum": ["C", "F"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object",
-                                       "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                                       "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -75,37 +93,60 @@ def follow_plain(messages: list[dict]) -> list[dict]:
     """A request's messages as the session keeps them (a call's arguments an object)."""
     out = []
     for m in messages:
-        m = {k: v for k, v in m.items() if v is not None and k in
-             ("role", "content", "tool_calls", "tool_call_id")}
+        m = {
+            k: v
+            for k, v in m.items()
+            if v is not None and k in ("role", "content", "tool_calls", "tool_call_id")
+        }
         m.setdefault("content", "")
         if "tool_calls" in m:
-            m["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
-                "name": c["function"]["name"],
-                "arguments": json.loads(c["function"]["arguments"])}} for c in m["tool_calls"]]
+            m["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
         out.append(m)
     return out
 
 
 def valid_weather(arguments: dict) -> bool:
-    return (set(arguments) == {"city", "unit"} and isinstance(arguments["city"], str)
-            and len(arguments["city"]) <= 12 and arguments["unit"] in ("C", "F"))
+    return (
+        set(arguments) == {"city", "unit"}
+        and isinstance(arguments["city"], str)
+        and len(arguments["city"]) <= 12
+        and arguments["unit"] in ("C", "F")
+    )
 
 
 def test_the_template_offers_tools_and_mlx_lm_reads_its_call_format(tool_model):
     assert tool_model.tokenizer.has_tool_calling
     assert tool_model.tokenizer.tool_call_start == "<tool_call>"
     with_tools = tool_model.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tools=[WEATHER], tokenize=False,
-        add_generation_prompt=True)
+        [{"role": "user", "content": "hi"}],
+        tools=[WEATHER],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert '"name": "get_weather"' in with_tools
 
 
 def test_a_forced_call_validates_then_its_result_is_answered_from_the_cache(tool_model, home):
     ask = [{"role": "user", "content": "Weather in Oslo?"}]
     with Server(tool_model) as server:
-        _, body, _ = chat(server.client, ask, max_tokens=150, tools=[WEATHER, TIME],
-                          tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                          parallel_tool_calls=False)
+        _, body, _ = chat(
+            server.client,
+            ask,
+            max_tokens=150,
+            tools=[WEATHER, TIME],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+        )
         choice = body["choices"][0]
         assert choice["finish_reason"] == "tool_calls"
         [call] = choice["message"]["tool_calls"]
@@ -118,33 +159,62 @@ def test_a_forced_call_validates_then_its_result_is_answered_from_the_cache(tool
 
         # the client runs the tool and sends its result: the model answers it, and the
         # whole history (the call included) comes from the cache
-        follow = [*ask, choice["message"],
-                  {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21 C."}]
+        follow = [
+            *ask,
+            choice["message"],
+            {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21 C."},
+        ]
         reply, body2, _ = chat(server.client, follow, max_tokens=8, tools=[WEATHER, TIME])
         assert body2["kvchat"]["session"] == session
         assert body2["kvchat"]["match"] == "continued"
         # all of the first prompt and the call's head; the arguments' text may come back
         # from the template in other tokens than the constrained sampler chose
         cached = body2["usage"]["prompt_tokens_details"]["cached_tokens"]
-        head = render(tool_model, [*ask, {"role": "assistant", "content": "",
-                                          "tool_calls": [{**saved["tool_calls"][0],
-                                                          "function": {"name": "get_weather",
-                                                                       "arguments": {}}}]}],
-                      False, [WEATHER, TIME])
+        head = render(
+            tool_model,
+            [
+                *ask,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            **saved["tool_calls"][0],
+                            "function": {"name": "get_weather", "arguments": {}},
+                        }
+                    ],
+                },
+            ],
+            False,
+            [WEATHER, TIME],
+        )
         first_prompt = body["usage"]["prompt_tokens"]
-        assert cached >= first_prompt + 10 and cached >= common_prefix(head, render(
-            tool_model, follow_plain(follow), True, [WEATHER, TIME])) - 1, cached
+        assert (
+            cached >= first_prompt + 10
+            and cached
+            >= common_prefix(head, render(tool_model, follow_plain(follow), True, [WEATHER, TIME]))
+            - 1
+        ), cached
         assert [m["role"] for m in store.read(session)["messages"]] == [
-            "user", "assistant", "tool", "assistant"]
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+        ]
         assert store.read(session)["messages"][-1]["content"] == reply
 
 
 def test_required_picks_one_of_the_tools_and_streams_the_call_as_a_delta(tool_model, home):
     with Server(tool_model) as server:
         stream = server.client.chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": "What time is it?"}],
-            max_tokens=150, temperature=0, stream=True, tools=[WEATHER, TIME],
-            tool_choice="required")
+            model="demo",
+            messages=[{"role": "user", "content": "What time is it?"}],
+            max_tokens=150,
+            temperature=0,
+            stream=True,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+        )
         calls, content, reasons = [], "", []
         for chunk in stream:
             for choice in chunk.choices:
@@ -164,20 +234,28 @@ def test_auto_and_none_answer_in_text_when_no_call_is_made(tool_model, home):
     ask = [{"role": "user", "content": "Say hello."}]
     with Server(tool_model) as server:
         for choice in ("auto", "none"):
-            reply, body, _ = chat(server.client, ask, max_tokens=8, tools=[WEATHER],
-                                  tool_choice=choice)
+            reply, body, _ = chat(
+                server.client, ask, max_tokens=8, tools=[WEATHER], tool_choice=choice
+            )
             message = body["choices"][0]["message"]
             assert message["tool_calls"] is None and message["content"] == reply
             assert "<tool_call>" not in reply or choice == "none"
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
-     "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
-     "tools[0].function.name"),
-])
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+            "tools[0].function.name",
+        ),
+    ],
+)
 def test_bad_tool_requests_are_refused(tool_model, home, extra, param):
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], **extra}).encode()
     with Server(tool_model) as server:
@@ -186,8 +264,9 @@ def test_bad_tool_requests_are_refused(tool_model, home, extra, param):
 
 
 def test_tools_for_a_model_without_tool_calls_are_refused(demo_model, home):
-    body = json.dumps({"messages": [{"role": "user", "content": "hi"}],
-                       "tools": [WEATHER]}).encode()
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    ).encode()
     with Server(demo_model) as server:
         status, _, reply = server.raw("/v1/chat/completions", body)
         assert status == 400 and reply["error"]["param"] == "tools"

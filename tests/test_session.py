@@ -64,7 +64,9 @@ def test_cached_replies_equal_uncached(demo_model, kind):
         assert_consistent(session)
 
 
-@pytest.mark.parametrize("kind", ["standard", "concatenate", "quantized:8", "rotating:1024", "chunked:1024"])
+@pytest.mark.parametrize(
+    "kind", ["standard", "concatenate", "quantized:8", "rotating:1024", "chunked:1024"]
+)
 def test_follow_up_evaluates_only_the_new_message(demo_model, kind):
     session = Session(demo_model, kind=kind, system=SYSTEM, settings=SETTINGS)
     first = finish(session.send(MESSAGES[0]))

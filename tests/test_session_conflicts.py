@@ -24,9 +24,13 @@ CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 
 def kvchat_ask(*args: str) -> subprocess.Popen:
     """A real ``kvchat ask`` process (it inherits this test's KVCHAT_HOME)."""
-    return subprocess.Popen([*CLI, "ask", "--max-tokens", "6", "--json", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ))
+    return subprocess.Popen(
+        [*CLI, "ask", "--max-tokens", "6", "--json", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
 
 
 def finished(proc: subprocess.Popen) -> tuple[dict, str]:
@@ -44,8 +48,13 @@ def holds(name: str, text: str, reply: str) -> bool:
         pairs = list(zip(data["messages"], data["messages"][1:]))
         return any((a["content"], b["content"]) == (text, reply) for a, b in pairs)
     nodes = branches["nodes"]
-    return any(n["content"] == reply and n["role"] == "assistant" and n["parent"] >= 0
-               and nodes[n["parent"]]["content"] == text for n in nodes)
+    return any(
+        n["content"] == reply
+        and n["role"] == "assistant"
+        and n["parent"] >= 0
+        and nodes[n["parent"]]["content"] == text
+        for n in nodes
+    )
 
 
 def started(lm, text: str = "First.") -> Session:
@@ -164,9 +173,23 @@ def test_an_ask_and_an_ask_racing_keep_both(demo_model, home):
     so both exchanges are on the main line, A's first."""
     store.save(started(demo_model), "k2")
     held = subprocess.Popen(
-        [sys.executable, "-c", HELD_BEFORE_SAVE, "ask", "--session", "k2", "--max-tokens",
-         "6", "--json", "Ask A."],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            HELD_BEFORE_SAVE,
+            "ask",
+            "--session",
+            "k2",
+            "--max-tokens",
+            "6",
+            "--json",
+            "Ask A.",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert held.stderr.readline() == "about-to-save\n"
     second = kvchat_ask("--session", "k2", "Ask B.")
     deadline = time.monotonic() + 60
@@ -178,19 +201,43 @@ def test_an_ask_and_an_ask_racing_keep_both(demo_model, home):
     (a, _), (b, _) = finished(held), finished(second)
     assert a["saved"] and b["saved"] and b["resumed_from_disk"]
     assert [m["content"] for m in store.read("k2")["messages"]][-4:] == [
-        "Ask A.", a["reply"], "Ask B.", b["reply"]]
+        "Ask A.",
+        a["reply"],
+        "Ask B.",
+        b["reply"],
+    ]
 
 
 def test_serve_and_ask_on_one_session_keep_both(demo_model, home):
-    out = CliRunner().invoke(app, ["ask", "--session", "notes", "--model", "demo",
-                                   "--max-tokens", "6", "--json", "Hello from the shell."])
+    out = CliRunner().invoke(
+        app,
+        [
+            "ask",
+            "--session",
+            "notes",
+            "--model",
+            "demo",
+            "--max-tokens",
+            "6",
+            "--json",
+            "Hello from the shell.",
+        ],
+    )
     assert out.exit_code == 0, out.output
     with Server(demo_model) as server:
-        first, _, _ = chat(server.client, [{"role": "user", "content": "Hello from HTTP."}],
-                           max_tokens=6, extra_headers={"X-Session-Id": "notes"})
+        first, _, _ = chat(
+            server.client,
+            [{"role": "user", "content": "Hello from HTTP."}],
+            max_tokens=6,
+            extra_headers={"X-Session-Id": "notes"},
+        )
         shell, _ = finished(kvchat_ask("--session", "notes", "From the shell again."))
-        second, body, _ = chat(server.client, [{"role": "user", "content": "HTTP again."}],
-                               max_tokens=6, extra_headers={"X-Session-Id": "notes"})
+        second, body, _ = chat(
+            server.client,
+            [{"role": "user", "content": "HTTP again."}],
+            max_tokens=6,
+            extra_headers={"X-Session-Id": "notes"},
+        )
         assert "kept as a branch" in body["kvchat"]["notice"]
     assert holds("notes", "Hello from HTTP.", first)
     assert holds("notes", "From the shell again.", shell["reply"])
@@ -202,9 +249,16 @@ def test_serve_and_ask_on_one_session_keep_both(demo_model, home):
 def test_a_lease_names_the_other_live_process_and_stale_ones_are_ignored(home):
     store.session_dir("open").parent.mkdir(parents=True, exist_ok=True)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from kvchat import store; store.hold_open('open');"
-         " print('held', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kvchat import store; store.hold_open('open');"
+            " print('held', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         assert store.open_elsewhere("open") == [holder.pid]
@@ -215,7 +269,7 @@ def test_a_lease_names_the_other_live_process_and_stale_ones_are_ignored(home):
         holder.wait(timeout=30)
     assert store.open_elsewhere("open") == []  # it is gone: its lease is stale
     assert [p.name for p in (home / "sessions" / ".locks").glob("open.*.open")] == [
-        f"open.{os.getpid()}.open"]
+        f"open.{os.getpid()}.open"
+    ]
     store.let_go("open")
     assert not list((home / "sessions" / ".locks").glob("open.*.open"))
-

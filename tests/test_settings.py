@@ -26,8 +26,9 @@ from kvchat.settings import (
 def test_the_engine_settings_are_the_tables_generation_settings():
     engine = [f.name for f in fields(GenerationSettings)]
     assert engine == [s.name for s in GENERATION] + ["prefill_step", "ignore_eos"]
-    assert [f.default for f in fields(GenerationSettings)][:len(GENERATION)] == [
-        s.default for s in GENERATION]
+    assert [f.default for f in fields(GenerationSettings)][: len(GENERATION)] == [
+        s.default for s in GENERATION
+    ]
     assert {s.name for s in DIALOG} == {s.name for s in FLAGS} == {s.name for s in API}
 
 
@@ -56,6 +57,7 @@ def test_the_environment_sits_between_the_file_and_the_flags(tmp_path):
     with pytest.raises(ConfigError, match=r"^--seed = 18446744073709551616: must be at least"):
         apply_overrides(config, {"seed": 2**64})
     assert generation_of(config) == GenerationSettings(temp=0.9, seed=5)
-    assert from_env({"KVCHAT_MEMORY_BUDGET": "2GiB", "KVCHAT_CACHE": "Rotated:8",
-                     "OTHER": "1"}) == {"memory_budget": 2 << 30, "cache": "rotated:8"}
+    assert from_env(
+        {"KVCHAT_MEMORY_BUDGET": "2GiB", "KVCHAT_CACHE": "Rotated:8", "OTHER": "1"}
+    ) == {"memory_budget": 2 << 30, "cache": "rotated:8"}
     assert load_config(tmp_path / "none.toml", environ={}) == Config()

@@ -97,7 +97,9 @@ def test_killed_mid_save_keeps_the_previous_save(demo_model, home, stage):
     target = {"cache": "cache.safetensors", "json": "session.json"}[stage]
     proc = subprocess.Popen(
         [sys.executable, "-c", stopped_before_rename(RESUME_SCRIPT, target), NEXT],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert kill_when_stopped(proc, target)
     assert (folder("chat") / "session.json").read_bytes() == before
@@ -141,7 +143,9 @@ DAMAGE = {
         d / "session.json",
         ledger=[t + 1 for t in json.loads((d / "session.json").read_text())["ledger"]],
     ),
-    "other-kind": lambda d: _rewrite_cache_metadata(d / "cache.safetensors", cache_kind="concatenate"),
+    "other-kind": lambda d: _rewrite_cache_metadata(
+        d / "cache.safetensors", cache_kind="concatenate"
+    ),
 }
 
 

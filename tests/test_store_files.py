@@ -86,13 +86,18 @@ def test_symlinks_in_the_sessions_folder_change_nothing_outside(demo_model, home
     assert out.exit_code == 0 and json.loads(out.stdout)["saved"] is True
     assert temp_link.is_symlink()  # a temp name that is not a regular file is left alone
 
-    for name, why in (("evil", "is a symbolic link, not a session folder"),
-                      ("links", "session.json is a symbolic link"),
-                      ("lk", "lk.lock is a symbolic link")):
+    for name, why in (
+        ("evil", "is a symbolic link, not a session folder"),
+        ("links", "session.json is a symbolic link"),
+        ("lk", "lk.lock is a symbolic link"),
+    ):
         out = cli("ask", "--session", name, "--max-tokens", "4", "Hi.")
         assert out.exit_code == 1 and why in one_sentence(out.output), out.output
-    for command in (("sessions", "export", "evil"), ("sessions", "rm", "evil"),
-                    ("sessions", "export", "links")):
+    for command in (
+        ("sessions", "export", "evil"),
+        ("sessions", "rm", "evil"),
+        ("sessions", "export", "links"),
+    ):
         out = cli(*command)
         assert out.exit_code == 1 and "symbolic link" in one_sentence(out.output), out.output
     for name in ("evil", "links"):  # shown like a damaged session: with a note, nothing read
@@ -147,8 +152,12 @@ def _folder(path):
     os.mkdir(path)
 
 
-SPECIAL = {"fifo": _fifo, "dev-zero-node": _zero_device, "dev-zero-link": _zero_link,
-           "folder": _folder}
+SPECIAL = {
+    "fifo": _fifo,
+    "dev-zero-node": _zero_device,
+    "dev-zero-link": _zero_link,
+    "folder": _folder,
+}
 
 
 def test_a_cache_bigger_than_the_model_could_make_is_not_read(demo_model, home):
@@ -162,22 +171,27 @@ def test_a_cache_bigger_than_the_model_could_make_is_not_read(demo_model, home):
 
 
 @pytest.mark.parametrize("kind", sorted(SPECIAL))
-def test_a_cache_that_is_not_a_regular_file_is_rebuilt_without_hanging(
-    demo_model, home, kind
-):
+def test_a_cache_that_is_not_a_regular_file_is_rebuilt_without_hanging(demo_model, home, kind):
     """Run as a real `ask` with a time limit: reading a FIFO or /dev/zero would hang."""
     saved(demo_model, "chat")
     cache = store.session_dir("chat") / "cache.safetensors"
     cache.unlink()
     SPECIAL[kind](cache)
-    out = subprocess.run([*CLI, "ask", "--session", "chat", "--max-tokens", "4", "--json", "More."],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*CLI, "ask", "--session", "chat", "--max-tokens", "4", "--json", "More."],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["resumed_from_disk"] is False and got["saved"] is True
     assert "was rebuilt from the transcript" in got["notice"]
-    assert ("not a regular file" in got["notice"] or "symbolic link" in got["notice"]
-            or "is a folder" in got["notice"])
+    assert (
+        "not a regular file" in got["notice"]
+        or "symbolic link" in got["notice"]
+        or "is a folder" in got["notice"]
+    )
     assert "Traceback" not in out.stderr
     assert stat.S_ISREG(os.lstat(cache).st_mode)  # the save put a real cache in its place
     assert [m["content"] for m in store.read("chat")["messages"]][-2] == "More."
@@ -212,8 +226,9 @@ def test_a_session_json_that_is_not_a_small_regular_file_is_refused(demo_model, 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "1e400", "nan", "²"])
 def test_a_bad_lock_timeout_is_one_sentence_and_leaves_no_folder(home, value):
-    out = cli("ask", "--session", "fresh", "--max-tokens", "4", "Hi.",
-              env={"KVCHAT_LOCK_TIMEOUT": value})
+    out = cli(
+        "ask", "--session", "fresh", "--max-tokens", "4", "Hi.", env={"KVCHAT_LOCK_TIMEOUT": value}
+    )
     assert out.exit_code == 1
     assert one_sentence(out.output) == (
         f"kvchat: KVCHAT_LOCK_TIMEOUT must be a number of seconds such as 30 or 2.5 "
@@ -224,9 +239,13 @@ def test_a_bad_lock_timeout_is_one_sentence_and_leaves_no_folder(home, value):
 
 def test_an_ask_refused_by_a_held_lock_leaves_no_folder(home):
     with store.session_lock("busy"):  # held by this process; the ask is another one
-        out = subprocess.run([*CLI, "ask", "--session", "busy", "--max-tokens", "4", "Hi."],
-                             capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "KVCHAT_LOCK_TIMEOUT": "0.2"})
+        out = subprocess.run(
+            [*CLI, "ask", "--session", "busy", "--max-tokens", "4", "Hi."],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "KVCHAT_LOCK_TIMEOUT": "0.2"},
+        )
     assert out.returncode == 1 and out.stdout == ""
     assert "in use by another kvchat" in one_sentence(out.stderr)
     assert not store.session_dir("busy").exists()
@@ -243,9 +262,13 @@ def test_a_cache_without_session_json_is_kept_aside(demo_model, home):
     got = json.loads(out.stdout)
     kept = [p for p in folder.iterdir() if p.name.startswith("cache.safetensors.orphan-")]
     assert len(kept) == 1 and kept[0].read_bytes() == old_cache
-    assert got["notice"] == (f"{folder} held a cache without session.json; it was kept as "
-                             f"{kept[0].name} and a new session was started.")
-    assert [m["content"] for m in store.read("chat")["messages"] if m["role"] == "user"] == ["Anew."]
+    assert got["notice"] == (
+        f"{folder} held a cache without session.json; it was kept as "
+        f"{kept[0].name} and a new session was started."
+    )
+    assert [m["content"] for m in store.read("chat")["messages"] if m["role"] == "user"] == [
+        "Anew."
+    ]
 
 
 def test_parents_of_kvchat_home_are_private(tmp_path, monkeypatch):

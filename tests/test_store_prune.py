@@ -42,11 +42,14 @@ def test_prune_skips_and_names_the_session_in_use(three):
 
 
 def test_prune_without_a_terminal_needs_yes(three):
-    out = subprocess.run(PRUNE, capture_output=True, text=True, timeout=60,
-                         stdin=subprocess.DEVNULL)
+    out = subprocess.run(
+        PRUNE, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+    )
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == ("kvchat: Would delete 3 session(s) (a, b, busy); run it again with "
-                          "--yes to confirm, as standard input is not a terminal.\n")
+    assert out.stderr == (
+        "kvchat: Would delete 3 session(s) (a, b, busy); run it again with "
+        "--yes to confirm, as standard input is not a terminal.\n"
+    )
     assert names_left() == three
 
 
@@ -54,8 +57,9 @@ def test_prune_without_a_terminal_needs_yes(three):
 def test_prune_on_a_terminal_asks_first(three, answer):
     controller, terminal = os.openpty()
     try:
-        proc = subprocess.Popen(PRUNE, stdin=terminal, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            PRUNE, stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         os.write(controller, f"{answer}\n".encode())
         out, err = proc.communicate(timeout=60)
     finally:

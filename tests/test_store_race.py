@@ -78,8 +78,12 @@ class Launcher:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.server = subprocess.Popen([sys.executable, "-c", FORK_SERVER], text=True,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.server = subprocess.Popen(
+            [sys.executable, "-c", FORK_SERVER],
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
 
     def _send(self, request) -> None:
         self.server.stdin.write(json.dumps(request) + "\n")
@@ -87,8 +91,9 @@ class Launcher:
 
     def start(self, who: str, *argv: str) -> int:
         """Start ``kvchat *argv``; return its pid."""
-        self._send([who, list(argv), str(self.folder / f"{who}.out"),
-                    str(self.folder / f"{who}.err")])
+        self._send(
+            [who, list(argv), str(self.folder / f"{who}.out"), str(self.folder / f"{who}.err")]
+        )
         got, pid = json.loads(self.server.stdout.readline())
         assert got == who
         return pid
@@ -101,8 +106,11 @@ class Launcher:
             if json.loads(line) == "done":
                 return done
             who, code = json.loads(line)
-            done[who] = (code, (self.folder / f"{who}.out").read_text(),
-                         (self.folder / f"{who}.err").read_text())
+            done[who] = (
+                code,
+                (self.folder / f"{who}.out").read_text(),
+                (self.folder / f"{who}.err").read_text(),
+            )
         raise AssertionError("the fork server stopped")
 
     def close(self) -> None:
@@ -143,8 +151,13 @@ def test_rm_against_waiting_asks_loses_no_turn(demo_model, home, tmp_path):
     leftovers = [p.name for p in (home / "sessions").iterdir() if p.name.startswith(".removing-")]
     assert leftovers == []
     print(f"\nrm race: {figures}")
-    assert figures == {"rounds": ROUNDS, "asks": 2 * ROUNDS, "after_rm": figures["after_rm"],
-                       "lost": 0, "tracebacks": 0}
+    assert figures == {
+        "rounds": ROUNDS,
+        "asks": 2 * ROUNDS,
+        "after_rm": figures["after_rm"],
+        "lost": 0,
+        "tracebacks": 0,
+    }
 
 
 def _round(launcher: Launcher, base: Session, names: list[str], home: Path, figures) -> None:
@@ -155,8 +168,17 @@ def _round(launcher: Launcher, base: Session, names: list[str], home: Path, figu
             held.enter_context(store.session_lock(name))
             for who in ("ask1", "ask2"):
                 pids[f"{who} of {name}"] = launcher.start(
-                    f"{who} of {name}", "ask", "--session", name, "--system", "NEW",
-                    "--max-tokens", "3", "--json", f"{who} of {name}")
+                    f"{who} of {name}",
+                    "ask",
+                    "--session",
+                    name,
+                    "--system",
+                    "NEW",
+                    "--max-tokens",
+                    "3",
+                    "--json",
+                    f"{who} of {name}",
+                )
             pids[f"rm of {name}"] = launcher.start(f"rm of {name}", "sessions", "rm", name)
         deadline = time.monotonic() + 60
         while not all(waiting_on(pid, who.split(" of ")[1]) for who, pid in pids.items()):
@@ -173,8 +195,9 @@ def _round(launcher: Launcher, base: Session, names: list[str], home: Path, figu
         assert lock.exists() == store.exists(name)  # rm takes its lock file with it
         assert outs[f"rm of {name}"][1] == f"Removed session {name}.\n"
         asks = {who: json.loads(outs[f"{who} of {name}"][1]) for who in ("ask1", "ask2")}
-        after = {f"{who} of {name}" for who in asks
-                 if SYSTEM_SKIPPED not in outs[f"{who} of {name}"][2]}
+        after = {
+            f"{who} of {name}" for who in asks if SYSTEM_SKIPPED not in outs[f"{who} of {name}"][2]
+        }
         figures["asks"] += len(asks)
         figures["after_rm"] += len(after)
         if not after:
@@ -182,8 +205,11 @@ def _round(launcher: Launcher, base: Session, names: list[str], home: Path, figu
             continue
         messages = store.read(name)["messages"]
         assert messages[0] == {"role": "system", "content": "NEW"}
-        kept = {m["content"]: messages[i + 1]["content"]
-                for i, m in enumerate(messages) if m["role"] == "user"}
+        kept = {
+            m["content"]: messages[i + 1]["content"]
+            for i, m in enumerate(messages)
+            if m["role"] == "user"
+        }
         figures["lost"] += len(after - set(kept))
         assert set(kept) == after
         for text in after:

@@ -38,9 +38,13 @@ def ask_more(limit_bytes: int | None = None) -> subprocess.CompletedProcess:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
-    return subprocess.run([*CLI, "ask", "--session", "chat", "--max-tokens", "6", NEXT],
-                          capture_output=True, text=True, timeout=120,
-                          preexec_fn=limit if limit_bytes else None)
+    return subprocess.run(
+        [*CLI, "ask", "--session", "chat", "--max-tokens", "6", NEXT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit if limit_bytes else None,
+    )
 
 
 def expected_reply(lm) -> str:
@@ -64,8 +68,9 @@ def small_disk(tmp_path):
         pytest.skip("mounting a small file system needs root")
     disk = tmp_path / "disk"
     disk.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(disk)],
-                          capture_output=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(disk)], capture_output=True
+    )
     if made.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
     yield disk
@@ -89,10 +94,12 @@ def test_a_full_disk_shows_the_reply_then_one_sentence(demo_model, small_disk, m
     out = ask_more()
     assert out.returncode == 1
     assert out.stdout == expected_reply(demo_model) + "\n"  # the reply was shown
-    assert out.stderr == ("kvchat: the message could not be kept on disk while it is sent "
-                          "(no space left on device).\n"
-                          "kvchat: Could not save session chat: no space left on device; "
-                          "the previous save is intact.\n")
+    assert out.stderr == (
+        "kvchat: the message could not be kept on disk while it is sent "
+        "(no space left on device).\n"
+        "kvchat: Could not save session chat: no space left on device; "
+        "the previous save is intact.\n"
+    )
     (small_disk / "filler").unlink()
     assert_previous_save_intact(demo_model, folder, before)
 
@@ -104,8 +111,10 @@ def test_a_file_size_limit_shows_the_reply_then_one_sentence(demo_model, home):
     before = snapshot(folder)
     out = ask_more(limit_bytes=8192)  # the cache is bigger than that, session.json smaller
     assert out.returncode == 1 and out.stdout == expected_reply(demo_model) + "\n"
-    assert out.stderr == ("kvchat: Could not save session chat: [Errno 27] File too large; "
-                          "the previous save is intact.\n")
+    assert out.stderr == (
+        "kvchat: Could not save session chat: [Errno 27] File too large; "
+        "the previous save is intact.\n"
+    )
     assert_previous_save_intact(demo_model, folder, before)
 
 
@@ -126,7 +135,9 @@ def cut_short_before_session_json(lm) -> None:
     store.save(conversation(lm), "chat")
     proc = subprocess.Popen(
         [sys.executable, "-c", stopped_before_rename(CUT_SHORT, "session.json"), NEXT],
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert kill_when_stopped(proc, "session.json")
 
 
@@ -141,7 +152,8 @@ DAMAGE = {
     "flipped-bytes": lambda folder: _flip_tensor_bytes(folder / "cache.safetensors"),
     "no-checksum-file": lambda folder: (folder / "cache.sha256").unlink(),
     "checksum-file-of-another-cache": lambda folder: (folder / "cache.sha256").write_text(
-        json.dumps({"sha256": "0" * 64, "bytes": 1, "ledger_sha256": "0" * 64})),
+        json.dumps({"sha256": "0" * 64, "bytes": 1, "ledger_sha256": "0" * 64})
+    ),
 }
 
 

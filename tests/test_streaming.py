@@ -53,7 +53,7 @@ def test_transcript_holds_exactly_the_decoded_reply(demo_model):
         tokens = list(done.tokens)
         assert len(tokens) == done.stats.generated_tokens
         # the cache holds the prompt and every generated token but (at most) the last
-        assert session.ledger[done.stats.prompt_tokens:] in (tokens, tokens[:-1])
+        assert session.ledger[done.stats.prompt_tokens :] in (tokens, tokens[:-1])
         eos = tokenizer.eos_token_ids
         reply_tokens = [t for t in tokens if t not in eos]
         assert done.reply == tokenizer.decode(reply_tokens)
@@ -74,8 +74,9 @@ def test_follow_ups_evaluate_only_the_new_message(demo_model, kind):
     """Each follow-up reuses the whole ledger of the turn before: the reply re-renders
     to the tokens that were generated, so only the new message and template tokens are
     evaluated, and nothing is rebuilt (a rotating cache that wrapped never needs a trim)."""
-    session = Session(demo_model, kind=kind, system=SYSTEM,
-                      settings=GenerationSettings(max_tokens=32))
+    session = Session(
+        demo_model, kind=kind, system=SYSTEM, settings=GenerationSettings(max_tokens=32)
+    )
     events_of(session, MESSAGES[0])
     for text in MESSAGES[1:]:
         before = list(session.ledger)
@@ -199,9 +200,19 @@ def test_ask_prints_the_reply(demo_model, tmp_path):
 
     def run(*args):
         return subprocess.run(
-            [sys.executable, "-c", "from kvchat.cli import main; main()", "ask",
-             "--max-tokens", "16", *args],
-            capture_output=True, text=True, env={**os.environ, **env}, timeout=120,
+            [
+                sys.executable,
+                "-c",
+                "from kvchat.cli import main; main()",
+                "ask",
+                "--max-tokens",
+                "16",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            timeout=120,
         )
 
     plain = run("--stats", "Hello there.")
@@ -224,11 +235,24 @@ def test_ctrl_c_during_ask_keeps_the_partial_reply(tmp_path):
     # As from a shell: Ctrl-C raises KeyboardInterrupt, whatever the test process's threads
     # left in the signal mask and dispositions a child inherits (seen: a run where it was
     # blocked, so the reply ran to its end)
-    start = ("import signal; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
-             "signal.signal(signal.SIGINT, signal.default_int_handler); "
-             "from kvchat.cli import main; main()")
-    cmd = [sys.executable, "-c", start, "ask", "--session", "s",
-           "--model", "demo:random", "--max-tokens", "12000", "Tell me everything."]
+    start = (
+        "import signal; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+        "signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from kvchat.cli import main; main()"
+    )
+    cmd = [
+        sys.executable,
+        "-c",
+        start,
+        "ask",
+        "--session",
+        "s",
+        "--model",
+        "demo:random",
+        "--max-tokens",
+        "12000",
+        "Tell me everything.",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     first = proc.stdout.read(40)  # the reply is streaming
     proc.send_signal(signal.SIGINT)
@@ -239,8 +263,13 @@ def test_ctrl_c_during_ask_keeps_the_partial_reply(tmp_path):
     last = saved["messages"][-1]
     assert last["role"] == "assistant" and last["stopped"] is True
     assert printable(last["content"]).encode().startswith(first)
-    again = subprocess.run(cmd[:-3] + ["--max-tokens", "4", "--json", "And now?"], env=env,
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        cmd[:-3] + ["--max-tokens", "4", "--json", "And now?"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["reply"]
     saved = json.loads((tmp_path / "home" / "sessions" / "s" / "session.json").read_text())

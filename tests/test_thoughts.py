@@ -12,20 +12,27 @@ from kvchat.engine.conversation.maintenance import common_prefix
 from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 from kvchat.engine.conversation.thoughts import Thoughts, reevaluated_note, split_thoughts
 
-THOUGHTFUL = "<think>\nThe user greets me. I should greet back, briefly.\n</think>\n\nHello there, friend."
+THOUGHTFUL = (
+    "<think>\nThe user greets me. I should greet back, briefly.\n</think>\n\nHello there, friend."
+)
 ANSWER = "Hello there, friend."
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("plain answer", Thoughts("", "plain answer")),
-    ("<think>hmm</think>\n\nYes.", Thoughts("hmm", "Yes.")),
-    ("Before. <think> a </think> middle <think> b </think> end",
-     Thoughts("a\n\nb", "Before.  middle  end")),
-    ("<think>still going", Thoughts("still going", "", thinking=True)),
-    ("Sure. <think>", Thoughts("", "Sure. ", thinking=True)),
-    ("opened by the prompt</think>The answer", Thoughts("opened by the prompt", "The answer")),
-    ("<think></think>Only an answer", Thoughts("", "Only an answer")),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("plain answer", Thoughts("", "plain answer")),
+        ("<think>hmm</think>\n\nYes.", Thoughts("hmm", "Yes.")),
+        (
+            "Before. <think> a </think> middle <think> b </think> end",
+            Thoughts("a\n\nb", "Before.  middle  end"),
+        ),
+        ("<think>still going", Thoughts("still going", "", thinking=True)),
+        ("Sure. <think>", Thoughts("", "Sure. ", thinking=True)),
+        ("opened by the prompt</think>The answer", Thoughts("opened by the prompt", "The answer")),
+        ("<think></think>Only an answer", Thoughts("", "Only an answer")),
+    ],
+)
 def test_split_thoughts(text, expected):
     assert split_thoughts(text) == expected
 
@@ -33,9 +40,11 @@ def test_split_thoughts(text, expected):
 def _restored(lm, reply: str) -> Session:
     """A session whose cache holds a first exchange with ``reply`` as the template
     renders it when it is the last message (thoughts and all), as after a turn."""
-    session = Session(lm, settings=GenerationSettings(max_tokens=6),
-                      messages=[{"role": "user", "content": "Hi!"},
-                                {"role": "assistant", "content": reply}])
+    session = Session(
+        lm,
+        settings=GenerationSettings(max_tokens=6),
+        messages=[{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": reply}],
+    )
     session.rebuild("test")
     return session
 
@@ -53,8 +62,11 @@ def test_the_turn_after_dropped_thoughts_counts_the_reevaluated_reply(dropping_m
     assert "</think>" in lm.tokenizer.decode(session.ledger)
     ledger, stats = _turn(session, "And how are you?")
 
-    messages = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": reply},
-                {"role": "user", "content": "And how are you?"}]
+    messages = [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And how are you?"},
+    ]
     prompt = session.render(messages, True)
     assert "think>" not in lm.tokenizer.decode(prompt)  # the template dropped them
     reused = common_prefix(ledger, prompt)
@@ -68,7 +80,8 @@ def test_the_turn_after_dropped_thoughts_counts_the_reevaluated_reply(dropping_m
     assert stats.to_dict()["reevaluated_reply_tokens"] == stats.reevaluated_reply_tokens
     assert reevaluated_note(stats.reevaluated_reply_tokens) == (
         f"the template drops earlier thoughts, so {stats.reevaluated_reply_tokens} tokens "
-        "of the last reply were evaluated again")
+        "of the last reply were evaluated again"
+    )
 
     # the cache is what a fresh run computes, and the next turn reuses it all again
     assert session.ledger[: len(prompt)] == prompt
@@ -122,4 +135,5 @@ def test_the_cli_stats_line_says_so(dropping_model):
     n = done.stats.reevaluated_reply_tokens
     assert _stats_line(done).endswith(
         f"; the template drops earlier thoughts, so {n} tokens of the last reply were "
-        "evaluated again")
+        "evaluated again"
+    )

@@ -34,17 +34,21 @@ def test_a_live_session_exports_as_its_saved_copy_does(demo_model, home):
     store.save(session, "talk")
     created = store.read("talk")["created"]
     assert f"- created: {created}, last used: " in store.export_session(session, "talk", "md")
-    assert store.export_session(session, "talk", "md").split("\n")[5:] == store.export(
-        "talk", "md").split("\n")[5:]  # past the times
+    assert (
+        store.export_session(session, "talk", "md").split("\n")[5:]
+        == store.export("talk", "md").split("\n")[5:]
+    )  # past the times
     assert _without_times(store.export_session(session, "talk", "json")) == _without_times(
-        store.export("talk", "json"))
+        store.export("talk", "json")
+    )
     md = store.export_session(session, "talk", "md")
     assert md.startswith("# talk\n\n- model: demo\n- cache kind: standard\n")
     assert "## User\n\nWhat is a cache?\n\n## Assistant\n\n" in md
 
 
-def test_import_makes_a_session_without_cache_that_prefills_on_first_use(demo_model, home,
-                                                                         tmp_path):
+def test_import_makes_a_session_without_cache_that_prefills_on_first_use(
+    demo_model, home, tmp_path
+):
     original = chat(demo_model)
     store.save(original, "talk")
     path = tmp_path / "talk.json"
@@ -80,8 +84,9 @@ def test_import_makes_a_session_without_cache_that_prefills_on_first_use(demo_mo
         ('{"messages": []', "is damaged"),
     ],
 )
-def test_a_bad_file_is_refused_in_one_sentence_and_nothing_is_saved(home, tmp_path, content,
-                                                                    message):
+def test_a_bad_file_is_refused_in_one_sentence_and_nothing_is_saved(
+    home, tmp_path, content, message
+):
     path = tmp_path / "in.json"
     path.write_text(content)
     with pytest.raises(store.StoreError) as error:
@@ -114,8 +119,9 @@ def test_cli_import_then_export_gives_back_the_transcript(demo_model, home, tmp_
 
     result = runner.invoke(app, ["sessions", "import", str(path), "--name", "again"])
     assert result.exit_code == 0, result.output
-    assert result.output == (f"Imported {path} as session again; "
-                             "`kvchat --resume again` opens it.\n")
+    assert result.output == (
+        f"Imported {path} as session again; `kvchat --resume again` opens it.\n"
+    )
     back = runner.invoke(app, ["sessions", "export", "again", "--format", "json"])
     assert {**_without_times(back.output), "name": "talk"} == _without_times(exported.output)
 
@@ -133,8 +139,9 @@ def test_a_long_name_that_is_taken_gets_a_shortened_suffix(demo_model, home, tmp
     assert store.read("n" * 98 + "-2")["messages"] == [{"role": "user", "content": "hi"}]
 
 
-EXPORT_SCRIPT = ("import sys; from kvchat import store; "
-                 "store.write_export(sys.argv[1], 'x' * 100_000)")
+EXPORT_SCRIPT = (
+    "import sys; from kvchat import store; store.write_export(sys.argv[1], 'x' * 100_000)"
+)
 
 
 def test_an_export_killed_before_it_is_in_place_leaves_no_file(tmp_path):
@@ -149,7 +156,10 @@ def test_an_export_killed_before_it_is_in_place_leaves_no_file(tmp_path):
     target = tmp_path / "talk.md"
     proc = subprocess.Popen(
         [sys.executable, "-c", stopped_before_rename(EXPORT_SCRIPT, "talk.md"), str(target)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert kill_when_stopped(proc, "talk.md") and not os.path.lexists(target)
     # and a later export of the same name is whole, with nothing else beside it that counts
     assert store.write_export(target, "whole\n") == target
@@ -157,14 +167,17 @@ def test_an_export_killed_before_it_is_in_place_leaves_no_file(tmp_path):
 
 
 @pytest.mark.parametrize("links", [True, False], ids=["hard-links", "no-hard-links"])
-def test_an_export_never_replaces_a_file_and_a_failed_one_leaves_nothing(tmp_path, monkeypatch,
-                                                                          links):
+def test_an_export_never_replaces_a_file_and_a_failed_one_leaves_nothing(
+    tmp_path, monkeypatch, links
+):
     import errno
     import os
 
     if not links:  # a file system without hard links (FAT): the name is claimed, then filled
+
         def no_link(*_):
             raise OSError(errno.EPERM, "Operation not permitted")
+
         monkeypatch.setattr(os, "link", no_link)
     taken = tmp_path / "taken.md"
     taken.write_text("mine\n")

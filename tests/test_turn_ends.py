@@ -30,17 +30,22 @@ def every_turn_end(session: Session, messages: list[dict], tokens: list[int]) ->
 def transcript() -> list[dict]:
     messages = []
     for i in range(TURNS):
-        messages += [{"role": "user", "content": f"Question {i} about the fox and the dog?"},
-                     {"role": "assistant", "content": f"<think>\nThe fox, {i}.\n</think>\n"
-                                                      f"Answer {i}: the dog sleeps."}]
+        messages += [
+            {"role": "user", "content": f"Question {i} about the fox and the dog?"},
+            {
+                "role": "assistant",
+                "content": f"<think>\nThe fox, {i}.\n</think>\nAnswer {i}: the dog sleeps.",
+            },
+        ]
     return messages
 
 
 @pytest.mark.parametrize("limit", [3, checkpoints.MAX_CHECKPOINTS])
 @pytest.mark.parametrize("template", ["own", "drops-earlier-thoughts"])
 @pytest.mark.parametrize("name", ["mamba", "gemma3_text"])
-def test_turn_ends_are_the_newest_of_every_prefixes_in_few_renderings(arch, monkeypatch, name,
-                                                                     template, limit):
+def test_turn_ends_are_the_newest_of_every_prefixes_in_few_renderings(
+    arch, monkeypatch, name, template, limit
+):
     lm = arch(name)
     if template != "own":  # the replies' earlier renderings are not prefixes of the whole
         monkeypatch.setattr(lm.tokenizer._tokenizer, "chat_template", DROPPING_TEMPLATE)
@@ -66,8 +71,9 @@ def test_a_rebuild_keeps_the_checkpoints_that_every_prefix_would_give(arch, monk
     for i in range(TURNS):  # more turn ends than checkpoints are kept
         turn(session, f"Question {i} about the fox?")
     reference = Session(lm, settings=session.settings, messages=list(session.messages))
-    monkeypatch.setattr(reference, "_turn_ends", lambda m, t, after=0: frozenset(
-        every_turn_end(reference, m, t)))
+    monkeypatch.setattr(
+        reference, "_turn_ends", lambda m, t, after=0: frozenset(every_turn_end(reference, m, t))
+    )
     for s in (session, reference):
         s.rebuild("a test")
     every = every_turn_end(session, session.messages, session.ledger)

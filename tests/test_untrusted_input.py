@@ -16,9 +16,19 @@ from kvchat.replay import ReplayError, load_script
 from kvchat.safety import ascii_int, printable, read_limited
 
 
-@pytest.mark.parametrize("name", ["rotating:²", "chunked:①", "rotating:٤٠٩٦", "quantized:８",
-                                  "rotating:1_000", "rotating: 128", "rotating:+128",
-                                  "rotating:" + "9" * 400])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "rotating:²",
+        "chunked:①",
+        "rotating:٤٠٩٦",
+        "quantized:８",
+        "rotating:1_000",
+        "rotating: 128",
+        "rotating:+128",
+        "rotating:" + "9" * 400,
+    ],
+)
 def test_kind_numbers_are_ascii_digits_only(name):
     with pytest.raises(CacheKindError, match="needs a number written with 0-9"):
         parse_kind(name)
@@ -45,16 +55,19 @@ def test_ascii_int_accepts():
     assert ascii_int("0") == 0 and ascii_int("9" * 18) == 10**18 - 1
 
 
-@pytest.mark.parametrize("content, words", [
-    (b'model = "caf\xe9"\n', "not valid UTF-8 (byte 0xe9 at offset 12)"),
-    (b"memory_budget = " + b"9" * 400 + b"\n", "memory_budget = 999"),
-    (b'memory_budget = "' + b"9" * 400 + b'"\n', "is larger than any memory"),
-    (b"memory_budget = " + b"9" * 5000 + b"\n", "not valid TOML"),
-    (b'memory_budget = "\xef\xbc\x91GB"\n', "expected a size such as 4GiB"),  # fullwidth 1
-    (b"max_tokens = " + b"9" * 30 + b"\n", "max_tokens = 999"),
-    (b"ttl = 1e400\n", "ttl = inf: expected a whole number"),
-    (b"x = " + b"[" * 100_000 + b"\n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b'model = "caf\xe9"\n', "not valid UTF-8 (byte 0xe9 at offset 12)"),
+        (b"memory_budget = " + b"9" * 400 + b"\n", "memory_budget = 999"),
+        (b'memory_budget = "' + b"9" * 400 + b'"\n', "is larger than any memory"),
+        (b"memory_budget = " + b"9" * 5000 + b"\n", "not valid TOML"),
+        (b'memory_budget = "\xef\xbc\x91GB"\n', "expected a size such as 4GiB"),  # fullwidth 1
+        (b"max_tokens = " + b"9" * 30 + b"\n", "max_tokens = 999"),
+        (b"ttl = 1e400\n", "ttl = inf: expected a whole number"),
+        (b"x = " + b"[" * 100_000 + b"\n", "not valid TOML"),
+    ],
+)
 def test_config_file_problems_are_one_sentence(tmp_path, content, words):
     path = tmp_path / "config.toml"
     path.write_bytes(content)
@@ -85,11 +98,17 @@ def test_sizes_still_parse():
     assert parse_config("memory_budget = 123").memory_budget == 123
 
 
-@pytest.mark.parametrize("content, words", [
-    (b'{"turns": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "recursion limit exceeded"),
-    (b'{"turns": ["caf\xe9"]}', "is not valid JSON"),
-    (b'{"turns": [{"op": "cache", "kind": "rotating:\xc2\xb2"}]}', "needs a number written with"),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b'{"turns": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "recursion limit exceeded"),
+        (b'{"turns": ["caf\xe9"]}', "is not valid JSON"),
+        (
+            b'{"turns": [{"op": "cache", "kind": "rotating:\xc2\xb2"}]}',
+            "needs a number written with",
+        ),
+    ],
+)
 def test_replay_script_problems_are_one_sentence(tmp_path, content, words):
     path = tmp_path / "script.json"
     path.write_bytes(content)

@@ -93,8 +93,11 @@ def run_bench(
     float32 = {}
     if "rows" in result["cpu"]:
         first = result["cpu"]["rows"]
-        float32 = {"prefill_tokens": bench.plan["cpu_prefill"][0],
-                   "prefill_tps": first[0]["on"], "decode_tps": first[1]["on"]}
+        float32 = {
+            "prefill_tokens": bench.plan["cpu_prefill"][0],
+            "prefill_tps": first[0]["on"],
+            "decode_tps": first[1]["on"],
+        }
     result["quantized_weights"] = cpu_bench.quantized_weights(lm, bench.plan, say, float32)
     say("fidelity: KL divergence of each kind against standard")
     runnable = applicable_kinds(lm.model, list(DEFAULT_KINDS))  # the rest: result["kinds"]

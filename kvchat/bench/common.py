@@ -27,7 +27,12 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "demo:qwen2.5-0.5b"
 CORPUS = Path(__file__).parent.parent / "engine" / "models" / "demo_corpus.txt"
 KINDS = (
-    "standard", "quantized:8", "quantized:4", "rotated:4", "rotating:1024", "chunked:1024",
+    "standard",
+    "quantized:8",
+    "quantized:4",
+    "rotated:4",
+    "rotating:1024",
+    "chunked:1024",
     "concatenate",
 )
 
@@ -258,8 +263,15 @@ def profile_cached_turn(session: Session, text: str) -> dict[str, float]:
         pass
     t4 = time.perf_counter()
     sampler, processors = for_settings(GenerationSettings(temp=0.0))
-    last = Sequence(prompt=prompt[-1:], cache=session.cache, ledger=session.ledger,
-                    sampler=sampler, processors=processors, max_tokens=1, stop=threading.Event())
+    last = Sequence(
+        prompt=prompt[-1:],
+        cache=session.cache,
+        ledger=session.ledger,
+        sampler=sampler,
+        processors=processors,
+        max_tokens=1,
+        stop=threading.Event(),
+    )
     for _ in core_for(session.lm).run(last):
         pass
     t5 = time.perf_counter()

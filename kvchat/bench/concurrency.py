@@ -21,8 +21,13 @@ from .serve import kvchat_serve, mlx_lm_server, stream_turn
 LOADS = (1, 2, 4, 8)
 
 
-def concurrency(model: str, out: Path, first_tokens: int = 340, max_tokens: int = 64,
-                loads: tuple[int, ...] = LOADS) -> dict:
+def concurrency(
+    model: str,
+    out: Path,
+    first_tokens: int = 340,
+    max_tokens: int = 64,
+    loads: tuple[int, ...] = LOADS,
+) -> dict:
     """Each server's rows, one per load, and the ratios the issue asks about."""
     from kvchat.engine.models.model import load_model
 
@@ -33,29 +38,42 @@ def concurrency(model: str, out: Path, first_tokens: int = 340, max_tokens: int 
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
-    servers = {"kvchat serve": lambda: kvchat_serve(model, out / "kvchat-conc.log"),
-               "mlx_lm.server": lambda: mlx_lm_server(folder, out / "mlx_lm-conc.log")}
+    servers = {
+        "kvchat serve": lambda: kvchat_serve(model, out / "kvchat-conc.log"),
+        "mlx_lm.server": lambda: mlx_lm_server(folder, out / "mlx_lm-conc.log"),
+    }
     rows: dict[str, dict[int, dict]] = {}
     for label, start in servers.items():
         server = start()
         try:
             stream_turn(server.url, [{"role": "user", "content": "Warm up."}], 4)
-            rows[label] = {n: _load(server.url, n, first_tokens, max_tokens, tokenizer, count,
-                                    run=f"{label}-{n}") for n in loads}
+            rows[label] = {
+                n: _load(
+                    server.url, n, first_tokens, max_tokens, tokenizer, count, run=f"{label}-{n}"
+                )
+                for n in loads
+            }
         finally:
             server.stop()
-    return {"model": model, "first_tokens": first_tokens, "max_tokens": max_tokens,
-            "servers": rows, "ratios": _ratios(rows, loads)}
+    return {
+        "model": model,
+        "first_tokens": first_tokens,
+        "max_tokens": max_tokens,
+        "servers": rows,
+        "ratios": _ratios(rows, loads),
+    }
 
 
-def _load(url: str, clients: int, first_tokens: int, max_tokens: int, tokenizer, count,
-          run: str) -> dict:
+def _load(
+    url: str, clients: int, first_tokens: int, max_tokens: int, tokenizer, count, run: str
+) -> dict:
     def converse(k: int) -> tuple[int, float | None]:
         article = make_text(tokenizer, first_tokens, seed=k + 1)
         messages = [{"role": "system", "content": f"You are assistant {k} of run {run}."}]
         generated, second = 0, None
-        for t, text in enumerate([f"Please read this.\n\n{article}", "What is it about?",
-                                  "And in one word?"]):
+        for t, text in enumerate(
+            [f"Please read this.\n\n{article}", "What is it about?", "And in one word?"]
+        ):
             messages.append({"role": "user", "content": text})
             result = stream_turn(url, messages, max_tokens)
             messages.append({"role": "assistant", "content": result["reply"]})
@@ -69,10 +87,13 @@ def _load(url: str, clients: int, first_tokens: int, max_tokens: int, tokenizer,
         done = list(pool.map(converse, range(clients)))
     seconds = time.perf_counter() - started
     ttfts = [s for _, s in done if s is not None]
-    return {"clients": clients, "seconds": round(seconds, 2),
-            "generated_tokens": sum(g for g, _ in done),
-            "aggregate_tps": round(sum(g for g, _ in done) / seconds, 1),
-            "turn2_ttft_median_s": round(statistics.median(ttfts), 3) if ttfts else None}
+    return {
+        "clients": clients,
+        "seconds": round(seconds, 2),
+        "generated_tokens": sum(g for g, _ in done),
+        "aggregate_tps": round(sum(g for g, _ in done) / seconds, 1),
+        "turn2_ttft_median_s": round(statistics.median(ttfts), 3) if ttfts else None,
+    }
 
 
 def _ratios(rows: dict[str, dict[int, dict]], loads: tuple[int, ...]) -> dict:
@@ -83,12 +104,16 @@ def _ratios(rows: dict[str, dict[int, dict]], loads: tuple[int, ...]) -> dict:
         return round(a / b, 2) if a and b else None
 
     return {
-        f"kvchat_aggregate_{most}_vs_{one}": ratio(ours[most]["aggregate_tps"],
-                                                   ours[one]["aggregate_tps"]),
-        f"kvchat_turn2_ttft_{most}_vs_{one}": ratio(ours[most]["turn2_ttft_median_s"],
-                                                    ours[one]["turn2_ttft_median_s"]),
-        f"aggregate_kvchat_vs_mlx_lm_at_{most}": ratio(ours[most]["aggregate_tps"],
-                                                       theirs[most]["aggregate_tps"]),
-        f"turn2_ttft_kvchat_vs_mlx_lm_at_{most}": ratio(ours[most]["turn2_ttft_median_s"],
-                                                        theirs[most]["turn2_ttft_median_s"]),
+        f"kvchat_aggregate_{most}_vs_{one}": ratio(
+            ours[most]["aggregate_tps"], ours[one]["aggregate_tps"]
+        ),
+        f"kvchat_turn2_ttft_{most}_vs_{one}": ratio(
+            ours[most]["turn2_ttft_median_s"], ours[one]["turn2_ttft_median_s"]
+        ),
+        f"aggregate_kvchat_vs_mlx_lm_at_{most}": ratio(
+            ours[most]["aggregate_tps"], theirs[most]["aggregate_tps"]
+        ),
+        f"turn2_ttft_kvchat_vs_mlx_lm_at_{most}": ratio(
+            ours[most]["turn2_ttft_median_s"], theirs[most]["turn2_ttft_median_s"]
+        ),
     }

@@ -47,8 +47,12 @@ def _follow_up(history: Session, decode: int) -> dict[str, float]:
     child = history.fork_prefix(history.messages)
     child.settings.max_tokens = decode
     stats = _turn(child, FOLLOW_UP)
-    return {"new_tokens": stats.evaluated_tokens, "history_tokens": stats.reused_tokens,
-            "ttft_s": stats.ttft_s, "decode_tps": stats.gen_tps}
+    return {
+        "new_tokens": stats.evaluated_tokens,
+        "history_tokens": stats.reused_tokens,
+        "ttft_s": stats.ttft_s,
+        "decode_tps": stats.gen_tps,
+    }
 
 
 def _best(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -71,6 +75,7 @@ def _interleaved(choices: tuple, measure, repeats: int = 2) -> list[dict[str, fl
 
 def _pair(lm: LoadedModel, measure, log: Log, label: str, repeats: int = 2) -> dict[str, Any]:
     """``measure()`` with ``lm``'s fast path on and off, interleaved."""
+
     def switched(on: bool) -> dict[str, float]:
         log(f"cpu: {label}, fast path {'on' if on else 'off'}")
         lm.fast_path.on = on
@@ -103,7 +108,10 @@ def roofline(lm: LoadedModel, rows: int, repeats: int = 2) -> dict[str, float]:
     if not body or len(body) + len(output) < len(body_views) + len(output_views):
         return {}  # a weight numpy cannot take
     rng = np.random.default_rng(0)
-    inputs = {n: rng.standard_normal((rows, n), dtype=np.float32) for n in {w.shape[1] for w in body + output}}
+    inputs = {
+        n: rng.standard_normal((rows, n), dtype=np.float32)
+        for n in {w.shape[1] for w in body + output}
+    }
 
     def sweep(weights: list, multiply) -> float:
         best = float("inf")
@@ -117,10 +125,14 @@ def roofline(lm: LoadedModel, rows: int, repeats: int = 2) -> dict[str, float]:
     step_s = sweep(body + output, lambda w, x: w @ x[0])
     prefill_s = sweep(body, lambda w, x: x @ w.T)
     streamed = sum(w.nbytes for w in body + output)
-    return {"weight_bytes": streamed, "stream_gb_s": streamed / step_s / 1e9,
-            "decode_bound_tps": 1 / step_s, "prefill_rows": rows,
-            "matmul_gflop_s": 2 * rows * sum(w.size for w in body) / prefill_s / 1e9,
-            "prefill_bound_tps": rows / prefill_s}
+    return {
+        "weight_bytes": streamed,
+        "stream_gb_s": streamed / step_s / 1e9,
+        "decode_bound_tps": 1 / step_s,
+        "prefill_rows": rows,
+        "matmul_gflop_s": 2 * rows * sum(w.size for w in body) / prefill_s / 1e9,
+        "prefill_bound_tps": rows / prefill_s,
+    }
 
 
 def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]:
@@ -131,32 +143,66 @@ def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]
         return {"skipped": lm.fast_path_line()}
     rows = []
     for tokens in plan["cpu_prefill"]:
-        pair = _pair(lm, lambda t=tokens: _prefill_and_decode(lm, t, plan["cpu_decode"]), log,
-                     f"prefill {tokens}")
-        rows.append({"what": f"prefill {tokens} tokens from empty", "unit": "tok/s",
-                     "on": pair["on"]["prefill_tps"], "off": pair["off"]["prefill_tps"]})
+        pair = _pair(
+            lm,
+            lambda t=tokens: _prefill_and_decode(lm, t, plan["cpu_decode"]),
+            log,
+            f"prefill {tokens}",
+        )
+        rows.append(
+            {
+                "what": f"prefill {tokens} tokens from empty",
+                "unit": "tok/s",
+                "on": pair["on"]["prefill_tps"],
+                "off": pair["off"]["prefill_tps"],
+            }
+        )
         if tokens == plan["cpu_prefill"][0]:
-            rows.append({"what": f"decode at {tokens} tokens of context", "unit": "tok/s",
-                         "on": pair["on"]["decode_tps"], "off": pair["off"]["decode_tps"]})
-    history = Session(lm, settings=GenerationSettings(max_tokens=plan["cpu_decode"], ignore_eos=True))
+            rows.append(
+                {
+                    "what": f"decode at {tokens} tokens of context",
+                    "unit": "tok/s",
+                    "on": pair["on"]["decode_tps"],
+                    "off": pair["off"]["decode_tps"],
+                }
+            )
+    history = Session(
+        lm, settings=GenerationSettings(max_tokens=plan["cpu_decode"], ignore_eos=True)
+    )
     log(f"cpu: prefilling a {plan['cpu_history']}-token history")
     _turn(history, make_text(lm.tokenizer, plan["cpu_history"], seed=12))
     pair = _pair(lm, lambda: _follow_up(history, plan["cpu_decode"]), log, "follow-up")
     n = pair["on"]["history_tokens"]
-    rows.append({"what": f"follow-up of {pair['on']['new_tokens']} tokens after {n:,} cached",
-                 "unit": "s TTFT", "on": pair["on"]["ttft_s"], "off": pair["off"]["ttft_s"]})
-    rows.append({"what": f"decode at {n:,} tokens of context", "unit": "tok/s",
-                 "on": pair["on"]["decode_tps"], "off": pair["off"]["decode_tps"]})
+    rows.append(
+        {
+            "what": f"follow-up of {pair['on']['new_tokens']} tokens after {n:,} cached",
+            "unit": "s TTFT",
+            "on": pair["on"]["ttft_s"],
+            "off": pair["off"]["ttft_s"],
+        }
+    )
+    rows.append(
+        {
+            "what": f"decode at {n:,} tokens of context",
+            "unit": "tok/s",
+            "on": pair["on"]["decode_tps"],
+            "off": pair["off"]["decode_tps"],
+        }
+    )
     for row in rows:
-        faster = (_ratio(row["off"], row["on"]) if row["unit"].startswith("s")
-                  else _ratio(row["on"], row["off"]))
+        faster = (
+            _ratio(row["off"], row["on"])
+            if row["unit"].startswith("s")
+            else _ratio(row["on"], row["off"])
+        )
         row["speedup"] = faster
     log("cpu: the machine's bounds for these weights")
     return {"rows": rows, "roofline": roofline(lm, plan["cpu_prefill"][0])}
 
 
-def quantized_weights(lm: LoadedModel, plan: dict[str, Any], log: Log,
-                      float32: dict[str, float]) -> dict[str, Any]:
+def quantized_weights(
+    lm: LoadedModel, plan: dict[str, Any], log: Log, float32: dict[str, float]
+) -> dict[str, Any]:
     """Prefill and decode of ``@q4``/``@q8`` copies of the model, dequantized and packed."""
     from kvchat.engine.models.demo import parse_demo_spec
     from kvchat.engine.models.model import load_model
@@ -182,11 +228,13 @@ def quantized_weights(lm: LoadedModel, plan: dict[str, Any], log: Log,
                 row |= _prefill_and_decode(quant, plan["cpu_packed_prefill"], plan["cpu_decode"])
             else:
                 base, figures = _interleaved(
-                    (lm, quant), lambda m: _prefill_and_decode(m, plan["cpu_prefill"][0],
-                                                               plan["cpu_decode"]))
+                    (lm, quant),
+                    lambda m: _prefill_and_decode(m, plan["cpu_prefill"][0], plan["cpu_decode"]),
+                )
                 row |= figures | {
                     "prefill_vs_float32": _ratio(figures["prefill_tps"], base["prefill_tps"]),
-                    "decode_vs_float32": _ratio(figures["decode_tps"], base["decode_tps"])}
+                    "decode_vs_float32": _ratio(figures["decode_tps"], base["decode_tps"]),
+                }
             rows.append(row)
             del quant
     return {"rows": rows, "threads": os.cpu_count()}

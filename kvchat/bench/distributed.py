@@ -40,10 +40,20 @@ def run(model: str, chars: int, max_tokens: int, home: Path) -> dict:
     rows = {}
     for name, (prefix, env) in RUNS.items():
         prefix = [a.replace("{port}", str(free_port())) for a in prefix]
-        argv = [*CLI, *prefix, "replay", str(script), "--model", model, "--json",
-                "--max-tokens", str(max_tokens)]
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
-                             env={**os.environ, **env})
+        argv = [
+            *CLI,
+            *prefix,
+            "replay",
+            str(script),
+            "--model",
+            model,
+            "--json",
+            "--max-tokens",
+            str(max_tokens),
+        ]
+        out = subprocess.run(
+            argv, capture_output=True, text=True, timeout=1800, env={**os.environ, **env}
+        )
         if out.returncode != 0:
             raise RuntimeError(f"{name}: {out.stderr.strip().splitlines()[-1:]}")
         turn = json.loads(out.stdout)["turns"][0]
@@ -65,11 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with temp_home() as home:
         rows = run(args.model, args.chars, args.max_tokens, home)
-    print(f"{'run':<28} {'prompt tok':>10} {'prompt tok/s':>12} {'decode tok/s':>12} "
-          f"{'rank 0 peak GiB':>15}")
+    print(
+        f"{'run':<28} {'prompt tok':>10} {'prompt tok/s':>12} {'decode tok/s':>12} "
+        f"{'rank 0 peak GiB':>15}"
+    )
     for name, r in rows.items():
-        print(f"{name:<28} {r['prompt_tokens']:>10} {r['prompt_tps']:>12} {r['decode_tps']:>12} "
-              f"{r['rank0_peak_gib']:>15}")
+        print(
+            f"{name:<28} {r['prompt_tokens']:>10} {r['prompt_tps']:>12} {r['decode_tps']:>12} "
+            f"{r['rank0_peak_gib']:>15}"
+        )
     print(json.dumps({"model": args.model, "rows": rows}))
     return 0
 

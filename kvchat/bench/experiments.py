@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
 
 
-
 class Bench:
     def __init__(self, lm: LoadedModel, quick: bool, log: Log | None = None):
         self.lm = lm
@@ -48,11 +47,15 @@ class Bench:
     def _say(self, msg: str) -> None:
         self.log(f"[{time.perf_counter() - self.started:7.1f}s] {msg}")
 
-    def _session(self, messages: list[dict] | None = None, max_tokens: int = 8, kind: str = "standard"):
+    def _session(
+        self, messages: list[dict] | None = None, max_tokens: int = 8, kind: str = "standard"
+    ):
         from kvchat.engine.conversation.session import GenerationSettings, Session
 
         return Session(
-            self.lm, kind=kind, messages=list(messages or []),
+            self.lm,
+            kind=kind,
+            messages=list(messages or []),
             settings=GenerationSettings(max_tokens=max_tokens, temp=0.0, ignore_eos=True),
         )
 
@@ -80,17 +83,22 @@ class Bench:
         t2_fresh = run_turn(a, SUMMARY_PROMPT)
         turns = []
         for i, (c, u) in enumerate(((t1_cached, t1_fresh), (t2_cached, t2_fresh)), 1):
-            turns.append({
-                "turn": i,
-                "message": "read this article" if i == 1 else SUMMARY_PROMPT,
-                "prompt_tokens": c["prompt_tokens"],
-                "cached": _turn_view(c),
-                "uncached": _turn_view(u),
-                "speedup_prompt_eval": _ratio(u["prompt_eval_s"], c["prompt_eval_s"]),
-                "speedup_ttft": _ratio(u["ttft_s"], c["ttft_s"]),
-                "same_reply": c["tokens"] == u["tokens"],
-            })
-        return {"article_tokens": len(tok.encode(article, add_special_tokens=False)), "turns": turns}
+            turns.append(
+                {
+                    "turn": i,
+                    "message": "read this article" if i == 1 else SUMMARY_PROMPT,
+                    "prompt_tokens": c["prompt_tokens"],
+                    "cached": _turn_view(c),
+                    "uncached": _turn_view(u),
+                    "speedup_prompt_eval": _ratio(u["prompt_eval_s"], c["prompt_eval_s"]),
+                    "speedup_ttft": _ratio(u["ttft_s"], c["ttft_s"]),
+                    "same_reply": c["tokens"] == u["tokens"],
+                }
+            )
+        return {
+            "article_tokens": len(tok.encode(article, add_special_tokens=False)),
+            "turns": turns,
+        }
 
     # 2 + 4 -------------------------------------------------- sweep, persistence
     def _grow(self, history: list[dict], target: int, seed: int) -> list[dict]:
@@ -101,7 +109,11 @@ class Bench:
         while have < target - 16:
             need = target - have
             reply = make_text(self.lm.tokenizer, min(40, max(4, need // 8)), seed=seed + 1000)
-            probe = [*history, {"role": "user", "content": "x"}, {"role": "assistant", "content": reply}]
+            probe = [
+                *history,
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": reply},
+            ]
             overhead = len(render(probe, False)) - have
             body = max(4, need - overhead)
             user = make_text(self.lm.tokenizer, body, seed=seed)
@@ -138,8 +150,11 @@ class Bench:
             self.histories[target] = history
             checkpoints.append((target, history))
             reply = make_text(self.lm.tokenizer, 24, seed=900 + i)
-            messages = [*history, {"role": "user", "content": FOLLOW_UP},
-                        {"role": "assistant", "content": reply}]
+            messages = [
+                *history,
+                {"role": "user", "content": FOLLOW_UP},
+                {"role": "assistant", "content": reply},
+            ]
         transcript = render(messages, False)
 
         points, persists = [], []
@@ -164,8 +179,11 @@ class Bench:
                 first_uncached = cast(int, mx.argmax(logits[0, -1]).item())
             clock += time.perf_counter() - t0
             done = len(prompt)
-            uncached = {"ttft_s": render_s + clock, "prompt_eval_s": clock,
-                        "prompt_tokens": len(prompt)}
+            uncached = {
+                "ttft_s": render_s + clock,
+                "prompt_eval_s": clock,
+                "prompt_tokens": len(prompt),
+            }
 
             h_tokens = render(history, False)
             copied = copy_cache(cache)
@@ -174,7 +192,11 @@ class Bench:
             from kvchat.engine.conversation.session import GenerationSettings, Session
 
             s = Session.restore(
-                self.lm, messages=list(history), kind="standard", ledger=h_tokens, cache=copied,
+                self.lm,
+                messages=list(history),
+                kind="standard",
+                ledger=h_tokens,
+                cache=copied,
                 settings=GenerationSettings(
                     max_tokens=plan["follow_max_tokens"], temp=0.0, ignore_eos=True
                 ),
@@ -187,37 +209,42 @@ class Bench:
                 cached_runs.append(run_turn(s, FOLLOW_UP))
                 s.undo()
             cached_med = _median([r["ttft_s"] for r in cached_runs])
-            new = prompt[cached_runs[0]["reused_tokens"]:]
+            new = prompt[cached_runs[0]["reused_tokens"] :]
             eval_only = _median([_eval_only_s(self.lm, new) for _ in range(plan["cached_repeats"])])
             self._say(f"sweep {target}: profile of the cached turn")
             profile = _median_profile(
                 [profile_cached_turn(s, FOLLOW_UP) for _ in range(plan["profile_repeats"])]
             )
-            points.append({
-                "target_tokens": target,
-                "history_tokens": len(h_tokens),
-                "new_tokens": cached_runs[0]["evaluated_tokens"],
-                "cached_ttft_s": cached_med,
-                "cached_ttft_best_s": min(r["ttft_s"] for r in cached_runs),
-                "cached_prompt_eval_s": _median([r["prompt_eval_s"] for r in cached_runs]),
-                "uncached_ttft_s": uncached["ttft_s"],
-                "uncached_prompt_eval_s": uncached["prompt_eval_s"],
-                "uncached_prompt_tokens": len(prompt),
-                "speedup_ttft": _ratio(uncached["ttft_s"], cached_med),
-                "eval_new_only_s": eval_only,
-                "cached_over_new_only": _ratio(cached_med, eval_only),
-                "gen_tps_cached": _median([r["gen_tps"] for r in cached_runs]),
-                # greedy: the cached turn's first token equals the fresh prefill's
-                "same_reply": all(r["tokens"][:1] == [first_uncached] for r in cached_runs),
-                "profile": profile,
-            })
+            points.append(
+                {
+                    "target_tokens": target,
+                    "history_tokens": len(h_tokens),
+                    "new_tokens": cached_runs[0]["evaluated_tokens"],
+                    "cached_ttft_s": cached_med,
+                    "cached_ttft_best_s": min(r["ttft_s"] for r in cached_runs),
+                    "cached_prompt_eval_s": _median([r["prompt_eval_s"] for r in cached_runs]),
+                    "uncached_ttft_s": uncached["ttft_s"],
+                    "uncached_prompt_eval_s": uncached["prompt_eval_s"],
+                    "uncached_prompt_tokens": len(prompt),
+                    "speedup_ttft": _ratio(uncached["ttft_s"], cached_med),
+                    "eval_new_only_s": eval_only,
+                    "cached_over_new_only": _ratio(cached_med, eval_only),
+                    "gen_tps_cached": _median([r["gen_tps"] for r in cached_runs]),
+                    # greedy: the cached turn's first token equals the fresh prefill's
+                    "same_reply": all(r["tokens"][:1] == [first_uncached] for r in cached_runs),
+                    "profile": profile,
+                }
+            )
             if target == plan["kinds_history"]:
                 self.sessions[target] = s
             del s, copied
         del cache
         mx.clear_cache()
-        return {"follow_up": FOLLOW_UP, "uncached_method": "one fresh prefill, timed per prompt",
-                "points": points}, {"points": persists}
+        return {
+            "follow_up": FOLLOW_UP,
+            "uncached_method": "one fresh prefill, timed per prompt",
+            "points": points,
+        }, {"points": persists}
 
     def _persistence(
         self, s: Session, target: int, uncached: dict[str, Any], first_uncached: int
@@ -300,23 +327,25 @@ class Bench:
                 (i for i, (x, y) in enumerate(zip(r["tokens"], ref)) if x != y),
                 min(len(r["tokens"]), len(ref)),
             )
-            rows.append({
-                "kind": name,
-                "prepared": "rebuilt from the transcript" if rebuilt else "converted / copied",
-                "prepare_s": prepare_s,
-                "bytes_per_token": bpt_history,
-                "cache_bytes_after_turn": r["cache_bytes"],
-                "cache_tokens_after_turn": r["cache_tokens"],
-                "ttft_s": r["ttft_s"],
-                "prompt_eval_s": r["prompt_eval_s"],
-                "reused_tokens": r["reused_tokens"],
-                "generated_tokens": r["generated_tokens"],
-                "gen_tps": r["gen_tps"],
-                "agree_with_standard": agree,
-                "agree_of": len(ref),
-                "first_divergence": first_diff,
-                "rebuilt": r["rebuilt"],
-            })
+            rows.append(
+                {
+                    "kind": name,
+                    "prepared": "rebuilt from the transcript" if rebuilt else "converted / copied",
+                    "prepare_s": prepare_s,
+                    "bytes_per_token": bpt_history,
+                    "cache_bytes_after_turn": r["cache_bytes"],
+                    "cache_tokens_after_turn": r["cache_tokens"],
+                    "ttft_s": r["ttft_s"],
+                    "prompt_eval_s": r["prompt_eval_s"],
+                    "reused_tokens": r["reused_tokens"],
+                    "generated_tokens": r["generated_tokens"],
+                    "gen_tps": r["gen_tps"],
+                    "agree_with_standard": agree,
+                    "agree_of": len(ref),
+                    "first_divergence": first_diff,
+                    "rebuilt": r["rebuilt"],
+                }
+            )
             del child
             mx.clear_cache()
         std = next(r for r in rows if r["kind"] == "standard")
@@ -330,7 +359,10 @@ class Bench:
         k, v = layer.keys[..., :n_tokens, :], layer.values[..., :n_tokens, :]
         fp16 = (k.astype(mx.float16).nbytes + v.astype(mx.float16).nbytes) / n_tokens
         for bits in (8, 4):
-            q = [mx.quantize(x.astype(mx.float16), group_size=QUANT_GROUP_SIZE, bits=bits) for x in (k, v)]
+            q = [
+                mx.quantize(x.astype(mx.float16), group_size=QUANT_GROUP_SIZE, bits=bits)
+                for x in (k, v)
+            ]
             qbytes = sum(a.nbytes for pair in q for a in pair) / n_tokens
             keys16[f"quantized:{bits}"] = qbytes / fp16
         layers = len(base.cache)
@@ -358,8 +390,14 @@ class Bench:
             if off:
                 env["KVCHAT_NO_BLAS"] = "1"
             cmd = [
-                sys.executable, "-m", "kvchat.bench", "--blas-probe",
-                "--model", self.lm.model_id, "--tokens", str(self.plan["blas_probe_tokens"]),
+                sys.executable,
+                "-m",
+                "kvchat.bench",
+                "--blas-probe",
+                "--model",
+                self.lm.model_id,
+                "--tokens",
+                str(self.plan["blas_probe_tokens"]),
             ]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             if proc.returncode != 0:
@@ -373,8 +411,17 @@ class Bench:
 
 
 def _turn_view(r: dict[str, Any]) -> dict[str, Any]:
-    keys = ("prompt_tokens", "reused_tokens", "evaluated_tokens", "prompt_eval_s", "ttft_s",
-            "generated_tokens", "gen_tps", "cache_tokens", "cache_bytes")
+    keys = (
+        "prompt_tokens",
+        "reused_tokens",
+        "evaluated_tokens",
+        "prompt_eval_s",
+        "ttft_s",
+        "generated_tokens",
+        "gen_tps",
+        "cache_tokens",
+        "cache_bytes",
+    )
     return {k: r[k] for k in keys}
 
 

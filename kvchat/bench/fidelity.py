@@ -52,14 +52,18 @@ def logprobs(lm: LoadedModel, tokens: list[int], kind: CacheKind, chunk: int = C
     rows = []
     for start in range(0, len(tokens), chunk):
         logits = lm.model(mx.array(tokens[start : start + chunk])[None], cache=cache)[0]
-        out = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+        out = logits.astype(mx.float32) - mx.logsumexp(
+            logits.astype(mx.float32), axis=-1, keepdims=True
+        )
         rows.append(np.array(out, dtype=np.float64))
     return np.concatenate(rows)
 
 
 def evaluate(
-    lm: LoadedModel, kinds: list[str] | tuple[str, ...] = DEFAULT_KINDS,
-    text: str | None = None, max_tokens: int = 1024,
+    lm: LoadedModel,
+    kinds: list[str] | tuple[str, ...] = DEFAULT_KINDS,
+    text: str | None = None,
+    max_tokens: int = 1024,
 ) -> list[Fidelity]:
     """The figures of each kind (``standard`` first, its KLD zero) on ``text``.
 
@@ -77,12 +81,14 @@ def evaluate(
         lp = reference if kind.name == "standard" else logprobs(lm, tokens[:-1], kind)
         kld = np.maximum((p * (reference - lp)).sum(axis=-1), 0.0)
         nll = -lp[np.arange(len(targets)), targets]
-        out.append(Fidelity(
-            kind=kind.name,
-            tokens=len(targets),
-            kld_mean=float(kld.mean()),
-            kld_p99=float(np.percentile(kld, 99)),
-            top1_agreement=float((lp.argmax(-1) == reference.argmax(-1)).mean()),
-            perplexity=float(np.exp(nll.mean())),
-        ))
+        out.append(
+            Fidelity(
+                kind=kind.name,
+                tokens=len(targets),
+                kld_mean=float(kld.mean()),
+                kld_p99=float(np.percentile(kld, 99)),
+                top1_agreement=float((lp.argmax(-1) == reference.argmax(-1)).mean()),
+                perplexity=float(np.exp(nll.mean())),
+            )
+        )
     return out

@@ -42,7 +42,9 @@ class Running:
     def __init__(self, argv: list[str], port: int, log: Path):
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log, "ab")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=self._log, env=os.environ.copy())
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=self._log, env=os.environ.copy()
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
@@ -73,8 +75,16 @@ def free_port() -> int:
 
 def kvchat_serve(model: str, log: Path) -> Running:
     port = free_port()
-    argv = [sys.executable, "-c", "from kvchat.cli import main; main()", "serve",
-            "--model", model, "--port", str(port)]
+    argv = [
+        sys.executable,
+        "-c",
+        "from kvchat.cli import main; main()",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+    ]
     return Running(argv, port, log)
 
 
@@ -83,17 +93,24 @@ def mlx_lm_server(folder: Path, log: Path) -> Running:
     # The optimised BLAS first, as kvchat's entry point loads it (kvchat.blas); the server
     # is mlx-lm's own, unchanged.
     entry = "from kvchat import blas; blas.preload(); from mlx_lm.server import main; main()"
-    argv = [sys.executable, "-c", entry, "--model", str(folder), "--port", str(port),
-            "--temp", "0"]
+    argv = [sys.executable, "-c", entry, "--model", str(folder), "--port", str(port), "--temp", "0"]
     return Running(argv, port, log)
 
 
 def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
     """One streamed chat completion: the reply, the seconds to its first text, the total."""
-    body = json.dumps({"model": "default_model", "messages": messages, "stream": True,
-                       "max_tokens": max_tokens, "temperature": 0}).encode()
-    request = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": "default_model",
+            "messages": messages,
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     started = time.perf_counter()
     first, text = None, ""
     extra: dict[str, Any] = {}
@@ -109,8 +126,12 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
                 if piece and first is None:
                     first = time.perf_counter() - started
                 text += piece
-    return {"reply": text, "ttft_s": first, "total_s": time.perf_counter() - started,
-            "kvchat": extra}
+    return {
+        "reply": text,
+        "ttft_s": first,
+        "total_s": time.perf_counter() - started,
+        "kvchat": extra,
+    }
 
 
 def ttft(model: str, history_tokens: int, out: Path) -> dict:
@@ -122,8 +143,10 @@ def ttft(model: str, history_tokens: int, out: Path) -> dict:
     folder = lm.path
     del lm  # the servers hold the weights; this process needs only the text
     turns = [f"Please read this.\n\n{article}", "What is it about?", "And in one word?"]
-    servers = {"kvchat serve": lambda: kvchat_serve(model, out / "kvchat.log"),
-               "mlx_lm.server": lambda: mlx_lm_server(folder, out / "mlx_lm.log")}
+    servers = {
+        "kvchat serve": lambda: kvchat_serve(model, out / "kvchat.log"),
+        "mlx_lm.server": lambda: mlx_lm_server(folder, out / "mlx_lm.log"),
+    }
     rows = {}
     for label, start in servers.items():
         messages, timings = [], []
@@ -140,7 +163,8 @@ def ttft(model: str, history_tokens: int, out: Path) -> dict:
         finally:
             server.stop()
         rows[label] = {
-            "turn1_ttft_s": timings[0]["ttft_s"], "turn2_ttft_s": timings[1]["ttft_s"],
+            "turn1_ttft_s": timings[0]["ttft_s"],
+            "turn2_ttft_s": timings[1]["ttft_s"],
             "after_restart_ttft_s": timings[2]["ttft_s"],
             "turn2_cached_tokens": timings[1]["kvchat"].get("reused_tokens"),
             "after_restart_resumed": timings[2]["kvchat"].get("resumed_from_disk"),
@@ -182,11 +206,22 @@ def load(model: str, clients: int, turns: int, out: Path) -> dict:
         saved = store.read(name)
         loaded = store.load(name, lm)
         same = [(m["role"], m["content"]) for m in saved["messages"]] == [
-            (m["role"], m["content"]) for m in messages]
-        whole += same and loaded.resumed_from_disk and loaded.notice is None and len(
-            loaded.session.ledger) == loaded.session.cache_tokens
-    return {"clients": clients, "turns": turns, "answered": sum(d[2] for d in done),
-            "expected": clients * turns, "sessions_whole": whole, "seconds": round(seconds, 1)}
+            (m["role"], m["content"]) for m in messages
+        ]
+        whole += (
+            same
+            and loaded.resumed_from_disk
+            and loaded.notice is None
+            and len(loaded.session.ledger) == loaded.session.cache_tokens
+        )
+    return {
+        "clients": clients,
+        "turns": turns,
+        "answered": sum(d[2] for d in done),
+        "expected": clients * turns,
+        "sessions_whole": whole,
+        "seconds": round(seconds, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

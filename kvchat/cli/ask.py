@@ -25,7 +25,9 @@ def ask(
     ] = None,
     cache: Annotated[str | None, typer.Option(help="Cache kind, e.g. quantized:8.")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt for a new session.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the reply and stats as JSON.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the reply and stats as JSON.")
+    ] = False,
     stats: Annotated[
         bool, typer.Option("--stats", help="After the reply, print the turn's figures on stderr.")
     ] = False,
@@ -76,12 +78,17 @@ def ask(
                 if kind is not None:
                     chat.set_kind(kind)
                 if system is not None and system != (chat.system or ""):
-                    typer.echo("kvchat: --system only applies to a new session; kept the saved one.",
-                               err=True)
+                    typer.echo(
+                        "kvchat: --system only applies to a new session; kept the saved one.",
+                        err=True,
+                    )
             else:
-                chat = new_session(lm, kind=kind or config.cache,
-                                   system=system if system is not None else config.system or None,
-                                   settings=generation_of(config))
+                chat = new_session(
+                    lm,
+                    kind=kind or config.cache,
+                    system=system if system is not None else config.system or None,
+                    settings=generation_of(config),
+                )
                 notice = store.set_aside(session) if session else None  # a cache left alone
             if notice:
                 typer.echo(f"kvchat: {printable(notice)}", err=True)
@@ -91,8 +98,11 @@ def ask(
                     drafts.keep(session, text)
                 except (store.StoreError, OSError) as exc:  # a full disk: sent all the same
                     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-                    typer.echo(f"kvchat: the message could not be kept on disk while it is "
-                               f"sent ({printable(str(reason)).lower()}).", err=True)
+                    typer.echo(
+                        f"kvchat: the message could not be kept on disk while it is "
+                        f"sent ({printable(str(reason)).lower()}).",
+                        err=True,
+                    )
             try:
                 done = _stream_reply(events, echo=not as_json)
             except KeyboardInterrupt:
@@ -100,8 +110,10 @@ def ask(
                 if session:  # keep the partial reply (marked stopped) with the transcript
                     save_session(chat, session, base=base)
                     drafts.clear(session)
-                typer.echo("\nkvchat: interrupted" + (f"; saved session {session}."
-                                                       if session else "."), err=True)
+                typer.echo(
+                    "\nkvchat: interrupted" + (f"; saved session {session}." if session else "."),
+                    err=True,
+                )
                 raise typer.Exit(130) from None
             save_error = None
             if session:
@@ -113,9 +125,14 @@ def ask(
     except (store.StoreError, SessionError, CacheKindError) as exc:
         raise _fail(str(exc)) from None
     if as_json:
-        payload = {"reply": done.reply, **done.stats.to_dict(),
-                   "resumed_from_disk": resumed, "notice": notice, "session": session,
-                   "saved": bool(session) and save_error is None}
+        payload = {
+            "reply": done.reply,
+            **done.stats.to_dict(),
+            "resumed_from_disk": resumed,
+            "notice": notice,
+            "session": session,
+            "saved": bool(session) and save_error is None,
+        }
         typer.echo(dumps_json(payload))
     if stats:
         typer.echo(_stats_line(done), err=True)
@@ -145,10 +162,12 @@ def _stats_line(done) -> str:
     from kvchat.engine.conversation.thoughts import reevaluated_note
 
     s = done.stats
-    line = (f"kvchat: {s.prompt_tokens:,} prompt tokens ({s.reused_tokens:,} reused, "
-            f"{s.evaluated_tokens:,} evaluated) in {s.prompt_eval_s:.2f} s, "
-            f"{s.generated_tokens:,} generated at {s.gen_tps:.1f} tok/s, "
-            f"cache {s.cache_tokens:,} tokens")
+    line = (
+        f"kvchat: {s.prompt_tokens:,} prompt tokens ({s.reused_tokens:,} reused, "
+        f"{s.evaluated_tokens:,} evaluated) in {s.prompt_eval_s:.2f} s, "
+        f"{s.generated_tokens:,} generated at {s.gen_tps:.1f} tok/s, "
+        f"cache {s.cache_tokens:,} tokens"
+    )
     if done.stopped:
         line += ", stopped"
     note = reevaluated_note(s.reevaluated_reply_tokens)

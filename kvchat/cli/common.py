@@ -38,10 +38,15 @@ def setting_options(command: Callable[..., Any]) -> Callable[..., Any]:
     (``kvchat.settings.apply_overrides``)."""
     signature = inspect.signature(command, eval_str=True)
     kept = [p for p in signature.parameters.values() if p.name != "flags"]
-    added = [inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                               annotation=Annotated[s.type | None,
-                                                    typer.Option(s.option, help=s.help)])
-             for s in FLAGS]
+    added = [
+        inspect.Parameter(
+            s.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[s.type | None, typer.Option(s.option, help=s.help)],
+        )
+        for s in FLAGS
+    ]
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -82,6 +87,8 @@ def _as_text(raw: bytes | str, what: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
-        typer.echo(f"kvchat: {what} is not valid UTF-8; the bytes that are not were replaced "
-                   "with U+FFFD.", err=True)
+        typer.echo(
+            f"kvchat: {what} is not valid UTF-8; the bytes that are not were replaced with U+FFFD.",
+            err=True,
+        )
         return raw.decode("utf-8", "replace")

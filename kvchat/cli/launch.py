@@ -81,8 +81,21 @@ def launch(
     if found is None:
         raise _fail("mlx.launch is not installed beside this Python; install mlx.", 2)
     where = ["--hostfile", str(hostfile)] if hostfile else ["--hosts", hosts] if hosts else []
-    argv = [found, "-n", str(ranks), *where, "--backend", backend, "--python", sys.executable,
-            *(["--starting-port", str(port)] if port else []), "--", "-c", ENTRY, *command]
+    argv = [
+        found,
+        "-n",
+        str(ranks),
+        *where,
+        "--backend",
+        backend,
+        "--python",
+        sys.executable,
+        *(["--starting-port", str(port)] if port else []),
+        "--",
+        "-c",
+        ENTRY,
+        *command,
+    ]
     raise typer.Exit(_run(argv))
 
 
@@ -125,8 +138,11 @@ def _lost(ended: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
 def tui_flags(args: list[str]) -> dict:
     """The TUI's options (``kvchat``'s own, read by its own definitions) from ``args``:
     :func:`kvchat.tui.run.tui_app`'s keyword arguments."""
-    options = typer.core.TyperCommand("kvchat", params=typer.main.get_command(app).params,
-                                      context_settings={"allow_extra_args": True})
+    options = typer.core.TyperCommand(
+        "kvchat",
+        params=typer.main.get_command(app).params,
+        context_settings={"allow_extra_args": True},
+    )
     try:
         with options.make_context("kvchat", list(args)) as ctx:
             if ctx.args:  # a command: not one this way runs
@@ -136,17 +152,25 @@ def tui_flags(args: list[str]) -> dict:
         raise _fail(exc.format_message(), 2) from None
     if params["system"] is not None:
         params["system"] = _as_text(params["system"], "--system")
-    return {**{k: params[k] for k in TUI_OPTIONS},
-            "flags": {s.name: params[s.name] for s in FLAGS}}
+    return {**{k: params[k] for k in TUI_OPTIONS}, "flags": {s.name: params[s.name] for s in FLAGS}}
 
 
-def _tui(args: list[str], ranks: int, hosts: str | None, hostfile: Path | None, backend: str,
-         port: int | None) -> int:
+def _tui(
+    args: list[str],
+    ranks: int,
+    hosts: str | None,
+    hostfile: Path | None,
+    backend: str,
+    port: int | None,
+) -> int:
     """Run the TUI on rank 0 (this process) of a ring this process starts."""
     flags = tui_flags(args)
     if backend != "ring":
-        raise _fail("The TUI runs over the ring backend only (mlx.launch, which starts the "
-                    "MPI backend, gives rank 0 no terminal).", 2)
+        raise _fail(
+            "The TUI runs over the ring backend only (mlx.launch, which starts the "
+            "MPI backend, gives rank 0 no terminal).",
+            2,
+        )
     try:
         ring = Ring(ring_hosts(ranks, hosts, hostfile), port or DEFAULT_PORT, ranks_log())
     except RingError as exc:

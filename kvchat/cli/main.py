@@ -54,7 +54,8 @@ def root(
     model: Annotated[
         str | None,
         typer.Option(
-            "--model", "-m",
+            "--model",
+            "-m",
             help="demo, demo:<shape> (either may end in @q4 or @q8), a Hugging Face id or a "
             "folder (default: the config's).",
         ),
@@ -94,8 +95,9 @@ def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     model: Annotated[
         str | None,
-        typer.Option("--model", "-m", help="The model whose CPU fast path to show "
-                     "(default: the config's)."),
+        typer.Option(
+            "--model", "-m", help="The model whose CPU fast path to show (default: the config's)."
+        ),
     ] = None,
 ) -> None:
     """Show versions, the MLX device, the BLAS, the CPU fast path a model gets, and kvchat's
@@ -155,8 +157,10 @@ def _device_report() -> dict[str, Any]:
     return {
         "device": _device_name(),
         "backend": fit.backend(),
-        "backends": ", ".join(f"{name} {'yes' if up else 'no'}" for name, up in (
-            ("metal", mx.metal.is_available()), ("cuda", mx.cuda.is_available()))),
+        "backends": ", ".join(
+            f"{name} {'yes' if up else 'no'}"
+            for name, up in (("metal", mx.metal.is_available()), ("cuda", mx.cuda.is_available()))
+        ),
         "device_name": str(info.get("device_name", "not reported")),
         "device_memory": f"{memory / 2**30:.1f} GiB" if isinstance(memory, int) else "not reported",
     }
@@ -180,11 +184,9 @@ def _matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
 
 
-
-
 @app.command()
 def replay(
-    script: Annotated[Path, typer.Argument(help="A JSON script: {\"system\": ..., \"turns\": [...]}.")],
+    script: Annotated[Path, typer.Argument(help='A JSON script: {"system": ..., "turns": [...]}.')],
     model: Annotated[str, typer.Option("--model", "-m", help="Model to run it on.")] = "demo",
     cache: Annotated[str, typer.Option(help="Cache kind to start with.")] = "standard",
     max_tokens: Annotated[int, typer.Option(help="Longest reply, in tokens.")] = 64,
@@ -209,8 +211,13 @@ def replay(
         raise _fail("--max-tokens must be at least 1.", 2)
     lm = load_or_exit(model)
     try:
-        result = run_script(lm, parsed, kind=kind, no_cache=no_cache,
-                            settings=GenerationSettings(max_tokens=max_tokens))
+        result = run_script(
+            lm,
+            parsed,
+            kind=kind,
+            no_cache=no_cache,
+            settings=GenerationSettings(max_tokens=max_tokens),
+        )
     except CacheKindError as exc:
         raise _fail(str(exc), 2) from None
     if as_json:
@@ -222,10 +229,16 @@ def replay(
 @app.command()
 def bench(
     model: Annotated[
-        str, typer.Option("--model", "-m", help="Model to measure (default: a shape-true Qwen2.5-0.5B).")
+        str,
+        typer.Option(
+            "--model", "-m", help="Model to measure (default: a shape-true Qwen2.5-0.5B)."
+        ),
     ] = "demo:qwen2.5-0.5b",
     quick: Annotated[
-        bool, typer.Option("--quick", help="A short run: history sweep up to 2k tokens, smaller article.")
+        bool,
+        typer.Option(
+            "--quick", help="A short run: history sweep up to 2k tokens, smaller article."
+        ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print every figure as JSON.")] = False,
     out: Annotated[
@@ -238,7 +251,10 @@ def bench(
     started = time.perf_counter()
     lm = load_or_exit(model)
     result = run_bench(
-        model, quick=quick, lm=lm, load_s=time.perf_counter() - started,
+        model,
+        quick=quick,
+        lm=lm,
+        load_s=time.perf_counter() - started,
         log=lambda msg: typer.echo(msg, err=True),
     )
     if out is not None:

@@ -54,8 +54,13 @@ def ssh_timeout() -> int:
 
 def rank_ended(rank: int, code: int | None) -> str:
     """The sentence that says a rank ended the run."""
-    how = ("was killed" if code is None else f"was killed by signal {-code}" if code < 0
-           else f"exited with status {code}")
+    how = (
+        "was killed"
+        if code is None
+        else f"was killed by signal {-code}"
+        if code < 0
+        else f"exited with status {code}"
+    )
     return f"kvchat: rank {rank} {how}, {ENDED}"
 
 
@@ -70,19 +75,26 @@ def ring_hosts(ranks: int, hosts: str | None, hostfile: Path | None):
     from mlx._distributed_utils.common import Hostfile
 
     try:
-        parsed = (Hostfile.from_file(hostfile) if hostfile is not None
-                  else Hostfile.from_list(hosts or LOCAL, ranks))
+        parsed = (
+            Hostfile.from_file(hostfile)
+            if hostfile is not None
+            else Hostfile.from_list(hosts or LOCAL, ranks)
+        )
     except ValueError as exc:
         raise RingError(f"{exc}.") from None
     if any(not host.ips for host in parsed.hosts):
-        raise RingError("The ring backend needs IP addresses, not host names, in --hosts "
-                        "(or \"ips\" for every host of the hostfile).")
+        raise RingError(
+            "The ring backend needs IP addresses, not host names, in --hosts "
+            '(or "ips" for every host of the hostfile).'
+        )
     if len(parsed.hosts) < 2:
         raise RingError("A sharded run needs at least 2 ranks.")
     remote = [h.ssh_hostname for h in parsed.hosts[1:] if h.ssh_hostname != LOCAL]
     if remote and shutil.which("ssh") is None:
-        raise RingError(f"Starting a rank on {remote[0]} needs ssh, which is not installed "
-                        "here (on Debian or Ubuntu: apt-get install openssh-client).")
+        raise RingError(
+            f"Starting a rank on {remote[0]} needs ssh, which is not installed "
+            "here (on Debian or Ubuntu: apt-get install openssh-client)."
+        )
     return parsed
 
 
@@ -96,8 +108,14 @@ def ring_hostfile(hosts: list, port: int) -> str:
     return json.dumps(ring)
 
 
-def follower_command(rank: int, host, hostfile: str, envs: Sequence[str] = (),
-                     ssh_log: Path | None = None, entry: str = ENTRY) -> str:
+def follower_command(
+    rank: int,
+    host,
+    hostfile: str,
+    envs: Sequence[str] = (),
+    ssh_log: Path | None = None,
+    entry: str = ENTRY,
+) -> str:
     """The shell command that starts rank ``rank`` on ``host``: mlx.launch's own launch
     script (``envs``, hostfile in a temporary file, ``MLX_RANK``, this Python), through
     ``ssh`` when the host is another machine (in batch mode, with a connect timeout,
@@ -106,12 +124,15 @@ def follower_command(rank: int, host, hostfile: str, envs: Sequence[str] = (),
 
     local = host.ssh_hostname == LOCAL
     script = RemoteProcess.make_launch_script(
-        rank, sys.executable, None, {"MLX_HOSTFILE": hostfile}, list(envs), ["-c", entry], local)
+        rank, sys.executable, None, {"MLX_HOSTFILE": hostfile}, list(envs), ["-c", entry], local
+    )
     if local:
         return script
     log = f"-E {shlex.quote(str(ssh_log))} " if ssh_log is not None else ""
-    return (f"ssh -tt -o LogLevel=ERROR -o BatchMode=yes -o ConnectTimeout={ssh_timeout()} "
-            f"{log}{shlex.quote(host.ssh_hostname)} {shlex.quote(script)}")
+    return (
+        f"ssh -tt -o LogLevel=ERROR -o BatchMode=yes -o ConnectTimeout={ssh_timeout()} "
+        f"{log}{shlex.quote(host.ssh_hostname)} {shlex.quote(script)}"
+    )
 
 
 class Ring:
@@ -154,15 +175,28 @@ class Ring:
                     fd, path = tempfile.mkstemp(prefix=f"kvchat-ssh-rank{rank}-", suffix=".log")
                     os.close(fd)
                     self._ssh_logs[rank] = Path(path)
-                command = follower_command(rank, host, text, [*self.envs, f"{READY_ENV}=1"],
-                                           self._ssh_logs.get(rank), self.entry)
+                command = follower_command(
+                    rank,
+                    host,
+                    text,
+                    [*self.envs, f"{READY_ENV}=1"],
+                    self._ssh_logs.get(rank),
+                    self.entry,
+                )
                 proc = subprocess.Popen(
-                    command, shell=True, executable="/bin/bash", stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=out, start_new_session=True)
+                    command,
+                    shell=True,
+                    executable="/bin/bash",
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=out,
+                    start_new_session=True,
+                )
                 self.followers.append(proc)
                 self._ready.append(threading.Event())
-                relay = threading.Thread(target=self._relay, args=(proc, self._ready[-1]),
-                                         daemon=True)
+                relay = threading.Thread(
+                    target=self._relay, args=(proc, self._ready[-1]), daemon=True
+                )
                 relay.start()
                 self._relays.append(relay)
                 threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()
@@ -176,7 +210,7 @@ class Ring:
             while chunk := os.read(stdout.fileno(), 65536):
                 out.write(chunk)
                 if not ready.is_set():
-                    seen = seen[-len(READY):] + chunk
+                    seen = seen[-len(READY) :] + chunk
                     if READY.encode() in seen:
                         ready.set()
         stdout.close()
@@ -189,15 +223,18 @@ class Ring:
         while True:
             for rank, proc in enumerate(self.followers, 1):
                 if proc.poll() is not None:
-                    return (self._unreachable(rank, proc.returncode)
-                            or rank_ended(rank, proc.returncode))
+                    return self._unreachable(rank, proc.returncode) or rank_ended(
+                        rank, proc.returncode
+                    )
             waiting = [r for r, ready in enumerate(self._ready, 1) if not ready.is_set()]
             if not waiting:
                 return None
             if time.monotonic() > deadline:
-                return (f"kvchat: rank {waiting[0]} ({self.hosts[waiting[0]].ssh_hostname}) "
-                        f"did not start within {JOIN_S:g} s (its output is in {self.log}), "
-                        f"{ENDED}")
+                return (
+                    f"kvchat: rank {waiting[0]} ({self.hosts[waiting[0]].ssh_hostname}) "
+                    f"did not start within {JOIN_S:g} s (its output is in {self.log}), "
+                    f"{ENDED}"
+                )
             time.sleep(0.05)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
@@ -217,8 +254,10 @@ class Ring:
             lines = []
         said = [line.strip() for line in lines if line.strip()]
         why = said[-1].rstrip(".") if said else f"ssh exited with status {code}"
-        return (f"kvchat: could not reach {self.hosts[rank].ssh_hostname} over ssh within "
-                f"{ssh_timeout()} s ({why}), {ENDED}")
+        return (
+            f"kvchat: could not reach {self.hosts[rank].ssh_hostname} over ssh within "
+            f"{ssh_timeout()} s ({why}), {ENDED}"
+        )
 
     def running(self) -> bool:
         """True while every follower runs."""

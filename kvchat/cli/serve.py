@@ -41,14 +41,17 @@ def serve(
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="Model to serve (default: the config's).")
     ] = None,
-    host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")]
-    = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="Address to listen on (loopback by default).")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.", min=0, max=65535)] = 8000,
     cache: Annotated[str | None, typer.Option(help="Cache kind for new sessions.")] = None,
     api_key: Annotated[
         str | None,
-        typer.Option(help="Require 'Authorization: Bearer KEY' (needed off loopback).",
-                     envvar="KVCHAT_API_KEY"),
+        typer.Option(
+            help="Require 'Authorization: Bearer KEY' (needed off loopback).",
+            envvar="KVCHAT_API_KEY",
+        ),
     ] = None,
     max_queue: Annotated[
         int, typer.Option(help="Requests that may wait for the model; more get 429.", min=0)
@@ -63,8 +66,12 @@ def serve(
         str, typer.Option(help="Largest request body, e.g. 8MiB; larger ones get 413.")
     ] = "8MiB",
     keep_anonymous: Annotated[
-        int, typer.Option(help="Sessions the server names itself (serve-*) kept saved, the "
-                          "most recently used; older ones are deleted (0: keep all).", min=0)
+        int,
+        typer.Option(
+            help="Sessions the server names itself (serve-*) kept saved, the "
+            "most recently used; older ones are deleted (0: keep all).",
+            min=0,
+        ),
     ] = 64,
 ) -> None:
     """Serve the model over OpenAI's chat completions API; every conversation keeps its cache.
@@ -80,8 +87,11 @@ def serve(
     from kvchat.settings import generation_of
 
     if not is_loopback(host) and not api_key:
-        raise _fail(f"--host {host} is reachable from other machines: give --api-key too "
-                    "(or KVCHAT_API_KEY).", 2)
+        raise _fail(
+            f"--host {host} is reachable from other machines: give --api-key too "
+            "(or KVCHAT_API_KEY).",
+            2,
+        )
     try:
         config = load_config()
         kind = parse_kind(cache).name if cache else config.cache
@@ -95,12 +105,23 @@ def serve(
         make_cache(lm.model, parse_kind(kind))  # a kind this model cannot use: say so now
     except CacheKindError as exc:
         raise _fail(str(exc), 2) from None
-    engine = Engine(lm, serve_pool(lm, config), kind=kind, settings=generation_of(config),
-                    max_queue=max_queue, keep_anonymous=keep_anonymous,
-                    decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency)
+    engine = Engine(
+        lm,
+        serve_pool(lm, config),
+        kind=kind,
+        settings=generation_of(config),
+        max_queue=max_queue,
+        keep_anonymous=keep_anonymous,
+        decode_concurrency=decode_concurrency,
+        prompt_concurrency=prompt_concurrency,
+    )
     typer.echo(f"kvchat: serving {lm.model_id} on http://{host}:{port}/v1", err=True)
     try:
-        uvicorn.run(create_app(engine, api_key=api_key, max_body_bytes=body_limit),
-                    host=host, port=port, log_level="warning")
+        uvicorn.run(
+            create_app(engine, api_key=api_key, max_body_bytes=body_limit),
+            host=host,
+            port=port,
+            log_level="warning",
+        )
     finally:
         engine.shutdown()

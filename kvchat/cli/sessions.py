@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 
 from .common import _fail, app
 
-sessions_app = typer.Typer(help="List, show, search, export and remove saved sessions.", no_args_is_help=True)
+sessions_app = typer.Typer(
+    help="List, show, search, export and remove saved sessions.", no_args_is_help=True
+)
 app.add_typer(sessions_app, name="sessions")
 
 
@@ -44,11 +46,21 @@ def sessions_list(
     if not found:
         typer.echo(f"No saved sessions in {printable(str(locations.sessions_dir()))}.")
         return
-    rows: list[tuple[str, ...]] = [("NAME", "MODEL", "CACHE", "TURNS", "TOKENS", "SIZE",
-                                    "LAST USED")]
+    rows: list[tuple[str, ...]] = [
+        ("NAME", "MODEL", "CACHE", "TURNS", "TOKENS", "SIZE", "LAST USED")
+    ]
     for s in found:
-        rows.append((s.name, s.model_id, s.cache_kind, str(s.turns), str(s.cache_tokens),
-                     human_bytes(s.size_bytes), s.last_used[:19].replace("T", " ")))
+        rows.append(
+            (
+                s.name,
+                s.model_id,
+                s.cache_kind,
+                str(s.turns),
+                str(s.cache_tokens),
+                human_bytes(s.size_bytes),
+                s.last_used[:19].replace("T", " "),
+            )
+        )
     rows = [tuple(printable(c, one_line=True) for c in r) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -134,9 +146,14 @@ def sessions_export(
 def sessions_import(
     path: Path,
     name: Annotated[str | None, typer.Option(help="Its name (default: the file's).")] = None,
-    model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="The model it is for (default: the file's, else the config's).",
-    )] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="The model it is for (default: the file's, else the config's).",
+        ),
+    ] = None,
 ) -> None:
     """Save a JSON export (`export NAME --format json`) as a new session; its cache is
     built when it is first used."""
@@ -148,8 +165,10 @@ def sessions_import(
     except ConfigError as error:
         raise _fail(str(error), 2) from None
     saved = _store_call(store.import_session, path, name, model, default)
-    typer.echo(f"Imported {printable(str(path), one_line=True)} as session {saved}; "
-               f"`kvchat --resume {saved}` opens it.")
+    typer.echo(
+        f"Imported {printable(str(path), one_line=True)} as session {saved}; "
+        f"`kvchat --resume {saved}` opens it."
+    )
 
 
 @sessions_app.command("prune")
@@ -172,12 +191,17 @@ def sessions_prune(
         names = ", ".join(plan.removed)
         if not yes:
             if not sys.stdin.isatty():
-                raise _fail(f"Would delete {len(plan.removed)} session(s) ({names}); run it again "
-                            "with --yes to confirm, as standard input is not a terminal.", 2)
+                raise _fail(
+                    f"Would delete {len(plan.removed)} session(s) ({names}); run it again "
+                    "with --yes to confirm, as standard input is not a terminal.",
+                    2,
+                )
             if not typer.confirm(f"Delete {len(plan.removed)} session(s): {names}?", default=False):
                 raise _fail("Nothing was deleted.")
         result = _store_call(store.prune, seconds, False, plan.removed)
     removed = result.removed
-    typer.echo(f"Removed {len(removed)} session(s)" + (f": {', '.join(removed)}." if removed else "."))
+    typer.echo(
+        f"Removed {len(removed)} session(s)" + (f": {', '.join(removed)}." if removed else ".")
+    )
     for name, why in plan.skipped + (result.skipped if result is not plan else []):
         typer.echo(f"Skipped {name}: {printable(why)}")

@@ -37,15 +37,21 @@ DRAIN_FACTOR = 4  # an oversized body is read (and dropped) up to this many time
 EXPIRE_EVERY_S = 30.0
 
 
-def create_app(engine: Engine, *, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY) -> Starlette:
+def create_app(
+    engine: Engine, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY
+) -> Starlette:
     """The ASGI app serving ``engine``'s model; ``api_key`` (if set) is required as a
     bearer token on every route but ``/health``."""
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": engine.lm.model_id,
-                             "running": engine.active > engine.waiting,
-                             "waiting": engine.waiting})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": engine.lm.model_id,
+                "running": engine.active > engine.waiting,
+                "waiting": engine.waiting,
+            }
+        )
 
     async def models(request: Request) -> Response:
         _authorize(request, api_key)
@@ -72,8 +78,12 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         _authorize(request, api_key)
         req = parse_request(await _body(request, max_body_bytes), CompletionRequest)
         if request.headers.get("x-session-id") is not None:
-            raise ApiError(400, "'X-Session-Id' names a chat session; plain completions "
-                           "find their cache by the prompt alone.", param="X-Session-Id")
+            raise ApiError(
+                400,
+                "'X-Session-Id' names a chat session; plain completions "
+                "find their cache by the prompt alone.",
+                param="X-Session-Id",
+            )
         req.text()  # refuse a prompt kvchat cannot take now
         shape = CompletionShape(req.logprobs_wanted() is not None)
         return await _reply(engine, request, req, None, shape)
@@ -84,8 +94,11 @@ def create_app(engine: Engine, *, api_key: str | None = None,
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        error = ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}.",
-                         code=str(exc.status_code))
+        error = ApiError(
+            exc.status_code,
+            f"{exc.detail}: {request.method} {request.url.path}.",
+            code=str(exc.status_code),
+        )
         return JSONResponse(error.body(), status_code=exc.status_code)
 
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -101,16 +114,25 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=contextlib.asynccontextmanager(lifespan),
-                     exception_handlers={ApiError: api_error, HTTPException: http_error})
+    return Starlette(
+        routes=routes,
+        lifespan=contextlib.asynccontextmanager(lifespan),
+        exception_handlers={ApiError: api_error, HTTPException: http_error},
+    )
 
 
 class _ClientGone(Exception):
     """The client closed its connection."""
 
 
-async def _reply(engine: Engine, request: Request, req: ChatRequest | CompletionRequest,
-                 name: str | None, shape: Shape, grammar: str | None = None) -> Response:
+async def _reply(
+    engine: Engine,
+    request: Request,
+    req: ChatRequest | CompletionRequest,
+    name: str | None,
+    shape: Shape,
+    grammar: str | None = None,
+) -> Response:
     """Queue ``req`` and answer with its reply in ``shape``, whole or streamed (held to
     ``grammar`` if given)."""
     job = engine.submit(req, name, grammar)
@@ -127,8 +149,9 @@ async def _reply(engine: Engine, request: Request, req: ChatRequest | Completion
     reply_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
     if req.stream:
         body = _sse(engine, job, gone, reply_id, shape, req.include_usage())
-        return StreamingResponse(body, media_type="text/event-stream",
-                                 headers={**headers, "Cache-Control": "no-cache"})
+        return StreamingResponse(
+            body, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
+        )
     try:
         while not isinstance(item := await _next(job, gone), (Finished, ApiError)):
             pass
@@ -139,13 +162,18 @@ async def _reply(engine: Engine, request: Request, req: ChatRequest | Completion
         gone.cancel()
     if isinstance(item, ApiError):
         raise item
-    reply = {**_envelope(engine, reply_id, shape.object), "choices": [shape.whole(item)],
-             "usage": item.usage, "kvchat": item.kvchat}
+    reply = {
+        **_envelope(engine, reply_id, shape.object),
+        "choices": [shape.whole(item)],
+        "usage": item.usage,
+        "kvchat": item.kvchat,
+    }
     return JSONResponse(reply, headers={**headers, **_stat_headers(item)})
 
 
-async def _sse(engine: Engine, job: Job, gone: asyncio.Future, reply_id: str, shape: Shape,
-               include_usage: bool) -> AsyncIterator[str]:
+async def _sse(
+    engine: Engine, job: Job, gone: asyncio.Future, reply_id: str, shape: Shape, include_usage: bool
+) -> AsyncIterator[str]:
     """The reply as server-sent events, OpenAI's chunk shapes, ``[DONE]`` last."""
     base = _envelope(engine, reply_id, shape.chunk_object)
 
@@ -208,8 +236,11 @@ async def _body(request: Request, limit: int) -> bytes:
     the body is read and dropped first, up to :data:`DRAIN_FACTOR` times the
     limit; past that the connection is closed, answer or not.
     """
-    too_big = ApiError(413, f"The request body is over the server's limit of {limit:,} bytes.",
-                       code="body_too_large")
+    too_big = ApiError(
+        413,
+        f"The request body is over the server's limit of {limit:,} bytes.",
+        code="body_too_large",
+    )
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > limit * DRAIN_FACTOR:
         raise too_big
@@ -231,8 +262,12 @@ def _authorize(request: Request, api_key: str | None) -> None:
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
-        raise ApiError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.",
-                       type="authentication_error", code="invalid_api_key")
+        raise ApiError(
+            401,
+            "Missing or wrong API key: send 'Authorization: Bearer <key>'.",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
 
 
 def _model_card(engine: Engine) -> dict:
@@ -240,23 +275,32 @@ def _model_card(engine: Engine) -> dict:
 
 
 def _envelope(engine: Engine, reply_id: str, kind: str) -> dict:
-    return {"id": reply_id, "object": kind, "created": int(time.time()),
-            "model": engine.lm.model_id}
+    return {
+        "id": reply_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": engine.lm.model_id,
+    }
 
 
 def _headers(started: Started) -> dict[str, str]:
     m = started.match
-    return {"X-Kvchat-Session": m.name, "X-Kvchat-Match": m.how,
-            "X-Kvchat-Resumed-From-Disk": "true" if m.resumed_from_disk else "false"}
+    return {
+        "X-Kvchat-Session": m.name,
+        "X-Kvchat-Match": m.how,
+        "X-Kvchat-Resumed-From-Disk": "true" if m.resumed_from_disk else "false",
+    }
 
 
 def _stat_headers(done: Finished) -> dict[str, str]:
     k = done.kvchat
-    return {"X-Kvchat-Cached-Tokens": str(k["reused_tokens"]),
-            "X-Kvchat-Evaluated-Tokens": str(k["evaluated_tokens"]),
-            "X-Kvchat-Prompt-Eval-Ms": f"{k['prompt_eval_s'] * 1000:.1f}",
-            "X-Kvchat-Ttft-Ms": f"{k['ttft_s'] * 1000:.1f}",
-            "X-Kvchat-Cache-Tokens": str(k["cache_tokens"])}
+    return {
+        "X-Kvchat-Cached-Tokens": str(k["reused_tokens"]),
+        "X-Kvchat-Evaluated-Tokens": str(k["evaluated_tokens"]),
+        "X-Kvchat-Prompt-Eval-Ms": f"{k['prompt_eval_s'] * 1000:.1f}",
+        "X-Kvchat-Ttft-Ms": f"{k['ttft_s'] * 1000:.1f}",
+        "X-Kvchat-Cache-Tokens": str(k["cache_tokens"]),
+    }
 
 
 async def _expire_regularly(engine: Engine) -> None:

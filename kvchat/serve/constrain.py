@@ -34,22 +34,34 @@ _tokenizers: dict[tuple, Any] = {}  # (model fingerprint, end tokens) -> llguida
 def schema_grammar(schema: dict, param: str) -> str:
     """The llguidance grammar of JSON that validates against ``schema``."""
     if llguidance is None:
-        raise ApiError(400, f"'{param}' needs the llguidance package, which this server "
-                       "lacks: pip install llguidance.", param=param, code="unsupported_field")
+        raise ApiError(
+            400,
+            f"'{param}' needs the llguidance package, which this server "
+            "lacks: pip install llguidance.",
+            param=param,
+            code="unsupported_field",
+        )
     try:
         text = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults={"whitespace_flexible": False})
+            json.dumps(schema), defaults={"whitespace_flexible": False}
+        )
     except ValueError as exc:
-        raise ApiError(400, f"'{param}' is not a JSON schema llguidance takes: {exc}.",
-                       param=param) from None
+        raise ApiError(
+            400, f"'{param}' is not a JSON schema llguidance takes: {exc}.", param=param
+        ) from None
     return _checked(text, param)
 
 
 def lark_grammar(lark: str, param: str) -> str:
     """An llguidance grammar from Lark text (JSON schemas inline as ``%json {...}``)."""
     if llguidance is None:
-        raise ApiError(400, f"'{param}' needs the llguidance package, which this server "
-                       "lacks: pip install llguidance.", param=param, code="unsupported_field")
+        raise ApiError(
+            400,
+            f"'{param}' needs the llguidance package, which this server "
+            "lacks: pip install llguidance.",
+            param=param,
+            code="unsupported_field",
+        )
     return _checked(llguidance.LLMatcher.grammar_from_lark(lark), param)
 
 
@@ -57,8 +69,9 @@ def _checked(text: str, param: str) -> str:
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
     if failed:
         said = "; ".join(m.rstrip(".") for m in messages)
-        raise ApiError(400, f"'{param}' is not a JSON schema llguidance takes: {said}.",
-                       param=param)
+        raise ApiError(
+            400, f"'{param}' is not a JSON schema llguidance takes: {said}.", param=param
+        )
     return text
 
 
@@ -90,7 +103,8 @@ def _tokenizer(lm: LoadedModel):
         backend = copy(lm.tokenizer.backend_tokenizer)  # Hugging Face's fast tokenizer
         backend.no_padding()
         backend.no_truncation()
-        found = llguidance.LLTokenizer(backend.to_str(),
-                                       eos_token=sorted(lm.tokenizer.eos_token_ids))
+        found = llguidance.LLTokenizer(
+            backend.to_str(), eos_token=sorted(lm.tokenizer.eos_token_ids)
+        )
         _tokenizers[key] = found
     return found

@@ -19,12 +19,17 @@ from kvchat.engine.conversation.events import TokenLogprobs
 def chat_entry(tokenizer: Any, event: TokenLogprobs) -> dict:
     """One token's entry of a chat completion's ``logprobs.content``, its text empty
     until :func:`text_of` gives it."""
+
     def one(token: int, logprob: float) -> dict:
         text = tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return {"token": "", "logprob": event.logprob, "bytes": [],
-            "top_logprobs": [one(t, lp) for t, lp in event.top]}
+    return {
+        "token": "",
+        "logprob": event.logprob,
+        "bytes": [],
+        "top_logprobs": [one(t, lp) for t, lp in event.top],
+    }
 
 
 def text_of(entry: dict, text: str) -> None:
@@ -41,7 +46,9 @@ def completion_shape(entries: list[dict], offset: int = 0) -> dict:
         offsets.append(offset)
         tokens.append(entry["token"])
         offset += len(entry["token"])
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
-                             for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }

@@ -70,21 +70,37 @@ class _Candidate:
 
 def _pairs(messages: list[dict]) -> list[tuple[str, str, str]]:
     """What makes two transcripts the same: each message's role, content and tool fields."""
-    return [(m["role"], m["content"], json.dumps([m.get("tool_calls"), m.get("tool_call_id")],
-                                                 sort_keys=True)) for m in messages]
+    return [
+        (
+            m["role"],
+            m["content"],
+            json.dumps([m.get("tool_calls"), m.get("tool_call_id")], sort_keys=True),
+        )
+        for m in messages
+    ]
 
 
 class Matcher:
     """Finds sessions for requests among the pool's and the sessions folder's."""
 
-    def __init__(self, pool: SessionPool, lm: LoadedModel, kind: str,
-                 busy: Callable[[str], bool] = lambda name: False):
+    def __init__(
+        self,
+        pool: SessionPool,
+        lm: LoadedModel,
+        kind: str,
+        busy: Callable[[str], bool] = lambda name: False,
+    ):
         self.pool, self.lm, self.kind = pool, lm, kind
         self.busy = busy  # a session another request holds: neither continued nor copied
         self._saved: dict[str, tuple[tuple[int, int], _Candidate | None]] = {}
 
-    def choose(self, history: list[dict], new: list[dict], name: str | None,
-               tools: list[dict] | None = None) -> Match:
+    def choose(
+        self,
+        history: list[dict],
+        new: list[dict],
+        name: str | None,
+        tools: list[dict] | None = None,
+    ) -> Match:
         """The session to add ``new`` (the user's message, or tools' results) to after
         ``history``, with ``tools`` offered; its messages are set to ``history`` (or, for
         a named session, what the rules above say)."""
@@ -100,8 +116,13 @@ class Matcher:
             match = self._open(best.name, "continued")
             match.adopt(list(history))
             return match
-        rerun = [(n, c) for n, c in scored if anonymous.owns(c.name)
-                 and c.messages[:-1] == _pairs(asked) and c.messages[-1][0] == "assistant"]
+        rerun = [
+            (n, c)
+            for n, c in scored
+            if anonymous.owns(c.name)
+            and c.messages[:-1] == _pairs(asked)
+            and c.messages[-1][0] == "assistant"
+        ]
         if rerun:
             _, best = max(rerun, key=lambda s: s[0])
             match = self._open(best.name, "branched")
@@ -117,8 +138,9 @@ class Matcher:
 
     # ------------------------------------------------------------ internal
 
-    def _fork_or_new(self, scored: list[tuple[int, _Candidate]], history: list[dict],
-                     prompt: list[int]) -> Match:
+    def _fork_or_new(
+        self, scored: list[tuple[int, _Candidate]], history: list[dict], prompt: list[int]
+    ) -> Match:
         """A new session holding ``history``, its cache copied from the best of
         ``scored`` up to what it shares with ``prompt`` (the new message's tokens too)."""
         name = anonymous.new_name(self.pool)
@@ -152,8 +174,13 @@ class Matcher:
             entry = self.pool.entry(name)
             was_out = not entry.in_memory
             session = self.pool.get(name)
-            return Match(name, session, how, resumed_from_disk=was_out and entry.notice is None,
-                         notice=entry.notice if was_out else None)
+            return Match(
+                name,
+                session,
+                how,
+                resumed_from_disk=was_out and entry.notice is None,
+                notice=entry.notice if was_out else None,
+            )
         loaded = self.pool.open(name, self.lm)
         return Match(name, loaded.session, how, loaded.resumed_from_disk, loaded.notice)
 
@@ -168,8 +195,9 @@ class Matcher:
                 continue
             if entry.in_memory and entry.session.lm.fingerprint == self.lm.fingerprint:
                 live.add(entry.name)
-                found.append(_Candidate(entry.name, entry.session.ledger,
-                                        _pairs(entry.session.messages)))
+                found.append(
+                    _Candidate(entry.name, entry.session.ledger, _pairs(entry.session.messages))
+                )
         for name in self._saved_names():
             if name not in live:
                 saved = self._read_saved(name)
@@ -202,7 +230,10 @@ class Matcher:
             candidate = None
         else:
             same_model = data.get("model_fingerprint") == self.lm.fingerprint
-            candidate = _Candidate(name, list(data.get("ledger", [])),
-                                   _pairs(data["messages"])) if same_model else None
+            candidate = (
+                _Candidate(name, list(data.get("ledger", [])), _pairs(data["messages"]))
+                if same_model
+                else None
+            )
         self._saved[name] = (stamp, candidate)
         return candidate

@@ -30,16 +30,29 @@ from kvchat.store.schema import _location
 class ApiError(Exception):
     """A request refused with ``status``; ``message`` is one sentence for the client."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class _Strict(BaseModel):
@@ -66,12 +79,17 @@ class ContentPart(_Strict):
         if self.type == "text" and self.text is not None:
             return self.text
         if self.type == "text":
-            raise ApiError(400, f"'{where}.text': a text part needs its text.",
-                           param=f"{where}.text")
+            raise ApiError(
+                400, f"'{where}.text': a text part needs its text.", param=f"{where}.text"
+            )
         what = self.type.removesuffix("_url").replace("_", " ")
-        raise ApiError(400, f"This model takes text only: {what} content parts are not "
-                       f"supported ('{where}' is of type {self.type!r}).", param=where,
-                       code="unsupported_content")
+        raise ApiError(
+            400,
+            f"This model takes text only: {what} content parts are not "
+            f"supported ('{where}' is of type {self.type!r}).",
+            param=where,
+            code="unsupported_content",
+        )
 
 
 class FunctionCall(_Strict):
@@ -90,8 +108,11 @@ class ToolCall(_Strict):
             arguments = json.loads(self.function.arguments)
         except ValueError:
             arguments = self.function.arguments
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.function.name, "arguments": arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.function.name, "arguments": arguments},
+        }
 
 
 class Message(_Strict):
@@ -173,8 +194,11 @@ class ResponseFormat(_Strict):
         if self.type != "json_schema":
             return None
         if self.json_schema is None:
-            raise ApiError(400, "'response_format.json_schema' is needed with type "
-                           "json_schema.", param="response_format.json_schema")
+            raise ApiError(
+                400,
+                "'response_format.json_schema' is needed with type json_schema.",
+                param="response_format.json_schema",
+            )
         return self.json_schema.json_schema
 
 
@@ -204,8 +228,11 @@ class _Generation(_Sampling):
         biases = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
         for token in biases:
             if token >= vocab:
-                raise ApiError(400, f"'logit_bias' names token {token}, past this model's "
-                               f"vocabulary of {vocab}.", param="logit_bias")
+                raise ApiError(
+                    400,
+                    f"'logit_bias' names token {token}, past this model's vocabulary of {vocab}.",
+                    param="logit_bias",
+                )
         return biases
 
     @field_validator("stop")
@@ -255,31 +282,41 @@ class ChatRequest(_Generation):
         while at > 0 and self.messages[at - 1].role == "tool":
             at -= 1
         if at == n:
-            raise ApiError(400, "The last message must be the user's or a tool's result: "
-                           "kvchat answers it.", param="messages")
+            raise ApiError(
+                400,
+                "The last message must be the user's or a tool's result: kvchat answers it.",
+                param="messages",
+            )
         return at
 
     def history(self) -> list[dict]:
         """The messages before the new ones, as the session keeps them."""
-        return [m.plain() for m in self.messages[:self._split()]]
+        return [m.plain() for m in self.messages[: self._split()]]
 
     def new_messages(self) -> list[dict]:
         """What this request adds: the user's message, or the tools' results."""
-        return [m.plain() for m in self.messages[self._split():]]
+        return [m.plain() for m in self.messages[self._split() :]]
 
     def tool_specs(self) -> list[dict] | None:
         """The tools offered to the model (OpenAI's function specs), checked against
         ``tool_choice``."""
         if not self.tools:
             if self.tool_choice not in (None, "none", "auto"):
-                raise ApiError(400, "'tool_choice' names a tool, but 'tools' offers none.",
-                               param="tool_choice")
+                raise ApiError(
+                    400, "'tool_choice' names a tool, but 'tools' offers none.", param="tool_choice"
+                )
             return None
         names = [t.function.name for t in self.tools]
-        if isinstance(self.tool_choice, NamedChoice) and self.tool_choice.function.name \
-                not in names:
-            raise ApiError(400, f"'tool_choice' names {self.tool_choice.function.name!r}, "
-                           "which 'tools' does not offer.", param="tool_choice")
+        if (
+            isinstance(self.tool_choice, NamedChoice)
+            and self.tool_choice.function.name not in names
+        ):
+            raise ApiError(
+                400,
+                f"'tool_choice' names {self.tool_choice.function.name!r}, "
+                "which 'tools' does not offer.",
+                param="tool_choice",
+            )
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def forced_tools(self) -> list[Tool]:
@@ -287,7 +324,9 @@ class ChatRequest(_Generation):
         if self.tool_choice == "required":
             return list(self.tools or [])
         if isinstance(self.tool_choice, NamedChoice):
-            return [t for t in self.tools or [] if t.function.name == self.tool_choice.function.name]
+            return [
+                t for t in self.tools or [] if t.function.name == self.tool_choice.function.name
+            ]
         return []
 
     def token_limit(self) -> int | None:
@@ -337,9 +376,13 @@ def parse_request(raw: bytes, model: type[RequestT]) -> RequestT:
     loc = _field_path(first["loc"])
     where = _location(loc) or "body"
     if first["type"] == "extra_forbidden":
-        raise ApiError(400, f"'{where}' is not supported by kvchat serve: send the request "
-                       "without it (docs/serve-api.md lists what is).", param=where,
-                       code="unsupported_field")
+        raise ApiError(
+            400,
+            f"'{where}' is not supported by kvchat serve: send the request "
+            "without it (docs/serve-api.md lists what is).",
+            param=where,
+            code="unsupported_field",
+        )
     if where == "messages" and first["type"] == "too_short":
         raise ApiError(400, "'messages' is empty: send at least one message.", param="messages")
     # a union (``stop``: a string or a list) fails once per member: say them together
@@ -363,5 +406,4 @@ def session_name(header: str | None) -> str | None:
     try:
         return store.check_name(header)
     except store.StoreError as exc:
-        raise ApiError(400, str(exc), param="X-Session-Id",
-                       code="invalid_session_name") from None
+        raise ApiError(400, str(exc), param="X-Session-Id", code="invalid_session_name") from None

@@ -47,8 +47,12 @@ class ChatShape:
         }
         if done.tool_calls:
             message["tool_calls"] = done.tool_calls
-        return {"index": 0, "finish_reason": done.finish_reason, "message": message,
-                "logprobs": {"content": done.logprobs} if self.logprobs else None}
+        return {
+            "index": 0,
+            "finish_reason": done.finish_reason,
+            "message": message,
+            "logprobs": {"content": done.logprobs} if self.logprobs else None,
+        }
 
 
 class CompletionShape:
@@ -74,6 +78,13 @@ class CompletionShape:
         return {"index": 0, "text": "", "finish_reason": done.finish_reason, "logprobs": None}
 
     def whole(self, done: Finished) -> dict:
-        return {"index": 0, "text": done.text, "finish_reason": done.finish_reason,
-                "logprobs": (completion_shape(done.logprobs)
-                             if self.logprobs and done.logprobs is not None else None)}
+        return {
+            "index": 0,
+            "text": done.text,
+            "finish_reason": done.finish_reason,
+            "logprobs": (
+                completion_shape(done.logprobs)
+                if self.logprobs and done.logprobs is not None
+                else None
+            ),
+        }

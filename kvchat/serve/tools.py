@@ -34,8 +34,12 @@ def marker(lm: LoadedModel) -> str | None:
 def check_offered(lm: LoadedModel) -> None:
     """Refuse ``tools`` for a model whose chat template cannot offer them."""
     if marker(lm) is None:
-        raise ApiError(400, f"'tools': the chat template of {lm.model_id} has no tool calls, "
-                       "so kvchat cannot offer it tools.", param="tools")
+        raise ApiError(
+            400,
+            f"'tools': the chat template of {lm.model_id} has no tool calls, "
+            "so kvchat cannot offer it tools.",
+            param="tools",
+        )
 
 
 def split(lm: LoadedModel, reply: str, tools: list[dict]) -> tuple[str, list[dict]]:
@@ -46,13 +50,13 @@ def split(lm: LoadedModel, reply: str, tools: list[dict]) -> tuple[str, list[dic
     while (at := rest.find(start)) >= 0:
         content.append(rest[:at])
         close = rest.find(end, at + len(start))
-        body = rest[at + len(start): close if close >= 0 else len(rest)]
+        body = rest[at + len(start) : close if close >= 0 else len(rest)]
         parsed = _parse(lm, body, tools)
         if parsed is None:
-            content.append(rest[at:] if close < 0 else rest[at:close + len(end)])
+            content.append(rest[at:] if close < 0 else rest[at : close + len(end)])
         else:
             calls.append(parsed)
-        rest = "" if close < 0 else rest[close + len(end):]
+        rest = "" if close < 0 else rest[close + len(end) :]
     content.append(rest)
     return "".join(content).strip(), calls
 
@@ -65,10 +69,14 @@ def _parse(lm: LoadedModel, body: str, tools: list[dict]) -> dict | None:
     if not isinstance(found, dict) or not isinstance(found.get("name"), str):
         return None
     arguments = found.get("arguments", {})
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": found["name"],
-                         "arguments": arguments if isinstance(arguments, str)
-                         else json.dumps(arguments)}}
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {
+            "name": found["name"],
+            "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+        },
+    }
 
 
 def plain(calls: list[dict]) -> list[dict]:
@@ -86,8 +94,7 @@ def plain(calls: list[dict]) -> list[dict]:
 # Templates write a call's arguments with Jinja's ``tojson`` (``json.dumps``' spacing, keys
 # sorted): a forced call is generated the same way, so the transcript renders to the
 # tokens the model produced and the next turn reuses them all.
-_AS_TEMPLATES_WRITE = {"whitespace_flexible": False, "item_separator": ", ",
-                       "key_separator": ": "}
+_AS_TEMPLATES_WRITE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _sorted(schema):
@@ -108,17 +115,28 @@ def forced_grammar(lm: LoadedModel, tools: list[Tool]) -> str:
     check_offered(lm)
     tokenizer = lm.tokenizer
     if tokenizer.tool_call_start != "<tool_call>" or tokenizer.tool_call_end != "</tool_call>":
-        raise ApiError(400, f"'tool_choice': {lm.model_id}'s tool-call format "
-                       f"({tokenizer.tool_call_start}) cannot be forced; use 'auto'.",
-                       param="tool_choice")
-    choices = [{"type": "object",
-                "properties": {"name": {"const": t.function.name},
-                               "arguments": _sorted(t.function.parameters or {"type": "object"})},
-                "required": ["name", "arguments"], "additionalProperties": False}
-               for t in tools]
+        raise ApiError(
+            400,
+            f"'tool_choice': {lm.model_id}'s tool-call format "
+            f"({tokenizer.tool_call_start}) cannot be forced; use 'auto'.",
+            param="tool_choice",
+        )
+    choices = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": _sorted(t.function.parameters or {"type": "object"}),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     schema = choices[0] if len(choices) == 1 else {"anyOf": choices}
     call = {**schema, "x-guidance": _AS_TEMPLATES_WRITE}
     return lark_grammar(
-        f'start: {json.dumps(tokenizer.tool_call_start + chr(10))} call '
-        f'{json.dumps(chr(10) + tokenizer.tool_call_end)}\ncall: %json {json.dumps(call)}',
-        "tool_choice")
+        f"start: {json.dumps(tokenizer.tool_call_start + chr(10))} call "
+        f"{json.dumps(chr(10) + tokenizer.tool_call_end)}\ncall: %json {json.dumps(call)}",
+        "tool_choice",
+    )

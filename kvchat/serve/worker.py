@@ -109,11 +109,19 @@ class Engine:
     (:mod:`kvchat.serve.anonymous`; 0: all).
     """
 
-    def __init__(self, lm: LoadedModel, pool: SessionPool, *, kind: str = "standard",
-                 settings: GenerationSettings | None = None, max_queue: int = 16,
-                 scheduler: Scheduler | None = None,
-                 keep_anonymous: int = anonymous.DEFAULT_BUDGET, decode_concurrency: int = 32,
-                 prompt_concurrency: int = 8):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        pool: SessionPool,
+        *,
+        kind: str = "standard",
+        settings: GenerationSettings | None = None,
+        max_queue: int = 16,
+        scheduler: Scheduler | None = None,
+        keep_anonymous: int = anonymous.DEFAULT_BUDGET,
+        decode_concurrency: int = 32,
+        prompt_concurrency: int = 8,
+    ):
         self.lm, self.pool = lm, pool
         self.keep_anonymous = keep_anonymous
         self.scheduler = scheduler or Scheduler()
@@ -123,8 +131,9 @@ class Engine:
         self.sampling = {s.name: getattr(given, s.name) for s in GENERATION}
         self.max_queue = max_queue
         self.decode_concurrency = max(1, decode_concurrency)
-        self._thread = ThreadPoolExecutor(max_workers=self.decode_concurrency,
-                                          thread_name_prefix="kvchat-request")
+        self._thread = ThreadPoolExecutor(
+            max_workers=self.decode_concurrency, thread_name_prefix="kvchat-request"
+        )
         self._prompts = threading.BoundedSemaphore(max(1, prompt_concurrency))
         self._owners = count(1)
         self._durations: deque[float] = deque(maxlen=20)
@@ -149,19 +158,25 @@ class Engine:
         with self._state:
             self._waiting -= 1
 
-    def submit(self, request: ChatRequest | CompletionRequest, name: str | None,
-               grammar: str | None = None) -> Job:
+    def submit(
+        self, request: ChatRequest | CompletionRequest, name: str | None, grammar: str | None = None
+    ) -> Job:
         """Queue ``request`` (call from the event loop), its reply held to ``grammar`` (an
         llguidance grammar) if given; raise 429 when the queue is full."""
         with self._state:
             if self._waiting >= self.max_queue:
-                raise ApiError(429, "The server is busy: too many requests are waiting; "
-                               "retry later.", type="rate_limit_error", code="queue_full",
-                               headers={"Retry-After": str(self.retry_after())})
+                raise ApiError(
+                    429,
+                    "The server is busy: too many requests are waiting; retry later.",
+                    type="rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": str(self.retry_after())},
+                )
             self._waiting += 1
             self._active += 1
-        job = Job(request, name, f"http-{next(self._owners)}", asyncio.get_running_loop(),
-                  grammar=grammar)
+        job = Job(
+            request, name, f"http-{next(self._owners)}", asyncio.get_running_loop(), grammar=grammar
+        )
         self._thread.submit(self._run, job)
         return job
 
@@ -191,6 +206,7 @@ class Engine:
                 return fn(*args)
             finally:
                 self.scheduler.done(ticket)
+
         return self._thread.submit(held)
 
     # --------------------------------------------------------- the model thread
@@ -205,8 +221,9 @@ class Engine:
         except ApiError as exc:
             job.emit(exc)
         except Exception as exc:  # the session stays consistent; the client hears why
-            job.emit(ApiError(500, f"The turn failed: {type(exc).__name__}: {exc}",
-                              type="server_error"))
+            job.emit(
+                ApiError(500, f"The turn failed: {type(exc).__name__}: {exc}", type="server_error")
+            )
         finally:
             self._durations.append(time.perf_counter() - started)
             with self._state:
@@ -236,8 +253,9 @@ class Engine:
                     if isinstance(req, CompletionRequest):
                         match = self.matcher.choose_completion(encode_plain(self.lm, req.text()))
                     else:
-                        match = self.matcher.choose(req.history(), req.new_messages(), job.name,
-                                                    req.tool_specs())
+                        match = self.matcher.choose(
+                            req.history(), req.new_messages(), job.name, req.tool_specs()
+                        )
                 except store.StoreError as exc:
                     raise ApiError(500, str(exc), type="server_error") from None
                 with self._state:
@@ -264,8 +282,7 @@ class Engine:
         session = match.session
         kept_settings = session.settings
         # the server's settings, then the request's: a field it leaves out is the server's
-        session.settings = apply_overrides(replace(kept_settings, **self.sampling),
-                                           req.sampling())
+        session.settings = apply_overrides(replace(kept_settings, **self.sampling), req.sampling())
         session.report_logprobs = req.logprobs_wanted()
         session.logits_processors = [
             *(make_logits_processors(logit_bias=biases) if biases else []),
@@ -295,7 +312,8 @@ class Engine:
         calls_wanted = tools is not None and req.tool_choice != "none"
         try:
             done, reply, hit_stop, logprobs = self._stream(
-                job, session, events, req.stop, tool_marker(self.lm) if calls_wanted else None)
+                job, session, events, req.stop, tool_marker(self.lm) if calls_wanted else None
+            )
             content, calls = reply, []
             if calls_wanted:  # only a chat request offers tools
                 content, calls = split(self.lm, reply, tools)
@@ -304,8 +322,11 @@ class Engine:
             # tools), and the cache follows it
             with self.scheduler.turn(job.owner):
                 if calls:
-                    session.messages[-1] = {"role": "assistant", "content": content,
-                                            "tool_calls": plain(calls)}
+                    session.messages[-1] = {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": plain(calls),
+                    }
                     session.sync()
                 elif hit_stop:
                     session.messages[-1] = {"role": "assistant", "content": reply}
@@ -320,8 +341,10 @@ class Engine:
             except store.SessionChanged:  # another kvchat saved it meanwhile: keep both
                 try:
                     self.pool.keep_as_branch(match.name)
-                    notice = (f"Session {match.name} was saved by another kvchat while this "
-                              "answered; this reply was kept as a branch of it.")
+                    notice = (
+                        f"Session {match.name} was saved by another kvchat while this "
+                        "answered; this reply was kept as a branch of it."
+                    )
                 except store.StoreError as exc:
                     saved, notice = False, str(exc)
             except store.StoreError as exc:
@@ -330,12 +353,14 @@ class Engine:
             with self._state:
                 held = set(self._in_use)  # this request's session and the others'
             anonymous.keep_within(self.pool, self.keep_anonymous, keep=held)
-        finished = self._finished(match, done, content if calls else reply, hit_stop, saved,
-                                  notice)
+        finished = self._finished(match, done, content if calls else reply, hit_stop, saved, notice)
         wanted = req.logprobs_wanted() is not None
-        return replace(finished, logprobs=logprobs if wanted else None,
-                       tool_calls=calls or None,
-                       finish_reason="tool_calls" if calls else finished.finish_reason)
+        return replace(
+            finished,
+            logprobs=logprobs if wanted else None,
+            tool_calls=calls or None,
+            finish_reason="tool_calls" if calls else finished.finish_reason,
+        )
 
     @staticmethod
     def _unset(session: Session, settings: GenerationSettings) -> None:
@@ -343,8 +368,9 @@ class Engine:
         session.settings, session.report_logprobs, session.logits_processors = settings, None, []
         session.tools = None
 
-    def _stream(self, job: Job, session: Session, events, stops: list[str],
-                marker: str | None = None):
+    def _stream(
+        self, job: Job, session: Session, events, stops: list[str], marker: str | None = None
+    ):
         """Forward the reply's text to the client, holding back what could begin a stop
         string; stop the turn when one appears or the client leaves. Text from ``marker``
         (a tool call's start) on is not sent: the calls are, once parsed. A piece carries
@@ -372,8 +398,10 @@ class Engine:
                     if entries:  # the text a token adds is the chunk that follows it
                         text_of(entries[-1], event.text)
                     reply += event.text
-                    cut = min((i for i in (reply.find(s, max(0, sent - hold)) for s in stops)
-                               if i >= 0), default=-1)
+                    cut = min(
+                        (i for i in (reply.find(s, max(0, sent - hold)) for s in stops) if i >= 0),
+                        default=-1,
+                    )
                     if cut >= 0:
                         reply, hit_stop = reply[:cut], True
                         session.stop()
@@ -398,8 +426,15 @@ class Engine:
             emit(reply[sent:reply_end])
         return done, reply, hit_stop, entries
 
-    def _finished(self, match: Match, done: TurnDone, reply: str, hit_stop: bool,
-                  saved: bool, notice: str | None) -> Finished:
+    def _finished(
+        self,
+        match: Match,
+        done: TurnDone,
+        reply: str,
+        hit_stop: bool,
+        saved: bool,
+        notice: str | None,
+    ) -> Finished:
         s = done.stats
         eos = bool(done.tokens) and done.tokens[-1] in self.lm.tokenizer.eos_token_ids
         reason = "stop" if hit_stop or eos or done.stopped else "length"
@@ -409,8 +444,13 @@ class Engine:
             "total_tokens": s.prompt_tokens + s.generated_tokens,
             "prompt_tokens_details": {"cached_tokens": s.reused_tokens},
         }
-        stats = {"session": match.name, "match": match.how,
-                 "resumed_from_disk": match.resumed_from_disk, "saved": saved,
-                 "notice": notice, **s.to_dict(),
-                 "ledger_tokens": len(match.session.ledger)}
+        stats = {
+            "session": match.name,
+            "match": match.how,
+            "resumed_from_disk": match.resumed_from_disk,
+            "saved": saved,
+            "notice": notice,
+            **s.to_dict(),
+            "ledger_tokens": len(match.session.ledger),
+        }
         return Finished(reply, reason, usage, stats)

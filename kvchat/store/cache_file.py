@@ -24,8 +24,13 @@ CacheRead = tuple[list[Any] | None, list[int] | None, str | None]
 
 
 def read_cache(
-    folder: Path, data: dict[str, Any], lm: LoadedModel, ledger: list[int], empty: Session,
-    reference: Reference, rank: int = 0,
+    folder: Path,
+    data: dict[str, Any],
+    lm: LoadedModel,
+    ledger: list[int],
+    empty: Session,
+    reference: Reference,
+    rank: int = 0,
 ) -> CacheRead:
     """(cache, its ledger, None) if the saved cache is sound for ``lm`` and ``ledger``
     (checked against ``reference``, made from ``empty``'s cache), else (None, None, why
@@ -46,9 +51,14 @@ def read_cache(
     if not ledger and not info:  # an empty cache (an imported session): any model will do
         return None, None, None
     if data.get("model_fingerprint") != lm.fingerprint:
-        return None, None, layout_problem(data.get("model_fingerprint"), lm.fingerprint) or (
-            f"it was made with model {data.get('model_id')!r}, which differs from "
-            f"{lm.model_id!r} now"
+        return (
+            None,
+            None,
+            layout_problem(data.get("model_fingerprint"), lm.fingerprint)
+            or (
+                f"it was made with model {data.get('model_id')!r}, which differs from "
+                f"{lm.model_id!r} now"
+            ),
         )
     if not ledger:
         return None, None, None if not info else "session.json lists no tokens for it"
@@ -66,9 +76,13 @@ def read_cache(
     except Exception as exc:  # truncated or garbage files fail in many ways
         return None, None, f"{path} could not be read: {one_line(exc)}"
     if meta.get("kvchat_version") != __version__:
-        return None, None, (
-            f"{path} was written by kvchat {meta.get('kvchat_version') or 'unknown'}, "
-            f"this is {__version__}"
+        return (
+            None,
+            None,
+            (
+                f"{path} was written by kvchat {meta.get('kvchat_version') or 'unknown'}, "
+                f"this is {__version__}"
+            ),
         )
     if meta.get("model_fingerprint") != lm.fingerprint:
         return None, None, f"{path} was made with another model"
@@ -90,9 +104,13 @@ def read_cache(
             cached = []
         n = common_prefix(cached, ledger)
         if not _verified(folder, sha, meta.get("ledger_sha256")):
-            return None, None, (
-                f"{path} does not belong with session.json and its checksum cannot be "
-                f"verified against {CACHE_SUM_FILE}"
+            return (
+                None,
+                None,
+                (
+                    f"{path} does not belong with session.json and its checksum cannot be "
+                    f"verified against {CACHE_SUM_FILE}"
+                ),
             )
         if ledger_hash(cached) == meta.get("ledger_sha256") and n and trim_to(cache, n):
             return cache, ledger[:n], None
@@ -114,8 +132,11 @@ def _verified(folder: Path, sha: str, ledger_sha: str | None) -> bool:
         record = json.loads(read_regular(folder / CACHE_SUM_FILE, 4096))
     except (OSError, StoreError, ValueError):
         return False
-    return isinstance(record, dict) and record.get("sha256") == sha and bool(ledger_sha) and (
-        record.get("ledger_sha256") == ledger_sha
+    return (
+        isinstance(record, dict)
+        and record.get("sha256") == sha
+        and bool(ledger_sha)
+        and (record.get("ledger_sha256") == ledger_sha)
     )
 
 
@@ -125,4 +146,3 @@ def _size_cap(lm: LoadedModel) -> int:
     from kvchat.engine.models.registry import weight_bytes
 
     return 4 * weight_bytes(lm) + (64 << 20)
-

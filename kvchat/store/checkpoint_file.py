@@ -79,8 +79,13 @@ def _saved_as(path: Path, objects: list[Any], key: tuple[str, int | None]) -> di
     return dict(known.entry)
 
 
-def _remember(path: Path, objects: list[Any], key: tuple[str, int | None],
-              info: os.stat_result, entry: dict[str, Any]) -> None:
+def _remember(
+    path: Path,
+    objects: list[Any],
+    key: tuple[str, int | None],
+    info: os.stat_result,
+    entry: dict[str, Any],
+) -> None:
     refs = tuple(weakref.ref(obj) for obj in objects)
     _on_disk[path] = _OnDisk(refs, key, _identity(info), dict(entry))
 
@@ -112,8 +117,12 @@ def write_checkpoints(folder: Path, session: Session) -> dict[str, Any] | None:
         layers.append(holder)
         metadata["logprobs_at"] = str(logits[0])
     sha, size = write_caches_atomic(path, layers, metadata)
-    entry = {"file": CHECKPOINTS_FILE, "sha256": sha, "bytes": size,
-             "tokens": [point.tokens for point in kept]}
+    entry = {
+        "file": CHECKPOINTS_FILE,
+        "sha256": sha,
+        "bytes": size,
+        "tokens": [point.tokens for point in kept],
+    }
     _remember(path, objects, key, os.stat(path, follow_symlinks=False), entry)
     return entry
 
@@ -213,14 +222,18 @@ def _checkpoints(
     except ValidationError:
         raise ValueError("its layout is not readable") from None
     if [t for t, _ in layout] != tokens:
-        raise ValueError(f"it holds checkpoints at tokens {[t for t, _ in layout]}, "
-                         f"session.json lists {tokens}")
+        raise ValueError(
+            f"it holds checkpoints at tokens {[t for t, _ in layout]}, session.json lists {tokens}"
+        )
     if len(tokens) > MAX_CHECKPOINTS or tokens != sorted(set(tokens)) or 0 in tokens:
-        raise ValueError(f"its token positions {tokens} are not at most {MAX_CHECKPOINTS} "
-                         "increasing ones after the first token")
+        raise ValueError(
+            f"its token positions {tokens} are not at most {MAX_CHECKPOINTS} "
+            "increasing ones after the first token"
+        )
     if tokens and tokens[-1] > len(session.ledger):
-        raise ValueError(f"a checkpoint is at token {tokens[-1]}, the cache holds "
-                         f"{len(session.ledger)}")
+        raise ValueError(
+            f"a checkpoint is at token {tokens[-1]}, the cache holds {len(session.ledger)}"
+        )
     parts = dict(layer_parts(session.cache))
     stateful = set(stateful_paths(session.cache))
     if sum(len(paths) for _, paths in layout) != len(layers):
@@ -229,9 +242,10 @@ def _checkpoints(
     for at, raw in layout:
         paths = [tuple(p) for p in raw]
         if not paths or len(set(paths)) != len(paths) or not set(paths) <= stateful:
-            raise ValueError(f"the checkpoint at token {at} names layers that the cache "
-                             "lacks or can cut back")
-        saved = layers[start:start + len(paths)]
+            raise ValueError(
+                f"the checkpoint at token {at} names layers that the cache lacks or can cut back"
+            )
+        saved = layers[start : start + len(paths)]
         start += len(paths)
         problem = checkpoint_problem(saved, [parts[p] for p in paths], at)
         if problem:

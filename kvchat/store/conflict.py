@@ -41,7 +41,8 @@ class SessionChanged(StoreError):
         self.name, self.data, self.generation = name, data, generation
         super().__init__(
             f"Session {name} was saved by another kvchat since this one loaded it "
-            f"(it is at generation {generation.number} now); nothing was overwritten.")
+            f"(it is at generation {generation.number} now); nothing was overwritten."
+        )
 
 
 def on_disk(path: Path) -> tuple[bytes | None, dict[str, Any] | None, Generation]:
@@ -137,4 +138,3 @@ def _path_to(tree: Branches, node: int) -> list[int]:
         out.append(node)
         node = tree.nodes[node].parent
     return out[::-1]
-

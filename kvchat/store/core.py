@@ -49,8 +49,9 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 
 
-def save(session: Session, name: str, shards: list[str] | None = None, *,
-         base: Generation | None = None) -> Path:
+def save(
+    session: Session, name: str, shards: list[str] | None = None, *, base: Generation | None = None
+) -> Path:
     """Write ``session`` under ``name`` (cache first, then ``session.json``); return the folder.
 
     Takes the session's lock. A crash at any point leaves the previous save
@@ -74,8 +75,9 @@ def save(session: Session, name: str, shards: list[str] | None = None, *,
         raise StoreError(f"Could not save session {name}: {reason}; the previous save is intact.")
 
 
-def _save_locked(session: Session, name: str, folder: Path, shards: list[str] | None,
-                 base: Generation | None) -> Path:
+def _save_locked(
+    session: Session, name: str, folder: Path, shards: list[str] | None, base: Generation | None
+) -> Path:
     """:func:`save` once the lock is held (a failure leaves no temporary file behind)."""
     json_path = folder / SESSION_FILE
     cache_path = folder / CACHE_FILE
@@ -181,9 +183,14 @@ def _keep_aside(path: Path) -> Path:
     return kept
 
 
-def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
-         data: dict[str, Any] | None = None,
-         reader: Callable[..., CacheRead] = read_cache) -> Loaded:
+def load(
+    name: str,
+    lm: LoadedModel,
+    progress: Progress | None = None,
+    *,
+    data: dict[str, Any] | None = None,
+    reader: Callable[..., CacheRead] = read_cache,
+) -> Loaded:
     """Load session ``name`` for model ``lm``, cache included when it is sound.
 
     When the cache cannot be used, the transcript still loads, the cache is
@@ -225,23 +232,29 @@ def load(name: str, lm: LoadedModel, progress: Progress | None = None, *,
     if problem is None:
         cache, ledger, problem = reader(folder, data, lm, ledger, empty, reference)
     session = Session.restore(
-        lm, messages=messages, kind=empty.kind, settings=settings,
-        ledger=ledger, cache=cache,
-        turns=turns, archived=archived, branches=branches,
+        lm,
+        messages=messages,
+        kind=empty.kind,
+        settings=settings,
+        ledger=ledger,
+        cache=cache,
+        turns=turns,
+        archived=archived,
+        branches=branches,
     )
     if problem is None:
         loaded = _with_checkpoints(folder, data, session, reference, resumed=cache is not None)
     else:
-        session.rebuild(f"the saved cache was not used: {problem}", progress,
-                        next_turn_counts=True)
+        session.rebuild(f"the saved cache was not used: {problem}", progress, next_turn_counts=True)
         notice = f"The saved cache was not used ({problem}); it was rebuilt from the transcript."
         loaded = Loaded(session, resumed_from_disk=False, notice=notice)
     loaded.generation = generation
     return loaded
 
 
-def _with_checkpoints(folder: Path, data: dict[str, Any], session: Session, reference: Reference,
-                      resumed: bool) -> Loaded:
+def _with_checkpoints(
+    folder: Path, data: dict[str, Any], session: Session, reference: Reference, resumed: bool
+) -> Loaded:
     """``session``, resumed with its cache (checked against ``reference``), given the
     checkpoints saved with it; a checkpoints file that cannot be used is left out with a
     notice."""
@@ -249,9 +262,13 @@ def _with_checkpoints(folder: Path, data: dict[str, Any], session: Session, refe
         return Loaded(session, resumed_from_disk=False, notice=None)
     points, problem = read_checkpoints(folder, data.get("checkpoints"), session, reference)
     session.checkpoints.adopt(points)
-    notice = None if problem is None else (
-        f"The saved checkpoints were not used ({problem}); the cache was, so undo and "
-        "regenerate evaluate the transcript again until new ones are kept."
+    notice = (
+        None
+        if problem is None
+        else (
+            f"The saved checkpoints were not used ({problem}); the cache was, so undo and "
+            "regenerate evaluate the transcript again until new ones are kept."
+        )
     )
     return Loaded(session, resumed_from_disk=True, notice=notice)
 

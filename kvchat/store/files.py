@@ -95,7 +95,9 @@ def read_regular(path: Path, limit: int = JSON_LIMIT) -> bytes:
 
 
 def write_caches_atomic(
-    path: Path, caches: list[Any], metadata: dict[str, str],
+    path: Path,
+    caches: list[Any],
+    metadata: dict[str, str],
     before_rename: Callable[[str, int], None] | None = None,
 ) -> tuple[str, int]:
     """Write ``caches`` to ``path`` atomically with mlx-lm's ``save_prompt_cache`` (no

@@ -48,7 +48,7 @@ def open_elsewhere(name: str) -> list[int]:
     prefix = f"{check_name(name)}."
     pids = []
     for path in lock_file(name).parent.glob(f"{prefix}*.open"):
-        middle = path.name[len(prefix):-len(".open")]
+        middle = path.name[len(prefix) : -len(".open")]
         if not middle.isdigit() or int(middle) == os.getpid():
             continue
         pid = int(middle)

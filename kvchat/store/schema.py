@@ -120,7 +120,8 @@ class SessionFile(_Strict):
             messages = talk([m.model_dump(exclude_unset=True) for m in self.messages])
             try:
                 self._tree = Branches.from_record(
-                    self.branches.model_dump(exclude_unset=True), messages)
+                    self.branches.model_dump(exclude_unset=True), messages
+                )
             except BranchError as exc:
                 raise ValueError(str(exc)) from None
         return self

@@ -37,8 +37,16 @@ BUSY_TIMEOUT_S = 2.0
 SNIPPET_TOKENS = 12
 REBUILT = "The search index was unusable"  # how the notice of a rebuild begins
 # Errors that say nothing against the file (another kvchat writing, a full disk): no rebuild.
-_PASSING = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_FULL", "SQLITE_IOERR", "SQLITE_READONLY",
-            "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_NOMEM")
+_PASSING = (
+    "SQLITE_BUSY",
+    "SQLITE_LOCKED",
+    "SQLITE_FULL",
+    "SQLITE_IOERR",
+    "SQLITE_READONLY",
+    "SQLITE_CANTOPEN",
+    "SQLITE_PERM",
+    "SQLITE_NOMEM",
+)
 _SEPARATORS = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -179,13 +187,19 @@ def _transcript(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [*data.get("archived", []), *data["messages"]]
 
 
-def _put(conn: sqlite3.Connection, name: str, file_id: str | None, data: dict[str, Any] | None,
-         note: str | None) -> None:
+def _put(
+    conn: sqlite3.Connection,
+    name: str,
+    file_id: str | None,
+    data: dict[str, Any] | None,
+    note: str | None,
+) -> None:
     """Replace ``name``'s rows with ``data``'s messages (none when it could not be read)."""
     conn.execute("DELETE FROM rows WHERE name = ?", (name,))
     updated = str(data.get("updated", "")) if data else ""
-    conn.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?)",
-                 (name, file_id, updated, note))
+    conn.execute(
+        "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?)", (name, file_id, updated, note)
+    )
     if data:
         conn.executemany(
             "INSERT INTO rows (name, role, idx, text) VALUES (?, ?, ?, ?)",
@@ -244,11 +258,16 @@ def sync() -> list[str]:
     try:
         with _open(notes) as conn:
             _sync(conn)
-            notes += [n for (n,) in conn.execute(
-                "SELECT note FROM sessions WHERE note IS NOT NULL ORDER BY name")]
+            notes += [
+                n
+                for (n,) in conn.execute(
+                    "SELECT note FROM sessions WHERE note IS NOT NULL ORDER BY name"
+                )
+            ]
     except (sqlite3.Error, OSError) as exc:
-        raise StoreError(f"The search index at {index_path()} cannot be used "
-                         f"({one_line(exc)}).") from None
+        raise StoreError(
+            f"The search index at {index_path()} cannot be used ({one_line(exc)})."
+        ) from None
     return notes
 
 
@@ -288,8 +307,15 @@ def _plain_snippet(text: str, term: str) -> str:
     if at < 0:  # LIKE folds ASCII case only; str.lower() folds more
         return text[:80] + ("…" if len(text) > 80 else "")
     start, end = max(0, at - 40), at + len(term) + 40
-    return ("…" if start else "") + text[start:at] + "[" + text[at:at + len(term)] + "]" + \
-        text[at + len(term):end] + ("…" if end < len(text) else "")
+    return (
+        ("…" if start else "")
+        + text[start:at]
+        + "["
+        + text[at : at + len(term)]
+        + "]"
+        + text[at + len(term) : end]
+        + ("…" if end < len(text) else "")
+    )
 
 
 def _query(conn: sqlite3.Connection, terms: list[str], limit: int) -> list[Hit]:
@@ -298,20 +324,36 @@ def _query(conn: sqlite3.Connection, terms: list[str], limit: int) -> list[Hit]:
     order = "ORDER BY s.updated DESC, r.name, r.idx LIMIT ?"
     if not HAS_FTS5:
         where = " AND ".join("r.text LIKE ? ESCAPE '\\'" for _ in terms)
-        sql = ("SELECT r.name, r.role, r.idx, r.text, s.updated FROM rows r "
-               f"JOIN sessions s ON s.name = r.name WHERE {where} {order}")
+        sql = (
+            "SELECT r.name, r.role, r.idx, r.text, s.updated FROM rows r "
+            f"JOIN sessions s ON s.name = r.name WHERE {where} {order}"
+        )
         rows = conn.execute(sql, (*map(_like, terms), limit))
         return [Hit(n, role, i, _plain_snippet(text, terms[0]), u) for n, role, i, text, u in rows]
     match = _fts_query(terms)
-    ids = [i for (i,) in conn.execute(
-        "SELECT r.id FROM rows r JOIN sessions s ON s.name = r.name "
-        f"WHERE r.id IN (SELECT rowid FROM fts WHERE fts MATCH ?) {order}", (match, limit))]
-    snippets = dict(conn.execute(
-        f"SELECT rowid, snippet(fts, 0, '[', ']', '…', ?) FROM fts WHERE fts MATCH ? "
-        f"AND rowid IN ({','.join('?' * len(ids))})", (SNIPPET_TOKENS, match, *ids)))
-    by_id = {r[0]: r[1:] for r in conn.execute(
-        "SELECT r.id, r.name, r.role, r.idx, s.updated FROM rows r JOIN sessions s "
-        f"ON s.name = r.name WHERE r.id IN ({','.join('?' * len(ids))})", ids)}
+    ids = [
+        i
+        for (i,) in conn.execute(
+            "SELECT r.id FROM rows r JOIN sessions s ON s.name = r.name "
+            f"WHERE r.id IN (SELECT rowid FROM fts WHERE fts MATCH ?) {order}",
+            (match, limit),
+        )
+    ]
+    snippets = dict(
+        conn.execute(
+            f"SELECT rowid, snippet(fts, 0, '[', ']', '…', ?) FROM fts WHERE fts MATCH ? "
+            f"AND rowid IN ({','.join('?' * len(ids))})",
+            (SNIPPET_TOKENS, match, *ids),
+        )
+    )
+    by_id = {
+        r[0]: r[1:]
+        for r in conn.execute(
+            "SELECT r.id, r.name, r.role, r.idx, s.updated FROM rows r JOIN sessions s "
+            f"ON s.name = r.name WHERE r.id IN ({','.join('?' * len(ids))})",
+            ids,
+        )
+    }
     return [Hit(by_id[i][0], by_id[i][1], by_id[i][2], snippets[i], by_id[i][3]) for i in ids]
 
 
@@ -325,8 +367,9 @@ def search_sessions(text: str, limit: int = 50) -> Found:
         with _open(found.notes) as conn:
             found.hits = _query(conn, terms, max(1, limit))
     except (sqlite3.Error, OSError) as exc:
-        raise StoreError(f"The search index at {index_path()} cannot be used "
-                         f"({one_line(exc)}).") from None
+        raise StoreError(
+            f"The search index at {index_path()} cannot be used ({one_line(exc)})."
+        ) from None
     return found
 
 
@@ -340,8 +383,9 @@ def matching_sessions(text: str) -> set[str]:
         sql = "SELECT DISTINCT name FROM rows WHERE id IN (SELECT rowid FROM fts WHERE fts MATCH ?)"
         args: tuple[str, ...] = (_fts_query(terms),)
     else:
-        sql = ("SELECT DISTINCT name FROM rows WHERE "
-               + " AND ".join("text LIKE ? ESCAPE '\\'" for _ in terms))
+        sql = "SELECT DISTINCT name FROM rows WHERE " + " AND ".join(
+            "text LIKE ? ESCAPE '\\'" for _ in terms
+        )
         args = tuple(map(_like, terms))
     try:
         with _open([]) as conn:

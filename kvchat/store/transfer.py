@@ -29,8 +29,18 @@ if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
 
 FORMATS = ("md", "json")  # the export formats: render writes them, every caller offers these
-_EXPORTED = ("name", "model_id", "cache_kind", "created", "updated", "settings", "messages",
-             "archived", "turns", "branches")
+_EXPORTED = (
+    "name",
+    "model_id",
+    "cache_kind",
+    "created",
+    "updated",
+    "settings",
+    "messages",
+    "archived",
+    "turns",
+    "branches",
+)
 
 
 def export(name: str, fmt: str = "md") -> str:
@@ -56,8 +66,9 @@ def render(data: dict[str, Any], fmt: str) -> str:
         raise StoreError(f"Unknown export format {fmt!r}; use {' or '.join(FORMATS)}.")
     if fmt == "json":
         # branches only where there are some: an export without them reads as before
-        return dumps_json({k: data.get(k) for k in _EXPORTED
-                           if k != "branches" or data.get(k)}, indent=2)
+        return dumps_json(
+            {k: data.get(k) for k in _EXPORTED if k != "branches" or data.get(k)}, indent=2
+        )
     name = data.get("name")
     lines = [
         f"# {name}",
@@ -73,8 +84,11 @@ def render(data: dict[str, Any], fmt: str) -> str:
     lines += _md_messages(data["messages"], level=2)
     if data.get("branches"):
         others = len(data["branches"]["nodes"]) - len(data["branches"]["path"])
-        lines += [f"*This is the current branch; {others} message(s) on other branches "
-                  "are in the JSON export (`--format json`).*", ""]
+        lines += [
+            f"*This is the current branch; {others} message(s) on other branches "
+            "are in the JSON export (`--format json`).*",
+            "",
+        ]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -99,13 +113,19 @@ def write_export(path: Path, text: str) -> Path:
     except FileExistsError:
         raise StoreError(f"{path} exists already; choose another file name.") from None
     except OSError as exc:
-        raise StoreError(f"{path} could not be written ({one_line(exc)}); "
-                         "nothing was left there.") from None
+        raise StoreError(
+            f"{path} could not be written ({one_line(exc)}); nothing was left there."
+        ) from None
     return path
 
 
-def import_session(path: Path, name: str | None = None, model_id: str | None = None,
-                   default_model: str | None = None, in_use: Collection[str] = ()) -> str:
+def import_session(
+    path: Path,
+    name: str | None = None,
+    model_id: str | None = None,
+    default_model: str | None = None,
+    in_use: Collection[str] = (),
+) -> str:
     """Save the JSON export at ``path`` as a new session, without a cache; return its name.
 
     ``name`` must be free; without it the file's name (or ``imported``) is used, with
@@ -121,8 +141,10 @@ def import_session(path: Path, name: str | None = None, model_id: str | None = N
     except OSError as exc:
         raise StoreError(f"{path} cannot be read ({one_line(exc)}).") from None
     if not raw.lstrip().startswith(b"{"):
-        raise StoreError(f"{path} is not a JSON export; import reads what "
-                         "`kvchat sessions export NAME --format json` writes.")
+        raise StoreError(
+            f"{path} is not a JSON export; import reads what "
+            "`kvchat sessions export NAME --format json` writes."
+        )
     data = parse_session(raw, path)
     model = model_id or data.get("model_id") or default_model
     if not model:
@@ -134,8 +156,9 @@ def import_session(path: Path, name: str | None = None, model_id: str | None = N
         tries = [base, *(base[: 100 - len(s)] + s for s in (f"-{i}" for i in range(2, 10_000)))]
         name = next((n for n in tries if n not in in_use and not exists(n)), None)
         if name is None:
-            raise StoreError(f"Every name from {base!r} to {tries[-1]!r} is taken; "
-                             "give the import a name.")
+            raise StoreError(
+                f"Every name from {base!r} to {tries[-1]!r} is taken; give the import a name."
+            )
     with session_lock(name) as folder:
         if exists(name):
             raise StoreError(f"A session named {name!r} already exists; choose another name.")
@@ -143,9 +166,16 @@ def import_session(path: Path, name: str | None = None, model_id: str | None = N
         set_aside(name)
         record = {
             **{k: data[k] for k in _EXPORTED if k in data},
-            "format": FORMAT, "generation": 1, "kvchat_version": __version__, "name": name,
-            "created": data.get("created") or now(), "updated": now(), "model_id": model,
-            "model_fingerprint": "", "ledger": [], "cache": None,
+            "format": FORMAT,
+            "generation": 1,
+            "kvchat_version": __version__,
+            "name": name,
+            "created": data.get("created") or now(),
+            "updated": now(),
+            "model_id": model,
+            "model_fingerprint": "",
+            "ledger": [],
+            "cache": None,
         }
         json_path = folder / SESSION_FILE
         write_atomic(json_path, dumps_json(record, indent=1).encode())

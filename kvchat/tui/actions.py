@@ -42,8 +42,9 @@ class TabActions:
 
         def saved(path) -> None:
             conversation.saved = True
-            self.notify(f"Saved {name} ({conversation.session.cache_tokens:,} cache tokens).",
-                        markup=False)
+            self.notify(
+                f"Saved {name} ({conversation.session.cache_tokens:,} cache tokens).", markup=False
+            )
 
         # through the pool, so that it knows the tab is clean (Ctrl+W then closes at once)
         conversation.save(saved)
@@ -58,19 +59,26 @@ class TabActions:
             if choice is None:
                 return
             if choice.undo:
+
                 def undone(_):
-                    self.notify(f"Undid the last turn; the cache holds "
-                                f"{session.cache_tokens:,} tokens.")
+                    self.notify(
+                        f"Undid the last turn; the cache holds {session.cache_tokens:,} tokens."
+                    )
                     return conversation.reload()
-                conversation.run_job("undoing", lambda progress: session.undo(choice.undo),
-                                     undone)
+
+                conversation.run_job("undoing", lambda progress: session.undo(choice.undo), undone)
             else:
+
                 def trimmed(dropped: int):
-                    self.notify(f"Dropped {dropped} message(s); the cache holds "
-                                f"{session.cache_tokens:,} tokens.")
+                    self.notify(
+                        f"Dropped {dropped} message(s); the cache holds "
+                        f"{session.cache_tokens:,} tokens."
+                    )
                     return conversation.reload()
+
                 conversation.run_job(
-                    "trimming", lambda progress: session.trim_history(choice.max_tokens, progress),
+                    "trimming",
+                    lambda progress: session.trim_history(choice.max_tokens, progress),
                     trimmed,
                 )
 
@@ -118,8 +126,11 @@ class TabActions:
             return
 
         def done(emptied: bool) -> None:
-            self.notify("Cache emptied; the next turn prefills the whole transcript."
-                        if emptied else "The cache is empty already.")
+            self.notify(
+                "Cache emptied; the next turn prefills the whole transcript."
+                if emptied
+                else "The cache is empty already."
+            )
 
         conversation.run_job("resetting", lambda progress: conversation.session.reset(), done)
 
@@ -137,13 +148,20 @@ class TabActions:
             greedy = settings.temp <= 0
             why = "Temperature is 0 (greedy)" if greedy else f"Seed {settings.seed} is set"
             if change is None:  # the same cache and logits: the same reply
-                hint = ("raise it with --temp or temp in the config file." if greedy
-                        else "clear it in the tab's settings (F9).")
+                hint = (
+                    "raise it with --temp or temp in the config file."
+                    if greedy
+                    else "clear it in the tab's settings (F9)."
+                )
                 self.notify(f"{why}: the same reply came again; {hint}", timeout=8)
                 return
-            self.notify(f"{why}, but the cache changed since that reply ({change.action}): "
-                        f"{done.stats.evaluated_tokens:,} token(s) were evaluated on it again, "
-                        "so the reply can differ.", timeout=8, markup=False)
+            self.notify(
+                f"{why}, but the cache changed since that reply ({change.action}): "
+                f"{done.stats.evaluated_tokens:,} token(s) were evaluated on it again, "
+                "so the reply can differ.",
+                timeout=8,
+                markup=False,
+            )
 
         await conversation.regenerate(said)
 
@@ -168,8 +186,7 @@ class TabActions:
 
             async def closed() -> None:
                 await self.app.tab_control.close_conversation(conversation)
-                self.notify(f"Saved as {name} and closed; reopen it with Ctrl+O.",
-                            markup=False)
+                self.notify(f"Saved as {name} and closed; reopen it with Ctrl+O.", markup=False)
 
             def saved(_) -> None:
                 conversation.saved = True
@@ -196,8 +213,9 @@ class TabActions:
                 return
             taken = {c.session_name for c in self.app.conversations()}
             if new in taken or store.exists(new):
-                self.notify(f"A session named {new!r} already exists.", severity="error",
-                            markup=False)
+                self.notify(
+                    f"A session named {new!r} already exists.", severity="error", markup=False
+                )
                 return
             saved = conversation.saved and store.exists(old)
 
@@ -235,19 +253,25 @@ class TabActions:
             changed = sampling != session.settings
             session.settings = sampling
             if result.system == (session.system or ""):
-                self.notify("Settings apply from the next turn." if changed
-                            else "Nothing changed.")
+                self.notify("Settings apply from the next turn." if changed else "Nothing changed.")
                 self.app.refresh_sidebar()
                 return
 
             def done(kept: int):
                 tokens = "token" if kept == 1 else "tokens"
-                self.notify(f"System prompt changed: the cache keeps its first {kept:,} "
-                            f"{tokens}; the next turn evaluates the rest.", markup=False)
+                self.notify(
+                    f"System prompt changed: the cache keeps its first {kept:,} "
+                    f"{tokens}; the next turn evaluates the rest.",
+                    markup=False,
+                )
                 return conversation.reload()
 
-            conversation.run_job("applying", lambda progress: session.set_system(result.system),
-                                 done, needs_cache=False)
+            conversation.run_job(
+                "applying",
+                lambda progress: session.set_system(result.system),
+                done,
+                needs_cache=False,
+            )
 
         self.push_screen(
             SettingsDialog(session.lm.model_id, session.system or "", session.settings), chosen

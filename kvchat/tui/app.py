@@ -104,11 +104,16 @@ class KvChatApp(App):
         self.pool = SessionPool.for_config(self.config, self.models)
         self.expire_every = expire_every
         self.expiry = ExpiryTicker(
-            self.pool, self.scheduler, tabs=self.conversations, call_from_thread=self.call_from_thread,
+            self.pool,
+            self.scheduler,
+            tabs=self.conversations,
+            call_from_thread=self.call_from_thread,
             run_worker=lambda work: self.run_worker(work, name="expire", group="pool", thread=True),
-            done=self._expired)
-        self.transfer = TransferService(push_screen=self.push_screen, notify=self.notify,
-                                        open_saved=self.open_saved)
+            done=self._expired,
+        )
+        self.transfer = TransferService(
+            push_screen=self.push_screen, notify=self.notify, open_saved=self.open_saved
+        )
         self.quitter = Quitter(self)
         self.shards: ShardedRun | None = None  # see shard()
         self.tab_control = TabController(self)
@@ -142,8 +147,9 @@ class KvChatApp(App):
     def on_mount(self) -> None:
         if not self.is_headless:  # a terminal's app: SIGTERM and SIGHUP save, then quit
             self.quitter.listen()
-        self.keymap = install_keymap(self.config.keymap, self.binding_groups(), self.set_keymap,
-                                     self.notify)
+        self.keymap = install_keymap(
+            self.config.keymap, self.binding_groups(), self.set_keymap, self.notify
+        )
         if "command_palette" in self.keymap:  # the footer shows the palette by this key
             self.COMMAND_PALETTE_BINDING = self.keymap["command_palette"].split(",")[0]
         install_themes(self, self.config.theme)
@@ -261,7 +267,8 @@ class KvChatApp(App):
             if action == "stop" and not conversation.busy:
                 return False  # in the footer only while there is something to stop
         if action in ("new_tab", "new_tab_model", "import") and (
-                self.lm is None or len(self.screen_stack) > 1):
+            self.lm is None or len(self.screen_stack) > 1
+        ):
             return False
         return True
 
@@ -307,8 +314,9 @@ class KvChatApp(App):
         return binding_groups(cls.APP_BINDINGS, cls.SYSTEM_BINDINGS)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from system_commands(self.APP_BINDINGS, self.keymap, self.run_action,
-                                   self.active_conversation())
+        yield from system_commands(
+            self.APP_BINDINGS, self.keymap, self.run_action, self.active_conversation()
+        )
         yield from super().get_system_commands(screen)
 
     def action_export(self) -> None:
@@ -318,8 +326,9 @@ class KvChatApp(App):
 
     def action_import(self) -> None:
         if not self.one_tab_only():
-            self.transfer.import_(self.lm.model_id,
-                                  lambda: [c.session_name for c in self.conversations()])
+            self.transfer.import_(
+                self.lm.model_id, lambda: [c.session_name for c in self.conversations()]
+            )
 
     # ------------------------------------------------------------- expiry
 
@@ -374,7 +383,6 @@ class KvChatApp(App):
         self.main_screen.set_class(shown, "-hide-sidebar")
         self.main_screen.set_class(not shown, "-show-sidebar")
 
-
     # ------------------------------------------------------------- a sharded run
 
     @property
@@ -403,4 +411,3 @@ class KvChatApp(App):
         if self.shards is not None:
             self.notify(ONE_TAB, severity="warning", markup=False)
         return self.shards is not None
-

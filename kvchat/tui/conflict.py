@@ -36,19 +36,25 @@ class Conflicts:
         def chosen(choice: str | None) -> None:
             if choice == "reload":
                 mine = conversation.unsaved  # turns of this tab that the disk lacks
-                conversation.run_job("reloading", lambda progress: app.pool.keep_as_branch(
-                    name, progress), lambda loaded: app.call_later(
-                        self._reloaded, conversation, loaded, mine), needs_cache=False)
+                conversation.run_job(
+                    "reloading",
+                    lambda progress: app.pool.keep_as_branch(name, progress),
+                    lambda loaded: app.call_later(self._reloaded, conversation, loaded, mine),
+                    needs_cache=False,
+                )
             elif choice == "fork":
                 self._save_as(conversation, new)
             else:
-                app.notify(f"{name} is not saved: another kvchat saved it meanwhile. "
-                           "Saving again asks what to do.", severity="warning", markup=False)
+                app.notify(
+                    f"{name} is not saved: another kvchat saved it meanwhile. "
+                    "Saving again asks what to do.",
+                    severity="warning",
+                    markup=False,
+                )
 
         app.push_screen(ConflictDialog(name, new), chosen)
 
-    async def _reloaded(self, conversation: Conversation, loaded: store.Loaded,
-                        mine: bool) -> None:
+    async def _reloaded(self, conversation: Conversation, loaded: store.Loaded, mine: bool) -> None:
         """Show the reloaded session (both sides) in a tab in place of the old one (with
         the message being written, if any)."""
         app = self.app
@@ -57,11 +63,21 @@ class Conflicts:
         if conversation.parent is not None:
             await app.tabs.remove_pane(conversation.parent.id)  # the pool holds the new one
         shown = await app.tab_control.add_conversation(
-            loaded.session, name, saved=True, notice_kind="info",
-            notice=(f"Reloaded {name} as another kvchat saved it"
-                    + ("; this tab's turns are kept as a branch (select a message, ← / → "
-                       "switch branches)." if mine else ".")
-                    + (f" {loaded.notice}" if loaded.notice else "")))
+            loaded.session,
+            name,
+            saved=True,
+            notice_kind="info",
+            notice=(
+                f"Reloaded {name} as another kvchat saved it"
+                + (
+                    "; this tab's turns are kept as a branch (select a message, ← / → "
+                    "switch branches)."
+                    if mine
+                    else "."
+                )
+                + (f" {loaded.notice}" if loaded.notice else "")
+            ),
+        )
         shown.input.text = draft
 
     def _save_as(self, conversation: Conversation, new: str) -> None:
@@ -82,8 +98,9 @@ class Conflicts:
             if isinstance(conversation.parent, TabPane):
                 app.tabs.get_tab(conversation.parent.id).label = new
             app.refresh_sidebar()
-            app.notify(f"Saved this tab as {new}; {old} stays as the other kvchat saved it.",
-                       markup=False)
+            app.notify(
+                f"Saved this tab as {new}; {old} stays as the other kvchat saved it.", markup=False
+            )
 
         conversation.run_job("saving", save, saved, needs_cache=False)
 
@@ -94,5 +111,8 @@ class Conflicts:
             which = ", ".join(str(p) for p in pids)
             self.app.notify(
                 f"{name} is open in another kvchat process (pid {which}); saves from both are "
-                "kept (a change made elsewhere comes back as a branch).", severity="warning",
-                markup=False, timeout=10)
+                "kept (a change made elsewhere comes back as a branch).",
+                severity="warning",
+                markup=False,
+                timeout=10,
+            )

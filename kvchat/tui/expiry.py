@@ -26,11 +26,16 @@ class ExpiryTicker:
     ``done(offloaded, error)`` gets the names offloaded and what failed, if anything.
     """
 
-    def __init__(self, pool: SessionPool, scheduler: Scheduler, *,
-                 tabs: Callable[[], list[Tab]],
-                 run_worker: Callable[[Callable[[], None]], Any],
-                 call_from_thread: Callable[..., Any],
-                 done: Callable[[list[str], str | None], None]) -> None:
+    def __init__(
+        self,
+        pool: SessionPool,
+        scheduler: Scheduler,
+        *,
+        tabs: Callable[[], list[Tab]],
+        run_worker: Callable[[Callable[[], None]], Any],
+        call_from_thread: Callable[..., Any],
+        done: Callable[[list[str], str | None], None],
+    ) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.tabs = tabs

@@ -22,8 +22,11 @@ MAX_KEY_CHARS = 200
 def valid_key(key: str) -> bool:
     """Whether Textual can report ``key`` (``ctrl+s``, ``f5``, ``slash``, ``?``)."""
     *modifiers, base = key.split("+")
-    if not base or any(m not in MODIFIERS for m in modifiers) or len(set(modifiers)) < len(
-            modifiers):
+    if (
+        not base
+        or any(m not in MODIFIERS for m in modifiers)
+        or len(set(modifiers)) < len(modifiers)
+    ):
         return False
     if base in _NAMED or (len(base) == 1 and base.isprintable() and not base.isspace()):
         return True
@@ -64,8 +67,9 @@ def check_keymap(
     return usable, problems
 
 
-def clashes(groups: Iterable[tuple[str, Iterable[Binding]]],
-            keymap: Mapping[str, str]) -> list[str]:
+def clashes(
+    groups: Iterable[tuple[str, Iterable[Binding]]], keymap: Mapping[str, str]
+) -> list[str]:
     """A phrase for each key ``keymap`` gives a binding that another binding of the same
     place keeps by default (Textual then drops that one's key; it does not say so)."""
     places: dict[str, list[Binding]] = {}
@@ -78,8 +82,7 @@ def clashes(groups: Iterable[tuple[str, Iterable[Binding]]],
             if binding.id in keymap:
                 for key in split_keys(keymap[binding.id]):
                     if key in kept:
-                        found.append(f"{key} was {kept[key].id}'s key; it now does "
-                                     f"{binding.id}")
+                        found.append(f"{key} was {kept[key].id}'s key; it now does {binding.id}")
     return found
 
 
@@ -102,6 +105,5 @@ def keymap_table(groups: Iterable[tuple[str, Iterable[Binding]]]) -> str:
     for where, bindings in groups:
         for binding in bindings:
             keys = ", ".join(f"`{key}`" for key in split_keys(binding.key))
-            lines.append(f"| `{binding.id}` | {where} | {keys} | "
-                         f"{binding.description} |")
+            lines.append(f"| `{binding.id}` | {where} | {keys} | {binding.description} |")
     return "\n".join(lines) + "\n"

@@ -39,9 +39,12 @@ def binding_groups(app_bindings: list[Binding], system_bindings: list[Binding]) 
     ]
 
 
-def install_keymap(wanted: dict[str, str], groups: BindingGroups,
-                   set_keymap: Callable[[dict[str, str]], Any],
-                   notify: Callable[..., Any]) -> dict[str, str]:
+def install_keymap(
+    wanted: dict[str, str],
+    groups: BindingGroups,
+    set_keymap: Callable[[dict[str, str]], Any],
+    notify: Callable[..., Any],
+) -> dict[str, str]:
     """Give Textual (``set_keymap``) the config's ``[keymap]`` (``wanted``), less the
     entries it cannot use (said in one notice; those bindings keep their default keys);
     return the entries in use."""
@@ -56,9 +59,12 @@ def install_keymap(wanted: dict[str, str], groups: BindingGroups,
     return keymap
 
 
-def system_commands(app_bindings: list[Binding], keymap: dict[str, str],
-                    run_action: Callable[[str], Any],
-                    conversation: Conversation | None) -> Iterable[SystemCommand]:
+def system_commands(
+    app_bindings: list[Binding],
+    keymap: dict[str, str],
+    run_action: Callable[[str], Any],
+    conversation: Conversation | None,
+) -> Iterable[SystemCommand]:
     """The palette's entries for the app's bindings (run by ``run_action``) and for the
     message box's actions that are not typing (when a ``conversation`` is open)."""
     for binding in app_bindings:
@@ -69,6 +75,8 @@ def system_commands(app_bindings: list[Binding], keymap: dict[str, str],
     if conversation is not None:
         for binding in ChatInput.BINDINGS:
             if binding.action in ("editor", "insert_file"):
-                yield SystemCommand(binding.description,
-                                    f"{binding.tooltip} ({keys_of(binding, keymap)[0]})",
-                                    partial(conversation.input.run_action, binding.action))
+                yield SystemCommand(
+                    binding.description,
+                    f"{binding.tooltip} ({keys_of(binding, keymap)[0]})",
+                    partial(conversation.input.run_action, binding.action),
+                )

@@ -29,8 +29,13 @@ class ModelLoader:
 
     def load_default(self, spec: str) -> None:
         """Load the app's model in a worker; the app starts when it is ready."""
-        self.app.run_worker(partial(self.load_model, spec), name="load_model", group="model",
-                            exclusive=True, thread=True)
+        self.app.run_worker(
+            partial(self.load_model, spec),
+            name="load_model",
+            group="model",
+            exclusive=True,
+            thread=True,
+        )
 
     def load_model(self, spec: str) -> None:
         """Worker: load the app's model at start; one that cannot load ends the app."""
@@ -74,8 +79,9 @@ class ModelLoader:
         if app.models.get(spec) is None:
             app.main_screen.set_focus(None)  # see TabController.open_saved
             app.push_screen(LoadingScreen(f"Loading model {spec}…"))
-        app.run_worker(partial(self.load_tab_model, spec), name="load_tab_model", group="load",
-                       thread=True)
+        app.run_worker(
+            partial(self.load_tab_model, spec), name="load_tab_model", group="load", thread=True
+        )
 
     def load_tab_model(self, spec: str) -> None:
         """Worker: load model ``spec`` for a new tab, making room for it in the pool."""

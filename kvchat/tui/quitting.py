@@ -73,8 +73,11 @@ class Quitter:
         for conversation in busy:
             conversation.stop()
         if busy:
-            app.notify("Stopping and saving before quitting… (Ctrl+Q again: quit now)",
-                       timeout=30, markup=False)
+            app.notify(
+                "Stopping and saving before quitting… (Ctrl+Q again: quit now)",
+                timeout=30,
+                markup=False,
+            )
         return True
 
     async def finish(self) -> None:
@@ -97,8 +100,13 @@ class Quitter:
             failed = [c.session_name for c in unsaved if c.unsaved]
             if failed:  # each one's error is on its tab; the app stays usable
                 self.underway, self.save_failed = False, True
-                app.notify(f"Could not save {', '.join(failed)} (its tab says why); Ctrl+Q "
-                           "again quits anyway.", severity="error", timeout=30, markup=False)
+                app.notify(
+                    f"Could not save {', '.join(failed)} (its tab says why); Ctrl+Q "
+                    "again quits anyway.",
+                    severity="error",
+                    timeout=30,
+                    markup=False,
+                )
                 return
         app.exit()
 

@@ -13,8 +13,14 @@ from kvchat.settings import apply_overrides
 from .app import KvChatApp
 
 
-def tui_app(*, model: str | None = None, cache: str | None = None, system: str | None = None,
-            resume: str | None = None, flags: dict[str, Any] | None = None) -> KvChatApp:
+def tui_app(
+    *,
+    model: str | None = None,
+    cache: str | None = None,
+    system: str | None = None,
+    resume: str | None = None,
+    flags: dict[str, Any] | None = None,
+) -> KvChatApp:
     """The TUI with the config file's settings, overridden by the given options and
     ``flags`` (generation settings by name, None where not given, as
     :func:`kvchat.cli.common.setting_options` passes them); the flags given also win
@@ -23,8 +29,9 @@ def tui_app(*, model: str | None = None, cache: str | None = None, system: str |
     if resume and model is None:
         model = store.summary(resume).model_id
     flags = flags or {}
-    config = apply_overrides(load_config(), {"model": model, "cache": cache, "system": system},
-                             flags)
+    config = apply_overrides(
+        load_config(), {"model": model, "cache": cache, "system": system}, flags
+    )
     given = {name: getattr(config, name) for name, value in flags.items() if value is not None}
     return KvChatApp(config, resume=resume, settings_flags=given)
 

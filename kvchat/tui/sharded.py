@@ -25,8 +25,10 @@ from .screens.loading import LoadingScreen
 if TYPE_CHECKING:
     from .app import KvChatApp
 
-ONE_TAB = ("A sharded run has one tab, on its one model: other tabs, models and sessions, "
-           "closing and renaming need a run on one machine.")
+ONE_TAB = (
+    "A sharded run has one tab, on its one model: other tabs, models and sessions, "
+    "closing and renaming need a run on one machine."
+)
 
 
 class ShardedRun:
@@ -51,8 +53,12 @@ class ShardedRun:
 
         app = self.app
         c = app.config
-        session = new_session(self.lm, kind=app.tab_control.fitting_kind(self.lm),
-                              system=c.system or None, settings=generation_of(c))
+        session = new_session(
+            self.lm,
+            kind=app.tab_control.fitting_kind(self.lm),
+            system=c.system or None,
+            settings=generation_of(c),
+        )
         if name is not None:
             app.pool.add(name, session)
         return session
@@ -68,8 +74,9 @@ class ShardedRun:
         if self.refused():
             return
         self.app.push_screen(LoadingScreen(f"Opening session {name}…"))
-        self.app.run_worker(partial(self.load, name), name="load_sharded", group="load",
-                            thread=True)
+        self.app.run_worker(
+            partial(self.load, name), name="load_sharded", group="load", thread=True
+        )
 
     def load(self, name: str) -> None:
         """Worker: open saved session ``name`` on every rank (each its own cache shard)."""
@@ -108,22 +115,28 @@ class ShardedRun:
         def chosen(where: str | None) -> None:
             if where is None:
                 return
-            said = (f"Dropped {name} from memory and disk on every rank." if where == "disk"
-                    else f"Saved {name} on every rank and dropped it from memory "
-                         f"(kvchat launch -- --resume {name} reopens it).")
+            said = (
+                f"Dropped {name} from memory and disk on every rank."
+                if where == "disk"
+                else f"Saved {name} on every rank and dropped it from memory "
+                f"(kvchat launch -- --resume {name} reopens it)."
+            )
             conversation.run_job(
-                "dropping", lambda progress: drop(where == "disk"),
+                "dropping",
+                lambda progress: drop(where == "disk"),
                 lambda made: app.call_later(self.swap_tab, conversation, fresh, *made, said),
-                needs_cache=False)
+                needs_cache=False,
+            )
 
-        app.push_screen(DropDialog(name, store.exists(name), "start a new session in its tab"),
-                        chosen)
+        app.push_screen(
+            DropDialog(name, store.exists(name), "start a new session in its tab"), chosen
+        )
 
-    async def swap_tab(self, conversation, name: str, session, problem: str | None,
-                       said: str) -> None:
+    async def swap_tab(
+        self, conversation, name: str, session, problem: str | None, said: str
+    ) -> None:
         """Put ``session`` (new, as ``name``) in the place of ``conversation``'s tab."""
         app = self.app
         await app.tabs.remove_pane(conversation.parent.id)
         await app.tab_control.add_conversation(session, name)
-        app.notify(problem or said, severity="warning" if problem else "information",
-                   markup=False)
+        app.notify(problem or said, severity="warning" if problem else "information", markup=False)

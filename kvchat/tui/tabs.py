@@ -69,8 +69,7 @@ class TabController:
         try:
             make_cache(lm.model, parse_kind(self.app.config.cache))
         except CacheKindError as error:
-            self.app.notify(f"{error} This tab uses 'standard'.", severity="warning",
-                            markup=False)
+            self.app.notify(f"{error} This tab uses 'standard'.", severity="warning", markup=False)
             return "standard"
         return self.app.config.cache
 
@@ -91,7 +90,12 @@ class TabController:
         return await self.add_conversation(self.new_session(name), name)
 
     async def add_conversation(
-        self, session: Session, name: str, *, saved: bool = False, notice: str | None = None,
+        self,
+        session: Session,
+        name: str,
+        *,
+        saved: bool = False,
+        notice: str | None = None,
         notice_kind: str = "rebuild",
     ) -> Conversation:
         """Show ``session`` (as ``name``) in a new tab, made the active one, with ``notice``
@@ -150,21 +154,26 @@ class TabController:
         # tab's input again, and a focused pane makes its tab the active one (TabPane.Focused).
         app.main_screen.set_focus(None)
         app.push_screen(LoadingScreen(f"Opening session {name}…"))
-        app.run_worker(partial(self.load_session, name), name="load_session", group="load",
-                       thread=True)
+        app.run_worker(
+            partial(self.load_session, name), name="load_session", group="load", thread=True
+        )
 
     def load_session(self, name: str) -> None:
         """Worker: load the session's own model if no tab has it, then the session."""
         app = self.app
         screen = app.screen
         shown = isinstance(screen, LoadingScreen)
-        progress = (lambda done, total: app.call_from_thread(screen.set_progress, done, total)
-                    ) if shown else None
+        progress = (
+            (lambda done, total: app.call_from_thread(screen.set_progress, done, total))
+            if shown
+            else None
+        )
         try:
             model_id = store.summary(name).model_id or app.lm.model_id
             if shown and app.models.get(model_id) is None:
-                app.call_from_thread(screen.set_message,
-                                     f"Loading model {model_id} for session {name}…")
+                app.call_from_thread(
+                    screen.set_message, f"Loading model {model_id} for session {name}…"
+                )
             with app.scheduler.turn(f"load:{name}"):
                 lm = app.models.acquire(model_id)
                 try:
@@ -190,10 +199,13 @@ class TabController:
         loaded.session.settings = apply_overrides(loaded.session.settings, app.settings_flags)
         if loaded.resumed_from_disk:
             await self.add_conversation(  # with why its saved checkpoints were left out, if so
-                loaded.session, name, saved=True, notice_kind="info",
+                loaded.session,
+                name,
+                saved=True,
+                notice_kind="info",
                 notice=f"Resumed with its cache from disk ({loaded.session.cache_tokens:,} "
-                       "tokens): the next turn evaluates only the new message."
-                       + (f" {loaded.notice}" if loaded.notice else ""),
+                "tokens): the next turn evaluates only the new message."
+                + (f" {loaded.notice}" if loaded.notice else ""),
             )
         else:
             await self.add_conversation(loaded.session, name, saved=True, notice=loaded.notice)
@@ -258,8 +270,12 @@ class TabController:
         else:
             held = app.pool.drop(name, delete_from_disk=disk == "delete", keep_hold=True)
         model_id = held.model_id if held is not None else None
-        app.run_worker(partial(self.let_go, conversation.session, model_id), name="let_go",
-                       group="close", thread=True)
+        app.run_worker(
+            partial(self.let_go, conversation.session, model_id),
+            name="let_go",
+            group="close",
+            thread=True,
+        )
         app.refresh_sidebar()
 
     def let_go(self, session: Session, model_id: str | None) -> None:

@@ -57,7 +57,7 @@ class PasteParser(XTermParser):
                 except StopIteration:
                     return
                 continue
-            recent = (recent + character)[-len(BRACKETED_PASTE_START):]
+            recent = (recent + character)[-len(BRACKETED_PASTE_START) :]
             try:
                 awaiting = keys.send(character)
             except StopIteration:
@@ -128,10 +128,18 @@ def screen_text(app) -> str:
     """What the terminal shows now, as plain text (one line per row), rendered as
     ``App.export_screenshot`` renders the screen (through the screen's compositor)."""
     width, height = app.size
-    console = Console(width=width, height=height, file=io.StringIO(), record=True,
-                      force_terminal=True, color_system="truecolor", legacy_windows=False)
-    console.print(app.screen._compositor.render_update(
-        full=True, screen_stack=app._background_screens))
+    console = Console(
+        width=width,
+        height=height,
+        file=io.StringIO(),
+        record=True,
+        force_terminal=True,
+        color_system="truecolor",
+        legacy_windows=False,
+    )
+    console.print(
+        app.screen._compositor.render_update(full=True, screen_stack=app._background_screens)
+    )
     return console.export_text()
 
 

@@ -23,8 +23,9 @@ def install_themes(app: App, wanted: str) -> None:
     if wanted in app.available_themes:
         app.theme = wanted
     else:
-        app.notify(f"Unknown theme {wanted!r}; using kvchat-dark.", severity="warning",
-                   markup=False)
+        app.notify(
+            f"Unknown theme {wanted!r}; using kvchat-dark.", severity="warning", markup=False
+        )
         app.theme = "kvchat-dark"
 
 

@@ -20,8 +20,13 @@ class TransferService:
     what happened, ``open_saved(name)`` opens an imported session in a new tab.
     """
 
-    def __init__(self, *, push_screen: Callable[..., Any], notify: Callable[..., Any],
-                 open_saved: Callable[[str], Any]) -> None:
+    def __init__(
+        self,
+        *,
+        push_screen: Callable[..., Any],
+        notify: Callable[..., Any],
+        open_saved: Callable[[str], Any],
+    ) -> None:
         self.push_screen = push_screen
         self.notify = notify
         self.open_saved = open_saved
@@ -39,8 +44,11 @@ class TransferService:
             except store.StoreError as error:
                 self.notify(str(error), severity="error", markup=False)
                 return
-            self.notify(f"Exported {name} to {printable(str(written), one_line=True)} "
-                        f"({len(text.encode()):,} bytes).", markup=False)
+            self.notify(
+                f"Exported {name} to {printable(str(written), one_line=True)} "
+                f"({len(text.encode()):,} bytes).",
+                markup=False,
+            )
 
         self.push_screen(ExportDialog(name), chosen)
 
@@ -56,8 +64,11 @@ class TransferService:
             except store.StoreError as error:
                 self.notify(str(error), severity="error", markup=False)
                 return
-            self.notify(f"Imported {printable(path, one_line=True)} as {name}; its cache is "
-                        "built on its first turn.", markup=False)
+            self.notify(
+                f"Imported {printable(path, one_line=True)} as {name}; its cache is "
+                "built on its first turn.",
+                markup=False,
+            )
             self.open_saved(name)
 
         self.push_screen(ImportDialog(), chosen)

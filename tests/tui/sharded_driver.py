@@ -55,11 +55,14 @@ def said(app, start: str) -> bool:
 def listed(*homes: Path) -> list[dict]:
     """Each home's saved sessions and their files (a lease, ``.locks/NAME.PID.open``, that
     says the session is open in this process, as ``NAME.open``)."""
+
     def name(f: Path) -> str:
         return f.name.replace(f".{os.getpid()}.open", ".open")
 
-    return [{d.name: sorted(name(f) for f in d.iterdir()) for d in (home / "sessions").iterdir()}
-            for home in homes]
+    return [
+        {d.name: sorted(name(f) for f in d.iterdir()) for d in (home / "sessions").iterdir()}
+        for home in homes
+    ]
 
 
 def main() -> None:
@@ -74,15 +77,21 @@ def main() -> None:
             notices = [str(n.content) for n in conversation.query("NoticeMessage")]
             await send(pilot, text)
             session = conversation.session
-            seen.update(name=conversation.session_name, notices=notices,
-                        stats=session.last_stats.__dict__, rank_bytes=session.rank_bytes)
+            seen.update(
+                name=conversation.session_name,
+                notices=notices,
+                stats=session.last_stats.__dict__,
+                rank_bytes=session.rank_bytes,
+            )
             await pilot.press("f8")
             await settle(pilot)
             await pilot.click("#drop-memory")
             await until(pilot, lambda: said(app, "Saved"), timeout=30)
             await settle(pilot)
-            seen["after_drop"] = {"tabs": [c.session_name for c in app.conversations()],
-                                  "notices": [str(n.message) for n in notifications(app)]}
+            seen["after_drop"] = {
+                "tabs": [c.session_name for c in app.conversations()],
+                "notices": [str(n.message) for n in notifications(app)],
+            }
             await pilot.press("ctrl+q")
         return app.return_code
 
@@ -101,16 +110,21 @@ def main() -> None:
             session = conversation.session
             name = conversation.session_name
             seen.update(
-                reply=session.messages[-1]["content"], ledger=session.ledger,
-                rank_bytes=session.rank_bytes, local_bytes=session.local.cache_bytes,
-                sidebar=widget_text(app.sidebar), session=name)
+                reply=session.messages[-1]["content"],
+                ledger=session.ledger,
+                rank_bytes=session.rank_bytes,
+                local_bytes=session.local.cache_bytes,
+                sidebar=widget_text(app.sidebar),
+                session=name,
+            )
             shutil.copy(rank1_home / "sessions" / name / "cache.rank1.safetensors", log.parent)
             app.action_cache_kind()  # its kinds were found out on every rank at the start
             await settle(pilot, conversation)
             seen["dialog"] = type(app.screen).__name__
             await pilot.press("escape")
-            conversation.run_job("switching cache",
-                                 lambda progress: session.set_kind("quantized:8", progress))
+            conversation.run_job(
+                "switching cache", lambda progress: session.set_kind("quantized:8", progress)
+            )
             await settle(pilot, conversation)
             seen["quantized_bytes"] = session.rank_bytes
             await pilot.press("ctrl+t")  # a second tab: refused in one sentence
@@ -129,15 +143,20 @@ def main() -> None:
             fresh = app.active_conversation()
             await settle(pilot, fresh)
             seen["after_drop"] = {
-                "listed": listed(*homes), "tabs": [c.session_name for c in app.conversations()],
-                "messages": list(fresh.session.messages), "ledger": list(fresh.session.ledger),
+                "listed": listed(*homes),
+                "tabs": [c.session_name for c in app.conversations()],
+                "messages": list(fresh.session.messages),
+                "ledger": list(fresh.session.ledger),
                 "rank_bytes": list(fresh.session.rank_bytes),
                 "widgets": [type(w).__name__ for w in fresh.log.children],
                 "notices": [str(n.message) for n in notifications(app)],
-                "saved": store.exists(name)}
+                "saved": store.exists(name),
+            }
             await send(pilot, text)
-            seen["again"] = {"reply": fresh.session.messages[-1]["content"],
-                             **fresh.session.last_stats.__dict__}
+            seen["again"] = {
+                "reply": fresh.session.messages[-1]["content"],
+                **fresh.session.last_stats.__dict__,
+            }
             await pilot.press("ctrl+q")
         return app.return_code
 
@@ -145,8 +164,9 @@ def main() -> None:
     flags = {"model": "demo", "flags": {"max_tokens": 8}}
     if mode and mode.startswith("resume="):
         flags["resume"] = mode.partition("=")[2]
-    ring = {None: OwnHome, "lost": LosingRank1}.get(mode, Ring)(ring_hosts(2, None, None), port,
-                                                                log)
+    ring = {None: OwnHome, "lost": LosingRank1}.get(mode, Ring)(
+        ring_hosts(2, None, None), port, log
+    )
     ring.home = rank1_home
     how = {None: drive, "lost": lose_rank_1}.get(mode, resume)
     status = sharded_tui(ring, flags, run=lambda app: _run(how, app))

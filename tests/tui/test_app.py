@@ -198,8 +198,10 @@ async def test_cache_kind_switch_and_reset(make_app):
         await settle(pilot)
         assert session.kind.name == "rotating:4096"
         assert session.cache_tokens == len(session.render(session.messages, False))
-        assert ("Cache is now rotating:4096: rebuilt (cache kind changed from quantized:8 to "
-                "rotating:4096).") in [n.message for n in notifications(app)]
+        assert (
+            "Cache is now rotating:4096: rebuilt (cache kind changed from quantized:8 to "
+            "rotating:4096)."
+        ) in [n.message for n in notifications(app)]
         assert app.sidebar.info.rebuilt is None  # whole again: the next turn rebuilds nothing
 
         await pilot.press("ctrl+r")
@@ -294,9 +296,7 @@ async def test_themes_are_registered_and_the_choice_is_remembered(make_app, home
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
-        assert {"kvchat-dark", "kvchat-light", "kvchat-high-contrast"} <= set(
-            app.available_themes
-        )
+        assert {"kvchat-dark", "kvchat-light", "kvchat-high-contrast"} <= set(app.available_themes)
         assert app.theme == "kvchat-dark"
         app.theme = "kvchat-light"
         await pilot.pause()
@@ -316,5 +316,6 @@ async def test_a_theme_change_leaves_a_broken_config_alone_and_says_where(make_a
         assert app.theme == "kvchat-light" and app.config.theme == "kvchat-light"
         assert [n.message for n in app._notifications][-1] == (
             "config.toml has an error at line 3 (Invalid number); your change applies to this "
-            "run only and the file was left alone.")
+            "run only and the file was left alone."
+        )
     assert path.read_bytes() == broken

@@ -91,8 +91,10 @@ async def test_edit_branch_switch_save_and_resume(make_app):
         tokens = session.render(old, False)
         reused = common_prefix(tokens, session.render(edited, False))
         assert session.ledger == tokens
-        assert f"kept {reused:,} cached tokens, evaluated {len(tokens) - reused:,}." in \
-            notices(app)[-1]
+        assert (
+            f"kept {reused:,} cached tokens, evaluated {len(tokens) - reused:,}."
+            in notices(app)[-1]
+        )
         assert bars(conversation) == {2: "‹ 1/2 ›"}
         assert app.focused.index == 2
 
@@ -169,8 +171,10 @@ async def test_delete_a_pair_and_regenerate_an_earlier_reply(make_app):
         tokens = session.render(session.messages, False)
         reused = common_prefix(ledger, tokens)
         assert session.ledger == tokens and len(session.turns) == 2
-        assert f"kept {reused:,} cached tokens, evaluated {len(tokens) - reused:,}." in \
-            notices(app)[-1]
+        assert (
+            f"kept {reused:,} cached tokens, evaluated {len(tokens) - reused:,}."
+            in notices(app)[-1]
+        )
 
         session.settings.max_tokens = 3  # so the new version differs from the old
         await select(pilot, conversation, 1)
@@ -228,8 +232,10 @@ async def test_an_edit_draws_again_only_from_the_edit_point(make_app, monkeypatc
         monkeypatch.setattr(Branches, "positions", counted)
         await edit(pilot, conversation, 2, "second, edited")
         assert conversation.selectable()[:2] == before  # the same widgets, not drawn again
-        assert [w.text for w in before] == ["first question", conversation.session.messages[1][
-            "content"]]
+        assert [w.text for w in before] == [
+            "first question",
+            conversation.session.messages[1]["content"],
+        ]
         assert user_texts(conversation) == ["first question", "second, edited"]
         assert bars(conversation) == {2: "‹ 2/2 ›"}
         assert passes == [4]  # one pass over the four messages

@@ -26,8 +26,7 @@ async def test_ctrl_w_asks_save_discard_or_cancel_without_autosave(make_app):
         first = app.active_conversation()
         await pilot.press("ctrl+w")  # empty: closes at once, nothing to ask
         await settle(pilot)
-        assert first.session_name not in _names(app) and not isinstance(app.screen,
-                                                                         CloseDialog)
+        assert first.session_name not in _names(app) and not isinstance(app.screen, CloseDialog)
 
         kept = await new_tab(pilot)
         await send(pilot, "keep me")
@@ -37,7 +36,9 @@ async def test_ctrl_w_asks_save_discard_or_cancel_without_autosave(make_app):
         await pilot.click("#close-cancel")
         await settle(pilot)
         assert _names(app) == [kept.session_name] and kept.session.messages[0] == {
-            "role": "user", "content": "keep me"}
+            "role": "user",
+            "content": "keep me",
+        }
 
         await pilot.press("ctrl+w")
         await pilot.pause()
@@ -47,7 +48,8 @@ async def test_ctrl_w_asks_save_discard_or_cancel_without_autosave(make_app):
         assert store.exists(kept.session_name)
         assert store.load(kept.session_name, app.lm).session.messages[0]["content"] == "keep me"
         assert notifications(app)[-1].message == (
-            f"Saved {kept.session_name} and closed it; Ctrl+O reopens it.")
+            f"Saved {kept.session_name} and closed it; Ctrl+O reopens it."
+        )
 
         dropped = await new_tab(pilot)
         await send(pilot, "throw me away")
@@ -70,8 +72,7 @@ async def test_ctrl_w_after_ctrl_s_closes_at_once_and_changes_ask_again(make_app
         await pilot.press("ctrl+w")
         await pilot.pause()
         assert isinstance(app.screen, CloseDialog)
-        assert "has changes since it was last saved" in str(
-            app.screen.query_one("Static").render())
+        assert "has changes since it was last saved" in str(app.screen.query_one("Static").render())
         await pilot.press("escape")
         await pilot.pause()
         await pilot.press("ctrl+s")
@@ -79,8 +80,10 @@ async def test_ctrl_w_after_ctrl_s_closes_at_once_and_changes_ask_again(make_app
         await pilot.press("ctrl+w")  # saved as it is: no question
         await settle(pilot)
         assert not app.conversations()
-        assert f"Closed {conversation.session_name}; it is saved" in list(
-            notifications(app))[-1].message
+        assert (
+            f"Closed {conversation.session_name}; it is saved"
+            in list(notifications(app))[-1].message
+        )
 
 
 async def test_ctrl_w_with_autosave_saves_without_asking(demo_model, home):
@@ -98,8 +101,7 @@ async def test_ctrl_w_with_autosave_saves_without_asking(demo_model, home):
         await until(pilot, lambda: not app.conversations())
         assert not isinstance(app.screen, CloseDialog)
         assert store.load(name, demo_model).session.messages[0]["content"] == "autosaved"
-        assert notifications(app)[-1].message == (
-            f"Saved {name} and closed it; Ctrl+O reopens it.")
+        assert notifications(app)[-1].message == (f"Saved {name} and closed it; Ctrl+O reopens it.")
 
 
 async def test_a_saved_tab_renamed_closes_without_asking(make_app):

@@ -48,11 +48,13 @@ def test_the_expiry_ticker_offloads_idle_caches_and_spares_a_busy_tab(demo_model
     clock.now += 120  # both idle past the ttl by the pool's clock
     reports, queued = [], []
     ticker = ExpiryTicker(
-        pool, Scheduler(),
+        pool,
+        Scheduler(),
         tabs=lambda: [Tab("conv-1", "idle", False), Tab("conv-2", "busy", True)],
         run_worker=queued.append,
         call_from_thread=lambda fn, *args: fn(*args),
-        done=lambda offloaded, error: reports.append((offloaded, error)))
+        done=lambda offloaded, error: reports.append((offloaded, error)),
+    )
 
     ticker.tick()
     ticker.tick()  # a tick while the first one's worker has not reported: nothing more
@@ -66,12 +68,15 @@ def test_the_expiry_ticker_offloads_idle_caches_and_spares_a_busy_tab(demo_model
 
 
 def test_the_transfer_service_exports_through_its_dialog_and_never_replaces(
-        demo_model, home, tmp_path):
+    demo_model, home, tmp_path
+):
     session = chat(demo_model, "What is a cache?")
     shown, said = [], []
-    service = TransferService(push_screen=lambda screen, then: shown.append((screen, then)),
-                              notify=lambda text, **options: said.append(text),
-                              open_saved=lambda name: None)
+    service = TransferService(
+        push_screen=lambda screen, then: shown.append((screen, then)),
+        notify=lambda text, **options: said.append(text),
+        open_saved=lambda name: None,
+    )
     path = tmp_path / "talk.md"
 
     service.export(session, "talk")
@@ -94,6 +99,7 @@ def test_the_status_line_names_the_tab_holding_the_model():
     assert holder_name("load:big", tabs) == "opening big"
     assert holder_name(None, tabs) == "another tab"
     assert str(state_text("waiting", "notes")) == (
-        "Waiting for the model (notes is using it)… Esc cancels")
+        "Waiting for the model (notes is using it)… Esc cancels"
+    )
     assert str(state_text("rebuilding", "")) == "Rebuilding…"
     assert state_text("idle", "") == ""

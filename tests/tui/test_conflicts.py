@@ -25,8 +25,13 @@ CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 
 def real_ask(name: str, text: str) -> dict:
     """``kvchat ask --session name text`` in a process of its own; its JSON output."""
-    out = subprocess.run([*CLI, "ask", "--session", name, "--max-tokens", "6", "--json", text],
-                         capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    out = subprocess.run(
+        [*CLI, "ask", "--session", name, "--max-tokens", "6", "--json", text],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -43,10 +48,16 @@ def pairs(name: str) -> set[tuple[str, str]]:
     nodes = (data.get("branches") or {}).get("nodes")
     if nodes is None:
         messages = data["messages"]
-        return {(a["content"], b["content"]) for a, b in zip(messages, messages[1:])
-                if a["role"] == "user" and b["role"] == "assistant"}
-    return {(nodes[n["parent"]]["content"], n["content"]) for n in nodes
-            if n["role"] == "assistant" and n["parent"] >= 0}
+        return {
+            (a["content"], b["content"])
+            for a, b in zip(messages, messages[1:])
+            if a["role"] == "user" and b["role"] == "assistant"
+        }
+    return {
+        (nodes[n["parent"]]["content"], n["content"])
+        for n in nodes
+        if n["role"] == "assistant" and n["parent"] >= 0
+    }
 
 
 def dialog_shown(app) -> bool:
@@ -85,14 +96,19 @@ async def test_an_ask_while_the_tab_is_open_is_kept_and_the_tab_reloads(demo_mod
         shown = app.active_conversation()
         assert shown.session_name == "k1" and shown.input.text == "Typed in the TUI."
         assert [m["content"] for m in shown.session.messages][-2:] == [
-            "Asked from the shell.", asked["reply"]]  # the tab shows the ask's turn
+            "Asked from the shell.",
+            asked["reply"],
+        ]  # the tab shows the ask's turn
         await pilot.press("enter")  # now it is sent, on top of the ask's turn
         await settle(pilot, shown)
         reply = shown.session.messages[-1]["content"]
-    assert pairs("k1") >= {("Asked from the shell.", asked["reply"]),
-                           ("Typed in the TUI.", reply)}
+    assert pairs("k1") >= {("Asked from the shell.", asked["reply"]), ("Typed in the TUI.", reply)}
     assert [m["content"] for m in store.read("k1")["messages"]][-4:] == [
-        "Asked from the shell.", asked["reply"], "Typed in the TUI.", reply]
+        "Asked from the shell.",
+        asked["reply"],
+        "Typed in the TUI.",
+        reply,
+    ]
 
 
 async def test_a_turn_saved_over_an_ask_asks_and_can_become_a_new_session(demo_model, home):
@@ -113,6 +129,8 @@ async def test_a_turn_saved_over_an_ask_asks_and_can_become_a_new_session(demo_m
         await settle(pilot)
         new = tab.session_name
     assert new == "k1-1"
-    assert pairs("k1") == {("Opening line.", store.read("k1")["messages"][1]["content"]),
-                           ("Asked from the shell.", asked["reply"])}
+    assert pairs("k1") == {
+        ("Opening line.", store.read("k1")["messages"][1]["content"]),
+        ("Asked from the shell.", asked["reply"]),
+    }
     assert ("Typed in the TUI.", typed_reply) in pairs(new)

@@ -22,16 +22,19 @@ from .test_snapshots import _steady
 SIZE = (80, 24)
 
 
-@pytest.mark.parametrize("keys", [
-    pytest.param(["f4"], id="cache_kind_dialog"),
-    pytest.param(["f8"], id="drop_dialog"),
-    pytest.param(["f2"], id="rename_dialog"),
-    pytest.param(["f9"], id="settings_dialog"),
-    pytest.param(["ctrl+n"], id="model_dialog"),
-    pytest.param(["f12"], id="export_dialog"),
-    pytest.param(["shift+f12"], id="import_dialog"),
-    pytest.param(["ctrl+f"], id="file_dialog"),
-])
+@pytest.mark.parametrize(
+    "keys",
+    [
+        pytest.param(["f4"], id="cache_kind_dialog"),
+        pytest.param(["f8"], id="drop_dialog"),
+        pytest.param(["f2"], id="rename_dialog"),
+        pytest.param(["f9"], id="settings_dialog"),
+        pytest.param(["ctrl+n"], id="model_dialog"),
+        pytest.param(["f12"], id="export_dialog"),
+        pytest.param(["shift+f12"], id="import_dialog"),
+        pytest.param(["ctrl+f"], id="file_dialog"),
+    ],
+)
 def test_dialog_opened_by_its_key(snap_compare, make_app, keys):
     async def opened(pilot) -> None:
         await _steady(pilot)

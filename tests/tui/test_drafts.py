@@ -42,9 +42,13 @@ def offered(demo_model, home):
     message = long_message(1200)
     draft = drafts.draft_file("paste")
 
-    proc = subprocess.Popen([*CLI, "ask", "--session", "paste", "--max-tokens", "4", "-"],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env=os.environ.copy())
+    proc = subprocess.Popen(
+        [*CLI, "ask", "--session", "paste", "--max-tokens", "4", "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=os.environ.copy(),
+    )
     proc.stdin.write(message.encode())
     proc.stdin.close()
     deadline = time.monotonic() + 120
@@ -54,21 +58,30 @@ def offered(demo_model, home):
     assert proc.wait(30) == -signal.SIGKILL, proc.stderr.read()[-500:]
     assert draft.read_bytes() == message.encode()  # all of it, written before the prefill
     assert [m["content"] for m in store.read("paste")["messages"]] == [
-        "hello", session.messages[-1]["content"]]  # the killed turn never reached the session
+        "hello",
+        session.messages[-1]["content"],
+    ]  # the killed turn never reached the session
 
     from kvchat.config import Config
     from kvchat.tui.app import KvChatApp
 
-    app = KvChatApp(Config(model="demo", max_tokens=4, autosave=False), lm=demo_model,
-                    resume="paste", volatile=False)
+    app = KvChatApp(
+        Config(model="demo", max_tokens=4, autosave=False),
+        lm=demo_model,
+        resume="paste",
+        volatile=False,
+    )
     return app, message
 
 
 async def test_a_message_killed_in_its_prefill_is_offered_back_and_restored(offered):
     app, message = offered
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: isinstance(app.screen, DraftDialog)
-                    and drafts.OFFER in widget_text(app.screen), timeout=30)
+        await until(
+            pilot,
+            lambda: isinstance(app.screen, DraftDialog) and drafts.OFFER in widget_text(app.screen),
+            timeout=30,
+        )
         shown = widget_text(app.screen.query_one("#draft-preview"))
         assert " ".join(shown.split()).startswith(" ".join(message[:200].split()))
         app.screen.query_one("#draft-restore", Button).press()
@@ -83,8 +96,11 @@ async def test_a_message_killed_in_its_prefill_is_offered_back_and_restored(offe
 async def test_discard_lets_the_draft_go(offered):
     app, _ = offered
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: isinstance(app.screen, DraftDialog)
-                    and app.screen.query("#draft-discard"), timeout=30)
+        await until(
+            pilot,
+            lambda: isinstance(app.screen, DraftDialog) and app.screen.query("#draft-discard"),
+            timeout=30,
+        )
         app.screen.query_one("#draft-discard", Button).press()
         await until(pilot, lambda: not isinstance(app.screen, DraftDialog))
         await until(pilot, lambda: not drafts.draft_file("paste").exists())
@@ -111,6 +127,7 @@ async def test_the_tui_keeps_the_message_on_disk_while_its_turn_runs(make_app):
                         seen.append(path.read_bytes() if path.exists() else None)
                         go_on.wait(20)
                     yield event
+
             return watched()
 
         session.send = send_watched

@@ -28,7 +28,9 @@ async def test_the_welcome_leaves_when_the_conversation_starts_and_comes_back_em
         await settle(pilot)
         conversation = app.active_conversation()
         text = " ".join(screen_text(app).split())
-        assert "Enter sends it" in text and "KV cache panel" in text and "F1 lists every key" in text
+        assert (
+            "Enter sends it" in text and "KV cache panel" in text and "F1 lists every key" in text
+        )
         await send(pilot, "hi")
         assert not conversation.log.query(Welcome)
         assert "Enter sends it" not in screen_text(app)
@@ -96,7 +98,8 @@ async def test_keys_refused_during_a_reply_say_so(make_app):
         app.scheduler.done(ticket)
         assert conversation.session.cache_tokens > 0  # Ctrl+R did not run
         assert [m["content"] for m in conversation.session.messages if m["role"] == "user"] == [
-            "first"]
+            "first"
+        ]
 
 
 async def test_waiting_names_the_tab_that_holds_the_model(make_app):
@@ -139,16 +142,23 @@ async def test_a_session_opened_from_disk_says_so_and_its_tab_is_the_active_one(
         await pilot.pause()
         await pilot.press("enter")  # the highlighted (only) saved session
         await settle(pilot)
-        await until(pilot, lambda: app.active_conversation().session_name == "kept"
-                    and app.focused is app.active_conversation().input
-                    and app.active_conversation().log.query(NoticeMessage))
+        await until(
+            pilot,
+            lambda: (
+                app.active_conversation().session_name == "kept"
+                and app.focused is app.active_conversation().input
+                and app.active_conversation().log.query(NoticeMessage)
+            ),
+        )
         conversation = app.active_conversation()
         assert conversation.session_name == "kept"
         assert app.tabs.active == conversation.parent.id
         assert app.focused is conversation.input
         shown = [str(n.render()) for n in conversation.log.query(NoticeMessage)]
-        assert shown == [f"Resumed with its cache from disk ({saved.cache_tokens:,} tokens): "
-                         "the next turn evaluates only the new message."]
+        assert shown == [
+            f"Resumed with its cache from disk ({saved.cache_tokens:,} tokens): "
+            "the next turn evaluates only the new message."
+        ]
 
 
 async def test_regenerate_at_temperature_zero_says_it_is_greedy(make_app):
@@ -162,8 +172,10 @@ async def test_regenerate_at_temperature_zero_says_it_is_greedy(make_app):
         await settle(pilot, conversation)
         assert conversation.session.messages[-1]["content"] == first
         assert conversation.query_one(AssistantMessage).text == first
-        assert any(n.startswith("Temperature is 0 (greedy): the same reply came again")
-                   for n in notices(app))
+        assert any(
+            n.startswith("Temperature is 0 (greedy): the same reply came again")
+            for n in notices(app)
+        )
         assert conversation.session.last_stats.evaluated_tokens == 0
 
 
@@ -174,14 +186,17 @@ async def test_regenerate_after_a_kind_switch_says_the_reply_can_differ(make_app
         conversation = app.active_conversation()
         session = conversation.session
         await send(pilot, "hello")
-        conversation.run_job("switching cache",
-                             lambda progress: session.set_kind("quantized:8", progress))
+        conversation.run_job(
+            "switching cache", lambda progress: session.set_kind("quantized:8", progress)
+        )
         await settle(pilot, conversation)
         await pilot.press("f5")
         await settle(pilot, conversation)
         evaluated = session.last_stats.evaluated_tokens
         assert evaluated == 1  # the converted cache has no kept logits: the last prompt token
         said = [n for n in notices(app) if n.startswith("Temperature is 0")]
-        assert said == ["Temperature is 0 (greedy), but the cache changed since that reply "
-                        "(kind change): 1 token(s) were evaluated on it again, so the reply "
-                        "can differ."]
+        assert said == [
+            "Temperature is 0 (greedy), but the cache changed since that reply "
+            "(kind change): 1 token(s) were evaluated on it again, so the reply "
+            "can differ."
+        ]

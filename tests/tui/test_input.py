@@ -63,14 +63,12 @@ async def test_up_and_down_walk_this_tabs_prompts_then_the_saved_ones(make_app):
         sent = [m["content"] for m in conversation.session.messages if m["role"] == "user"]
         assert sent == ["first question", "second\nline two", "first question again"]
         assert str(list(conversation.query(UserMessage))[-1].text) == "first question again"
-        assert history.load()[:3] == ["first question again", "second\nline two",
-                                      "first question"]
+        assert history.load()[:3] == ["first question again", "second\nline two", "first question"]
         assert "first question" in history.load()  # the edit changed no entry
 
         await pilot.press("up", "up", "up", "enter")  # a recalled prompt sent as it is
         await settle(pilot, conversation)
-        assert conversation.session.messages[-2] == {"role": "user",
-                                                     "content": "second\nline two"}
+        assert conversation.session.messages[-2] == {"role": "user", "content": "second\nline two"}
 
     path = history.history_file()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -83,7 +81,8 @@ async def test_up_and_down_walk_this_tabs_prompts_then_the_saved_ones(make_app):
 
 
 async def test_ctrl_g_runs_the_editor_and_a_missing_editor_loses_nothing(
-        make_app, tmp_path, monkeypatch):
+    make_app, tmp_path, monkeypatch
+):
     script = tmp_path / "editor.py"
     script.write_text("import sys\np = sys.argv[1]\nopen(p, 'a').write(' edited\\n')\n")
     app = make_app()
@@ -108,8 +107,9 @@ async def test_ctrl_g_runs_the_editor_and_a_missing_editor_loses_nothing(
         monkeypatch.setattr(app, "suspend", contextlib.nullcontext)
         await pilot.press("ctrl+g")
         assert box.text == "draft edited"
-        command = next(c for c in app.get_system_commands(app.screen)
-                       if c.title == "Edit in $EDITOR")  # the palette's entry
+        command = next(
+            c for c in app.get_system_commands(app.screen) if c.title == "Edit in $EDITOR"
+        )  # the palette's entry
         await command.callback()
         assert box.text == "draft edited edited"
         monkeypatch.setenv("EDITOR", f"{sys.executable} -c 'import sys; sys.exit(1)'")
@@ -128,9 +128,12 @@ async def test_slash_file_inserts_the_text_with_its_token_count(make_app, tmp_pa
         await settle(pilot)
         conversation = app.active_conversation()
         box = conversation.input
-        for bad, says in [("missing.txt", "No file at "), ("blob.bin", "is not a text file"),
-                          ("huge.txt", "more than the 1,048,576 kvchat reads"),
-                          (".", "is a folder")]:
+        for bad, says in [
+            ("missing.txt", "No file at "),
+            ("blob.bin", "is not a text file"),
+            ("huge.txt", "more than the 1,048,576 kvchat reads"),
+            (".", "is a folder"),
+        ]:
             command = f"Intro\n/file {tmp_path / bad}"
             box.text = command
             await pilot.press("enter")
@@ -144,15 +147,18 @@ async def test_slash_file_inserts_the_text_with_its_token_count(make_app, tmp_pa
         await pilot.pause()
         assert box.text == "Intro\nThe cache keeps\nevery token.\n"
         tokens = conversation.session.lm.tokenizer.encode(
-            "The cache keeps\nevery token.\n", add_special_tokens=False)
+            "The cache keeps\nevery token.\n", add_special_tokens=False
+        )
         assert 3 < len(tokens) < 40
-        assert _notices(app)[-1] == (f"Inserted {notes}: {len(tokens)} tokens (29 bytes); "
-                                     "Enter sends.")
+        assert _notices(app)[-1] == (
+            f"Inserted {notes}: {len(tokens)} tokens (29 bytes); Enter sends."
+        )
         assert conversation.session.messages == []  # not sent until Enter
         await pilot.press("enter")
         await settle(pilot, conversation)
         assert conversation.session.messages[0]["content"] == (
-            "Intro\nThe cache keeps\nevery token.\n")
+            "Intro\nThe cache keeps\nevery token.\n"
+        )
 
         # Ctrl+F: a path dialog; the text goes in at the cursor
         (tmp_path / "esc.txt").write_text("red \x1b[31m!")

@@ -42,27 +42,47 @@ def test_every_binding_has_a_unique_id():
 def test_readme_lists_every_id_with_its_default_keys():
     table = keymap_table(KvChatApp.binding_groups())
     assert table in README.read_text(encoding="utf-8"), (
-        "README's [keymap] table is out of date; paste this:\n" + table)
+        "README's [keymap] table is out of date; paste this:\n" + table
+    )
     assert "| `new_tab` | anywhere | `ctrl+t` | New tab |" in table
 
 
-@pytest.mark.parametrize("key", ["ctrl+s", "f5", "slash", "?", "a", "shift+enter",
-                                 "alt+left", "ctrl+pagedown", "question_mark", "space"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "ctrl+s",
+        "f5",
+        "slash",
+        "?",
+        "a",
+        "shift+enter",
+        "alt+left",
+        "ctrl+pagedown",
+        "question_mark",
+        "space",
+    ],
+)
 def test_keys_textual_knows(key):
     assert valid_key(key)
 
 
-@pytest.mark.parametrize("key", ["ctrl+zz", "", "ctrl+", "hyperdrive+a", "ctrl+ctrl+a", "f99",
-                                 "enterr", "\x1b", " ", "<any>"])
+@pytest.mark.parametrize(
+    "key",
+    ["ctrl+zz", "", "ctrl+", "hyperdrive+a", "ctrl+ctrl+a", "f99", "enterr", "\x1b", " ", "<any>"],
+)
 def test_keys_textual_does_not_know(key):
     assert not valid_key(key)
 
 
-async def test_a_remapped_key_works_the_old_one_does_not_and_both_screens_say_so(demo_model,
-                                                                                 home):
+async def test_a_remapped_key_works_the_old_one_does_not_and_both_screens_say_so(demo_model, home):
     # (not f6 or f7: TextArea, the message box, has them)
-    app = _app(demo_model, ("new_tab", "f11"), ("send", "shift+f11"), ("save", "f10"),
-               ("command_palette", "shift+f10"))
+    app = _app(
+        demo_model,
+        ("new_tab", "f11"),
+        ("send", "shift+f11"),
+        ("save", "f10"),
+        ("command_palette", "shift+f10"),
+    )
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         assert not _notices(app)
@@ -89,8 +109,9 @@ async def test_a_remapped_key_works_the_old_one_does_not_and_both_screens_say_so
         await pilot.pause()
         assert isinstance(app.screen, HelpScreen)
         table = app.screen.query_one("#help-table")
-        rows = {str(table.get_row_at(i)[2]): str(table.get_row_at(i)[1])
-                for i in range(table.row_count)}
+        rows = {
+            str(table.get_row_at(i)[2]): str(table.get_row_at(i)[1]) for i in range(table.row_count)
+        }
         assert rows["New tab"] == "f11" and rows["Send"] == "shift+f11"
         assert rows["Save"] == "f10" and rows["Undo/trim"] == "^l"  # not remapped: as before
 
@@ -99,15 +120,21 @@ async def test_a_remapped_key_works_the_old_one_does_not_and_both_screens_say_so
 
 
 async def test_bad_entries_are_one_notice_and_the_rest_apply(demo_model, home):
-    app = _app(demo_model, ("nope", "f11"), ("save", "ctrl+zz"), ("trim", "f11,\x1b[A"),
-               ("toggle_sidebar", "f11"))
+    app = _app(
+        demo_model,
+        ("nope", "f11"),
+        ("save", "ctrl+zz"),
+        ("trim", "f11,\x1b[A"),
+        ("toggle_sidebar", "f11"),
+    )
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         notices = _notices(app)
         assert notices == [
             "Keymap entries left out (default keys kept): unknown id 'nope'; "
             "save = 'ctrl+zz' is not a key Textual knows; "
-            "trim = 'f11,\\x1b[A' is not a key Textual knows."]
+            "trim = 'f11,\\x1b[A' is not a key Textual knows."
+        ]
         keys = {b.binding.id: key for key, b in app.screen.active_bindings.items()}
         assert keys["save"] == "ctrl+s" and keys["trim"] == "ctrl+l"
         shown = app.sidebar.display
@@ -126,13 +153,14 @@ async def test_a_key_taken_from_another_binding_says_so_once(demo_model, home):
         await settle(pilot)
         assert len(app.conversations()) == 3
         assert [n for n in _notices(app) if n.startswith("Keymap")] == [
-            "Keymap: ctrl+s was save's key; it now does new_tab."]
+            "Keymap: ctrl+s was save's key; it now does new_tab."
+        ]
 
 
 async def test_the_readme_example_applies_cleanly_and_swaps_enter(demo_model, home):
     text = README.read_text(encoding="utf-8")
-    example = text[text.index("```toml\n[keymap]") + 8:]
-    config = parse_config(example[:example.index("```")])
+    example = text[text.index("```toml\n[keymap]") + 8 :]
+    config = parse_config(example[: example.index("```")])
     app = KvChatApp(config.override(max_tokens=8), lm=demo_model, volatile=False)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)

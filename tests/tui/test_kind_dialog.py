@@ -34,8 +34,16 @@ async def test_typed_kind_is_validated_used_and_marked(make_app, demo_model):
         dialog = await _open(pilot)
         shown = " ".join(widget_text(dialog.query_one("#kind-dialog")).split())
         standard = kind_bytes_per_token(demo_model.model, "standard")
-        assert dialog.names == ["standard", "quantized:8", "quantized:4", "rotated:8",
-                                "rotated:4", "rotating:4096", "chunked:2048", "concatenate"]
+        assert dialog.names == [
+            "standard",
+            "quantized:8",
+            "quantized:4",
+            "rotated:8",
+            "rotated:4",
+            "rotating:4096",
+            "chunked:2048",
+            "concatenate",
+        ]
         for name in ("quantized:8", "quantized:4", "rotated:8", "rotated:4"):
             share = kind_bytes_per_token(demo_model.model, name) / standard
             assert f"{name}" in shown and f"({share:.2f} × standard)" in shown
@@ -48,7 +56,8 @@ async def test_typed_kind_is_validated_used_and_marked(make_app, demo_model):
         await pilot.pause()
         assert isinstance(app.screen, KindDialog) and typed.value == "rotating:12"  # kept
         assert "rotating:N needs N of at least 64 tokens (got 12)." in [
-            n.message for n in notifications(app)]
+            n.message for n in notifications(app)
+        ]
         typed.value = "rotating:1024"
         typed.focus()
         await pilot.press("enter")
@@ -77,9 +86,10 @@ async def test_kinds_a_model_cannot_take_are_refused_and_not_listed(arch, home):
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         assert app.active_conversation().session.kind.name == "standard"
-        assert ("Cache kind 'quantized:8' cannot apply to this model: its attention cannot read "
-                "a quantized cache (TypeError). Use 'standard'. This tab uses 'standard'.") in [
-            n.message for n in notifications(app)]
+        assert (
+            "Cache kind 'quantized:8' cannot apply to this model: its attention cannot read "
+            "a quantized cache (TypeError). Use 'standard'. This tab uses 'standard'."
+        ) in [n.message for n in notifications(app)]
         conversation = app.active_conversation()
         await send(pilot, "hello there")
         session = conversation.session
@@ -95,12 +105,14 @@ async def test_kinds_a_model_cannot_take_are_refused_and_not_listed(arch, home):
         shown = [str(n.render()) for n in conversation.log.query(NoticeMessage)]
         assert shown[-1] == (
             "Switching cache failed: CacheKindError: Cache kind 'chunked:1024' cannot apply to "
-            "this model: its attention cannot read a chunked cache (ValueError). Use 'standard'.")
-        assert session.kind.name == "standard" and session.cache is cache and session.ledger == ledger
+            "this model: its attention cannot read a chunked cache (ValueError). Use 'standard'."
+        )
+        assert (
+            session.kind.name == "standard" and session.cache is cache and session.ledger == ledger
+        )
 
 
-async def test_the_kinds_are_found_once_then_the_dialog_opens_without_a_job(
-        make_app, monkeypatch):
+async def test_the_kinds_are_found_once_then_the_dialog_opens_without_a_job(make_app, monkeypatch):
     monkeypatch.setattr(fit, "_FOUND", {})  # nothing found about the model yet
     made, jobs = [], []
     real_make, real_job = kinds.make_cache, Conversation.run_job

@@ -22,8 +22,9 @@ SYSTEM = "You are a terse assistant. Answer in one short sentence."
 def _app(demo_model, **config) -> KvChatApp:
     expire_every = config.pop("expire_every", 0)
     values = {"model": "demo", "max_tokens": 8, "autosave": False, **config}
-    return KvChatApp(Config(**values), lm=demo_model, volatile=False, picker=False,
-                     expire_every=expire_every)
+    return KvChatApp(
+        Config(**values), lm=demo_model, volatile=False, picker=False, expire_every=expire_every
+    )
 
 
 async def test_drop_memory_only_saves_first_and_disk_deletes(demo_model, home):
@@ -45,8 +46,10 @@ async def test_drop_memory_only_saves_first_and_disk_deletes(demo_model, home):
         assert (home / "data" / "sessions" / name / "session.json").is_file()
         assert store.load(name, demo_model).session.messages == messages
         assert name not in app.pool
-        assert any(f"Saved as {name} and closed; reopen it with Ctrl+O" in n.message
-                   for n in notifications(app))
+        assert any(
+            f"Saved as {name} and closed; reopen it with Ctrl+O" in n.message
+            for n in notifications(app)
+        )
 
         await pilot.press("ctrl+t")
         await settle(pilot)

@@ -41,7 +41,8 @@ async def open_model_tab(pilot, spec: str) -> None:
 
 
 async def test_a_tab_on_another_model_answers_with_it_and_unloads_it_when_closed(
-        make_app, demo_model):
+    make_app, demo_model
+):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
@@ -77,7 +78,8 @@ async def test_a_tab_on_another_model_answers_with_it_and_unloads_it_when_closed
         release = app.models.release
         app.models.release = lambda lm: (
             on_ui_thread.append(threading.current_thread() is threading.main_thread()),
-            release(lm))[1]
+            release(lm),
+        )[1]
         await pilot.press("ctrl+w")
         await settle(pilot)
         await until(pilot, lambda: len(app.conversations()) == 1)
@@ -119,8 +121,9 @@ async def test_a_model_that_cannot_load_says_so_and_loses_no_tab(make_app, tmp_p
         await send(pilot, "keep me")
         missing = tmp_path / "no-such-model"
         await open_model_tab(pilot, str(missing))
-        await until(pilot, lambda: any("Could not load model" in n.message
-                                       for n in notifications(app)))
+        await until(
+            pilot, lambda: any("Could not load model" in n.message for n in notifications(app))
+        )
         message = [n.message for n in notifications(app)][-1]
         assert message.startswith(f"Could not load model '{missing}'") and "\n" not in message
         assert app.conversations() == [conversation]
@@ -143,8 +146,9 @@ async def test_the_app_loads_its_model_into_the_registry_at_start(home, kvchat_d
         assert app.active_conversation().session.lm is app.lm
 
 
-async def test_a_saved_session_whose_model_cannot_load_stays_on_disk(make_app, demo_model,
-                                                                     tmp_path):
+async def test_a_saved_session_whose_model_cannot_load_stays_on_disk(
+    make_app, demo_model, tmp_path
+):
     import json
 
     session = Session(demo_model, settings=GenerationSettings(max_tokens=4))

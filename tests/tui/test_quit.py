@@ -26,8 +26,9 @@ def talk(name: str) -> list[tuple[str, str]]:
 
 
 async def test_ctrl_q_saves_an_undo_with_autosave(demo_model, home):
-    app = KvChatApp(Config(model="demo", max_tokens=8, autosave=True), lm=demo_model,
-                    volatile=False)
+    app = KvChatApp(
+        Config(model="demo", max_tokens=8, autosave=True), lm=demo_model, volatile=False
+    )
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         conversation = app.active_conversation()
@@ -105,8 +106,9 @@ async def test_ctrl_q_without_autosave_save_all_writes_every_tab(make_app):
 async def test_a_signal_ends_the_app_and_its_changes_are_saved_after(demo_model, home):
     """The handler's path in-process: SIGTERM stops and ends the app at once; what is
     unsaved is saved once it has ended, as ``run_app`` does after ``App.run``."""
-    app = KvChatApp(Config(model="demo", max_tokens=8, autosave=True), lm=demo_model,
-                    volatile=False)
+    app = KvChatApp(
+        Config(model="demo", max_tokens=8, autosave=True), lm=demo_model, volatile=False
+    )
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         conversation = app.active_conversation()
@@ -138,8 +140,9 @@ def test_a_real_kvchat_ended_by_a_signal_saves_and_exits_0(tmp_path, end):
 
 
 async def test_a_save_that_fails_on_quitting_keeps_the_app_open(demo_model, home):
-    app = KvChatApp(Config(model="demo", max_tokens=8, autosave=True), lm=demo_model,
-                    volatile=False)
+    app = KvChatApp(
+        Config(model="demo", max_tokens=8, autosave=True), lm=demo_model, volatile=False
+    )
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         conversation = app.active_conversation()
@@ -151,8 +154,9 @@ async def test_a_save_that_fails_on_quitting_keeps_the_app_open(demo_model, home
 
         conversation.save_now = full_disk
         await pilot.press("ctrl+q")
-        await until(pilot, lambda: any(n.message.startswith("Could not save")
-                                       for n in app._notifications))
+        await until(
+            pilot, lambda: any(n.message.startswith("Could not save") for n in app._notifications)
+        )
         await settle(pilot)
         assert app.return_code is None and conversation.unsaved
         await send(pilot, "two")  # the app still works

@@ -45,8 +45,14 @@ async def test_injection_shows_literally_and_does_nothing(make_app, monkeypatch)
         message = await _reply(pilot, EVIL)
         assert "\x1b" not in message.text and "\x07" not in message.text
         assert "\r" not in message.text
-        for literal in ("[@click=app.quit]boom[/]", "[bold red]red[/]", "[link=http://x]l[/link]",
-                        "\\x1b[31mansi", "\\x1b]8;;http://x\\x07osc", "\\x1b]0;title\\x07"):
+        for literal in (
+            "[@click=app.quit]boom[/]",
+            "[bold red]red[/]",
+            "[link=http://x]l[/link]",
+            "\\x1b[31mansi",
+            "\\x1b]8;;http://x\\x07osc",
+            "\\x1b]0;title\\x07",
+        ):
             assert literal in message.text
         screen = app.export_screenshot()
         assert "\x1b" not in screen and "\x07" not in screen

@@ -42,8 +42,9 @@ async def apply(pilot) -> None:
 
 
 async def test_max_tokens_and_greedy_temperature_change_the_next_turn(demo_model, endless, home):
-    app = KvChatApp(Config(model="demo", max_tokens=8, temp=1.5, autosave=False),
-                    lm=demo_model, volatile=False)
+    app = KvChatApp(
+        Config(model="demo", max_tokens=8, temp=1.5, autosave=False), lm=demo_model, volatile=False
+    )
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         conversation = app.active_conversation()
@@ -63,8 +64,9 @@ async def test_max_tokens_and_greedy_temperature_change_the_next_turn(demo_model
         history = list(session.messages)
         await send(pilot, "and now greedily")
         assert session.last_stats.reused_tokens > 0  # the tab's cache was used
-        fresh = Session(demo_model, messages=history,
-                        settings=GenerationSettings(max_tokens=10, temp=0.0))
+        fresh = Session(
+            demo_model, messages=history, settings=GenerationSettings(max_tokens=10, temp=0.0)
+        )
         done = [e for e in fresh.send("and now greedily") if isinstance(e, TurnDone)][0]
         assert fresh.last_stats.reused_tokens == 0  # no cache at all
         assert session.messages[-1]["content"] == done.reply
@@ -89,9 +91,12 @@ async def test_a_new_system_prompt_reuses_the_cache_up_to_the_change(make_app, d
 
         await send(pilot, "next")
         tokenizer = demo_model.tokenizer
-        prompt = tokenizer.encode(tokenizer.apply_chat_template(
-            session.messages[:-1], tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False)
+        prompt = tokenizer.encode(
+            tokenizer.apply_chat_template(
+                session.messages[:-1], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
         shared = common_prefix(before, prompt)
         last = session.last_stats
         assert 0 < shared < len(before)
@@ -101,19 +106,22 @@ async def test_a_new_system_prompt_reuses_the_cache_up_to_the_change(make_app, d
         assert f"evaluated   {len(prompt) - shared:,}" in sidebar
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("temp", "warm", "Temperature must be a number, not 'warm'."),
-    ("temp", " ", "Temperature is empty: give a number."),
-    ("temp", "9", "Temperature: expected a temperature between 0 and 5."),
-    ("temp", "nan", "Temperature: expected a temperature between 0 and 5."),
-    ("top_p", "0", "Top-p: must be more than 0 and at most 1 (1: off)."),
-    ("top_p", "1.5", "Top-p: must be more than 0 and at most 1 (1: off)."),
-    ("max_tokens", "0", "Max tokens: must be at least 1."),
-    ("max_tokens", "2.5", "Max tokens must be a whole number, not '2.5'."),
-    ("top_k", "-3", "Top-k: must be at least 0."),
-    ("repetition_penalty", "0", "Repetition penalty: must be more than 0 and at most 10."),
-    ("seed", "lucky", "Seed must be a whole number, not 'lucky'."),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temp", "warm", "Temperature must be a number, not 'warm'."),
+        ("temp", " ", "Temperature is empty: give a number."),
+        ("temp", "9", "Temperature: expected a temperature between 0 and 5."),
+        ("temp", "nan", "Temperature: expected a temperature between 0 and 5."),
+        ("top_p", "0", "Top-p: must be more than 0 and at most 1 (1: off)."),
+        ("top_p", "1.5", "Top-p: must be more than 0 and at most 1 (1: off)."),
+        ("max_tokens", "0", "Max tokens: must be at least 1."),
+        ("max_tokens", "2.5", "Max tokens must be a whole number, not '2.5'."),
+        ("top_k", "-3", "Top-k: must be at least 0."),
+        ("repetition_penalty", "0", "Repetition penalty: must be more than 0 and at most 10."),
+        ("seed", "lucky", "Seed must be a whole number, not 'lucky'."),
+    ],
+)
 async def test_a_bad_value_says_why_and_changes_nothing(make_app, field, value, message):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -137,9 +145,18 @@ async def test_settings_and_system_prompt_are_saved_and_resumed(make_app):
         session = app.active_conversation().session
         name = app.active_conversation().session_name
         await send(pilot, "hello there")
-        await edit_settings(pilot, system="Answer in French.", temp="0.7", top_p="0.9",
-                            max_tokens="5", top_k="40", min_p="0.05", repetition_penalty="1.1",
-                            presence_penalty="0.5", seed="11")
+        await edit_settings(
+            pilot,
+            system="Answer in French.",
+            temp="0.7",
+            top_p="0.9",
+            max_tokens="5",
+            top_k="40",
+            min_p="0.05",
+            repetition_penalty="1.1",
+            presence_penalty="0.5",
+            seed="11",
+        )
         await apply(pilot)
         await send(pilot, "more")
         await pilot.press("ctrl+s")
@@ -155,8 +172,10 @@ async def test_settings_and_system_prompt_are_saved_and_resumed(make_app):
         resumed = again.active_conversation().session
         assert (resumed.system, resumed.settings, resumed.ledger) == saved
         dialog = await edit_settings(pilot)
-        values = [dialog.query_one(f"#settings-{n}", Input).value
-                  for n in ("temp", "top-p", "max-tokens", "top-k", "seed", "frequency-penalty")]
+        values = [
+            dialog.query_one(f"#settings-{n}", Input).value
+            for n in ("temp", "top-p", "max-tokens", "top-k", "seed", "frequency-penalty")
+        ]
         assert values == ["0.7", "0.9", "5", "40", "11", "0"]
         assert dialog.query_one(TextArea).text == "Answer in French."
 
@@ -181,8 +200,11 @@ async def test_max_tokens_and_temp_flags_win_over_a_resumed_sessions_saved_ones(
     saved = Session(demo_model, settings=GenerationSettings(max_tokens=40, temp=0.9))
     [e for e in saved.send("Hello there.") if isinstance(e, TurnDone)]
     store.save(saved, "chat")
-    greedy = Session(demo_model, messages=list(saved.messages),
-                     settings=GenerationSettings(max_tokens=40, temp=0.0))
+    greedy = Session(
+        demo_model,
+        messages=list(saved.messages),
+        settings=GenerationSettings(max_tokens=40, temp=0.0),
+    )
     reference = [e for e in greedy.send("Tell me more.") if isinstance(e, TurnDone)][0]
     assert reference.stats.generated_tokens > 3  # so a cut at 3 is the flag's doing
 
@@ -213,8 +235,9 @@ async def test_a_seed_set_in_f9_makes_a_regenerate_give_the_same_sampled_reply(m
         await pilot.press("f5")
         await settle(pilot)
         assert session.messages[-1]["content"] == first
-        assert ("Seed 5 is set: the same reply came again; clear it in the tab's settings "
-                "(F9).") in notices(app)
+        assert (
+            "Seed 5 is set: the same reply came again; clear it in the tab's settings (F9)."
+        ) in notices(app)
         await edit_settings(pilot, seed="")
         await apply(pilot)
         assert session.settings.seed is None

@@ -28,7 +28,7 @@ def row(text: str, label: str) -> str | None:
     for line in text.splitlines():
         cells = line.strip(" │╭╮╰╯─")
         if cells.startswith(label + " ") or cells == label:
-            return cells[len(label):].strip()
+            return cells[len(label) :].strip()
     return None
 
 
@@ -124,8 +124,9 @@ async def test_a_rebuild_note_goes_with_its_turn_and_never_stacks(make_app):
         await settle(pilot, conversation)
         assert app.focused is conversation.input  # the click left the focus in the box
         assert session.cache_tokens == 0
-        assert ("The next turn rebuilds the cache: the cache was reset."
-                in flat(widget_text(app.sidebar)))
+        assert "The next turn rebuilds the cache: the cache was reset." in flat(
+            widget_text(app.sidebar)
+        )
         assert app.sidebar.query_one("#btn-save").region == save_button  # no jump
 
         await send(pilot, "again")
@@ -141,8 +142,9 @@ async def test_a_rebuild_note_goes_with_its_turn_and_never_stacks(make_app):
             assert not conversation.log.query(".note")
             assert "rebuil" not in widget_text(app.sidebar)
         replies = conversation.log.query(AssistantMessage)
-        assert [r.text for r in replies] == [m["content"] for m in session.messages
-                                            if m["role"] == "assistant"]
+        assert [r.text for r in replies] == [
+            m["content"] for m in session.messages if m["role"] == "assistant"
+        ]
 
 
 async def test_a_notice_after_a_rebuild_shows_on_the_reloaded_transcript(make_app):
@@ -192,13 +194,16 @@ async def test_while_a_reply_is_written_the_panel_shows_that_turn_not_the_last(m
 
         session.settings.max_tokens = 3000  # endless: it answers until stopped (or 3,000)
         assert await conversation.send("second")
+
         def answering() -> bool:  # past the prompt's evaluation ("evaluated 0 of 15" before)
             panel = widget_text(app.sidebar)
-            return ("this turn answering…" in flat(panel)
-                    and " of " not in (row(panel, "evaluated") or " of "))
+            return "this turn answering…" in flat(panel) and " of " not in (
+                row(panel, "evaluated") or " of "
+            )
 
-        await until(pilot, lambda: conversation.query(AssistantMessage).last().index > 1
-                    and answering())
+        await until(
+            pilot, lambda: conversation.query(AssistantMessage).last().index > 1 and answering()
+        )
         panel = widget_text(app.sidebar)
         assert "this turn answering…" in flat(panel) and row(panel, "last turn") is None
         for label in ("reused", "generated", "gen speed", "TTFT"):
@@ -234,6 +239,7 @@ async def test_a_turn_stopped_in_its_prefill_shows_no_time_to_first_token(make_a
                     if isinstance(event, Prefill) and not started.is_set():
                         started.set()
                         go_on.wait(20)
+
             return held()
 
         session.send = send_paused

@@ -23,8 +23,9 @@ def _inside(app, widget) -> bool:
     return region.width > 0 and region.height > 0 and screen.contains_region(region)
 
 
-@pytest.mark.parametrize(("size", "sidebar_width"), [((60, 20), 0), ((80, 24), 28),
-                                                     ((120, 40), 34)])
+@pytest.mark.parametrize(
+    ("size", "sidebar_width"), [((60, 20), 0), ((80, 24), 28), ((120, 40), 34)]
+)
 async def test_sidebar_and_dialogs_fit_the_screen(make_app, demo_model, size, sidebar_width):
     session = Session(demo_model, settings=GenerationSettings(max_tokens=4))
     for _ in session.send("saved"):

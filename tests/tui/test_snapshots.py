@@ -44,10 +44,26 @@ def test_help_screen(snap_compare, make_app):
 
 def test_session_picker(snap_compare, make_app, monkeypatch):
     sessions = [
-        SessionSummary("research", "demo", "quantized:8", 12, 4_812, 1_310_720,
-                       "2025-01-31T09:15:00+00:00", Path("/sessions/research")),
-        SessionSummary("chat-1", "demo", "standard", 3, 402, 262_144,
-                       "2025-01-30T18:02:00+00:00", Path("/sessions/chat-1")),
+        SessionSummary(
+            "research",
+            "demo",
+            "quantized:8",
+            12,
+            4_812,
+            1_310_720,
+            "2025-01-31T09:15:00+00:00",
+            Path("/sessions/research"),
+        ),
+        SessionSummary(
+            "chat-1",
+            "demo",
+            "standard",
+            3,
+            402,
+            262_144,
+            "2025-01-30T18:02:00+00:00",
+            Path("/sessions/chat-1"),
+        ),
     ]
     monkeypatch.setattr(store, "list_sessions", lambda: sessions)
     assert snap_compare(make_app(), terminal_size=SIZE, run_before=_steady)

@@ -125,17 +125,35 @@ async def test_quit_right_after_enter_keeps_and_saves_the_message(demo_model, ho
     assert len(saved["ledger"]) == cached
 
 
-def run_tui_and_quit(home: str, wait_s: float, message: str = "hello",
-                     end: bytes | signal.Signals = b"\x11") -> tuple[int, bytes]:
+def run_tui_and_quit(
+    home: str, wait_s: float, message: str = "hello", end: bytes | signal.Signals = b"\x11"
+) -> tuple[int, bytes]:
     """``kvchat --model demo`` on a real pseudo-terminal: send a message, wait, then quit
     with ``end``: keys (Ctrl+Q), or a signal (SIGHUP: then the terminal closes too)."""
-    env = {**os.environ, "KVCHAT_HOME": home, "KVCHAT_CONFIG_DIR": home + "-config",
-           "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"}
+    env = {
+        **os.environ,
+        "KVCHAT_HOME": home,
+        "KVCHAT_CONFIG_DIR": home + "-config",
+        "TERM": "xterm-256color",
+        "COLUMNS": "100",
+        "LINES": "30",
+    }
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from kvchat.cli import main; main()", "--model", "demo",
-         "--max-tokens", "64"],
-        stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
+        [
+            sys.executable,
+            "-c",
+            "from kvchat.cli import main; main()",
+            "--model",
+            "demo",
+            "--max-tokens",
+            "64",
+        ],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        close_fds=True,
     )
     os.close(slave)
     out = bytearray()

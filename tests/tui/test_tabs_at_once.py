@@ -52,5 +52,4 @@ async def test_a_second_tab_streams_while_the_first_is_still_answering(make_app)
             last = session.messages[-1]
             assert last["role"] == "assistant" and last.get("stopped") and last["content"]
             assert held_tokens(session.cache) == len(session.ledger) > 0
-        assert max(first.session.last_stats.batch_size,
-                   second.session.last_stats.batch_size) == 2
+        assert max(first.session.last_stats.batch_size, second.session.last_stats.batch_size) == 2

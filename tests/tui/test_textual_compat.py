@@ -38,9 +38,14 @@ def test_the_driver_loop_still_matches_the_one_it_replaces():
     """PasteSafeDriver.run_input_thread is Textual's loop with another parser: the
     loop it copies still builds its parser the same way and feeds the same calls."""
     source = inspect.getsource(LinuxDriver.run_input_thread)
-    for piece in ("XTermParser(self._debug)", "parser.feed", "parser.tick",
-                  "self.exit_event.is_set()", "self.process_message(event)",
-                  "selector.select(0.1)"):
+    for piece in (
+        "XTermParser(self._debug)",
+        "parser.feed",
+        "parser.tick",
+        "self.exit_event.is_set()",
+        "self.process_message(event)",
+        "selector.select(0.1)",
+    ):
         assert piece in source, f"LinuxDriver.run_input_thread no longer has {piece}"
 
 
@@ -96,8 +101,7 @@ async def test_notifications_and_driver_are_the_running_apps():
         app.notify("first")
         app.notify("second [b]not markup[/b]", markup=False)
         await pilot.pause()
-        assert [n.message for n in notifications(app)] == [
-            "first", "second [b]not markup[/b]"]
+        assert [n.message for n in notifications(app)] == ["first", "second [b]not markup[/b]"]
         written: list[str] = []
         terminal = driver(app)
         original = terminal.write
@@ -114,8 +118,13 @@ def test_nothing_else_in_kvchat_reaches_into_textual_private_parts():
     import re
 
     package = pathlib.Path(textual_compat.__file__).parents[1]
-    private = re.compile(r"textual\._|\._compositor|_background_screens|_notifications|"
-                         r"\._driver\b|from textual\.\w+ import _")
-    found = [str(path.relative_to(package)) for path in package.rglob("*.py")
-             if path.name != "textual_compat.py" and private.search(path.read_text())]
+    private = re.compile(
+        r"textual\._|\._compositor|_background_screens|_notifications|"
+        r"\._driver\b|from textual\.\w+ import _"
+    )
+    found = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name != "textual_compat.py" and private.search(path.read_text())
+    ]
     assert found == []

@@ -31,8 +31,13 @@ async def stream(pilot, pieces: list[str]) -> AssistantMessage:
     conversation.state = "answering"
     for piece in pieces:
         conversation.post_message(ReplyChunk(piece))
-    await until(pilot, lambda: conversation.query(AssistantMessage)
-                and conversation.query_one(AssistantMessage).text == "".join(pieces))
+    await until(
+        pilot,
+        lambda: (
+            conversation.query(AssistantMessage)
+            and conversation.query_one(AssistantMessage).text == "".join(pieces)
+        ),
+    )
     message = conversation.query_one(AssistantMessage)
     await until(pilot, lambda: thought_text(message) or message.markdown.source)  # a flush
     await pilot.pause()
@@ -51,7 +56,7 @@ async def test_thoughts_stream_into_a_collapsed_block_and_toggle(make_app):
         assert thought_text(message) == "The user asks for [bold]the"
         assert message.markdown.source == ""
 
-        rest = REPLY[len("<think>\nThe user asks for [bold]the"):]
+        rest = REPLY[len("<think>\nThe user asks for [bold]the") :]
         for piece in (rest[:30], rest[30:]):
             conversation.post_message(ReplyChunk(piece))
         conversation.post_message(TurnFinished(TurnDone(REPLY, _stats(), stopped=False), None))
@@ -101,14 +106,17 @@ async def test_a_reply_without_thoughts_has_no_block_and_no_key(make_app):
 
 
 async def test_a_dropping_template_is_noted_in_the_panel(dropping_model, home):
-    app = KvChatApp(Config(model="demo", max_tokens=6, autosave=False), lm=dropping_model,
-                    volatile=False)
+    app = KvChatApp(
+        Config(model="demo", max_tokens=6, autosave=False), lm=dropping_model, volatile=False
+    )
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         conversation = app.active_conversation()
         session = conversation.session
-        session.messages = [{"role": "user", "content": "Hi!"},
-                            {"role": "assistant", "content": REPLY}]
+        session.messages = [
+            {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": REPLY},
+        ]
         session.rebuild("test")  # the cache holds the reply, thoughts and all
         await conversation.reload()
         reply = conversation.query_one(AssistantMessage)
@@ -118,8 +126,10 @@ async def test_a_dropping_template_is_noted_in_the_panel(dropping_model, home):
         stats = session.last_stats
         assert stats.reevaluated_reply_tokens > 0
         panel = " ".join(widget_text(app.sidebar).replace("│", " ").split())
-        assert (f"The template drops earlier thoughts, so {stats.reevaluated_reply_tokens} "
-                "tokens of the last reply were evaluated again.") in panel
+        assert (
+            f"The template drops earlier thoughts, so {stats.reevaluated_reply_tokens} "
+            "tokens of the last reply were evaluated again."
+        ) in panel
 
         await send(pilot, "Fine.")  # the reply just made has no thoughts
         assert "drops earlier thoughts" not in widget_text(app.sidebar)

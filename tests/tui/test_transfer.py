@@ -51,8 +51,9 @@ async def test_export_writes_the_cli_formats_and_never_replaces_a_file(make_app,
         md = (tmp_path / "talk.md").read_text()
         assert md.split("\n")[5:] == store.export(name, "md").split("\n")[5:]
         assert "## User\n\nWhat is a cache?\n\n## Assistant\n\n" in md
-        assert _notices(app)[-1] == (f"Exported {name} to {tmp_path / 'talk.md'} "
-                                     f"({len(md.encode()):,} bytes).")
+        assert _notices(app)[-1] == (
+            f"Exported {name} to {tmp_path / 'talk.md'} ({len(md.encode()):,} bytes)."
+        )
 
         # JSON by its button: the .md suffix becomes .json
         await _dialog(pilot, "f12", ExportDialog, tmp_path / "talk.md", "#export-json")
@@ -60,7 +61,9 @@ async def test_export_writes_the_cli_formats_and_never_replaces_a_file(make_app,
         assert _times_dropped(exported) == _times_dropped(store.export(name, "json"))
 
         await _dialog(pilot, "f12", ExportDialog, tmp_path / "talk.md")  # Enter: by suffix
-        assert _notices(app)[-1] == f"{tmp_path / 'talk.md'} exists already; choose another file name."
+        assert (
+            _notices(app)[-1] == f"{tmp_path / 'talk.md'} exists already; choose another file name."
+        )
         assert (tmp_path / "talk.md").read_text() == md
 
 
@@ -73,7 +76,7 @@ async def test_import_opens_a_new_tab_that_prefills_on_its_first_turn(make_app, 
         path = tmp_path / "talk.json"
         path.write_text(store.export_session(first.session, "talk", "json"))
         await pilot.press("ctrl+t")  # an unsaved tab has the file's name: the import
-        await settle(pilot)        # takes the next one
+        await settle(pilot)  # takes the next one
         await pilot.press("f2")
         await pilot.pause()
         app.screen.query_one("Input").value = "talk"
@@ -82,8 +85,7 @@ async def test_import_opens_a_new_tab_that_prefills_on_its_first_turn(make_app, 
         assert app.active_conversation().session_name == "talk"
 
         await _dialog(pilot, "shift+f12", ImportDialog, path, "#import-ok")
-        assert (f"Imported {path} as talk-2; its cache is built on its first turn."
-                in _notices(app))
+        assert f"Imported {path} as talk-2; its cache is built on its first turn." in _notices(app)
         await settle(pilot)
         imported = app.active_conversation()
         assert imported is not first and imported.session_name == "talk-2"
@@ -95,6 +97,8 @@ async def test_import_opens_a_new_tab_that_prefills_on_its_first_turn(make_app, 
 
         (tmp_path / "talk.md").write_text(store.export_session(first.session, "talk", "md"))
         await _dialog(pilot, "shift+f12", ImportDialog, tmp_path / "talk.md")
-        assert _notices(app)[-1].endswith("is not a JSON export; import reads what "
-                                          "`kvchat sessions export NAME --format json` writes.")
+        assert _notices(app)[-1].endswith(
+            "is not a JSON export; import reads what "
+            "`kvchat sessions export NAME --format json` writes."
+        )
         assert len(app.conversations()) == 3 and not store.exists("talk-3")

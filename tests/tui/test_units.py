@@ -20,7 +20,14 @@ pytestmark = pytest.mark.anyio
 
 def test_human_bytes_counts_in_binary_units():
     assert [human_bytes(n) for n in (0, 1023, 1024, 58_880, 5 << 20, 3 << 30, 5 << 40)] == [
-        "0 B", "1,023 B", "1.0 KiB", "57.5 KiB", "5.0 MiB", "3.0 GiB", "5,120.0 GiB"]
+        "0 B",
+        "1,023 B",
+        "1.0 KiB",
+        "57.5 KiB",
+        "5.0 MiB",
+        "3.0 GiB",
+        "5,120.0 GiB",
+    ]
 
 
 async def test_picker_and_sessions_list_show_the_same_size(make_app, demo_model):

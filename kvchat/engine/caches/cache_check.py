@@ -103,8 +103,10 @@ def checkpoint_problem(layers: list[Any], refs: list[Any], tokens: int) -> str |
 
 def _implausible(live: list[tuple[mx.array, float]]) -> str | None:
     if live and not mx.stack([_sound(x, limit) for x, limit in live]).all().item():
-        return (f"it holds values that are not finite or implausibly large (NaN, infinity or "
-                f"keys and values beyond {MAX_KV_MAGNITUDE:g})")
+        return (
+            f"it holds values that are not finite or implausibly large (NaN, infinity or "
+            f"keys and values beyond {MAX_KV_MAGNITUDE:g})"
+        )
     return None
 
 

@@ -41,8 +41,12 @@ class Checkpoint:
     @classmethod
     def of(cls, tokens: int, layers: dict[Path, Any]) -> Checkpoint:
         """A checkpoint of ``layers`` (evaluated now) at ``tokens`` tokens."""
-        arrays = [v for layer in layers.values() for _, v in flatten(layer.state)
-                  if isinstance(v, mx.array)]
+        arrays = [
+            v
+            for layer in layers.values()
+            for _, v in flatten(layer.state)
+            if isinstance(v, mx.array)
+        ]
         mx.eval(arrays)
         return cls(tokens, layers, sum(a.nbytes for a in arrays))
 
@@ -72,7 +76,9 @@ class Checkpoints:
         parts = dict(layer_parts(cache))
         if allocated_bytes([parts[p] for p in paths]) > CHECKPOINT_BUDGET:
             return
-        self.adopt([*self.kept, Checkpoint.of(tokens, {p: copy_cache([parts[p]])[0] for p in paths})])
+        self.adopt(
+            [*self.kept, Checkpoint.of(tokens, {p: copy_cache([parts[p]])[0] for p in paths})]
+        )
 
     def adopt(self, points: list[Checkpoint]) -> None:
         """Keep ``points`` (as read from disk), within the bounds, newest first."""
@@ -94,7 +100,7 @@ class Checkpoints:
 
 
 def what_cannot_go_back(cache: list[Any]) -> str | None:
-    """"a sliding window", "a recurrent state" or both, for ``cache``; None for neither."""
+    """ "a sliding window", "a recurrent state" or both, for ``cache``; None for neither."""
     kinds = [
         name
         for name, cls in (("a sliding window", RotatingKVCache), ("a recurrent state", ArraysCache))

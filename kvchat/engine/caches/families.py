@@ -64,23 +64,45 @@ class Family:
             raise CacheKindError(f"{self.name.capitalize()} caches take {choices} bits: {names}.")
         if self.min_size is not None and size < self.min_size:
             raise CacheKindError(
-                f"{self.name}:N needs N of at least {self.min_size} tokens (got {size}).")
+                f"{self.name}:N needs N of at least {self.min_size} tokens (got {size})."
+            )
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("standard", "full precision, grows with the conversation (the default)"),
-    Family("quantized", "quantized:8 or quantized:4: 8 or 4 bits a value plus a scale and bias "
-           "per group of 64 (32 where the head size needs it)",
-           sizes=(8, 4), offered=(8, 4), quantized=True),
-    Family("rotated", "rotated:8 or rotated:4: quantized after a fixed randomized Hadamard "
-           "rotation, which spreads outliers (less loss at 4 bits, same bytes)",
-           sizes=(8, 4), offered=(8, 4), quantized=True),
-    Family("rotating", "rotating:N keeps the system prompt and the last tokens, N in all",
-           min_size=64, offered=(4096,)),
-    Family("chunked", "chunked:N keeps about the last N tokens between turns",
-           min_size=64, offered=(2048,)),
-    Family("concatenate", "full precision, no preallocation"),
-)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("standard", "full precision, grows with the conversation (the default)"),
+        Family(
+            "quantized",
+            "quantized:8 or quantized:4: 8 or 4 bits a value plus a scale and bias "
+            "per group of 64 (32 where the head size needs it)",
+            sizes=(8, 4),
+            offered=(8, 4),
+            quantized=True,
+        ),
+        Family(
+            "rotated",
+            "rotated:8 or rotated:4: quantized after a fixed randomized Hadamard "
+            "rotation, which spreads outliers (less loss at 4 bits, same bytes)",
+            sizes=(8, 4),
+            offered=(8, 4),
+            quantized=True,
+        ),
+        Family(
+            "rotating",
+            "rotating:N keeps the system prompt and the last tokens, N in all",
+            min_size=64,
+            offered=(4096,),
+        ),
+        Family(
+            "chunked",
+            "chunked:N keeps about the last N tokens between turns",
+            min_size=64,
+            offered=(2048,),
+        ),
+        Family("concatenate", "full precision, no preallocation"),
+    )
+}
 
 OFFERED_KINDS: tuple[str, ...] = tuple(n for f in FAMILIES.values() for n in f.offered_names())
 """The kinds the picker lists and a new model is probed for, in the picker's order."""
@@ -127,8 +149,10 @@ class CacheKind:
             return ConcatenateKVCache()
         size = self.size  # every other family takes one
         if size is None:
-            raise CacheKindError(f"Cache kind {self.name!r} needs a size, "
-                                 f"e.g. {FAMILIES[self.family].offered_names()[0]}.")
+            raise CacheKindError(
+                f"Cache kind {self.name!r} needs a size, "
+                f"e.g. {FAMILIES[self.family].offered_names()[0]}."
+            )
         if self.family == "quantized":
             return QuantizedKVCache(group_size=group_size, bits=size)
         if self.family == "rotated":

@@ -99,11 +99,20 @@ def _backend_problem(need: str, bits: int, group: int) -> str | None:
         raise ValueError(f"no probe for {need!r}")
     queries = mx.zeros((1, 2, 2, group))
     try:
-        keys, values = (mx.quantize(mx.ones((1, 1, 4, group)), group_size=group, bits=bits)
-                        for _ in range(2))
-        mx.eval(quantized_scaled_dot_product_attention(  # mlx-lm takes "causal" as a mask too
-            queries, keys, values, scale=1.0, mask="causal",  # type: ignore[arg-type]
-            group_size=group, bits=bits))
+        keys, values = (
+            mx.quantize(mx.ones((1, 1, 4, group)), group_size=group, bits=bits) for _ in range(2)
+        )
+        mx.eval(
+            quantized_scaled_dot_product_attention(  # mlx-lm takes "causal" as a mask too
+                queries,
+                keys,
+                values,
+                scale=1.0,
+                mask="causal",  # type: ignore[arg-type]
+                group_size=group,
+                bits=bits,
+            )
+        )
     except Exception as exc:  # the backend says it in its own words
         said = str(exc).strip().splitlines()[:1]
         return f"{type(exc).__name__}: {said[0]}" if said else type(exc).__name__
@@ -113,13 +122,22 @@ def _backend_problem(need: str, bits: int, group: int) -> str | None:
 def _group_size(model: nn.Module) -> int | str:
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[0]]), cache=cache))
-    dims = sorted({x.shape[-1] for c in cache if type(c) is KVCache for x in (c.keys, c.values)
-                   if x is not None})
+    dims = sorted(
+        {
+            x.shape[-1]
+            for c in cache
+            if type(c) is KVCache
+            for x in (c.keys, c.values)
+            if x is not None
+        }
+    )
     group = next((g for g in GROUP_SIZES if all(d % g == 0 for d in dims)), None)
     if group is None:
         shown = dims[0] if len(dims) == 1 else dims
-        return (f"its head size {shown} is not a multiple of {GROUP_SIZES[-1]}, "
-                "the smallest group mlx quantizes")
+        return (
+            f"its head size {shown} is not a multiple of {GROUP_SIZES[-1]}, "
+            "the smallest group mlx quantizes"
+        )
     return group
 
 

@@ -42,11 +42,27 @@ from kvchat.engine.caches.trees import flatten
 
 # The names of .families are re-exported: every user of cache kinds imports from here.
 __all__ = [
-    "FAMILIES", "OFFERED_KINDS", "QUANT_GROUP_SIZE", "CacheKind", "CacheKindError", "Family",
+    "FAMILIES",
+    "OFFERED_KINDS",
+    "QUANT_GROUP_SIZE",
+    "CacheKind",
+    "CacheKindError",
+    "Family",
     "parse_kind",
-    "after_turn", "allocated_bytes", "applicable_kinds", "cache_bytes", "cache_offset",
-    "compacted", "convert_cache", "copy_cache", "group_size", "held_tokens",
-    "known_applicable_kinds", "make_cache", "settle", "trim_to",
+    "after_turn",
+    "allocated_bytes",
+    "applicable_kinds",
+    "cache_bytes",
+    "cache_offset",
+    "compacted",
+    "convert_cache",
+    "copy_cache",
+    "group_size",
+    "held_tokens",
+    "known_applicable_kinds",
+    "make_cache",
+    "settle",
+    "trim_to",
 ]
 
 
@@ -79,7 +95,9 @@ def make_cache(model: nn.Module, kind: CacheKind, keep: int = 0) -> list[Any]:
         raise _cannot(kind, unread)
 
     def made(keep: int) -> list[Any]:
-        return [kind.make_layer(keep, group) if type(c) is KVCache else c for c in _own_cache(model)]
+        return [
+            kind.make_layer(keep, group) if type(c) is KVCache else c for c in _own_cache(model)
+        ]
 
     failed = fit.problem(model, kind.name, lambda: made(0))
     if failed:
@@ -104,7 +122,9 @@ def group_size(model: nn.Module, kind: CacheKind) -> int:
 
 
 def _cannot(kind: CacheKind, why: str) -> CacheKindError:
-    return CacheKindError(f"Cache kind {kind.name!r} cannot apply to this model: {why}. Use 'standard'.")
+    return CacheKindError(
+        f"Cache kind {kind.name!r} cannot apply to this model: {why}. Use 'standard'."
+    )
 
 
 def applicable_kinds(model: nn.Module, names: list[str]) -> list[str]:

@@ -81,8 +81,14 @@ class RotatedKVCache(QuantizedKVCache):
         return super().update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
 
     def attention(
-        self, queries: mx.array, keys: Any, values: Any, scale: float,
-        mask: mx.array | str | None, sdpa: Callable[..., mx.array], sinks: mx.array | None = None,
+        self,
+        queries: mx.array,
+        keys: Any,
+        values: Any,
+        scale: float,
+        mask: mx.array | str | None,
+        sdpa: Callable[..., mx.array],
+        sinks: mx.array | None = None,
     ) -> mx.array:
         """Attention over this cache's (rotated, quantized) ``keys`` and ``values``
         through ``sdpa`` (an attention for quantized caches: numpy's on the CPU fast

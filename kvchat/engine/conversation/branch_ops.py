@@ -84,8 +84,7 @@ class BranchOps:
         return self.branch_positions()[index]
 
     def _message(self, index: int, role: str, what: str) -> None:
-        if not self._offset() <= index < len(self.messages) \
-                or self.messages[index]["role"] != role:
+        if not self._offset() <= index < len(self.messages) or self.messages[index]["role"] != role:
             raise SessionError(f"Message {index} is not {what}.")
 
     def edit(self, index: int, text: str) -> Iterator[Event]:
@@ -116,8 +115,9 @@ class BranchOps:
         (down that branch as it was last left); the cache is kept up to where the two
         paths part and the rest of the new path is evaluated."""
         self._record()
-        if not self._offset() <= index < len(self.messages) \
-                or not self.branches.switch(index - self._offset(), step):
+        if not self._offset() <= index < len(self.messages) or not self.branches.switch(
+            index - self._offset(), step
+        ):
             raise SessionError("There is no other version of that message that way.")
         return self._adopt(progress, "branch switch")
 

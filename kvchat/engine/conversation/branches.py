@@ -63,7 +63,7 @@ class Branches:
         tree = cls()
         tree.record(messages)
         replies = [i for i in tree.path if tree.nodes[i].message["role"] == "assistant"]
-        for node, turn in zip(replies[len(replies) - len(turns):], turns):
+        for node, turn in zip(replies[len(replies) - len(turns) :], turns):
             tree.nodes[node].turn = turn
         return tree
 
@@ -93,7 +93,8 @@ class Branches:
     def holds(self, messages: list[dict[str, Any]]) -> bool:
         """True when ``messages`` are the current path."""
         return len(messages) == len(self.path) and all(
-            _key(self.nodes[i].message) == _key(m) for i, m in zip(self.path, messages))
+            _key(self.nodes[i].message) == _key(m) for i, m in zip(self.path, messages)
+        )
 
     def messages(self) -> list[dict[str, Any]]:
         return [dict(self.nodes[i].message) for i in self.path]
@@ -112,12 +113,21 @@ class Branches:
             key = _key(message)
             on_path = self.path[i] if i < len(self.path) else None
             node: int | None
-            if on_path is not None and self.nodes[on_path].parent == parent \
-                    and _key(self.nodes[on_path].message) == key:
+            if (
+                on_path is not None
+                and self.nodes[on_path].parent == parent
+                and _key(self.nodes[on_path].message) == key
+            ):
                 node = on_path
             else:
-                node = None if added else next((c for c in self.children(parent)
-                                                if _key(self.nodes[c].message) == key), None)
+                node = (
+                    None
+                    if added
+                    else next(
+                        (c for c in self.children(parent) if _key(self.nodes[c].message) == key),
+                        None,
+                    )
+                )
             added = node is None
             if node is None:
                 self.nodes.append(Node(parent, _plain(message)))
@@ -155,7 +165,7 @@ class Branches:
         parent = self.nodes[user].parent
         for child in kept:
             self.nodes[child].parent = parent
-        path = self.path[:index] + self.path[index + 2:]
+        path = self.path[:index] + self.path[index + 2 :]
         self._remove(self._subtree([user]), path)
 
     def truncate(self, length: int) -> None:
@@ -196,8 +206,9 @@ class Branches:
             if not -1 <= parent < i:
                 raise BranchError(f"branches.nodes[{i}].parent must be -1 or an earlier node")
             turn = item.get("turn")
-            tree.nodes.append(Node(parent, _plain(item),
-                                   TurnStats.from_dict(turn) if turn is not None else None))
+            tree.nodes.append(
+                Node(parent, _plain(item), TurnStats.from_dict(turn) if turn is not None else None)
+            )
         path = list(record["path"])
         if len(path) != len(messages):
             raise BranchError("branches.path is not as long as the messages")
@@ -239,6 +250,9 @@ class Branches:
         for node in nodes:
             node.parent = new_index[node.parent]
         self.nodes = nodes
-        self._chosen = {new_index[a]: new_index[b] for a, b in self._chosen.items()
-                        if a in new_index and b in new_index}
+        self._chosen = {
+            new_index[a]: new_index[b]
+            for a, b in self._chosen.items()
+            if a in new_index and b in new_index
+        }
         self._set_path([new_index[i] for i in path])

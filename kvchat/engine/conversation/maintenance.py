@@ -102,7 +102,9 @@ class CacheMaintenance:
         step = max(1, self.settings.prefill_step)
         start = len(self.ledger)
         end = start + len(tokens)
-        cuts = sorted({*range(start + step, end, step), *(m for m in marks if start < m < end), end})
+        cuts = sorted(
+            {*range(start + step, end, step), *(m for m in marks if start < m < end), end}
+        )
         yield Prefill(0, total)
         with mx.stream(generation_stream):
             for cut in cuts if tokens else ():
@@ -196,8 +198,9 @@ class CacheMaintenance:
         self._changed("reset")
         return True
 
-    def rebuild(self, reason: str, progress: Progress | None = None, *,
-                next_turn_counts: bool = False) -> str:
+    def rebuild(
+        self, reason: str, progress: Progress | None = None, *, next_turn_counts: bool = False
+    ) -> str:
         """Recompute the cache from the transcript (exact), reporting progress. With
         ``next_turn_counts`` (a rebuild at load, which no turn reported) the next turn
         counts the recomputed tokens as evaluated, not reused."""
@@ -236,7 +239,7 @@ class CacheMaintenance:
                     ends.add(len(part))
             if len(prompt) <= after:
                 break
-        return frozenset(sorted(ends)[-checkpoint_bounds.MAX_CHECKPOINTS:])
+        return frozenset(sorted(ends)[-checkpoint_bounds.MAX_CHECKPOINTS :])
 
     def sync(self) -> None:
         """Trim the cache to what the transcript renders to now (after undo or an edit)."""

@@ -132,8 +132,9 @@ class Session(CacheMaintenance, BranchOps):
             session.attach(cache, ledger)
         return session
 
-    def fork_prefix(self, messages: list[dict] | None = None,
-                    tokens: list[int] | None = None) -> "Session":
+    def fork_prefix(
+        self, messages: list[dict] | None = None, tokens: list[int] | None = None
+    ) -> "Session":
         """A new session whose cache starts as a copy of this one's, cut to the
         common prefix with ``tokens`` or else with ``messages`` rendered (by default
         this session's system prompt); the new session's transcript is ``messages``.
@@ -143,7 +144,9 @@ class Session(CacheMaintenance, BranchOps):
         its whole prompt, given as ``tokens``). A cache that cannot be cut that
         far starts from this one's nearest checkpoint before it, if any.
         """
-        messages = list(messages if messages is not None else self.messages[:1] if self.system else [])
+        messages = list(
+            messages if messages is not None else self.messages[:1] if self.system else []
+        )
         child = Session(self.lm, kind=self.kind, settings=replace(self.settings), messages=messages)
         wanted = tokens if tokens is not None else child.render(messages, False)
         n = common_prefix(self.ledger, wanted)
@@ -194,11 +197,14 @@ class Session(CacheMaintenance, BranchOps):
     def figures(self) -> CacheFigures:
         """What the views show of this session, as of now (call it between turns)."""
         return CacheFigures(
-            cache_tokens=self.cache_tokens, cache_bytes=self.cache_bytes,
+            cache_tokens=self.cache_tokens,
+            cache_bytes=self.cache_bytes,
             checkpoints=(len(self.checkpoints), self.checkpoints.nbytes),
             user_turns=sum(1 for m in self.messages if m["role"] == "user"),
-            last=self.last_stats, prompt_eval_history=tuple(t.prompt_eval_s for t in self.turns),
-            pending_rebuild=self._pending_rebuild)
+            last=self.last_stats,
+            prompt_eval_history=tuple(t.prompt_eval_s for t in self.turns),
+            pending_rebuild=self._pending_rebuild,
+        )
 
     def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
@@ -293,23 +299,40 @@ class Session(CacheMaintenance, BranchOps):
         if kept < n:  # back to a checkpoint, or to nothing
             n, zero_prefill = kept, False
         reused, evaluated = n, len(prompt) - n
-        reevaluated = 0 if rebuilt else reevaluated_reply(
-            partial(template_text, self.lm), partial(encode, self.lm),
-            messages, prompt_text, prompt, n)
+        reevaluated = (
+            0
+            if rebuilt
+            else reevaluated_reply(
+                partial(template_text, self.lm),
+                partial(encode, self.lm),
+                messages,
+                prompt_text,
+                prompt,
+                n,
+            )
+        )
         self._keep_turns(messages)
 
         max_new = max(1, min(self.settings.max_tokens, self.lm.context_length - len(prompt)))
         sampler, processors = self._sampler()
         seq = Sequence(
-            prompt=[] if zero_prefill else prompt[n:], cache=self.cache, ledger=self.ledger,
-            sampler=sampler, processors=processors, max_tokens=max_new, stop=self._stop,
+            prompt=[] if zero_prefill else prompt[n:],
+            cache=self.cache,
+            ledger=self.ledger,
+            sampler=sampler,
+            processors=processors,
+            max_tokens=max_new,
+            stop=self._stop,
             eos=frozenset(() if self.settings.ignore_eos else self.lm.tokenizer.eos_token_ids),
-            prefill_step=max(1, self.settings.prefill_step), kind=self.kind.name,
-            logprobs=self._logits[1] if zero_prefill else None, on_prompt=self._prompt_done,
+            prefill_step=max(1, self.settings.prefill_step),
+            kind=self.kind.name,
+            logprobs=self._logits[1] if zero_prefill else None,
+            on_prompt=self._prompt_done,
             # checkpoints at the ends of the turns this prefill passes
             marks=frozenset() if zero_prefill else self._turn_ends(messages, prompt, n),
             on_mark=partial(self.checkpoints.keep, self.cache),
-            report_logprobs=self.report_logprobs is not None)
+            report_logprobs=self.report_logprobs is not None,
+        )
         report = self.report_logprobs
         text = ReplyText(self.lm.tokenizer)
         first_at = prompt_eval_s = None
@@ -332,8 +355,9 @@ class Session(CacheMaintenance, BranchOps):
                         if message in seq.eos:
                             continue
                         if report is not None:
-                            yield token_logprobs(message, seq.sampled_logprobs[len(tokens) - 1],
-                                                 report)
+                            yield token_logprobs(
+                                message, seq.sampled_logprobs[len(tokens) - 1], report
+                            )
                         piece = text.add(message)
                         if piece:
                             yield Chunk(piece)
@@ -432,4 +456,3 @@ class Session(CacheMaintenance, BranchOps):
         self.messages.append(message)
         self._record()
         after_turn(self.cache)
-

@@ -12,24 +12,40 @@ if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
 
 
-def render(lm: LoadedModel, messages: list[dict[str, Any]], generation_prompt: bool,
-           tools: list[dict[str, Any]] | None = None) -> list[int]:
+def render(
+    lm: LoadedModel,
+    messages: list[dict[str, Any]],
+    generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """Token ids of ``messages`` through ``lm``'s chat template (see :func:`template_text`)."""
     return encode(lm, template_text(lm, messages, generation_prompt, tools))
 
 
-def template_text(lm: LoadedModel, messages: list[dict[str, Any]], generation_prompt: bool,
-                  tools: list[dict[str, Any]] | None = None) -> str:
+def template_text(
+    lm: LoadedModel,
+    messages: list[dict[str, Any]],
+    generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     """The text ``lm``'s chat template makes of ``messages`` (role and content, and a tool
     call's or a tool result's fields), offering ``tools`` (OpenAI's function specs) if given."""
     if not messages:
         return ""
-    plain = [{"role": m["role"], "content": m["content"],
-              **{k: m[k] for k in _TOOL_FIELDS if m.get(k) is not None}} for m in messages]
+    plain = [
+        {
+            "role": m["role"],
+            "content": m["content"],
+            **{k: m[k] for k in _TOOL_FIELDS if m.get(k) is not None},
+        }
+        for m in messages
+    ]
     extra = {"tools": tools} if tools else {}
-    return str(lm.tokenizer.apply_chat_template(
-        plain, tokenize=False, add_generation_prompt=generation_prompt, **extra
-    ))
+    return str(
+        lm.tokenizer.apply_chat_template(
+            plain, tokenize=False, add_generation_prompt=generation_prompt, **extra
+        )
+    )
 
 
 _TOOL_FIELDS = ("tool_calls", "tool_call_id")

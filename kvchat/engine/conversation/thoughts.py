@@ -48,7 +48,7 @@ def split_thoughts(text: str) -> Thoughts:
     close, opening = rest.find(CLOSE), rest.find(OPEN)
     if close != -1 and (opening == -1 or close < opening):
         thoughts.append(rest[:close])
-        rest = rest[close + len(CLOSE):]
+        rest = rest[close + len(CLOSE) :]
     thinking = False
     while rest:
         start = rest.find(OPEN)
@@ -56,21 +56,26 @@ def split_thoughts(text: str) -> Thoughts:
             answer.append(rest)
             break
         answer.append(rest[:start])
-        rest = rest[start + len(OPEN):]
+        rest = rest[start + len(OPEN) :]
         end = rest.find(CLOSE)
         if end == -1:
             thoughts.append(rest)
             thinking = True
             break
         thoughts.append(rest[:end])
-        rest = rest[end + len(CLOSE):]
+        rest = rest[end + len(CLOSE) :]
     thought = "\n\n".join(t.strip() for t in thoughts if t.strip())
     return Thoughts(thought, "".join(answer).lstrip(), thinking)
 
 
-def reevaluated_reply(template: Callable[[list[dict[str, Any]], bool], str],
-                      encode: Callable[[str], list[int]], messages: list[dict[str, Any]], text: str,
-                      prompt: list[int], reused: int) -> int:
+def reevaluated_reply(
+    template: Callable[[list[dict[str, Any]], bool], str],
+    encode: Callable[[str], list[int]],
+    messages: list[dict[str, Any]],
+    text: str,
+    prompt: list[int],
+    reused: int,
+) -> int:
     """Tokens of the last reply before the turn's new message that the turn evaluates
     again because the chat template renders it without its thoughts.
 
@@ -81,8 +86,9 @@ def reevaluated_reply(template: Callable[[list[dict[str, Any]], bool], str],
     one counts: templates drop it too), the template keeps it, or the cache did not
     reach the reply anyway (an edit before it).
     """
-    at = next((i for i in range(len(messages) - 1, -1, -1)
-               if messages[i]["role"] == "assistant"), None)
+    at = next(
+        (i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None
+    )
     if at is None:
         return 0
     content = messages[at]["content"]
@@ -103,5 +109,7 @@ def reevaluated_note(tokens: int) -> str | None:
     """The words that say a turn re-evaluated part of the last reply (sidebar, CLI)."""
     if not tokens:
         return None
-    return (f"the template drops earlier thoughts, so {tokens:,} tokens of the last reply "
-            "were evaluated again")
+    return (
+        f"the template drops earlier thoughts, so {tokens:,} tokens of the last reply "
+        "were evaluated again"
+    )

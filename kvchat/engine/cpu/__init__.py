@@ -103,8 +103,12 @@ def _layer_problem(layer: nn.Module) -> str | None:
     if type(mlp).__name__ != "MLP" or type(mlp).__module__ not in FAMILY:
         return f"its MLP is {type(mlp).__name__}"
     heads, kv_heads, scale = (getattr(attn, n, None) for n in ("n_heads", "n_kv_heads", "scale"))
-    if not (isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0
-            and heads % kv_heads == 0):
+    if not (
+        isinstance(heads, int)
+        and isinstance(kv_heads, int)
+        and kv_heads > 0
+        and heads % kv_heads == 0
+    ):
         return f"{heads!r} query heads over {kv_heads!r} key/value heads"
     if not isinstance(scale, float):
         return f"attention scale {scale!r}"
@@ -119,8 +123,15 @@ def _layer_problem(layer: nn.Module) -> str | None:
 def _linears_problem(body: nn.Module) -> str | None:
     for layer in body.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                  mlp.up_proj, mlp.down_proj):
+        for m in (
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+        ):
             if type(m) is not linear.CpuLinear:
                 return f"{type(m).__name__} layers (kept packed) are not numpy's"
     if type(body.embed_tokens) is not linear.CpuEmbedding:
@@ -156,9 +167,7 @@ def prepare(model: nn.Module, dequantize: bool) -> FastPath | str:
     return fast
 
 
-def decode_batch(
-    model: nn.Module, tokens: list[int], caches: list[list[Any]]
-) -> mx.array | None:
+def decode_batch(model: nn.Module, tokens: list[int], caches: list[list[Any]]) -> mx.array | None:
     """One decoding step of B sequences: ``tokens[b]`` appended to ``caches[b]`` (one cache
     per layer, as mlx-lm's step would with ``update_and_fetch``); returns the logits
     ``(B, vocab)`` float32, or None, with nothing changed, when the model has no numpy
@@ -166,8 +175,9 @@ def decode_batch(
     body = model.get("model") if isinstance(model, nn.Module) else None
     if not isinstance(body, Body) or not body.fast.decodes or not tokens:
         return None
-    if len(tokens) != len(caches) or any(len(c) != len(body.layers) or not decode.takes(c)
-                                         for c in caches):
+    if len(tokens) != len(caches) or any(
+        len(c) != len(body.layers) or not decode.takes(c) for c in caches
+    ):
         return None
     head = model["lm_head"] if "lm_head" in model else body.embed_tokens
     h = decode.hidden(body, [int(t) for t in tokens], caches, extra=(head,))

@@ -60,7 +60,10 @@ BLOCK_ROWS = 64
 
 
 def sdpa(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
     mask: mx.array | str | None,
 ) -> mx.array | None:
     """``softmax(q·kᵀ·scale + mask)·v`` for ``(B, H, L, D)`` inputs, or None (see module doc).
@@ -100,7 +103,7 @@ def sdpa(
         scores5 = scores.reshape(batch, n_kv, groups, rows, seen)
         if causal:  # the block's own positions, the last ``rows`` keys, form its only future
             future = np.triu(np.ones((rows, rows), dtype=bool), k=1)
-            np.copyto(scores5[..., seen - rows:], _NEG_INF, where=future)
+            np.copyto(scores5[..., seen - rows :], _NEG_INF, where=future)
         elif mask5 is not None:
             block = mask5[..., l0:l1, :] if mask5.shape[-2] == length else mask5
             if block.dtype == np.bool_:
@@ -109,8 +112,9 @@ def sdpa(
                 scores5 += block
         gr = scores.shape[2]
         split = parallel.bounds(gr, parallel.parts(gr, batch * n_kv * seen))
-        total = np.concatenate(parallel.run(_softmax_rows, [scores[:, :, a:b] for a, b in split]),
-                               axis=2)
+        total = np.concatenate(
+            parallel.run(_softmax_rows, [scores[:, :, a:b] for a, b in split]), axis=2
+        )
         part = np.matmul(scores, v[:, :, :seen])
         part /= total
         out[:, :, :, l0:l1] = part.reshape(batch, n_kv, groups, rows, -1)
@@ -131,10 +135,9 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array | None:
     if g is None or u is None or g.shape != u.shape:
         return None
     out = np.empty(g.shape, dtype=np.float32)
-    g2, u2, out2 = (a.reshape(-1, g.shape[-1]) if g.ndim else a.reshape(1, 1)
-                    for a in (g, u, out))
+    g2, u2, out2 = (a.reshape(-1, g.shape[-1]) if g.ndim else a.reshape(1, 1) for a in (g, u, out))
     split = parallel.bounds(len(g2), parallel.parts(len(g2), g2.shape[-1]))
-    parallel.run(lambda r: _swiglu_rows(g2[r[0]:r[1]], u2[r[0]:r[1]], out2[r[0]:r[1]]), split)
+    parallel.run(lambda r: _swiglu_rows(g2[r[0] : r[1]], u2[r[0] : r[1]], out2[r[0] : r[1]]), split)
     return mx.array(out)
 
 

@@ -40,8 +40,14 @@ from kvchat.engine.cpu.linear import param_view, product
 CACHES = (KVCache, ConcatenateKVCache, QuantizedKVCache, RotatedKVCache)
 # RoPE modules that turn each pair of the first ``dims`` features by an angle (after an
 # optional constant factor) and leave the rest: what applying one to ones and zeros reads.
-ROPES = (nn.RoPE, rope_utils.Llama3RoPE, rope_utils.YarnRoPE, rope_utils.SuScaledRoPE,
-         rope_utils.ProportionalRoPE, rope_utils.DynamicNTKScalingRoPE)
+ROPES = (
+    nn.RoPE,
+    rope_utils.Llama3RoPE,
+    rope_utils.YarnRoPE,
+    rope_utils.SuScaledRoPE,
+    rope_utils.ProportionalRoPE,
+    rope_utils.DynamicNTKScalingRoPE,
+)
 
 
 def takes(cache: list[Any]) -> bool:
@@ -72,12 +78,14 @@ def rope_form(rope: nn.Module) -> RopeForm | str:
     dims = getattr(rope, "dims", None) or getattr(rope, "dim", None)
     if not isinstance(dims, int) or dims <= 0 or dims % 2:
         return f"its RoPE turns {dims!r} features (an even count is needed)"
-    settings = tuple(sorted((k, v) for k, v in vars(rope).items()
-                            if isinstance(v, (bool, int, float, str))))
+    settings = tuple(
+        sorted((k, v) for k, v in vars(rope).items() if isinstance(v, (bool, int, float, str)))
+    )
     freqs = rope.get("_freqs")
     table = None if freqs is None else np.asarray(freqs.astype(mx.float32)).tobytes()
-    return RopeForm(dims, bool(getattr(rope, "traditional", False)),
-                    (type(rope).__name__, settings, table))
+    return RopeForm(
+        dims, bool(getattr(rope, "traditional", False)), (type(rope).__name__, settings, table)
+    )
 
 
 def _rotations(
@@ -98,7 +106,7 @@ def _rotations(
         if form.traditional:
             tables[key, offset] = flat[0::2].copy(), flat[1::2].copy()
         else:
-            tables[key, offset] = flat[:form.dims // 2].copy(), flat[form.dims // 2:].copy()
+            tables[key, offset] = flat[: form.dims // 2].copy(), flat[form.dims // 2 :].copy()
     return tables
 
 
@@ -148,7 +156,12 @@ def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
 
 
 def _attention(
-    attn: nn.Module, form: RopeForm, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: Any,
+    attn: nn.Module,
+    form: RopeForm,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cache: Any,
     turn: Turn,
 ) -> tuple[np.ndarray, Turn | None]:
     """One row's attention output for one token, and its new key and value for the caller
@@ -200,14 +213,18 @@ def _stored(cache: QuantizedKVCache, k: np.ndarray, v: np.ndarray) -> Turn:
     head dim)``: what mlx-lm's quantized attention computes with."""
     keys, values = cache.update_and_fetch(mx.array(k[None, :, None]), mx.array(v[None, :, None]))
     if cache.bits not in (4, 8):
-        full = [mx.dequantize(packed[0], packed[1], packed[2], group_size=cache.group_size,
-                              bits=cache.bits)
-                for packed in (keys, values)]
+        full = [
+            mx.dequantize(
+                packed[0], packed[1], packed[2], group_size=cache.group_size, bits=cache.bits
+            )
+            for packed in (keys, values)
+        ]
         mx.eval(full)
         return np.asarray(full[0])[0], np.asarray(full[1])[0]
     mx.eval(keys, values)
-    return _dequantized(keys, cache.group_size, cache.bits), \
-        _dequantized(values, cache.group_size, cache.bits)
+    return _dequantized(keys, cache.group_size, cache.bits), _dequantized(
+        values, cache.group_size, cache.bits
+    )
 
 
 def _dequantized(
@@ -243,9 +260,17 @@ def numpy_inputs(
         views.append(param_view(module))
     for layer in body.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                       mlp.up_proj, mlp.down_proj, layer.input_layernorm,
-                       layer.post_attention_layernorm):
+        for module in (
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+        ):
             views.append(param_view(module))
             if "bias" in module:
                 views.append(param_view(module, "bias"))
@@ -258,7 +283,9 @@ def _dtype(stored: mx.array | tuple[mx.array, ...]) -> mx.Dtype:
 
 
 def hidden(
-    body: nn.Module, tokens: list[int], caches: list[list[Any]],
+    body: nn.Module,
+    tokens: list[int],
+    caches: list[list[Any]],
     extra: tuple[nn.Module, ...] = (),
 ) -> np.ndarray | None:
     """The final hidden states ``(B, D)`` after one token for each of B sequences, each
@@ -287,6 +314,12 @@ def hidden(
         x = x + _linear(attn.o_proj, np.stack(rows))
         x = x + _mlp(layer.mlp, _rms(x, layer.post_attention_layernorm))
     # The caches grow once all layers have read them: one evaluation for the step.
-    mx.eval([c.update_and_fetch(mx.array(kv[0][None, :, None]), mx.array(kv[1][None, :, None]))
-             for cache, row in zip(caches, new) for c, kv in zip(cache, row) if kv is not None])
+    mx.eval(
+        [
+            c.update_and_fetch(mx.array(kv[0][None, :, None]), mx.array(kv[1][None, :, None]))
+            for cache, row in zip(caches, new)
+            for c, kv in zip(cache, row)
+            if kv is not None
+        ]
+    )
     return _rms(x, body.norm)

@@ -72,8 +72,14 @@ class Attention(nn.Module):
         return projected
 
     def _sdpa(
-        self, queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
-        mask: mx.array | str | None, sinks: mx.array | None = None,
+        self,
+        queries: mx.array,
+        keys: Any,
+        values: Any,
+        cache: Any,
+        scale: float,
+        mask: mx.array | str | None,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         if _on(self.fast) and sinks is None:
             out = attention.sdpa(queries, *_unpacked(keys, values, cache), scale, mask)
@@ -81,8 +87,9 @@ class Attention(nn.Module):
                 return out
         # mlx-lm annotates mask as an array; it takes "causal" too, as its own models pass
         stock_mask = cast("mx.array | None", mask)
-        return scaled_dot_product_attention(queries, keys, values, cache, scale=scale,
-                                            mask=stock_mask, sinks=sinks)
+        return scaled_dot_product_attention(
+            queries, keys, values, cache, scale=scale, mask=stock_mask, sinks=sinks
+        )
 
 
 def _unpacked(keys: Any, values: Any, cache: Any) -> tuple[mx.array, mx.array]:
@@ -93,9 +100,9 @@ def _unpacked(keys: Any, values: Any, cache: Any) -> tuple[mx.array, mx.array]:
     if not hasattr(cache, "bits"):
         return keys, values
     key_array, value_array = (
-        mx.dequantize(packed[0], packed[1], packed[2], group_size=cache.group_size,
-                      bits=cache.bits)
-        for packed in (keys, values))
+        mx.dequantize(packed[0], packed[1], packed[2], group_size=cache.group_size, bits=cache.bits)
+        for packed in (keys, values)
+    )
     return key_array, value_array
 
 
@@ -131,11 +138,18 @@ class Body(nn.Module):
         return layers
 
     def __call__(
-        self, inputs: mx.array, cache: list[Any] | None = None,
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
         input_embeddings: mx.array | None = None,
     ) -> mx.array:
-        if (input_embeddings is None and cache is not None and tuple(inputs.shape) == (1, 1)
-                and self.fast.decodes and decode.takes(cache)):
+        if (
+            input_embeddings is None
+            and cache is not None
+            and tuple(inputs.shape) == (1, 1)
+            and self.fast.decodes
+            and decode.takes(cache)
+        ):
             token = cast(int, inputs.item())  # the one token id of an integer array
             rows = decode.hidden(self, [token], [cache])
             if rows is not None:

@@ -127,8 +127,12 @@ def _rows(x: mx.array) -> int:
 
 def _dequantized(layer: nn.Module) -> mx.array:
     return mx.dequantize(
-        layer.weight, layer.scales, layer.get("biases"), group_size=layer.group_size,
-        bits=layer.bits, mode=getattr(layer, "mode", "affine"),
+        layer.weight,
+        layer.scales,
+        layer.get("biases"),
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=getattr(layer, "mode", "affine"),
     ).astype(mx.float32)
 
 
@@ -151,13 +155,16 @@ def _cpu_layer(path: str, layer: nn.Module, dequantize: bool, fast: FastPath) ->
 def replace(model: nn.Module, dequantize: bool, fast: FastPath) -> int:
     """Give ``model`` CPU linear layers (dequantizing packed ones if asked) that compute
     through numpy while ``fast.on``. Returns how many quantized layers were dequantized."""
+
     def packed() -> int:
-        return sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-                   for m in model.modules())
+        return sum(
+            isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in model.modules()
+        )
 
     before = packed()
     leaves = tree_map_with_path(
-        lambda path, m: _cpu_layer(path, m, dequantize, fast), model.leaf_modules(),
+        lambda path, m: _cpu_layer(path, m, dequantize, fast),
+        model.leaf_modules(),
         is_leaf=nn.Module.is_module,
     )
     model.update_modules(leaves)

@@ -40,14 +40,31 @@ from kvchat.engine.conversation.events import Event, GenerationSettings, Session
 from kvchat.engine.conversation.session import Session
 from kvchat.engine.distributed.sharding import ShardedModel, load_sharded
 
-OPS = frozenset({
-    "model", "new", "load", "send", "regenerate", "edit", "undo", "reset", "kind", "trim",
-    "system", "save", "drop", "bytes", "kinds", "end",
-})
+OPS = frozenset(
+    {
+        "model",
+        "new",
+        "load",
+        "send",
+        "regenerate",
+        "edit",
+        "undo",
+        "reset",
+        "kind",
+        "trim",
+        "system",
+        "save",
+        "drop",
+        "bytes",
+        "kinds",
+        "end",
+    }
+)
 ROW = 256  # bytes each rank reports after a save, a load or a drop
 # Session methods that change the cache and are not sent to the followers (the TUI's).
-UNSHARED = frozenset({"switch_branch", "delete_pair", "fork_prefix", "rebuild", "attach",
-                      "sync", "unload", "close"})
+UNSHARED = frozenset(
+    {"switch_branch", "delete_pair", "fork_prefix", "rebuild", "attach", "sync", "unload", "close"}
+)
 
 
 class OpError(ValueError):
@@ -92,11 +109,14 @@ class Link:
     def broadcast(self, op: dict | None = None) -> dict:
         """Rank 0 sends ``op``; every rank (rank 0 too) returns it."""
         if self.rank == 0 and self.broken:
-            raise SessionError("The ranks are out of step after a reply left unfinished; "
-                               "start the run again.")
+            raise SessionError(
+                "The ranks are out of step after a reply left unfinished; start the run again."
+            )
         data = encode_op(op) if self.rank == 0 else b""
         length = self.total(len(data))
-        buffer = np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.zeros(length, np.uint8)
+        buffer = (
+            np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.zeros(length, np.uint8)
+        )
         return decode_op(bytes(np.array(self._sum(mx.array(buffer)))))
 
     def per_rank(self, value: int) -> list[int]:
@@ -180,6 +200,7 @@ def _bind(session: Session, link: Link) -> Session:
             token = sample(logprobs)
             mine = token if link.rank == 0 else mx.zeros_like(token)
             return mx.distributed.all_sum(mine, group=link.group, stream=mx.cpu)
+
         return shared, processors
 
     session._sampler = sampler
@@ -195,8 +216,9 @@ def new_session(lm, *, kind, system: str | None, settings: GenerationSettings | 
     if not isinstance(lm, ShardedModel):
         return Session(lm, kind=kind, system=system, settings=settings)
     settings = settings or GenerationSettings()
-    _link.broadcast({"op": "new", "kind": parse_kind(kind).name, "system": system,
-                     "settings": asdict(settings)})
+    _link.broadcast(
+        {"op": "new", "kind": parse_kind(kind).name, "system": system, "settings": asdict(settings)}
+    )
     session = Session(lm, kind=kind, system=system, settings=settings)
     return DistributedSession(_link, _bind(session, _link)).count_bytes()
 
@@ -221,8 +243,9 @@ def _load_here(name: str, lm, data: dict, link: Link):
     from kvchat.store.cache_file import read_cache
 
     def reader(folder, data, lm, ledger, empty, reference):
-        cache, kept, problem = read_cache(folder, data, lm, ledger, empty, reference,
-                                          rank=link.rank)
+        cache, kept, problem = read_cache(
+            folder, data, lm, ledger, empty, reference, rank=link.rank
+        )
         if problem is None and kept is not None and len(kept) != len(ledger):
             cache, kept, problem = None, None, "a save was cut short"
         rows = link.gather(problem.encode("utf-8")[:ROW] if problem else b"")
@@ -230,8 +253,14 @@ def _load_here(name: str, lm, data: dict, link: Link):
             bad = [(r, row) for r, row in enumerate(rows) if row]
             if bad:
                 rank, why = bad[0]
-                return None, None, (f"rank {rank}'s cache shard could not be used: "
-                                    f"{why.decode('utf-8', 'ignore')}")
+                return (
+                    None,
+                    None,
+                    (
+                        f"rank {rank}'s cache shard could not be used: "
+                        f"{why.decode('utf-8', 'ignore')}"
+                    ),
+                )
         return cache, kept, problem
 
     loaded = store.load(name, lm, data=data, reader=reader)
@@ -252,7 +281,8 @@ def save_session(session, name: str, base=None):
         if not row.startswith((b"sha:", b"empty")):
             raise store.StoreError(
                 f"Could not save session {name}: rank {rank} could not write its cache shard "
-                f"({row.decode('utf-8', 'ignore')}); session.json was not changed.")
+                f"({row.decode('utf-8', 'ignore')}); session.json was not changed."
+            )
     shas = [row[4:].decode() for row in rows[1:] if row.startswith(b"sha:")]
     return store.save(session.local, name, shards=shas or None, base=base)
 
@@ -270,8 +300,10 @@ def delete_session(name: str) -> str | None:
     _link.broadcast({"op": "drop", "name": name})
     for rank, row in enumerate(_link.gather(b"")[1:], 1):
         if row:
-            return (f"Dropped {name}, but rank {rank} could not delete its cache shard "
-                    f"({row.decode('utf-8', 'ignore')}); it stays on that host.")
+            return (
+                f"Dropped {name}, but rank {rank} could not delete its cache shard "
+                f"({row.decode('utf-8', 'ignore')}); it stays on that host."
+            )
     return None
 
 
@@ -300,8 +332,10 @@ class DistributedSession:
 
     def __getattr__(self, name: str) -> Any:
         if name in UNSHARED:
-            raise SessionError(f"A sharded run cannot {name.replace('_', ' ')} yet; run "
-                               "this session on one machine for that.")
+            raise SessionError(
+                f"A sharded run cannot {name.replace('_', ' ')} yet; run "
+                "this session on one machine for that."
+            )
         return getattr(self.local, name)
 
     def _send(self, op: str, **fields: Any) -> None:
@@ -342,8 +376,9 @@ class DistributedSession:
         return self._then_count("kind", lambda: self.local.set_kind(name, progress), kind=name)
 
     def trim_history(self, max_tokens: int, progress=None) -> int:
-        return self._then_count("trim", lambda: self.local.trim_history(max_tokens, progress),
-                                max_tokens=max_tokens)
+        return self._then_count(
+            "trim", lambda: self.local.trim_history(max_tokens, progress), max_tokens=max_tokens
+        )
 
     def set_system(self, text: str | None) -> int:
         return self._then_count("system", lambda: self.local.set_system(text), text=text)
@@ -355,9 +390,13 @@ def _perform(session: Session, op: dict, link: Link) -> Any:
     if "settings" in op:
         session.settings = GenerationSettings(**op["settings"])
     if name in ("send", "regenerate", "edit"):
-        events = (session.send(op["text"]) if name == "send" else
-                  session.regenerate(op["index"]) if name == "regenerate" else
-                  session.edit(op["index"], op["text"]))
+        events = (
+            session.send(op["text"])
+            if name == "send"
+            else session.regenerate(op["index"])
+            if name == "regenerate"
+            else session.edit(op["index"], op["text"])
+        )
         return _watched(events, link)
     if name == "undo":
         return session.undo(op["turns"])

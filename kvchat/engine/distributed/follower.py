@@ -42,8 +42,9 @@ def follow(link: Link, on_token: Callable[[int], object] | None = None) -> int:
         elif name == "new":
             settings = GenerationSettings(**op["settings"])
             try:
-                session = _bind(Session(lm, kind=op["kind"], system=op["system"],
-                                        settings=settings), link)
+                session = _bind(
+                    Session(lm, kind=op["kind"], system=op["system"], settings=settings), link
+                )
             except CacheKindError:
                 pass  # rank 0 meets it too, and says so
         elif name == "load":

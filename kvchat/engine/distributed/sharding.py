@@ -66,9 +66,13 @@ def load_sharded(spec: str, group: Any) -> ShardedModel:
         probe, config = mlx_load_model(path, lazy=True, strict=False)
         mode = choose_mode(probe, config, group.size(), spec)
         if mode == "tensor":
-            model, tokenizer, config = sharded_load(str(path), tensor_group=group, return_config=True)
+            model, tokenizer, config = sharded_load(
+                str(path), tensor_group=group, return_config=True
+            )
         elif (path / INDEX_FILE).is_file():
-            model, tokenizer, config = sharded_load(str(path), pipeline_group=group, return_config=True)
+            model, tokenizer, config = sharded_load(
+                str(path), pipeline_group=group, return_config=True
+            )
         else:
             model, tokenizer, config = _pipeline_one_file(path, group)
     except ModelLoadError:
@@ -84,16 +88,23 @@ def load_sharded(spec: str, group: Any) -> ShardedModel:
         model.set_dtype(mx.float32)  # CPU matmul runs float32 far faster (docs/architecture.md)
     base = fingerprint(spec, path)
     return ShardedModel(
-        model=model, tokenizer=tokenizer, model_id=spec, path=path,
-        fingerprint=f"{base}+{mode}{group.size()}", context_length=context_length(config),
-        weights=f"sharded over {group.size()} ranks ({mode} parallel)", group=group, mode=mode,
+        model=model,
+        tokenizer=tokenizer,
+        model_id=spec,
+        path=path,
+        fingerprint=f"{base}+{mode}{group.size()}",
+        context_length=context_length(config),
+        weights=f"sharded over {group.size()} ranks ({mode} parallel)",
+        group=group,
+        mode=mode,
     )
 
 
 def choose_mode(model: Any, config: dict[str, Any], world: int, spec: str) -> str:
-    """"tensor" or "pipeline" for ``model`` over ``world`` ranks, or ModelLoadError."""
+    """ "tensor" or "pipeline" for ``model`` over ``world`` ranks, or ModelLoadError."""
     heads = config.get("num_attention_heads") or config.get("text_config", {}).get(
-        "num_attention_heads", 0)
+        "num_attention_heads", 0
+    )
     kv_heads = config.get("num_key_value_heads") or heads
     if hasattr(model, "shard") and heads and heads % world == 0 and kv_heads % world == 0:
         return "tensor"
@@ -107,16 +118,15 @@ def choose_mode(model: Any, config: dict[str, Any], world: int, spec: str) -> st
     )
 
 
-def _pipeline_one_file(
-    path: Path, group: mx.distributed.Group
-) -> tuple[Any, Any, dict[str, Any]]:
+def _pipeline_one_file(path: Path, group: mx.distributed.Group) -> tuple[Any, Any, dict[str, Any]]:
     """What ``sharded_load`` does for a pipeline, for a checkpoint in one file (which it
     cannot split by its index): every rank reads the file, keeping only its own layers."""
     model, config = mlx_load_model(path, lazy=True, strict=False)
     model.model.pipeline(group)
     mx.eval(model.parameters())
-    tokenizer = load_tokenizer(path, {"trust_remote_code": True},
-                               eos_token_ids=config.get("eos_token_id"))
+    tokenizer = load_tokenizer(
+        path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id")
+    )
     mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # every rank is ready
     return model, tokenizer, config
 
@@ -127,7 +137,7 @@ def layout(fingerprint_: str | None) -> str:
     if not plus:
         return "on one machine"
     mode = tail.rstrip("0123456789")
-    return f"sharded over {tail[len(mode):]} ranks ({mode} parallel)"
+    return f"sharded over {tail[len(mode) :]} ranks ({mode} parallel)"
 
 
 def layout_problem(saved: str | None, now: str) -> str | None:

@@ -51,8 +51,11 @@ def _probe(model: nn.Module) -> bool:
     prompts, alone, caches = [[1, 2, 3], [4]], [], []
     try:
         for prompt in prompts:
-            cache = model.make_cache() if hasattr(model, "make_cache") else [
-                KVCache() for _ in model.layers]
+            cache = (
+                model.make_cache()
+                if hasattr(model, "make_cache")
+                else [KVCache() for _ in model.layers]
+            )
             if not all(type(c) is KVCache or isinstance(c, ArraysCache) for c in cache):
                 return False
             model(mx.array([prompt]), cache=cache)

@@ -110,8 +110,9 @@ class GenerationCore:
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name="kvchat-generation",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name="kvchat-generation", daemon=True
+            )
             self._thread.start()
 
     def _loop(self) -> None:
@@ -214,8 +215,14 @@ class GenerationCore:
         if self._alone:
             rows += list(zip(self._alone, separate(self.model, self._alone, self.fast_path)))
         for seq, _ in rows:
-            seq.batch_peak = max(seq.batch_peak, len(rows) if separate_batches(self.fast_path) else
-                                 len(self._merged.seqs) if seq in self._merged_seqs() else 1)
+            seq.batch_peak = max(
+                seq.batch_peak,
+                len(rows)
+                if separate_batches(self.fast_path)
+                else len(self._merged.seqs)
+                if seq in self._merged_seqs()
+                else 1,
+            )
         caches: list[Any] = [c.state for s in self._alone for c in s.cache]
         if self._merged:
             caches += [c.state for c in self._merged.cache]
@@ -291,8 +298,7 @@ class GenerationCore:
         """A step failed: every sequence leaves with the error (their caches are not
         trusted: the sessions empty them)."""
         with self._cond:
-            everyone = [*self._joining, *self._alone,
-                        *(self._merged.seqs if self._merged else [])]
+            everyone = [*self._joining, *self._alone, *(self._merged.seqs if self._merged else [])]
             self._joining, self._alone, self._merged = [], [], None
         for seq in everyone:
             seq.post(Left(stopped=False, error=error))
@@ -309,8 +315,11 @@ def core_for(lm: Any) -> GenerationCore:
     with _cores_lock:
         core = _cores.get(id(lm.model))
         if core is None or core.model is not lm.model:
-            core = GenerationCore(lm.model, threaded=getattr(lm, "group", None) is None,
-                                  fast_path=getattr(lm, "fast_path", None))
+            core = GenerationCore(
+                lm.model,
+                threaded=getattr(lm, "group", None) is None,
+                fast_path=getattr(lm, "fast_path", None),
+            )
             _cores[id(lm.model)] = core
             weakref.finalize(lm.model, _cores.pop, id(lm.model), None)
         return core

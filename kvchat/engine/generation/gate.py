@@ -71,8 +71,9 @@ class Gate:
             if exclusive:
                 self._exclusive_waiting += 1
             try:
-                self._cond.wait_for(lambda: self._holder is None and (
-                    exclusive or self._exclusive_waiting == 0))
+                self._cond.wait_for(
+                    lambda: self._holder is None and (exclusive or self._exclusive_waiting == 0)
+                )
             finally:
                 if exclusive:
                     self._exclusive_waiting -= 1

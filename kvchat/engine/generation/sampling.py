@@ -68,8 +68,10 @@ def _processors(s: GenerationSettings) -> list[LogitsProcessor]:
     return make_logits_processors(
         repetition_penalty=None if s.repetition_penalty == 1.0 else s.repetition_penalty,
         repetition_context_size=context,
-        presence_penalty=s.presence_penalty or None, presence_context_size=context,
-        frequency_penalty=s.frequency_penalty or None, frequency_context_size=context,
+        presence_penalty=s.presence_penalty or None,
+        presence_context_size=context,
+        frequency_penalty=s.frequency_penalty or None,
+        frequency_context_size=context,
     )
 
 

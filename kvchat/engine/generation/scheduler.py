@@ -118,9 +118,7 @@ class Scheduler:
             return found
 
     @contextmanager
-    def turn(
-        self, owner: str, on_wait: Callable[[int], None] | None = None
-    ) -> Iterator[Ticket]:
+    def turn(self, owner: str, on_wait: Callable[[int], None] | None = None) -> Iterator[Ticket]:
         """Hold the model for the ``with`` block, waiting for it first.
 
         ``on_wait(ahead)`` is called once, before blocking, when others are

@@ -79,8 +79,7 @@ class Sequence:
 
     def ended(self) -> bool:
         """Whether the token just sampled ends the reply (and then is not fed)."""
-        return (self.tokens[-1] in self.eos or len(self.tokens) >= self.max_tokens
-                or self.halted())
+        return self.tokens[-1] in self.eos or len(self.tokens) >= self.max_tokens or self.halted()
 
     def halted(self) -> bool:
         """A stop or a cancel (a consumer that went away) was asked for."""

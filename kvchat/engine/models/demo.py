@@ -202,7 +202,9 @@ def _copy_trained(folder: Path) -> None:
     tokenizer files every demo has."""
     config = json.loads((TRAINED / "config.json").read_text(encoding="utf-8"))
     _write_tokenizer(
-        folder, Tokenizer.from_file(str(TRAINED / "tokenizer.json")), config["max_position_embeddings"]
+        folder,
+        Tokenizer.from_file(str(TRAINED / "tokenizer.json")),
+        config["max_position_embeddings"],
     )
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(TRAINED / name, folder / name)

@@ -56,7 +56,9 @@ def exchanges(text: str) -> list[tuple[str, str]]:
     lines = [line.strip() for line in text.splitlines()]
     for line, after in zip(lines, lines[1:] + [""], strict=True):
         if line.startswith("User:") and after.startswith("Assistant:"):
-            pairs.append((line.removeprefix("User:").strip(), after.removeprefix("Assistant:").strip()))
+            pairs.append(
+                (line.removeprefix("User:").strip(), after.removeprefix("Assistant:").strip())
+            )
         elif line.endswith("?") and len(after) > 40 and not after.startswith(("User:", '"')):
             pairs.append((line, after))
     for paragraph in text.split("\n\n"):
@@ -81,13 +83,19 @@ def train(folder: Path, log: Callable[[str], object] = print) -> None:
     mx.set_default_device(mx.cpu)
     tokenizer = demo.train_tokenizer()
     config = demo.model_config("demo", tokenizer)
-    config["eos_token_id"] = [tokenizer.token_to_id(demo.IM_END), tokenizer.token_to_id(demo.IM_START)]
+    config["eos_token_id"] = [
+        tokenizer.token_to_id(demo.IM_END),
+        tokenizer.token_to_id(demo.IM_START),
+    ]
     ids = np.array(tokenizer.encode(training_text()).ids, dtype=np.int32)
     log(f"{len(ids)} training tokens, {STEPS} steps; BLAS: {blas.describe()}")
     mx.random.seed(SEED)
     model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
     schedule = optim.join_schedules(
-        [optim.linear_schedule(LR / 50, LR, WARMUP), optim.cosine_decay(LR, STEPS - WARMUP, LR / 50)],
+        [
+            optim.linear_schedule(LR / 50, LR, WARMUP),
+            optim.cosine_decay(LR, STEPS - WARMUP, LR / 50),
+        ],
         [WARMUP],
     )
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
@@ -135,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         train(Path(scratch))
         ours, shipped = digests(Path(scratch)), digests(WEIGHTS)
     for name in FILES:
-        print(f"{name}: {'same' if ours[name] == shipped[name] else 'DIFFERENT'} ({ours[name][:16]})")
+        print(
+            f"{name}: {'same' if ours[name] == shipped[name] else 'DIFFERENT'} ({ours[name][:16]})"
+        )
     return 0 if ours == shipped else 1
 
 

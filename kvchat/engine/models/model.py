@@ -126,8 +126,9 @@ def _cpu_weights(model: nn.Module, keep_quantized: bool | None) -> tuple[Any, st
         return cpu.prepare(model, dequantize=False), weights
     if keep_quantized is None:
         keep_quantized = os.environ.get("KVCHAT_KEEP_QUANTIZED") == "1"
-    packed = [m for m in model.modules()
-              if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    packed = [
+        m for m in model.modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    ]
     if not packed:
         return cpu.prepare(model, dequantize=False), "float32"
     bits = sorted({m.bits for m in packed})
@@ -137,8 +138,10 @@ def _cpu_weights(model: nn.Module, keep_quantized: bool | None) -> tuple[Any, st
     need = sum(m.weight.size * 32 // m.bits * 4 for m in packed)
     free = _available_memory()
     if free is not None and need > free // 2:
-        return (cpu.prepare(model, dequantize=False),
-                f"{label}, kept packed (float32 would take {need / 2**30:.1f} GiB)")
+        return (
+            cpu.prepare(model, dequantize=False),
+            f"{label}, kept packed (float32 would take {need / 2**30:.1f} GiB)",
+        )
     return cpu.prepare(model, dequantize=True), f"{label}, dequantized to float32 for the CPU"
 
 

@@ -60,17 +60,20 @@ class TrimDialog(Dialog):
             with VerticalScroll(classes="body"):
                 if self.turns:
                     yield Static(
-                        f"The cache holds {self.cache_tokens:,} tokens over {self.turns} "
-                        "turn(s).", markup=False,
+                        f"The cache holds {self.cache_tokens:,} tokens over {self.turns} turn(s).",
+                        markup=False,
                     )
                 else:
                     yield Static("Nothing to undo yet: this session has no turn.", markup=False)
-                yield Button("Undo last turn", id="trim-undo", variant="primary",
-                             disabled=not self.turns)
+                yield Button(
+                    "Undo last turn", id="trim-undo", variant="primary", disabled=not self.turns
+                )
                 yield Label("…or keep the system prompt and the newest turns, at most:")
                 with Horizontal(classes="row"):
                     yield Input(
-                        placeholder="tokens", id="trim-tokens", type="integer",
+                        placeholder="tokens",
+                        id="trim-tokens",
+                        type="integer",
                         value=str(max(1, self.cache_tokens // 2)),
                     )
                     yield Button("Trim to tokens", id="trim-to", variant="warning")
@@ -169,13 +172,17 @@ class KindDialog(Dialog):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="kind-dialog") as box:
             box.border_title = f"Cache type (now {self.current})"
-            yield OptionList(*(Option(self._label(n), id=n) for n in self.names),
-                             id="kind-options", classes="body")
+            yield OptionList(
+                *(Option(self._label(n), id=n) for n in self.names),
+                id="kind-options",
+                classes="body",
+            )
             with Vertical(classes="buttons"):
                 yield Static(
                     "Bytes per token from the model: layers × kv heads × head dim × 2 × "
                     "bytes per element (quantized: bits/8 plus a scale and bias per 64).",
-                    classes="hint", markup=False,
+                    classes="hint",
+                    markup=False,
                 )
                 with Horizontal(classes="row"):
                     yield Input(placeholder="or type: rotating:1024", id="kind-input")
@@ -223,9 +230,7 @@ class DropDialog(Dialog):
         with Vertical(classes="dialog", id="drop-dialog") as box:
             box.border_title = "Drop session"
             where = "It is saved on disk." if self.on_disk else "It has not been saved."
-            yield Static(
-                f"Drop {self.session_name!r} and {self.then}? {where}", markup=False
-            )
+            yield Static(f"Drop {self.session_name!r} and {self.then}? {where}", markup=False)
             with Horizontal(classes="row buttons"):
                 yield Button("Memory only", id="drop-memory", variant="warning")
                 yield Button("Memory and disk", id="drop-disk", variant="error")
@@ -292,16 +297,21 @@ class CloseDialog(Dialog):
             box.border_title = "Quit" if self.quitting else "Close tab"
             if self.quitting:
                 yield Static("Unsaved changes:", markup=False)
-                yield Static("\n".join(f"  {name!r} {what(before)}"
-                                       for name, before in self.unsaved.items()),
-                             id="close-list", markup=False)
+                yield Static(
+                    "\n".join(
+                        f"  {name!r} {what(before)}" for name, before in self.unsaved.items()
+                    ),
+                    id="close-list",
+                    markup=False,
+                )
                 yield Static("Save them before quitting?", markup=False)
             else:
                 [(name, before)] = self.unsaved.items()
                 yield Static(f"{name!r} {what(before)}. Save it before closing?", markup=False)
             with Horizontal(classes="row buttons"):
-                yield Button("Save all" if self.quitting else "Save", id="close-save",
-                             variant="primary")
+                yield Button(
+                    "Save all" if self.quitting else "Save", id="close-save", variant="primary"
+                )
                 yield Button("Discard", id="close-discard", variant="error")
                 yield Button("Cancel", id="close-cancel")
 
@@ -336,7 +346,9 @@ class ConflictDialog(Dialog):
             yield Static(
                 f"Another kvchat saved {self.session_name!r} since this tab loaded it; "
                 "nothing was overwritten. Reload it (its turns shown, this tab's kept as a "
-                f"branch), or save this tab as a new session {self.new_name!r}?", markup=False)
+                f"branch), or save this tab as a new session {self.new_name!r}?",
+                markup=False,
+            )
             with Horizontal(classes="row buttons"):
                 yield Button("Reload", id="conflict-reload", variant="primary")
                 yield Button("New session", id="conflict-fork")
@@ -371,8 +383,9 @@ class DraftDialog(Dialog):
         with Vertical(classes="dialog", id="draft-dialog") as box:
             box.border_title = f"Unsent message ({self.session_name})"
             lines = self.text.count("\n") + 1
-            yield Static(f"{OFFER} ({len(self.text):,} characters, {lines:,} line(s))",
-                         markup=False)
+            yield Static(
+                f"{OFFER} ({len(self.text):,} characters, {lines:,} line(s))", markup=False
+            )
             preview = self.text if len(self.text) <= 300 else self.text[:300] + "…"
             yield Static(printable(preview), id="draft-preview", classes="body", markup=False)
             with Horizontal(classes="row buttons"):
@@ -400,8 +413,11 @@ class FileDialog(Dialog):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="file-dialog") as box:
             box.border_title = "Insert a file"
-            yield Static("Its text goes into the message at the cursor (not sent); "
-                         "UTF-8 text, at most 1 MiB.", markup=False)
+            yield Static(
+                "Its text goes into the message at the cursor (not sent); "
+                "UTF-8 text, at most 1 MiB.",
+                markup=False,
+            )
             yield Input(placeholder="path, e.g. ~/notes.txt", id="file-input")
             with Horizontal(classes="row buttons"):
                 yield Button("Insert", id="file-ok", variant="primary")

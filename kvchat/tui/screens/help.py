@@ -38,11 +38,13 @@ class HelpScreen(ModalScreen):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="help") as box:
             box.border_title = "Keys"
-            table = DataTable(id="help-table", cursor_type="row", show_cursor=False,
-                              classes="body")
+            table = DataTable(id="help-table", cursor_type="row", show_cursor=False, classes="body")
             table.add_columns("where", "keys", "action")
             for where, keys, what in binding_rows(self.app, self.groups):
                 table.add_row(Text(where, style="dim"), Text(keys, style="bold"), Text(what))
             yield table
-            yield Static("Every action is also in the command palette (ctrl+p). "
-                         "Esc closes this.", classes="hint buttons", markup=False)
+            yield Static(
+                "Every action is also in the command palette (ctrl+p). Esc closes this.",
+                classes="hint buttons",
+                markup=False,
+            )

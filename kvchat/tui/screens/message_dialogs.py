@@ -14,8 +14,11 @@ from .dialogs import Dialog
 class EditDialog(Dialog):
     """Edit one of the user's messages; Send (or Ctrl+S) dismisses with the new text."""
 
-    BINDINGS = [Binding("ctrl+s", "send", "Send the edit", id="edit_send",
-                        tooltip="Send the edited message.")]
+    BINDINGS = [
+        Binding(
+            "ctrl+s", "send", "Send the edit", id="edit_send", tooltip="Send the edited message."
+        )
+    ]
 
     def __init__(self, text: str) -> None:
         super().__init__()
@@ -24,9 +27,12 @@ class EditDialog(Dialog):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="edit-dialog") as box:
             box.border_title = "Edit message"
-            yield Static("Sending it continues the conversation from here; what followed "
-                         "stays as another branch (‹ › on the message).", markup=False,
-                         classes="hint")
+            yield Static(
+                "Sending it continues the conversation from here; what followed "
+                "stays as another branch (‹ › on the message).",
+                markup=False,
+                classes="hint",
+            )
             yield TextArea(self.text, id="edit-text", soft_wrap=True, show_line_numbers=False)
             with Horizontal(classes="row buttons"):
                 yield Button("Send", id="edit-send", variant="primary")
@@ -56,8 +62,10 @@ class DeletePairDialog(Dialog):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="delete-dialog") as box:
             box.border_title = "Delete exchange"
-            yield Static(f"Delete your message {self.preview!r} and its reply? What "
-                         "followed them stays.", markup=False)
+            yield Static(
+                f"Delete your message {self.preview!r} and its reply? What followed them stays.",
+                markup=False,
+            )
             with Horizontal(classes="row buttons"):
                 yield Button("Delete", id="delete-yes", variant="error")
                 yield Button("Cancel", id="delete-cancel")

@@ -40,16 +40,21 @@ class SessionPicker(ModalScreen):
             box.border_title = "Sessions"
             hint = self.HINT if self.sessions else "No saved sessions yet."
             yield Static(hint, id="picker-hint", classes="hint", markup=False)
-            yield Input(placeholder="filter: a name or words said in the chat",
-                        id="picker-filter", disabled=not self.sessions)
-            table = DataTable(id="picker-table", cursor_type="row", zebra_stripes=True,
-                              classes="body")
+            yield Input(
+                placeholder="filter: a name or words said in the chat",
+                id="picker-filter",
+                disabled=not self.sessions,
+            )
+            table = DataTable(
+                id="picker-table", cursor_type="row", zebra_stripes=True, classes="body"
+            )
             table.add_columns("name", "model", "cache", "turns", "tokens", "size", "last used")
             self._fill(table, self.sessions)
             yield table
             with Horizontal(classes="row buttons"):
-                yield Button("Open", id="picker-open", variant="primary",
-                             disabled=not self.sessions)
+                yield Button(
+                    "Open", id="picker-open", variant="primary", disabled=not self.sessions
+                )
                 yield Button("New session", id="picker-new", variant="success")
                 if self.cancellable:
                     yield Button("Cancel", id="picker-cancel")
@@ -60,9 +65,14 @@ class SessionPicker(ModalScreen):
         for s in sessions:
             name = Text(s.name + (" (damaged)" if s.note else ""))
             table.add_row(
-                name, Text(s.model_id), Text(s.cache_kind), str(s.turns),
-                f"{s.cache_tokens:,}", human_bytes(s.size_bytes),
-                Text(s.last_used.replace("T", " ")[:16]), key=s.name,
+                name,
+                Text(s.model_id),
+                Text(s.cache_kind),
+                str(s.turns),
+                f"{s.cache_tokens:,}",
+                human_bytes(s.size_bytes),
+                Text(s.last_used.replace("T", " ")[:16]),
+                key=s.name,
             )
 
     def on_mount(self) -> None:
@@ -110,8 +120,11 @@ class SessionPicker(ModalScreen):
                 said = matching_sessions(text)
             except StoreError as exc:
                 said, hint = set(), str(exc)
-            shown = [s for s in self.sessions
-                     if s.name in said or all(w in s.name.lower() for w in words)]
+            shown = [
+                s
+                for s in self.sessions
+                if s.name in said or all(w in s.name.lower() for w in words)
+            ]
             if hint == self.HINT:
                 hint = f"{len(shown)} of {len(self.sessions)} sessions match; Enter opens one."
         table = self.query_one(DataTable)

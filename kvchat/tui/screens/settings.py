@@ -49,8 +49,9 @@ def parse_settings(system: str, texts: Mapping[str, str]) -> TabSettings:
         try:
             values[setting.name] = setting.parse_text(texts[setting.name], setting.label)
         except ConfigError as error:
-            raise ValueError(f"{setting.label}: {error.reason}" if error.reason
-                             else str(error)) from None
+            raise ValueError(
+                f"{setting.label}: {error.reason}" if error.reason else str(error)
+            ) from None
     return TabSettings(system if system.strip() else "", values)
 
 
@@ -67,16 +68,24 @@ class SettingsDialog(Dialog):
         with Vertical(classes="dialog", id="settings-dialog") as box:
             box.border_title = "Tab settings"
             with VerticalScroll(classes="body"):
-                yield Static(f"Model: {self.model_id} (another model: Ctrl+N opens a new tab)",
-                             classes="hint", markup=False)
+                yield Static(
+                    f"Model: {self.model_id} (another model: Ctrl+N opens a new tab)",
+                    classes="hint",
+                    markup=False,
+                )
                 yield Label("System prompt (the cache is kept up to the first change):")
-                yield TextArea(self.system, id="settings-system", soft_wrap=True,
-                               show_line_numbers=False)
+                yield TextArea(
+                    self.system, id="settings-system", soft_wrap=True, show_line_numbers=False
+                )
                 for setting in DIALOG:
                     with Horizontal(classes="row"):
                         yield Label(setting.label, classes="field")
-                        yield Input(shown(getattr(self.settings, setting.name)),
-                                    id=field_id(setting), compact=True, tooltip=setting.help)
+                        yield Input(
+                            shown(getattr(self.settings, setting.name)),
+                            id=field_id(setting),
+                            compact=True,
+                            tooltip=setting.help,
+                        )
             with Horizontal(classes="row buttons"):
                 yield Button("Apply", id="settings-apply", variant="primary")
                 yield Button("Cancel", id="settings-cancel")
@@ -116,14 +125,15 @@ class ModelDialog(Dialog):
             box.border_title = "New tab with model"
             yield OptionList(
                 *(Option(f"{n}  (loaded)" if n in self.loaded else n, id=n) for n in self.names),
-                id="model-options", classes="body",
+                id="model-options",
+                classes="body",
             )
             with Vertical(classes="buttons"):
-                yield Static("A model no tab uses any more is unloaded.", classes="hint",
-                             markup=False)
+                yield Static(
+                    "A model no tab uses any more is unloaded.", classes="hint", markup=False
+                )
                 with Horizontal(classes="row"):
-                    yield Input(placeholder="or type a model id or folder",
-                                id="model-input")
+                    yield Input(placeholder="or type a model id or folder", id="model-input")
                     yield Button("Open", id="model-use", variant="primary")
                     yield Button("Cancel", id="model-cancel")
 
@@ -139,8 +149,7 @@ class ModelDialog(Dialog):
     def _typed(self) -> None:
         spec = self.query_one("#model-input", Input).value.strip()
         if not spec:
-            self.notify("Type a model id or folder, or pick one from the list.",
-                        severity="warning")
+            self.notify("Type a model id or folder, or pick one from the list.", severity="warning")
             return
         self.dismiss(spec)
 

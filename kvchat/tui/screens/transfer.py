@@ -27,8 +27,10 @@ class ExportDialog(Dialog):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="export-dialog") as box:
             box.border_title = "Export the transcript"
-            yield Static("The same formats as `kvchat sessions export`; an existing file is "
-                         "never replaced.", markup=False)
+            yield Static(
+                "The same formats as `kvchat sessions export`; an existing file is never replaced.",
+                markup=False,
+            )
             yield Input(value=f"{self.session_name}.md", id="export-path")
             with Horizontal(classes="row buttons"):
                 yield Button("Markdown", id="export-md", variant="primary")
@@ -67,8 +69,11 @@ class ImportDialog(Dialog):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="import-dialog") as box:
             box.border_title = "Import a session"
-            yield Static("A JSON export (`kvchat sessions export NAME --format json`) becomes "
-                         "a new session; its cache is built on its first turn.", markup=False)
+            yield Static(
+                "A JSON export (`kvchat sessions export NAME --format json`) becomes "
+                "a new session; its cache is built on its first turn.",
+                markup=False,
+            )
             yield Input(placeholder="path, e.g. ~/talk.json", id="import-path")
             with Horizontal(classes="row buttons"):
                 yield Button("Import", id="import-ok", variant="primary")

@@ -52,11 +52,14 @@ class BranchNavigator:
         message = tab.session.messages[event.index]
         if event.action == "edit":
             if message["role"] != "user":
-                tab.notify("Only your own messages can be edited; r makes a new version "
-                           "of a reply.", severity="warning")
+                tab.notify(
+                    "Only your own messages can be edited; r makes a new version of a reply.",
+                    severity="warning",
+                )
                 return
-            tab.app.push_screen(EditDialog(message["content"]),
-                                lambda text: self.edited(event.index, text))
+            tab.app.push_screen(
+                EditDialog(message["content"]), lambda text: self.edited(event.index, text)
+            )
         elif event.action == "regenerate":
             index = event.index + (message["role"] == "user")
             await self.regenerate_at(index)
@@ -65,12 +68,15 @@ class BranchNavigator:
         elif event.action == "delete":
             index = event.index - (message["role"] == "assistant")
             if index < 0 or tab.session.messages[index]["role"] != "user":
-                tab.notify("That reply has no message of yours before it to delete with it.",
-                           severity="warning")
+                tab.notify(
+                    "That reply has no message of yours before it to delete with it.",
+                    severity="warning",
+                )
                 return
             preview = tab.session.messages[index]["content"][:60]
-            tab.app.push_screen(DeletePairDialog(preview),
-                                lambda yes: self.delete(index) if yes else None)
+            tab.app.push_screen(
+                DeletePairDialog(preview), lambda yes: self.delete(index) if yes else None
+            )
 
     async def edited(self, index: int, text: str | None) -> None:
         """The edit dialog's answer: message ``index`` sent again as ``text`` (a new branch)."""
@@ -103,18 +109,28 @@ class BranchNavigator:
         session = tab.session
         position = session.branch_position(index)
         if not 1 <= position[0] + step <= position[1]:
-            tab.notify("No other version that way." if position[1] > 1
-                       else "This message has no other versions.", timeout=3)
+            tab.notify(
+                "No other version that way."
+                if position[1] > 1
+                else "This message has no other versions.",
+                timeout=3,
+            )
             return
 
         def switched(result) -> None:
             k, n = session.branch_position(index)
-            tab.notify(f"Version {k} of {n}: kept {result.reused:,} cached tokens, "
-                       f"evaluated {result.evaluated:,}.", timeout=6)
+            tab.notify(
+                f"Version {k} of {n}: kept {result.reused:,} cached tokens, "
+                f"evaluated {result.evaluated:,}.",
+                timeout=6,
+            )
             return self.redraw_selecting(index)
 
-        tab.run_job("switching branch",
-                    lambda progress: session.switch_branch(index, step, progress), switched)
+        tab.run_job(
+            "switching branch",
+            lambda progress: session.switch_branch(index, step, progress),
+            switched,
+        )
 
     def delete(self, index: int) -> None:
         """Delete the exchange whose message of the user is at ``index`` (a job)."""
@@ -122,8 +138,11 @@ class BranchNavigator:
         session = tab.session
 
         def deleted(result) -> None:
-            tab.notify(f"Deleted the exchange: kept {result.reused:,} cached tokens, "
-                       f"evaluated {result.evaluated:,}.", timeout=6)
+            tab.notify(
+                f"Deleted the exchange: kept {result.reused:,} cached tokens, "
+                f"evaluated {result.evaluated:,}.",
+                timeout=6,
+            )
             return self.redraw_selecting(min(index, len(session.messages) - 1))
 
         tab.run_job("deleting", lambda progress: session.delete_pair(index, progress), deleted)

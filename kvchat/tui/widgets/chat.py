@@ -60,10 +60,15 @@ class Conversation(Vertical):
     """
 
     BINDINGS = [
-        Binding("ctrl+up,alt+up", "select_last", "Select message", id="select_message",
-                show=False,
-                tooltip="Select the newest message; Up/Down move, then Enter edits, r "
-                        "regenerates, ←/→ switch branch, c/y copy, d deletes."),
+        Binding(
+            "ctrl+up,alt+up",
+            "select_last",
+            "Select message",
+            id="select_message",
+            show=False,
+            tooltip="Select the newest message; Up/Down move, then Enter edits, r "
+            "regenerates, ←/→ switch branch, c/y copy, d deletes.",
+        ),
     ]
 
     state: reactive[str] = reactive("idle")
@@ -100,8 +105,11 @@ class Conversation(Vertical):
     def offloaded(self) -> bool:
         """True while the pool holds this tab's cache on disk only."""
         pool = self.pool
-        return (pool is not None and self.session_name in pool
-                and not pool.entry(self.session_name).in_memory)
+        return (
+            pool is not None
+            and self.session_name in pool
+            and not pool.entry(self.session_name).in_memory
+        )
 
     def ensure_cache(self, progress: Progress | None = None) -> None:
         """Worker thread, holding the model: load the cache back if it was offloaded."""
@@ -118,8 +126,13 @@ class Conversation(Vertical):
             yield from transcript_widgets(self.session)
         yield Static("", classes="status", markup=False)
         yield ProgressBar(total=100, show_eta=False, classes="progress")
-        yield ChatInput(self.prompt_history, self.count_tokens, lambda: self.busy, classes="input",
-                        placeholder="Message (Enter sends, Ctrl+J new line)")
+        yield ChatInput(
+            self.prompt_history,
+            self.count_tokens,
+            lambda: self.busy,
+            classes="input",
+            placeholder="Message (Enter sends, Ctrl+J new line)",
+        )
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` adds to a message, by this tab's tokenizer."""
@@ -163,8 +176,11 @@ class Conversation(Vertical):
         await self.branches.handle(event)
 
     def watch_state(self, state: str) -> None:
-        tabs = {} if state != "waiting" else {
-            t.owner: t.session_name for t in self.screen.query(Conversation)}
+        tabs = (
+            {}
+            if state != "waiting"
+            else {t.owner: t.session_name for t in self.screen.query(Conversation)}
+        )
         holder = holder_name(self.scheduler.running, tabs)
         self.query_one(".status", Static).update(state_text(state, holder))
         if state == "idle":
@@ -206,8 +222,11 @@ class Conversation(Vertical):
         """Start a turn with ``text``; False (and a notice) if it cannot start now."""
         if self.refuse_if_busy() or self.app.quitter.underway:
             return False
-        if self.pool is not None and self.session_name in self.pool \
-                and self.pool.changed_elsewhere(self.session_name):
+        if (
+            self.pool is not None
+            and self.session_name in self.pool
+            and self.pool.changed_elsewhere(self.session_name)
+        ):
             self.post_message(SessionConflict(self))  # the message stays in the box
             return False
         try:
@@ -218,8 +237,11 @@ class Conversation(Vertical):
         try:  # on disk before its prefill starts: a crash from now on loses no message
             drafts.keep(self.session_name, text)
         except (store.StoreError, OSError) as error:
-            self.notify(f"The message could not be kept on disk while it is sent: {error}",
-                        severity="warning", markup=False)
+            self.notify(
+                f"The message could not be kept on disk while it is sent: {error}",
+                severity="warning",
+                markup=False,
+            )
         self.input.clear()
         self.input.remember(text)
         await self.start_turn(events, text=text)
@@ -238,8 +260,13 @@ class Conversation(Vertical):
         await self.start_turn(events, upto=len(self.session.messages) - 1, then=then)
         return True
 
-    async def start_turn(self, events, text: str | None = None, upto: int | None = None,
-                         then: Callable[[TurnDone], Any] | None = None) -> None:
+    async def start_turn(
+        self,
+        events,
+        text: str | None = None,
+        upto: int | None = None,
+        then: Callable[[TurnDone], Any] | None = None,
+    ) -> None:
         """Show a turn starting and run it: ``text`` is the new message, if any; ``upto``
         cuts the transcript shown to that many messages first (an edit or a regenerate:
         the new messages get their branches when the turn ends); ``then`` gets the turn's
@@ -271,7 +298,7 @@ class Conversation(Vertical):
         if self.state == "waiting" and self.scheduler.cancel(self.owner):
             return True
         if self.state in ("waiting", "answering"):  # waiting, but not queued yet: stop it
-            self.session.stop()                       # as soon as it starts
+            self.session.stop()  # as soon as it starts
             return True
         return False
 
@@ -387,8 +414,9 @@ class Conversation(Vertical):
             if self._reply is None:
                 self._reply = AssistantMessage(index=self._reply_index)
                 await self.log.mount(self._reply)
-            await self._reply.finish(event.done.reply, event.done.stopped,
-                                     rebuild_note(event.done.stats.rebuilt))
+            await self._reply.finish(
+                event.done.reply, event.done.stopped, rebuild_note(event.done.stats.rebuilt)
+            )
             if self._then is not None:
                 self._then(event.done)
         self._reply = None
@@ -406,8 +434,14 @@ class Conversation(Vertical):
 
     # ---------------------------------------------------------------- jobs
 
-    def run_job(self, label: str, job: Callable[[Progress], Any],
-                then: Callable[[Any], Any] | None = None, *, needs_cache: bool = True) -> bool:
+    def run_job(
+        self,
+        label: str,
+        job: Callable[[Progress], Any],
+        then: Callable[[Any], Any] | None = None,
+        *,
+        needs_cache: bool = True,
+    ) -> bool:
         """Run ``job(progress)`` in the tab's worker (see :meth:`JobRunner.run`)."""
         return self.jobs.run(label, job, then, needs_cache=needs_cache)
 

@@ -44,21 +44,52 @@ class ChatInput(TextArea):
     BINDINGS = [
         # Not in the footer: the box's placeholder says so, and the footer is short of room.
         Binding("enter", "submit", "Send", id="send", show=False),
-        Binding("ctrl+j,shift+enter", "newline", "New line", id="newline", key_display="^j",
-                show=False),
-        Binding("up", "history(1)", "Earlier prompt", id="history_back", show=False,
-                tooltip="In an empty box (or on a recalled prompt): the prompt sent before."),
-        Binding("down", "history(-1)", "Later prompt", id="history_forward", show=False,
-                tooltip="On a recalled prompt: the prompt sent after it."),
-        Binding("escape", "leave_history", "Leave history", id="leave_history", show=False,
-                tooltip="On a recalled prompt: empty the box again."),
+        Binding(
+            "ctrl+j,shift+enter", "newline", "New line", id="newline", key_display="^j", show=False
+        ),
+        Binding(
+            "up",
+            "history(1)",
+            "Earlier prompt",
+            id="history_back",
+            show=False,
+            tooltip="In an empty box (or on a recalled prompt): the prompt sent before.",
+        ),
+        Binding(
+            "down",
+            "history(-1)",
+            "Later prompt",
+            id="history_forward",
+            show=False,
+            tooltip="On a recalled prompt: the prompt sent after it.",
+        ),
+        Binding(
+            "escape",
+            "leave_history",
+            "Leave history",
+            id="leave_history",
+            show=False,
+            tooltip="On a recalled prompt: empty the box again.",
+        ),
         # Ctrl+E stays the end of the line, as in the shells and TextArea.
-        Binding("ctrl+g", "editor", "Edit in $EDITOR", id="editor", key_display="^g",
-                show=False,
-                tooltip="Open the message in $VISUAL or $EDITOR; saving there puts it back."),
-        Binding("ctrl+f", "insert_file", "Insert file", id="insert_file", key_display="^f",
-                show=False,
-                tooltip="Put a text file's text in the message at the cursor (also: /file PATH)."),
+        Binding(
+            "ctrl+g",
+            "editor",
+            "Edit in $EDITOR",
+            id="editor",
+            key_display="^g",
+            show=False,
+            tooltip="Open the message in $VISUAL or $EDITOR; saving there puts it back.",
+        ),
+        Binding(
+            "ctrl+f",
+            "insert_file",
+            "Insert file",
+            id="insert_file",
+            key_display="^f",
+            show=False,
+            tooltip="Put a text file's text in the message at the cursor (also: /file PATH).",
+        ),
     ]
 
     class Submitted(Message):
@@ -87,8 +118,9 @@ class ChatInput(TextArea):
         try:
             history.remember(text)
         except (OSError, StoreError) as error:
-            self.notify(f"The prompt history was not saved: {error}", severity="warning",
-                        markup=False)  # thread-safe
+            self.notify(
+                f"The prompt history was not saved: {error}", severity="warning", markup=False
+            )  # thread-safe
 
     @property
     def recalled(self) -> bool:
@@ -199,7 +231,10 @@ class ChatInput(TextArea):
         except PromptToolError as error:
             self.notify(str(error), severity="warning", markup=False)
             return None
-        self.notify(f"Inserted {printable(path, one_line=True)}: {self.count_tokens(text):,} "
-                    f"tokens ({len(text.encode()):,} bytes); Enter sends.", markup=False,
-                    timeout=8)
+        self.notify(
+            f"Inserted {printable(path, one_line=True)}: {self.count_tokens(text):,} "
+            f"tokens ({len(text.encode()):,} bytes); Enter sends.",
+            markup=False,
+            timeout=8,
+        )
         return printable(text)

@@ -25,8 +25,14 @@ class JobRunner:
     def __init__(self, conversation: Conversation) -> None:
         self.conversation = conversation
 
-    def run(self, label: str, job: Callable[[Progress], Any],
-            then: Callable[[Any], Any] | None = None, *, needs_cache: bool = True) -> bool:
+    def run(
+        self,
+        label: str,
+        job: Callable[[Progress], Any],
+        then: Callable[[Any], Any] | None = None,
+        *,
+        needs_cache: bool = True,
+    ) -> bool:
         """Run ``job(progress)`` in a worker thread, in turn with the other tabs; call
         ``then(result)`` on the UI thread afterwards. With ``needs_cache`` an offloaded
         cache is loaded back from disk first. False (and a notice) if the tab is busy."""
@@ -34,8 +40,9 @@ class JobRunner:
         if tab.refuse_if_busy():
             return False
         tab.state = label
-        tab.run_worker(partial(self.work, label, job, then, needs_cache), name="job",
-                       group="job", thread=True)
+        tab.run_worker(
+            partial(self.work, label, job, then, needs_cache), name="job", group="job", thread=True
+        )
         return True
 
     def work(
@@ -48,7 +55,8 @@ class JobRunner:
             with tab.scheduler.turn(tab.owner):
                 if needs_cache:
                     tab.ensure_cache(
-                        lambda done, total: post(PrefillProgress(done, total, "loading")))
+                        lambda done, total: post(PrefillProgress(done, total, "loading"))
+                    )
                 result = job(lambda done, total: post(PrefillProgress(done, total, label)))
         except SessionError as error:  # a refusal, such as a sharded run's: nothing was done
             post(JobFinished(label, None, None, None, refusal=str(error)))

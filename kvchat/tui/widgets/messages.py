@@ -46,22 +46,64 @@ class MessageAction(Message):
 SELECTED_BINDINGS = [
     Binding("up,k", "move(-1)", "Earlier message", id="message_up", show=False),
     Binding("down,j", "move(1)", "Later message", id="message_down", show=False),
-    Binding("enter,e", "act('edit')", "Edit", id="message_edit",
-            tooltip="Edit your message and send it again: the old continuation stays as a branch."),
-    Binding("r", "act('regenerate')", "Regenerate", id="message_regenerate",
-            tooltip="A new version of this reply (or of the reply to this message), as a branch."),
-    Binding("left,[", "branch(-1)", "‹ Branch", id="branch_previous", key_display="←",
-            tooltip="Show the previous version of this message (‹)."),
-    Binding("right,]", "branch(1)", "Branch ›", id="branch_next", key_display="→",
-            tooltip="Show the next version of this message (›)."),
-    Binding("c", "act('copy')", "Copy", id="message_copy",
-            tooltip="Copy the message's text to the clipboard."),
-    Binding("y", "act('copy_code')", "Copy code", id="message_copy_code",
-            tooltip="Copy a code block of the message; again: the next one."),
-    Binding("d,delete", "act('delete')", "Delete", id="message_delete",
-            tooltip="Delete this exchange (your message and its reply)."),
-    Binding("t", "thoughts", "Thoughts", id="message_thoughts",
-            tooltip="Show or hide the reply's thoughts (its <think> blocks)."),
+    Binding(
+        "enter,e",
+        "act('edit')",
+        "Edit",
+        id="message_edit",
+        tooltip="Edit your message and send it again: the old continuation stays as a branch.",
+    ),
+    Binding(
+        "r",
+        "act('regenerate')",
+        "Regenerate",
+        id="message_regenerate",
+        tooltip="A new version of this reply (or of the reply to this message), as a branch.",
+    ),
+    Binding(
+        "left,[",
+        "branch(-1)",
+        "‹ Branch",
+        id="branch_previous",
+        key_display="←",
+        tooltip="Show the previous version of this message (‹).",
+    ),
+    Binding(
+        "right,]",
+        "branch(1)",
+        "Branch ›",
+        id="branch_next",
+        key_display="→",
+        tooltip="Show the next version of this message (›).",
+    ),
+    Binding(
+        "c",
+        "act('copy')",
+        "Copy",
+        id="message_copy",
+        tooltip="Copy the message's text to the clipboard.",
+    ),
+    Binding(
+        "y",
+        "act('copy_code')",
+        "Copy code",
+        id="message_copy_code",
+        tooltip="Copy a code block of the message; again: the next one.",
+    ),
+    Binding(
+        "d,delete",
+        "act('delete')",
+        "Delete",
+        id="message_delete",
+        tooltip="Delete this exchange (your message and its reply).",
+    ),
+    Binding(
+        "t",
+        "thoughts",
+        "Thoughts",
+        id="message_thoughts",
+        tooltip="Show or hide the reply's thoughts (its <think> blocks).",
+    ),
     Binding("escape", "act('leave')", "Back to the message box", id="message_leave", show=False),
 ]
 
@@ -114,8 +156,9 @@ class AssistantMessage(Selectable, Vertical):
 
     BINDINGS = SELECTED_BINDINGS
 
-    def __init__(self, content: str = "", stopped: bool = False, note: str | None = None,
-                 index: int = -1) -> None:
+    def __init__(
+        self, content: str = "", stopped: bool = False, note: str | None = None, index: int = -1
+    ) -> None:
         super().__init__(classes="message assistant")
         self.index = index
         self._note = note
@@ -132,8 +175,11 @@ class AssistantMessage(Selectable, Vertical):
 
     def compose(self) -> ComposeResult:
         parts = split_thoughts(self._initial)
-        thoughts = Collapsible(Static(Text(parts.thought), classes="thought-text", markup=False),
-                               title=thought_title(parts), classes="thoughts")
+        thoughts = Collapsible(
+            Static(Text(parts.thought), classes="thought-text", markup=False),
+            title=thought_title(parts),
+            classes="thoughts",
+        )
         thoughts.display = self._has_thoughts = bool(parts.thought or parts.thinking)
         yield thoughts
         self._shown = parts.answer
@@ -178,7 +224,7 @@ class AssistantMessage(Selectable, Vertical):
             self.refresh_bindings()
         if not whole and parts.answer.startswith(self._shown):
             if parts.answer != self._shown:
-                await self.markdown.append(parts.answer[len(self._shown):])
+                await self.markdown.append(parts.answer[len(self._shown) :])
         else:
             await self.markdown.update(parts.answer)
         self._shown = parts.answer

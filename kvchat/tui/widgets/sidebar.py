@@ -70,8 +70,11 @@ class CacheInfo:
             name=conversation.session_name,
             model_id=session.lm.model_id,
             kind=session.kind.name,
-            state=("offloaded to disk" if conversation.state == "idle"
-                   and getattr(conversation, "offloaded", False) else conversation.state),
+            state=(
+                "offloaded to disk"
+                if conversation.state == "idle" and getattr(conversation, "offloaded", False)
+                else conversation.state
+            ),
             cache_tokens=figures.cache_tokens,
             cache_bytes=figures.cache_bytes,
             checkpoints=figures.checkpoints,
@@ -113,7 +116,9 @@ class CacheSidebar(Vertical):
             yield Button("Save", id="btn-save", compact=True, action="app.save")
             yield Button("Undo/trim…", id="btn-trim", compact=True, action="app.trim")
             yield Button("Cache type…", id="btn-kind", compact=True, action="app.cache_kind")
-            yield Button("Reset", id="btn-reset", compact=True, action="app.reset_cache", variant="warning")
+            yield Button(
+                "Reset", id="btn-reset", compact=True, action="app.reset_cache", variant="warning"
+            )
             yield Button("Drop…", id="btn-drop", compact=True, action="app.drop", variant="error")
         # below the buttons, so they stay put when it appears
         yield Static("", id="cache-rebuilt", markup=False)
@@ -162,25 +167,38 @@ class CacheSidebar(Vertical):
             ("turns", str(info.turns)),
         ]
         if info.layout:  # a sharded run: each rank holds its part of the cache
-            cache[-1:-1] = [("ranks", info.layout), *(
-                (f"rank {rank}", human_bytes(n)) for rank, n in enumerate(info.rank_bytes))]
+            cache[-1:-1] = [
+                ("ranks", info.layout),
+                *((f"rank {rank}", human_bytes(n)) for rank, n in enumerate(info.rank_bytes)),
+            ]
         count, size = info.checkpoints
         if count:  # sliding-window and recurrent models only: memory beside the cache
             cache.insert(-1, ("checkpoints", f"{count} · {human_bytes(size)}"))
         answered = last is not None and last.generated_tokens > 0  # no token after Esc: no TTFT
-        turn = [] if last is None else [
-            ("prompt eval", vol(seconds(last.prompt_eval_s))),
-            ("TTFT", vol(seconds(last.ttft_s)) if answered else "—"),
-            ("reused", f"{last.reused_tokens:,} of {last.prompt_tokens:,}"),
-            ("evaluated", f"{last.evaluated_tokens:,}"),
-            ("generated", f"{last.generated_tokens:,}" + (" (stopped)" if last.stopped else "")),
-            ("gen speed", vol(f"{last.gen_tps:,.1f} tok/s") if answered else "—"),
-        ]
+        turn = (
+            []
+            if last is None
+            else [
+                ("prompt eval", vol(seconds(last.prompt_eval_s))),
+                ("TTFT", vol(seconds(last.ttft_s)) if answered else "—"),
+                ("reused", f"{last.reused_tokens:,} of {last.prompt_tokens:,}"),
+                ("evaluated", f"{last.evaluated_tokens:,}"),
+                (
+                    "generated",
+                    f"{last.generated_tokens:,}" + (" (stopped)" if last.stopped else ""),
+                ),
+                ("gen speed", vol(f"{last.gen_tps:,.1f} tok/s") if answered else "—"),
+            ]
+        )
         if last is not None and last.not_batched:  # it decoded beside the batch, alone
             turn.append(("batched", f"no: {last.not_batched}"))
         elif last is not None and last.batch_size > 1:
-            turn.append(("batched", f"with {last.batch_size - 1} other"
-                         + ("s" if last.batch_size > 2 else "")))
+            turn.append(
+                (
+                    "batched",
+                    f"with {last.batch_size - 1} other" + ("s" if last.batch_size > 2 else ""),
+                )
+            )
         # mlx's figures are the whole process's (every tab, the model), not this cache's
         process = [
             ("memory", vol(human_bytes(info.active_memory))),
@@ -190,14 +208,15 @@ class CacheSidebar(Vertical):
         if info.change is not None:  # the cache changed since: the turn's figures are stale
             title = f"last change  {info.change.action}"
             # the turn's rows, so the buttons stay put; only what the change evaluated applies
-            turn = [(label, f"{info.change.evaluated_tokens:,}" if label == "evaluated" else "—")
-                    for label in TURN_ROWS]
+            turn = [
+                (label, f"{info.change.evaluated_tokens:,}" if label == "evaluated" else "—")
+                for label in TURN_ROWS
+            ]
         if info.state in TURN_STATES:  # the running turn, never the previous one's figures
             title = f"this turn  {info.state}…"
             if info.prefill is not None:
                 done, total = info.prefill
-                turn = [("evaluated", f"{total:,}" if done >= total
-                         else f"{done:,} of {total:,}")]
+                turn = [("evaluated", f"{total:,}" if done >= total else f"{done:,} of {total:,}")]
         note = reevaluated_note(last.reevaluated_reply_tokens) if last else None
         return Group(
             _grid(cache),

@@ -32,9 +32,14 @@ def transcript_widgets(session: Session) -> list:
         if role == "user":
             widgets.append(UserMessage(message["content"], index))
         elif role == "assistant":
-            widgets.append(AssistantMessage(message["content"],
-                                            stopped=bool(message.get("stopped")),
-                                            note=notes.pop(0), index=index))
+            widgets.append(
+                AssistantMessage(
+                    message["content"],
+                    stopped=bool(message.get("stopped")),
+                    note=notes.pop(0),
+                    index=index,
+                )
+            )
         elif role == "system":
             widgets.append(NoticeMessage(f"System prompt: {message['content']}", "system"))
             continue

@@ -50,8 +50,14 @@ class TurnFinished(TurnEvent):
 
 
 class JobFinished(TurnEvent):
-    def __init__(self, label: str, result: Any, error: str | None, then: Callable | None,
-                 refusal: str | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        result: Any,
+        error: str | None,
+        then: Callable | None,
+        refusal: str | None = None,
+    ) -> None:
         super().__init__()
         self.label, self.result, self.error, self.then = label, result, error, then
         self.refusal = refusal  # the session refused the job, in one sentence
