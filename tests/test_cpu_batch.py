@@ -17,20 +17,8 @@ from kvchat.engine import cpu
 from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
 from kvchat.engine.cpu import decode
 from kvchat.engine.models.model import load_model
+from tests.test_cpu_fastpath import TINY  # the same tiny llama-family shape
 
-TINY = dict(
-    hidden_size=128,
-    num_hidden_layers=2,
-    intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    vocab_size=512,
-    head_dim=32,
-    max_position_embeddings=4096,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-)
 LLAMA3 = {
     "rope_scaling": {
         "rope_type": "llama3",

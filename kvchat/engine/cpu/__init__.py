@@ -122,16 +122,7 @@ def _layer_problem(layer: nn.Module) -> str | None:
 
 def _linears_problem(body: nn.Module) -> str | None:
     for layer in body.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for m in (
-            attn.q_proj,
-            attn.k_proj,
-            attn.v_proj,
-            attn.o_proj,
-            mlp.gate_proj,
-            mlp.up_proj,
-            mlp.down_proj,
-        ):
+        for m in linear.projections(layer):
             if type(m) is not linear.CpuLinear:
                 return f"{type(m).__name__} layers (kept packed) are not numpy's"
     if type(body.embed_tokens) is not linear.CpuEmbedding:

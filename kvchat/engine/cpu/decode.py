@@ -34,7 +34,7 @@ from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
 from kvchat.engine.caches import rotated
 from kvchat.engine.caches.rotated import RotatedKVCache
-from kvchat.engine.cpu.linear import param_view, product
+from kvchat.engine.cpu.linear import param_view, product, projections
 
 # caches whose single-token mask is None
 CACHES = (KVCache, ConcatenateKVCache, QuantizedKVCache, RotatedKVCache)
@@ -259,15 +259,8 @@ def numpy_inputs(
     for module in extra:
         views.append(param_view(module))
     for layer in body.layers:
-        attn, mlp = layer.self_attn, layer.mlp
         for module in (
-            attn.q_proj,
-            attn.k_proj,
-            attn.v_proj,
-            attn.o_proj,
-            mlp.gate_proj,
-            mlp.up_proj,
-            mlp.down_proj,
+            *projections(layer),
             layer.input_layernorm,
             layer.post_attention_layernorm,
         ):

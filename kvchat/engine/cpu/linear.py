@@ -170,3 +170,17 @@ def replace(model: nn.Module, dequantize: bool, fast: FastPath) -> int:
     model.update_modules(leaves)
     mx.eval(model.parameters())
     return before - packed()
+
+
+def projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A llama-family decoder layer's seven linear layers: attention's, then the MLP's."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        attn.q_proj,
+        attn.k_proj,
+        attn.v_proj,
+        attn.o_proj,
+        mlp.gate_proj,
+        mlp.up_proj,
+        mlp.down_proj,
+    )
