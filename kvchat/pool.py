@@ -13,8 +13,8 @@ session using it is dropped. A new session starts from a copy of a
 live session's cache cut to the shared prefix (the system prompt) when one
 with the same model, cache kind and system prompt is open.
 
-Call the pool from the one place that decides which session runs next (the
-engine worker): offloading a session while it answers is not guarded here.
+Call the pool under the scheduler's ticket (work that has the model to itself); a
+session that is answering is never offloaded (:meth:`SessionPool.offload` refuses).
 """
 
 from __future__ import annotations

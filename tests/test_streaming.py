@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvchat.cli import _stream_reply
+from kvchat.cli import stream_reply
 from kvchat.engine.caches.kinds import allocated_bytes, cache_bytes, compacted
 from kvchat.engine.conversation.session import (
     Chunk,
@@ -188,7 +188,7 @@ def test_ask_streams_each_piece_before_the_turn_ends(demo_model, monkeypatch):
 
     out = Out()
     monkeypatch.setattr(sys, "stdout", out)
-    done = _stream_reply(watched(session.send(MESSAGES[0])), echo=True)
+    done = stream_reply(watched(session.send(MESSAGES[0])), echo=True)
     assert out.getvalue() == printable(done.reply) + "\n"
     first_text = next(i for i, (k, v) in enumerate(order) if k == "write" and v.strip())
     turn_done = order.index(("event", "TurnDone"))

@@ -9,8 +9,8 @@ Importing this package registers them all.
 from __future__ import annotations
 
 from . import ask, launch, serve, sessions  # noqa: F401  (they register their commands on ``app``)
-from .ask import _stream_reply
+from .ask import stream_reply
 from .common import app
 from .main import main
 
-__all__ = ["app", "main", "_stream_reply"]
+__all__ = ["app", "main", "stream_reply"]

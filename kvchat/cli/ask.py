@@ -104,7 +104,7 @@ def ask(
                         err=True,
                     )
             try:
-                done = _stream_reply(events, echo=not as_json)
+                done = stream_reply(events, echo=not as_json)
             except KeyboardInterrupt:
                 events.close()  # between tokens this keeps the reply as stopped
                 if session:  # keep the partial reply (marked stopped) with the transcript
@@ -140,7 +140,7 @@ def ask(
         raise _fail(save_error)
 
 
-def _stream_reply(events, echo: bool):
+def stream_reply(events, echo: bool):
     """Consume a turn, writing each piece of the reply to stdout as it comes (made safe
     for the terminal) when ``echo``; return its ``TurnDone``."""
     from kvchat.engine.conversation.session import Chunk, TurnDone
