@@ -62,7 +62,7 @@ class Sequence:
     sampled_logprobs: list[mx.array] = field(default_factory=list)  # one a token, if reported
     kind: str = "standard"  # the cache kind's name, said when it cannot batch
     not_batched: str | None = None  # why its cache decodes alone, if it does
-    messages: queue.Queue = field(default_factory=queue.Queue)  # Prefill | int | Left
+    messages: queue.Queue[Prefill | int | Left] = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     left: threading.Event = field(default_factory=threading.Event)
     fed: int = 0  # prompt tokens in the cache so far
