@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -47,6 +47,7 @@ from kvchat.engine.conversation.events import (
     Prefill,
     SessionBusy,
     SessionError,
+    Turn,
     TurnDone,
 )
 from kvchat.engine.conversation.maintenance import CacheMaintenance, common_prefix
@@ -56,6 +57,7 @@ from kvchat.engine.conversation.text import ReplyText
 from kvchat.engine.conversation.thoughts import reevaluated_reply
 from kvchat.engine.generation import Left, Sequence, core_for
 from kvchat.engine.generation.sampling import LogitsProcessor, Sampler, for_settings, token_logprobs
+from kvchat.engine.generation.sequence import StopFlag
 
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
@@ -118,7 +120,8 @@ class Session(CacheMaintenance, BranchOps):
         self.report_logprobs: int | None = None
         # mlx-lm logits processors every sampled token goes through (constrained decoding)
         self.logits_processors: list[Callable[[mx.array, mx.array], mx.array]] = []
-        self._stop = threading.Event()
+        self._stop: StopFlag = threading.Event()
+        self._share: Callable[[Sampler], Sampler] | None = None  # see keep_in_step
         self._busy = threading.Lock()
 
     @classmethod
@@ -230,7 +233,7 @@ class Session(CacheMaintenance, BranchOps):
 
     # ----------------------------------------------------------------- turns
 
-    def send(self, text: str) -> Iterator[Event]:
+    def send(self, text: str) -> Turn:
         """Add a user message and stream the reply.
 
         Bad input raises :class:`SessionError` here, before anything changes.
@@ -240,7 +243,7 @@ class Session(CacheMaintenance, BranchOps):
         messages = [*self.messages, {"role": "user", "content": text}]
         return self._turn(messages, *self._fitting_prompt(messages))
 
-    def complete(self, text: str) -> Iterator[Event]:
+    def complete(self, text: str) -> Turn:
         """Continue ``text`` as written, without the chat template (a plain completion).
 
         The transcript becomes ``text`` as one user message, then the reply, so
@@ -253,7 +256,7 @@ class Session(CacheMaintenance, BranchOps):
         self._check_fits(prompt, "That prompt is")
         return self._turn([{"role": "user", "content": text}], text, prompt)
 
-    def answer(self) -> Iterator[Event]:
+    def answer(self) -> Turn:
         """Reply to the transcript as it stands: its last message is a tool's result (the
         model called a tool, the caller ran it and added what it returned)."""
         if not self.messages or self.messages[-1]["role"] != "tool":
@@ -264,6 +267,11 @@ class Session(CacheMaintenance, BranchOps):
     def stop(self) -> None:
         """Ask the running turn to stop after its current token (thread-safe)."""
         self._stop.set()
+
+    def keep_in_step(self, stop: StopFlag, share: Callable[[Sampler], Sampler]) -> None:
+        """A sharded run's: ``stop`` (a flag every rank checks together) replaces this
+        session's, and each turn samples through ``share(sampler)`` (rank 0's token)."""
+        self._stop, self._share = stop, share
 
     def _fitting_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """The template's text of ``messages`` with the generation prompt, and its tokens."""
@@ -280,9 +288,7 @@ class Session(CacheMaintenance, BranchOps):
                 "trim the history or start a new session."
             )
 
-    def _turn(
-        self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]
-    ) -> Iterator[Event]:
+    def _turn(self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]) -> Turn:
         """The turn's events, run as they are read. A :meth:`stop` from now on stops this
         turn, even one that comes before its first event is read."""
         if not self._busy.locked():  # a running turn keeps its own stop request
@@ -290,9 +296,7 @@ class Session(CacheMaintenance, BranchOps):
             self.last_change = None  # from now on the turn's own figures describe the cache
         return self._events(messages, prompt_text, prompt)
 
-    def _events(
-        self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]
-    ) -> Iterator[Event]:
+    def _events(self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]) -> Turn:
         if not self._busy.acquire(blocking=False):
             raise SessionBusy("This session is already answering; wait or stop it first.")
         try:
@@ -302,7 +306,7 @@ class Session(CacheMaintenance, BranchOps):
 
     def _run_turn(
         self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]
-    ) -> Iterator[Event]:
+    ) -> Turn:
         started = time.perf_counter()
         mx.reset_peak_memory()
         self.messages = messages
@@ -456,6 +460,8 @@ class Session(CacheMaintenance, BranchOps):
         session's own ``logits_processors`` (constrained decoding, a logit bias). A sharded
         run makes every rank take rank 0's token."""
         sampler, processors = for_settings(self.settings)
+        if self._share is not None:
+            sampler = self._share(sampler)
         return sampler, [*processors, *self.logits_processors]
 
     def _prompt_done(self, logprobs: mx.array) -> None:
