@@ -70,7 +70,7 @@ class KvChatApp(App):
     # Every key of the app, declared in bindings.py (the footer's order, their ids).
     APP_BINDINGS = APP_BINDINGS
     SYSTEM_BINDINGS = SYSTEM_BINDINGS
-    BINDINGS = APP_BINDINGS + SYSTEM_BINDINGS
+    BINDINGS = [*APP_BINDINGS, *SYSTEM_BINDINGS]
 
     def __init__(
         self,

@@ -182,9 +182,9 @@ class TabController:
                     app.models.release(lm)  # the pool holds it for the open session
                 offloaded = app.pool.enforce_budget()
         except (store.StoreError, ModelLoadError) as error:
-            app.call_from_thread(self.load_failed, str(error))
+            app.call_from_thread(self.load_failed, str(error))  # type: ignore[arg-type]  # Textual infers Never for an async callback
             return
-        app.call_from_thread(self.loaded, name, loaded, offloaded)
+        app.call_from_thread(self.loaded, name, loaded, offloaded)  # type: ignore[arg-type]  # Textual infers Never for an async callback
 
     async def loaded(self, name: str, loaded: store.Loaded, offloaded: list[str]) -> None:
         """UI thread: a saved session loaded (``offloaded`` made room for it) into a tab."""
