@@ -4,13 +4,16 @@ which tells the app to redraw the sidebar."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual.message import Message
 from textual.widget import Widget
 
 from kvchat.engine.conversation.session import TurnDone
 from kvchat.engine.conversation.stats import CacheFigures
+
+if TYPE_CHECKING:
+    from .chat import Conversation
 
 
 class TurnEvent(Message):
@@ -77,6 +80,6 @@ class SessionConflict(Message):
     """A save of the conversation was refused: another kvchat saved its session since
     this tab loaded or saved it. The app asks what to do (nothing was overwritten)."""
 
-    def __init__(self, conversation: Widget) -> None:
+    def __init__(self, conversation: Conversation) -> None:
         super().__init__()
         self.conversation = conversation
