@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from textual.message import Message
-from textual.widget import Widget
 
 from kvchat.engine.conversation.session import TurnDone
 from kvchat.engine.conversation.stats import CacheFigures
@@ -69,9 +68,9 @@ class JobFinished(TurnEvent):
 class Changed(Message):
     """The conversation's session or state changed: the sidebar should redraw.
     (``conversation`` is the ``Conversation`` widget that posts it; this module, which
-    ``chat.py`` imports, does not import it back.)"""
+    ``chat.py`` imports, imports it back for type checking only.)"""
 
-    def __init__(self, conversation: Widget) -> None:
+    def __init__(self, conversation: Conversation) -> None:
         super().__init__()
         self.conversation = conversation
 
