@@ -116,7 +116,10 @@ def run_script(
             if step.op in ("send", "regenerate"):
                 if no_cache:
                     session.reset()
-                events = session.send(step.text) if step.op == "send" else session.regenerate()
+                # parse_script gave each send its text, and each cache step its kind
+                events = (
+                    session.send(step.text or "") if step.op == "send" else session.regenerate()
+                )
                 done = next(e for e in events if isinstance(e, TurnDone))
                 entry.update(input=step.text, reply=done.reply, stopped=done.stopped)
                 entry.update(done.stats.to_dict())
@@ -124,7 +127,7 @@ def run_script(
                 session.undo()
             elif step.op == "cache":
                 entry["kind"] = step.kind
-                entry["rebuilt"] = session.set_kind(step.kind)
+                entry["rebuilt"] = session.set_kind(step.kind or "")
             elif step.op == "reset":
                 session.reset()
             entry["cache_tokens"] = session.cache_tokens

@@ -31,7 +31,7 @@ from kvchat.engine.distributed.driver import (
     DistributedSession,
     Link,
     OpError,
-    _bind,
+    bind,
     decode_op,
     encode_op,
 )
@@ -308,7 +308,7 @@ def test_launch_runs_only_the_tui_ask_and_replay(args):
 
 def test_a_distributed_session_shares_its_stop_and_refuses_what_it_cannot_send(demo_model):
     link = Link(mx.distributed.init())
-    chat = DistributedSession(link, _bind(Session(demo_model), link))
+    chat = DistributedSession(link, bind(Session(demo_model), link))
     events = chat.send("hello there")
     chat.stop()  # before the first token: every rank reads rank 0's flag at the same check
     [done] = [e for e in events if isinstance(e, TurnDone)]

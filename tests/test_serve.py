@@ -14,7 +14,7 @@ from kvchat import store
 from kvchat.cli import app
 from kvchat.engine import cpu
 from kvchat.engine.conversation.maintenance import common_prefix
-from kvchat.engine.conversation.session import render
+from kvchat.engine.conversation.template import render
 from kvchat.pool import SessionPool
 
 pytestmark = pytest.mark.timeout(300)

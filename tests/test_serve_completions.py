@@ -9,8 +9,8 @@ import pytest
 from serve_helpers import Server, chat
 
 from kvchat.engine.conversation.events import Chunk
-from kvchat.engine.conversation.session import Session, render
-from kvchat.engine.conversation.template import encode_plain
+from kvchat.engine.conversation.session import Session
+from kvchat.engine.conversation.template import encode_plain, render
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,7 +11,7 @@ import pytest
 from serve_helpers import Server, chat
 
 from kvchat import store
-from kvchat.engine.conversation.session import render
+from kvchat.engine.conversation.template import render
 from kvchat.serve import anonymous
 
 pytestmark = pytest.mark.timeout(300)

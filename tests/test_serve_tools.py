@@ -10,7 +10,7 @@ from serve_helpers import Server, chat
 
 from kvchat import store
 from kvchat.engine.conversation.maintenance import common_prefix
-from kvchat.engine.conversation.session import render
+from kvchat.engine.conversation.template import render
 from kvchat.engine.models.model import load_model
 
 pytestmark = pytest.mark.timeout(300)

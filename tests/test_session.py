@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvchat.engine.caches.kinds import CacheKindError, cache_offset
+from kvchat.engine.conversation.maintenance import common_prefix
 from kvchat.engine.conversation.session import (
     Chunk,
     GenerationSettings,
@@ -13,7 +14,6 @@ from kvchat.engine.conversation.session import (
     SessionBusy,
     SessionError,
     TurnDone,
-    common_prefix,
 )
 
 SETTINGS = GenerationSettings(max_tokens=12)

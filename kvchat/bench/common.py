@@ -244,7 +244,7 @@ def profile_cached_turn(session: Session, text: str) -> dict[str, float]:
 
     from kvchat.engine.caches.kinds import trim_to
     from kvchat.engine.conversation.events import GenerationSettings
-    from kvchat.engine.conversation.session import common_prefix
+    from kvchat.engine.conversation.maintenance import common_prefix
     from kvchat.engine.generation import Sequence, core_for
     from kvchat.engine.generation.sampling import for_settings
 

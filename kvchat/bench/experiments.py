@@ -137,8 +137,7 @@ class Bench:
         import mlx.core as mx
         from mlx_lm.generate import generation_stream
 
-        from kvchat.engine.caches.kinds import make_cache, parse_kind, trim_to
-        from kvchat.engine.conversation.session import copy_cache
+        from kvchat.engine.caches.kinds import copy_cache, make_cache, parse_kind, trim_to
 
         plan = self.plan
         render = self._session().render

@@ -20,16 +20,18 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from itertools import count
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mlx_lm.sample_utils import make_logits_processors
 
 from kvchat import store
 from kvchat.engine.conversation.events import (
     Chunk,
+    Event,
     GenerationSettings,
     Prefill,
     SessionError,
@@ -311,11 +313,13 @@ class Engine:
         job.emit(Started(match))
         calls_wanted = tools is not None and req.tool_choice != "none"
         try:
+            stops = cast(list[str], req.stop)  # the schema's validator made it a list
             done, reply, hit_stop, logprobs = self._stream(
-                job, session, events, req.stop, tool_marker(self.lm) if calls_wanted else None
+                job, session, events, stops, tool_marker(self.lm) if calls_wanted else None
             )
+            calls: list[dict[str, Any]]
             content, calls = reply, []
-            if calls_wanted:  # only a chat request offers tools
+            if calls_wanted and tools is not None:  # only a chat request offers tools
                 content, calls = split(self.lm, reply, tools)
                 calls = calls if req.parallel_tool_calls else calls[:1]
             # the transcript keeps what the client got (rendered with this request's
@@ -369,16 +373,22 @@ class Engine:
         session.tools = None
 
     def _stream(
-        self, job: Job, session: Session, events, stops: list[str], marker: str | None = None
-    ):
+        self,
+        job: Job,
+        session: Session,
+        events: Iterator[Event],
+        stops: list[str],
+        marker: str | None = None,
+    ) -> tuple[TurnDone, str, bool, list[dict[str, Any]]]:
         """Forward the reply's text to the client, holding back what could begin a stop
         string; stop the turn when one appears or the client leaves. Text from ``marker``
         (a tool call's start) on is not sent: the calls are, once parsed. A piece carries
         the log probabilities of the tokens generated since the last piece. At most
         ``prompt_concurrency`` requests are evaluating their prompts at a time."""
         hold = max((len(s) for s in [*stops, *([marker] if marker else [])]), default=1) - 1
-        reply, sent, hit_stop, done = "", 0, False, None
-        entries: list[dict] = []
+        reply, sent, hit_stop = "", 0, False
+        done: TurnDone | None = None
+        entries: list[dict[str, Any]] = []
         reported = 0  # entries already sent with a piece
 
         def emit(text: str) -> None:
@@ -424,6 +434,8 @@ class Engine:
             reply_end = len(reply)
         if (sent < reply_end or reported < len(entries)) and not job.cancelled.is_set():
             emit(reply[sent:reply_end])
+        if done is None:  # a turn's last event is its TurnDone, or it raises
+            raise RuntimeError("The turn ended without its summary.")
         return done, reply, hit_stop, entries
 
     def _finished(

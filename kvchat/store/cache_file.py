@@ -43,7 +43,7 @@ def read_cache(
 
     from kvchat.engine.caches.cache_check import cache_problem
     from kvchat.engine.caches.kinds import cache_offset, trim_to
-    from kvchat.engine.conversation.session import common_prefix
+    from kvchat.engine.conversation.maintenance import common_prefix
     from kvchat.engine.distributed.sharding import layout_problem
 
     info = data.get("cache")

@@ -70,7 +70,7 @@ class KvChatApp(App):
     # Every key of the app, declared in bindings.py (the footer's order, their ids).
     APP_BINDINGS = APP_BINDINGS
     SYSTEM_BINDINGS = SYSTEM_BINDINGS
-    BINDINGS = APP_BINDINGS + SYSTEM_BINDINGS
+    BINDINGS = [*APP_BINDINGS, *SYSTEM_BINDINGS]
 
     def __init__(
         self,
@@ -151,7 +151,8 @@ class KvChatApp(App):
             self.config.keymap, self.binding_groups(), self.set_keymap, self.notify
         )
         if "command_palette" in self.keymap:  # the footer shows the palette by this key
-            self.COMMAND_PALETTE_BINDING = self.keymap["command_palette"].split(",")[0]
+            # this app's own (Textual reads it from the instance), not every app's
+            self.COMMAND_PALETTE_BINDING = self.keymap["command_palette"].split(",")[0]  # type: ignore[misc]
         install_themes(self, self.config.theme)
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         self._theme_ready = True
@@ -257,7 +258,7 @@ class KvChatApp(App):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in TAB_ACTIONS:
-            if self.lm is None or not self.is_mounted:
+            if self.lm is None:
                 return False
             if len(self.screen_stack) > 1 and action != "stop":
                 return False

@@ -60,7 +60,7 @@ class Conflicts:
         app = self.app
         name = conversation.session_name
         draft = conversation.input.text
-        if conversation.parent is not None:
+        if conversation.parent is not None and conversation.parent.id is not None:
             await app.tabs.remove_pane(conversation.parent.id)  # the pool holds the new one
         shown = await app.tab_control.add_conversation(
             loaded.session,
@@ -95,7 +95,7 @@ class Conflicts:
             app.pool.rename(old, new, written)
             conversation.session_name = new
             conversation.saved = True
-            if isinstance(conversation.parent, TabPane):
+            if isinstance(conversation.parent, TabPane) and conversation.parent.id is not None:
                 app.tabs.get_tab(conversation.parent.id).label = new
             app.refresh_sidebar()
             app.notify(

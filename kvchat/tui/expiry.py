@@ -3,7 +3,7 @@ worker that holds the model, so an offload never overlaps a reply or a job."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from kvchat.engine.generation.scheduler import Scheduler
@@ -13,9 +13,13 @@ from kvchat.pool import SessionPool
 class Tab(Protocol):
     """An open tab as the ticker reads it (a :class:`~kvchat.tui.widgets.chat.Conversation`)."""
 
-    owner: str  # its name in the scheduler's queue
     session_name: str
-    busy: bool
+
+    @property
+    def owner(self) -> str: ...  # its name in the scheduler's queue
+
+    @property
+    def busy(self) -> bool: ...
 
 
 class ExpiryTicker:
@@ -31,7 +35,7 @@ class ExpiryTicker:
         pool: SessionPool,
         scheduler: Scheduler,
         *,
-        tabs: Callable[[], list[Tab]],
+        tabs: Callable[[], Iterable[Tab]],
         run_worker: Callable[[Callable[[], None]], Any],
         call_from_thread: Callable[..., Any],
         done: Callable[[list[str], str | None], None],

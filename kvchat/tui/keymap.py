@@ -79,7 +79,7 @@ def clashes(
     for bindings in places.values():
         kept = {key: b for b in bindings if b.id not in keymap for key in split_keys(b.key)}
         for binding in bindings:
-            if binding.id in keymap:
+            if binding.id is not None and binding.id in keymap:
                 for key in split_keys(keymap[binding.id]):
                     if key in kept:
                         found.append(f"{key} was {kept[key].id}'s key; it now does {binding.id}")

@@ -8,7 +8,7 @@ from functools import partial
 from typing import Any
 
 from textual.app import SystemCommand
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 
 from .keymap import check_keymap, clashes, keys_of
 from .keymap import notice as keymap_notice
@@ -23,24 +23,29 @@ from .widgets.messages import SELECTED_BINDINGS
 BindingGroups = list[tuple[str, list[Binding]]]
 
 
+def declared(bindings: Iterable[BindingType]) -> list[Binding]:
+    """A ``BINDINGS`` list's bindings (the TUI declares every one as a :class:`Binding`)."""
+    return [binding for binding in bindings if isinstance(binding, Binding)]
+
+
 def binding_groups(app_bindings: list[Binding], system_bindings: list[Binding]) -> BindingGroups:
     """Where each key works, and the BINDINGS list that defines it: every binding
     of the TUI (the help screen, the keymap and the README's table read this)."""
     return [
         ("anywhere", app_bindings),
-        ("message box", ChatInput.BINDINGS),
-        ("conversation", Conversation.BINDINGS),
+        ("message box", declared(ChatInput.BINDINGS)),
+        ("conversation", declared(Conversation.BINDINGS)),
         ("selected message", SELECTED_BINDINGS),
-        ("session picker", SessionPicker.BINDINGS),
-        ("dialogs", Dialog.BINDINGS),
-        ("edit dialog", EditDialog.BINDINGS),
-        ("help", HelpScreen.BINDINGS),
+        ("session picker", declared(SessionPicker.BINDINGS)),
+        ("dialogs", declared(Dialog.BINDINGS)),
+        ("edit dialog", declared(EditDialog.BINDINGS)),
+        ("help", declared(HelpScreen.BINDINGS)),
         ("anywhere", system_bindings),
     ]
 
 
 def install_keymap(
-    wanted: dict[str, str],
+    wanted: Iterable[tuple[str, str]],
     groups: BindingGroups,
     set_keymap: Callable[[dict[str, str]], Any],
     notify: Callable[..., Any],
@@ -48,7 +53,7 @@ def install_keymap(
     """Give Textual (``set_keymap``) the config's ``[keymap]`` (``wanted``), less the
     entries it cannot use (said in one notice; those bindings keep their default keys);
     return the entries in use."""
-    ids = [binding.id for _, bindings in groups for binding in bindings]
+    ids = [binding.id for _, bindings in groups for binding in bindings if binding.id is not None]
     keymap, problems = check_keymap(wanted, ids)
     set_keymap(keymap)
     if problems:
@@ -73,7 +78,7 @@ def system_commands(
             help_text = f"{binding.tooltip or binding.description} ({key})"
             yield SystemCommand(binding.description, help_text, partial(run_action, binding.action))
     if conversation is not None:
-        for binding in ChatInput.BINDINGS:
+        for binding in declared(ChatInput.BINDINGS):
             if binding.action in ("editor", "insert_file"):
                 yield SystemCommand(
                     binding.description,

@@ -92,9 +92,9 @@ class ModelLoader:
                 self.probe_kinds(lm)
                 offloaded = app.pool.enforce_budget()  # the new weights count too
         except ModelLoadError as error:
-            app.call_from_thread(app.tab_control.load_failed, str(error))
+            app.call_from_thread(app.tab_control.load_failed, str(error))  # type: ignore[arg-type]  # Textual infers Never for an async callback
             return
-        app.call_from_thread(self.model_tab_ready, lm, offloaded)
+        app.call_from_thread(self.model_tab_ready, lm, offloaded)  # type: ignore[arg-type]  # Textual infers Never for an async callback
 
     async def model_tab_ready(self, lm: LoadedModel, offloaded: list[str]) -> None:
         app = self.app

@@ -86,9 +86,9 @@ class ShardedRun:
         try:
             loaded = load_session(name, self.lm)
         except store.StoreError as error:
-            self.app.call_from_thread(tabs.load_failed, str(error))
+            self.app.call_from_thread(tabs.load_failed, str(error))  # type: ignore[arg-type]  # Textual infers Never for an async callback
             return
-        self.app.call_from_thread(tabs.loaded, name, loaded, [])
+        self.app.call_from_thread(tabs.loaded, name, loaded, [])  # type: ignore[arg-type]  # Textual infers Never for an async callback
 
     def drop(self) -> None:
         """Drop the tab's session, from memory (saved on every rank first) or from disk

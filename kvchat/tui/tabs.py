@@ -109,9 +109,9 @@ class TabController:
         conversation.pool = app.pool
         if name not in app.pool:
             app.pool.add(name, session)
-        pane = TabPane(name, conversation, id=f"pane-{n}")
-        await app.tabs.add_pane(pane)
-        app.tabs.active = pane.id
+        pane_id = f"pane-{n}"
+        await app.tabs.add_pane(TabPane(name, conversation, id=pane_id))
+        app.tabs.active = pane_id
         if notice:
             await conversation.add_notice(notice, notice_kind)
         conversation.log.scroll_end(animate=False)
@@ -147,7 +147,8 @@ class TabController:
         for conversation in app.conversations():
             if conversation.session_name == name:
                 pane = conversation.parent
-                app.tabs.active = pane.id
+                if pane is not None and pane.id is not None:
+                    app.tabs.active = pane.id
                 conversation.focus_input()
                 return
         # Nothing keeps the focus: when the loading screen goes, Textual would focus the old
@@ -161,16 +162,16 @@ class TabController:
     def load_session(self, name: str) -> None:
         """Worker: load the session's own model if no tab has it, then the session."""
         app = self.app
-        screen = app.screen
-        shown = isinstance(screen, LoadingScreen)
+        shown = app.screen
+        screen = shown if isinstance(shown, LoadingScreen) else None  # the loading screen
         progress = (
             (lambda done, total: app.call_from_thread(screen.set_progress, done, total))
-            if shown
+            if screen is not None
             else None
         )
         try:
             model_id = store.summary(name).model_id or app.lm.model_id
-            if shown and app.models.get(model_id) is None:
+            if screen is not None and app.models.get(model_id) is None:
                 app.call_from_thread(
                     screen.set_message, f"Loading model {model_id} for session {name}…"
                 )
@@ -182,9 +183,9 @@ class TabController:
                     app.models.release(lm)  # the pool holds it for the open session
                 offloaded = app.pool.enforce_budget()
         except (store.StoreError, ModelLoadError) as error:
-            app.call_from_thread(self.load_failed, str(error))
+            app.call_from_thread(self.load_failed, str(error))  # type: ignore[arg-type]  # Textual infers Never for an async callback
             return
-        app.call_from_thread(self.loaded, name, loaded, offloaded)
+        app.call_from_thread(self.loaded, name, loaded, offloaded)  # type: ignore[arg-type]  # Textual infers Never for an async callback
 
     async def loaded(self, name: str, loaded: store.Loaded, offloaded: list[str]) -> None:
         """UI thread: a saved session loaded (``offloaded`` made room for it) into a tab."""
@@ -262,7 +263,7 @@ class TabController:
         if only an offload wrote it (``discard``) or goes whatever wrote it (``delete``).
         Its model is unloaded, in a worker, when no other tab uses it."""
         app = self.app
-        if conversation.parent is not None:
+        if conversation.parent is not None and conversation.parent.id is not None:
             await app.tabs.remove_pane(conversation.parent.id)
         name = conversation.session_name
         if disk == "discard":

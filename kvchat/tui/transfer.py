@@ -4,6 +4,7 @@ store's own export and import (the ones ``kvchat sessions export|import`` use)."
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from kvchat import store
@@ -40,7 +41,7 @@ class TransferService:
             fmt, path = choice
             try:
                 text = store.export_session(session, name, fmt)
-                written = store.write_export(path, text)
+                written = store.write_export(Path(path), text)
             except store.StoreError as error:
                 self.notify(str(error), severity="error", markup=False)
                 return
@@ -60,7 +61,9 @@ class TransferService:
             if path is None:
                 return
             try:
-                name = store.import_session(path, default_model=default_model, in_use=set(in_use()))
+                name = store.import_session(
+                    Path(path), default_model=default_model, in_use=set(in_use())
+                )
             except store.StoreError as error:
                 self.notify(str(error), severity="error", markup=False)
                 return

@@ -11,12 +11,12 @@ the cache hold the new path at once, reusing it up to where the paths part.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvchat.engine.conversation.branches import Branches, talk
-from kvchat.engine.conversation.events import Event, SessionError
+from kvchat.engine.conversation.events import SessionError, Turn
 from kvchat.engine.conversation.stats import TurnStats
 
 Progress = Callable[[int, int], None]
@@ -47,7 +47,7 @@ class BranchOps:
 
         def _turn(
             self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]
-        ) -> Iterator[Event]: ...
+        ) -> Turn: ...
 
         def _refill(self, progress: Progress | None = None) -> tuple[int, int]: ...
 
@@ -87,7 +87,7 @@ class BranchOps:
         if not self._offset() <= index < len(self.messages) or self.messages[index]["role"] != role:
             raise SessionError(f"Message {index} is not {what}.")
 
-    def edit(self, index: int, text: str) -> Iterator[Event]:
+    def edit(self, index: int, text: str) -> Turn:
         """Replace the user message at ``index`` with ``text`` and stream a new reply; what
         followed it stays as another branch."""
         self._message(index, "user", "a user message")
@@ -97,7 +97,7 @@ class BranchOps:
         messages = [*self.messages[:index], {"role": "user", "content": text}]
         return self._turn(messages, *self._fitting_prompt(messages))
 
-    def regenerate(self, index: int | None = None) -> Iterator[Event]:
+    def regenerate(self, index: int | None = None) -> Turn:
         """A new version of the reply at ``index`` (the last message by default); the old
         one and what followed it stay as another branch. For the last reply the prompt is
         in the cache already, with its logits: no prefill."""

@@ -8,6 +8,7 @@ cannot be carried out.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 from kvchat.engine.conversation.stats import TurnStats
@@ -74,6 +75,7 @@ class TurnDone:
 
 
 Event = Prefill | Chunk | TokenLogprobs | TurnDone
+Turn = Generator[Event, None, None]  # a turn's events as they are read; close() ends it early
 
 
 class SessionError(Exception):

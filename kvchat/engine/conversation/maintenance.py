@@ -6,7 +6,6 @@ here leaves the ledger equal to what the cache holds.
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     from kvchat.engine.conversation.branches import Branches
     from kvchat.engine.conversation.events import GenerationSettings
     from kvchat.engine.conversation.stats import TurnStats
+    from kvchat.engine.generation.sequence import StopFlag
     from kvchat.engine.models.model import LoadedModel
 
     Progress = Callable[[int, int], None]
@@ -67,7 +67,7 @@ class CacheMaintenance:
     cache: list[Any]
     checkpoints: Checkpoints
     _logits: tuple[int, mx.array] | None
-    _stop: threading.Event
+    _stop: StopFlag
     _pending_rebuild: str | None  # why the cache was dropped, until it is refilled
 
     if TYPE_CHECKING:

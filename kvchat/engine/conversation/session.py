@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -47,6 +47,7 @@ from kvchat.engine.conversation.events import (
     Prefill,
     SessionBusy,
     SessionError,
+    Turn,
     TurnDone,
 )
 from kvchat.engine.conversation.maintenance import CacheMaintenance, common_prefix
@@ -56,9 +57,22 @@ from kvchat.engine.conversation.text import ReplyText
 from kvchat.engine.conversation.thoughts import reevaluated_reply
 from kvchat.engine.generation import Left, Sequence, core_for
 from kvchat.engine.generation.sampling import LogitsProcessor, Sampler, for_settings, token_logprobs
+from kvchat.engine.generation.sequence import StopFlag
 
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
+
+# a turn's events and errors are passed on from here with the Session that yields them
+__all__ = [
+    "Chunk",
+    "Event",
+    "GenerationSettings",
+    "Prefill",
+    "Session",
+    "SessionBusy",
+    "SessionError",
+    "TurnDone",
+]
 
 Progress = Callable[[int, int], None]
 
@@ -83,18 +97,20 @@ class Session(CacheMaintenance, BranchOps):
         kind: str | CacheKind = "standard",
         system: str | None = None,
         settings: GenerationSettings | None = None,
-        messages: list[dict] | None = None,
+        messages: list[dict[str, Any]] | None = None,
     ):
         self.lm = lm
         self.kind = parse_kind(kind)
         self.settings = settings or GenerationSettings()
-        self.messages: list[dict] = list(messages or [])
+        self.messages: list[dict[str, Any]] = list(messages or [])
         # the tools (OpenAI function specs) the chat template offers the model, if any
-        self.tools: list[dict] | None = None
+        self.tools: list[dict[str, Any]] | None = None
         if system and not (self.messages and self.messages[0]["role"] == "system"):
             self.messages.insert(0, {"role": "system", "content": system})
         self.turns: list[TurnStats] = []
-        self.archived: list[dict] = []  # turns dropped by trim_history, kept for the record
+        self.archived: list[
+            dict[str, Any]
+        ] = []  # turns dropped by trim_history, kept for the record
         self.branches = Branches.linear(self.talk())  # every path the messages have taken
         self.ledger: list[int] = []
         self.cache: list[Any] = make_cache(lm.model, self.kind, keep=self._system_tokens())
@@ -104,7 +120,8 @@ class Session(CacheMaintenance, BranchOps):
         self.report_logprobs: int | None = None
         # mlx-lm logits processors every sampled token goes through (constrained decoding)
         self.logits_processors: list[Callable[[mx.array, mx.array], mx.array]] = []
-        self._stop = threading.Event()
+        self._stop: StopFlag = threading.Event()
+        self._share: Callable[[Sampler], Sampler] | None = None  # see keep_in_step
         self._busy = threading.Lock()
 
     @classmethod
@@ -112,13 +129,13 @@ class Session(CacheMaintenance, BranchOps):
         cls,
         lm: LoadedModel,
         *,
-        messages: list[dict],
+        messages: list[dict[str, Any]],
         kind: str | CacheKind,
         settings: GenerationSettings | None = None,
         ledger: list[int] | None = None,
         cache: list[Any] | None = None,
         turns: list[TurnStats] | None = None,
-        archived: list[dict] | None = None,
+        archived: list[dict[str, Any]] | None = None,
         branches: Branches | None = None,
     ) -> "Session":
         """A session from saved parts. Without a ``cache`` (or ledger) it starts empty;
@@ -133,7 +150,7 @@ class Session(CacheMaintenance, BranchOps):
         return session
 
     def fork_prefix(
-        self, messages: list[dict] | None = None, tokens: list[int] | None = None
+        self, messages: list[dict[str, Any]] | None = None, tokens: list[int] | None = None
     ) -> "Session":
         """A new session whose cache starts as a copy of this one's, cut to the
         common prefix with ``tokens`` or else with ``messages`` rendered (by default
@@ -161,7 +178,8 @@ class Session(CacheMaintenance, BranchOps):
     @property
     def system(self) -> str | None:
         if self.messages and self.messages[0]["role"] == "system":
-            return self.messages[0]["content"]
+            content: str = self.messages[0]["content"]
+            return content
         return None
 
     @property
@@ -206,7 +224,7 @@ class Session(CacheMaintenance, BranchOps):
             pending_rebuild=self._pending_rebuild,
         )
 
-    def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
         """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
         return render(self.lm, messages, generation_prompt, self.tools)
 
@@ -215,7 +233,7 @@ class Session(CacheMaintenance, BranchOps):
 
     # ----------------------------------------------------------------- turns
 
-    def send(self, text: str) -> Iterator[Event]:
+    def send(self, text: str) -> Turn:
         """Add a user message and stream the reply.
 
         Bad input raises :class:`SessionError` here, before anything changes.
@@ -225,7 +243,7 @@ class Session(CacheMaintenance, BranchOps):
         messages = [*self.messages, {"role": "user", "content": text}]
         return self._turn(messages, *self._fitting_prompt(messages))
 
-    def complete(self, text: str) -> Iterator[Event]:
+    def complete(self, text: str) -> Turn:
         """Continue ``text`` as written, without the chat template (a plain completion).
 
         The transcript becomes ``text`` as one user message, then the reply, so
@@ -238,7 +256,7 @@ class Session(CacheMaintenance, BranchOps):
         self._check_fits(prompt, "That prompt is")
         return self._turn([{"role": "user", "content": text}], text, prompt)
 
-    def answer(self) -> Iterator[Event]:
+    def answer(self) -> Turn:
         """Reply to the transcript as it stands: its last message is a tool's result (the
         model called a tool, the caller ran it and added what it returned)."""
         if not self.messages or self.messages[-1]["role"] != "tool":
@@ -250,7 +268,12 @@ class Session(CacheMaintenance, BranchOps):
         """Ask the running turn to stop after its current token (thread-safe)."""
         self._stop.set()
 
-    def _fitting_prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
+    def keep_in_step(self, stop: StopFlag, share: Callable[[Sampler], Sampler]) -> None:
+        """A sharded run's: ``stop`` (a flag every rank checks together) replaces this
+        session's, and each turn samples through ``share(sampler)`` (rank 0's token)."""
+        self._stop, self._share = stop, share
+
+    def _fitting_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         """The template's text of ``messages`` with the generation prompt, and its tokens."""
         text = template_text(self.lm, messages, True, self.tools)
         prompt = encode(self.lm, text)
@@ -265,7 +288,7 @@ class Session(CacheMaintenance, BranchOps):
                 "trim the history or start a new session."
             )
 
-    def _turn(self, messages: list[dict], prompt_text: str, prompt: list[int]) -> Iterator[Event]:
+    def _turn(self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]) -> Turn:
         """The turn's events, run as they are read. A :meth:`stop` from now on stops this
         turn, even one that comes before its first event is read."""
         if not self._busy.locked():  # a running turn keeps its own stop request
@@ -273,7 +296,7 @@ class Session(CacheMaintenance, BranchOps):
             self.last_change = None  # from now on the turn's own figures describe the cache
         return self._events(messages, prompt_text, prompt)
 
-    def _events(self, messages: list[dict], prompt_text: str, prompt: list[int]) -> Iterator[Event]:
+    def _events(self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]) -> Turn:
         if not self._busy.acquire(blocking=False):
             raise SessionBusy("This session is already answering; wait or stop it first.")
         try:
@@ -282,8 +305,8 @@ class Session(CacheMaintenance, BranchOps):
             self._busy.release()
 
     def _run_turn(
-        self, messages: list[dict], prompt_text: str, prompt: list[int]
-    ) -> Iterator[Event]:
+        self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]
+    ) -> Turn:
         started = time.perf_counter()
         mx.reset_peak_memory()
         self.messages = messages
@@ -326,7 +349,7 @@ class Session(CacheMaintenance, BranchOps):
             eos=frozenset(() if self.settings.ignore_eos else self.lm.tokenizer.eos_token_ids),
             prefill_step=max(1, self.settings.prefill_step),
             kind=self.kind.name,
-            logprobs=self._logits[1] if zero_prefill else None,
+            logprobs=self._logits[1] if zero_prefill and self._logits is not None else None,
             on_prompt=self._prompt_done,
             # checkpoints at the ends of the turns this prefill passes
             marks=frozenset() if zero_prefill else self._turn_ends(messages, prompt, n),
@@ -337,12 +360,13 @@ class Session(CacheMaintenance, BranchOps):
         text = ReplyText(self.lm.tokenizer)
         first_at = prompt_eval_s = None
         prefill_started = time.perf_counter()
-        messages = core_for(self.lm).run(seq)
+        stream = core_for(self.lm).run(seq)
         tokens: list[int] = []  # as this consumer read them
-        left, stopped = None, False
+        left: Left | None = None
+        stopped = False
         try:
             try:
-                for message in messages:
+                for message in stream:
                     if isinstance(message, Prefill):
                         yield message
                     elif isinstance(message, Left):
@@ -368,7 +392,7 @@ class Session(CacheMaintenance, BranchOps):
                             stopped = True
                             break
             finally:
-                messages.close()  # a consumer gone: the sequence leaves before we go on
+                stream.close()  # a consumer gone: the sequence leaves before we go on
             left = left or _last_left(seq)
             if left.error is not None:
                 raise left.error
@@ -436,6 +460,8 @@ class Session(CacheMaintenance, BranchOps):
         session's own ``logits_processors`` (constrained decoding, a logit bias). A sharded
         run makes every rank take rank 0's token."""
         sampler, processors = for_settings(self.settings)
+        if self._share is not None:
+            sampler = self._share(sampler)
         return sampler, [*processors, *self.logits_processors]
 
     def _prompt_done(self, logprobs: mx.array) -> None:
@@ -444,13 +470,13 @@ class Session(CacheMaintenance, BranchOps):
         self.checkpoints.keep(self.cache, len(self.ledger))
         self._logits = (len(self.ledger), logprobs)
 
-    def _keep_turns(self, messages: list[dict]) -> None:
+    def _keep_turns(self, messages: list[dict[str, Any]]) -> None:
         """Keep one stats entry per reply in ``messages``: an undone or replaced
         reply takes its turn's stats with it."""
         del self.turns[sum(m["role"] == "assistant" for m in messages) :]
 
     def _finish(self, reply: str, stopped: bool) -> None:
-        message = {"role": "assistant", "content": reply}
+        message: dict[str, Any] = {"role": "assistant", "content": reply}
         if stopped:
             message["stopped"] = True
         self.messages.append(message)

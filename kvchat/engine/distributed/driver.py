@@ -28,17 +28,37 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
 
 from kvchat.engine.caches.kinds import applicable_kinds, parse_kind
-from kvchat.engine.conversation.events import Event, GenerationSettings, SessionError, TurnDone
+from kvchat.engine.conversation.events import (
+    Event,
+    GenerationSettings,
+    SessionError,
+    Turn,
+    TurnDone,
+)
 from kvchat.engine.conversation.session import Session
 from kvchat.engine.distributed.sharding import ShardedModel, load_sharded
+from kvchat.engine.generation.sampling import Sampler
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from kvchat.engine.caches.cache_check import Reference
+    from kvchat.engine.caches.kinds import CacheKind
+    from kvchat.engine.models.model import LoadedModel
+    from kvchat.store import Generation, Loaded
+    from kvchat.store.cache_file import CacheRead
+
+Op = dict[str, Any]  # an engine operation, as JSON has it: {"op": name, ...its fields}
+Progress = Callable[[int, int], None]
+T = TypeVar("T")
 
 OPS = frozenset(
     {
@@ -71,17 +91,17 @@ class OpError(ValueError):
     """Bytes that are not an engine operation (ranks out of step, or another program)."""
 
 
-def encode_op(op: dict) -> bytes:
+def encode_op(op: Op) -> bytes:
     """The bytes of ``op`` as they travel between ranks."""
     if not isinstance(op, dict) or op.get("op") not in OPS:
         raise OpError(f"not an engine operation: {op!r:.80}")
     return json.dumps(op, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-def decode_op(data: bytes) -> dict:
+def decode_op(data: bytes) -> Op:
     """The operation ``data`` holds, or :class:`OpError` in one sentence."""
     try:
-        op = json.loads(data.decode("utf-8"))
+        op: object = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         raise OpError("The ranks are out of step: an operation arrived damaged.") from None
     if not isinstance(op, dict) or op.get("op") not in OPS:
@@ -104,15 +124,15 @@ class Link:
 
     def total(self, value: int) -> int:
         """The sum of ``value`` over the ranks."""
-        return int(self._sum(mx.array([value], dtype=mx.int32)).item())
+        return cast(int, self._sum(mx.array([value], dtype=mx.int32)).item())  # an int32
 
-    def broadcast(self, op: dict | None = None) -> dict:
+    def broadcast(self, op: Op | None = None) -> Op:
         """Rank 0 sends ``op``; every rank (rank 0 too) returns it."""
         if self.rank == 0 and self.broken:
             raise SessionError(
                 "The ranks are out of step after a reply left unfinished; start the run again."
             )
-        data = encode_op(op) if self.rank == 0 else b""
+        data = encode_op(op or {}) if self.rank == 0 else b""
         length = self.total(len(data))
         buffer = (
             np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.zeros(length, np.uint8)
@@ -170,44 +190,54 @@ def current() -> Link | None:
     return _link
 
 
+def _linked() -> Link:
+    """This rank's link (rank 0 of a sharded run asks: :func:`start` made it)."""
+    if _link is None:
+        raise SessionError("This is not a sharded run: no other ranks to send to.")
+    return _link
+
+
 def load_model(spec: str) -> ShardedModel:
     """Rank 0: load ``spec`` sharded over every rank (ModelLoadError as load_model)."""
     seed = time.time_ns() % (1 << 31)
-    _link.broadcast({"op": "model", "spec": spec, "seed": seed})
+    link = _linked()
+    link.broadcast({"op": "model", "spec": spec, "seed": seed})
     mx.random.seed(seed)
-    return load_sharded(spec, _link.group)
+    return load_sharded(spec, link.group)
 
 
 def probe_kinds(lm: ShardedModel, names: list[str]) -> list[str]:
     """Rank 0: which of the cache kinds ``names`` the sharded model takes, found out on
     every rank at once (a probe runs the model, whose collectives need every rank). The
     answers are kept (kvchat/engine/caches/fit.py), so asking again later runs nothing."""
-    _link.broadcast({"op": "kinds", "names": names})
+    _linked().broadcast({"op": "kinds", "names": names})
     return applicable_kinds(lm.model, names)
 
 
-def _bind(session: Session, link: Link) -> Session:
+def bind(session: Session, link: Link) -> Session:
     """Make ``session`` keep in step with the other ranks: a shared stop flag (each check
     is a collective from now on) and rank 0's sampled token on every rank (the logits
     agree, but float sums over more than two ranks need not agree to the last bit)."""
-    session._stop = SharedStop(link)
-    own = session._sampler
 
-    def sampler():
-        sample, processors = own()
-
+    def share(sample: Sampler) -> Sampler:
         def shared(logprobs: mx.array) -> mx.array:
             token = sample(logprobs)
             mine = token if link.rank == 0 else mx.zeros_like(token)
             return mx.distributed.all_sum(mine, group=link.group, stream=mx.cpu)
 
-        return shared, processors
+        return shared
 
-    session._sampler = sampler
+    session.keep_in_step(SharedStop(link), share)
     return session
 
 
-def new_session(lm, *, kind, system: str | None, settings: GenerationSettings | None = None):
+def new_session(
+    lm: LoadedModel,
+    *,
+    kind: str | CacheKind,
+    system: str | None,
+    settings: GenerationSettings | None = None,
+) -> Session:
     """A new :class:`Session`, on every rank when ``lm`` is sharded.
 
     The ranks make it together: a kind other than ``standard`` runs the model once to
@@ -216,14 +246,15 @@ def new_session(lm, *, kind, system: str | None, settings: GenerationSettings | 
     if not isinstance(lm, ShardedModel):
         return Session(lm, kind=kind, system=system, settings=settings)
     settings = settings or GenerationSettings()
-    _link.broadcast(
+    link = _linked()
+    link.broadcast(
         {"op": "new", "kind": parse_kind(kind).name, "system": system, "settings": asdict(settings)}
     )
     session = Session(lm, kind=kind, system=system, settings=settings)
-    return DistributedSession(_link, _bind(session, _link)).count_bytes()
+    return _standing_in(DistributedSession(link, bind(session, link)).count_bytes())
 
 
-def load_session(name: str, lm):
+def load_session(name: str, lm: LoadedModel) -> Loaded:
     """``store.load``, on every rank when ``lm`` is sharded: each rank reads its own cache
     shard, and when any rank cannot use its shard every rank rebuilds from the transcript."""
     from kvchat import store
@@ -231,18 +262,28 @@ def load_session(name: str, lm):
     if not isinstance(lm, ShardedModel):
         return store.load(name, lm)
     data, generation = store.read_with_generation(name)
-    _link.broadcast({"op": "load", "name": name, "data": data})
-    loaded = _load_here(name, lm, data, _link)
+    link = _linked()
+    link.broadcast({"op": "load", "name": name, "data": data})
+    loaded = load_here(name, lm, data, link)
     loaded.generation = generation
-    loaded.session = DistributedSession(_link, loaded.session).count_bytes()
+    loaded.session = _standing_in(DistributedSession(link, loaded.session).count_bytes())
     return loaded
 
 
-def _load_here(name: str, lm, data: dict, link: Link):
+def load_here(name: str, lm: LoadedModel, data: dict[str, Any], link: Link) -> Loaded:
+    """``store.load`` on this rank, with its own cache shard; every rank rebuilds from the
+    transcript when any one cannot use its shard."""
     from kvchat import store
     from kvchat.store.cache_file import read_cache
 
-    def reader(folder, data, lm, ledger, empty, reference):
+    def reader(
+        folder: Path,
+        data: dict[str, Any],
+        lm: LoadedModel,
+        ledger: list[int],
+        empty: Session,
+        reference: Reference,
+    ) -> CacheRead:
         cache, kept, problem = read_cache(
             folder, data, lm, ledger, empty, reference, rank=link.rank
         )
@@ -264,19 +305,20 @@ def _load_here(name: str, lm, data: dict, link: Link):
         return cache, kept, problem
 
     loaded = store.load(name, lm, data=data, reader=reader)
-    _bind(loaded.session, link)
+    bind(loaded.session, link)
     return loaded
 
 
-def save_session(session, name: str, base=None):
+def save_session(session: Session, name: str, base: Generation | None = None) -> Path:
     """``store.save`` (``base``: the generation it builds on); for a sharded session every
     rank first writes its own shard."""
     from kvchat import store
 
     if not isinstance(session, DistributedSession):
         return store.save(session, name, base=base)
-    _link.broadcast({"op": "save", "name": name})
-    rows = _link.gather(b"")
+    link = _linked()
+    link.broadcast({"op": "save", "name": name})
+    rows = link.gather(b"")
     for rank, row in enumerate(rows[1:], 1):
         if not row.startswith((b"sha:", b"empty")):
             raise store.StoreError(
@@ -297,8 +339,9 @@ def delete_session(name: str) -> str | None:
 
     if store.exists(name):
         store.delete(name)
-    _link.broadcast({"op": "drop", "name": name})
-    for rank, row in enumerate(_link.gather(b"")[1:], 1):
+    link = _linked()
+    link.broadcast({"op": "drop", "name": name})
+    for rank, row in enumerate(link.gather(b"")[1:], 1):
         if row:
             return (
                 f"Dropped {name}, but rank {rank} could not delete its cache shard "
@@ -341,24 +384,25 @@ class DistributedSession:
     def _send(self, op: str, **fields: Any) -> None:
         self._link.broadcast({"op": op, **fields})
 
-    def _turn(self, op: str, **fields: Any) -> Iterator[Event]:
+    def _turn(self, op: str, **fields: Any) -> Turn:
         self._send(op, settings=asdict(self.local.settings), **fields)
-        return self._counted(_perform(self.local, {"op": op, **fields}, self._link))
+        events: Turn = perform(self.local, {"op": op, **fields}, self._link)
+        return self._counted(events)
 
-    def _counted(self, events: Iterator[Event]) -> Iterator[Event]:
+    def _counted(self, events: Iterator[Event]) -> Turn:
         yield from events
         self.count_bytes()
 
-    def send(self, text: str) -> Iterator[Event]:
+    def send(self, text: str) -> Turn:
         return self._turn("send", text=text)
 
-    def regenerate(self, index: int | None = None) -> Iterator[Event]:
+    def regenerate(self, index: int | None = None) -> Turn:
         return self._turn("regenerate", index=index)
 
-    def edit(self, index: int, text: str) -> Iterator[Event]:
+    def edit(self, index: int, text: str) -> Turn:
         return self._turn("edit", index=index, text=text)
 
-    def _then_count(self, op: str, call, **fields: Any) -> Any:
+    def _then_count(self, op: str, call: Callable[[], T], **fields: Any) -> T:
         """Send ``op``, make ``call()`` here, then count every rank's cache bytes."""
         self._send(op, **fields)
         result = call()
@@ -371,11 +415,11 @@ class DistributedSession:
     def reset(self) -> bool:
         return self._then_count("reset", self.local.reset)
 
-    def set_kind(self, kind, progress=None) -> str | None:
+    def set_kind(self, kind: str | CacheKind, progress: Progress | None = None) -> str | None:
         name = parse_kind(kind).name
         return self._then_count("kind", lambda: self.local.set_kind(name, progress), kind=name)
 
-    def trim_history(self, max_tokens: int, progress=None) -> int:
+    def trim_history(self, max_tokens: int, progress: Progress | None = None) -> int:
         return self._then_count(
             "trim", lambda: self.local.trim_history(max_tokens, progress), max_tokens=max_tokens
         )
@@ -384,7 +428,14 @@ class DistributedSession:
         return self._then_count("system", lambda: self.local.set_system(text), text=text)
 
 
-def _perform(session: Session, op: dict, link: Link) -> Any:
+def _standing_in(session: DistributedSession) -> Session:
+    """Rank 0's :class:`DistributedSession`, handed out where a :class:`Session` goes (the
+    TUI's tabs, ``ask``): it sends the calls that change the cache to every rank, and
+    every other attribute is its local session's."""
+    return cast(Session, session)
+
+
+def perform(session: Session, op: Op, link: Link) -> Any:
     """Run ``op`` on ``session``: what rank 0 and the followers both do."""
     name = op["op"]
     if "settings" in op:
@@ -411,7 +462,7 @@ def _perform(session: Session, op: dict, link: Link) -> Any:
     raise OpError(f"The ranks are out of step: {name!r} is not a session operation.")
 
 
-def _watched(events: Iterator[Event], link: Link) -> Iterator[Event]:
+def _watched(events: Iterator[Event], link: Link) -> Turn:
     """The turn's events; a turn left before its end leaves the ranks out of step."""
     finished = False
     try:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
 import mlx.core as mx
 
 from kvchat.engine.caches.kinds import CacheKindError, applicable_kinds
 from kvchat.engine.conversation.events import GenerationSettings, SessionError
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.distributed.driver import ROW, Link, _bind, _load_here, _perform
-from kvchat.engine.distributed.sharding import load_sharded
+from kvchat.engine.distributed.driver import ROW, Link, OpError, bind, load_here, perform
+from kvchat.engine.distributed.sharding import ShardedModel, load_sharded
+
+T = TypeVar("T")
 
 
 def follow(link: Link, on_token: Callable[[int], object] | None = None) -> int:
@@ -26,7 +29,8 @@ def follow(link: Link, on_token: Callable[[int], object] | None = None) -> int:
     from kvchat.store import StoreError
     from kvchat.store.shards import delete_shard, write_shard
 
-    lm = session = None
+    lm: ShardedModel | None = None
+    session: Session | None = None
     while True:
         op = link.broadcast()
         name = op["op"]
@@ -42,16 +46,19 @@ def follow(link: Link, on_token: Callable[[int], object] | None = None) -> int:
         elif name == "new":
             settings = GenerationSettings(**op["settings"])
             try:
-                session = _bind(
-                    Session(lm, kind=op["kind"], system=op["system"], settings=settings), link
+                session = bind(
+                    Session(
+                        _held(lm, "model"), kind=op["kind"], system=op["system"], settings=settings
+                    ),
+                    link,
                 )
             except CacheKindError:
                 pass  # rank 0 meets it too, and says so
         elif name == "load":
-            session = _load_here(op["name"], lm, op["data"], link).session
+            session = load_here(op["name"], _held(lm, "model"), op["data"], link).session
         elif name == "save":
             try:
-                sha = write_shard(session, op["name"], link.rank)
+                sha = write_shard(_held(session, "session"), op["name"], link.rank)
                 row = b"sha:" + sha.encode() if sha else b"empty"
             except (OSError, StoreError) as exc:
                 row = _said(exc)
@@ -65,17 +72,25 @@ def follow(link: Link, on_token: Callable[[int], object] | None = None) -> int:
                 row = _said(exc)
             link.gather(row)
         elif name == "bytes":
-            link.per_rank(session.cache_bytes)
+            link.per_rank(_held(session, "session").cache_bytes)
         elif name == "kinds":
-            applicable_kinds(lm.model, op["names"])
+            applicable_kinds(_held(lm, "model").model, op["names"])
         else:
             try:
-                result = _perform(session, op, link)
+                result = perform(_held(session, "session"), op, link)
                 for i, _ in enumerate(result if name in ("send", "regenerate", "edit") else ()):
                     if on_token is not None:
                         on_token(i)
             except (SessionError, CacheKindError):
                 pass  # rank 0 meets the same error on the same state and reports it
+
+
+def _held(thing: T | None, what: str) -> T:
+    """The model or session an operation works on (rank 0 sends "model", then "new" or
+    "load", before the operations that use them)."""
+    if thing is None:
+        raise OpError(f"The ranks are out of step: an operation came before its {what}.")
+    return thing
 
 
 def _said(exc: Exception) -> bytes:

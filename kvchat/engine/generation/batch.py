@@ -11,7 +11,7 @@ where it exists and takes them, else one forward pass each.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -67,7 +67,7 @@ def _probe(model: nn.Module) -> bool:
         together = model(mx.array([[5], [5]]), cache=batch)[:, -1]
         for row, one in zip(together, alone):
             a, b = (x - mx.logsumexp(x) for x in (row, one))
-            if mx.abs(a - b).max().item() > 1e-3:
+            if cast(float, mx.abs(a - b).max().item()) > 1e-3:
                 return False
     except Exception:  # noqa: BLE001  a model whose layers cannot take a batch cache
         return False
@@ -108,7 +108,8 @@ class Merged:
     def step(self, model: nn.Module) -> mx.array:
         """Feed every row's pending token; the logits ``(B, V)``."""
         tokens = mx.array([[s.pending] for s in self.seqs])
-        return model(tokens, cache=self.cache)[:, -1, :]
+        logits: mx.array = model(tokens, cache=self.cache)[:, -1, :]
+        return logits
 
     def leave(self, gone: list[Sequence]) -> None:
         """Give ``gone`` their caches back (and, when one row is left, that one too)."""
@@ -137,7 +138,9 @@ class Merged:
 
 
 def _merge(layers: list[Any]) -> Any:
-    return (ArraysCache.merge if isinstance(layers[0], ArraysCache) else BatchKVCache.merge)(layers)
+    if isinstance(layers[0], ArraysCache):
+        return ArraysCache.merge(layers)
+    return BatchKVCache.merge(layers)
 
 
 def _lend(batch: list[Any], seqs: list[Sequence]) -> None:

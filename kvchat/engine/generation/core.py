@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Generator, Iterator
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -54,9 +54,18 @@ class GenerationCore:
     def model(self) -> nn.Module | None:
         return self._model()
 
+    @property
+    def _forward(self) -> nn.Module:
+        """The model the loop's steps run (a step fails, and its sequences leave with
+        the error, should it have been unloaded meanwhile)."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("The model was unloaded while it was generating.")
+        return model
+
     # ---------------------------------------------------------------- actions
 
-    def run(self, seq: Sequence) -> Iterator[Prefill | int | Left]:
+    def run(self, seq: Sequence) -> Generator[Prefill | int | Left, None, None]:
         """Submit ``seq`` and yield its messages until its :class:`Left`. Closing the
         iterator early cancels the sequence and returns once it has left (its cache
         and ledger agree again)."""
@@ -163,7 +172,9 @@ class GenerationCore:
                 continue
             if seq.fed < len(seq.prompt):
                 continue
-            seq.tokens.append(int(seq.sample(seq.logprobs[None]).item()))
+            if seq.logprobs is None:  # the prompt is all in: its end's logits are kept
+                raise RuntimeError("A prompt was evaluated without its last logits.")
+            seq.tokens.append(cast(int, seq.sample(seq.logprobs[None]).item()))  # a token id
             seq.post(seq.tokens[-1])
             if seq.ended():
                 self._left(seq, Left(stopped=seq.halted()))
@@ -181,7 +192,7 @@ class GenerationCore:
             held = len(seq.ledger)  # a chunk ends at the next checkpoint mark it would pass
             size = min([size, *(m - held for m in seq.marks if held < m < held + size)])
             chunk = seq.prompt[seq.fed : seq.fed + size]
-            self.model(mx.array(chunk)[None], cache=seq.cache)
+            self._forward(mx.array(chunk)[None], cache=seq.cache)
             mx.eval([c.state for c in seq.cache])
             seq.ledger.extend(chunk)
             seq.fed += len(chunk)
@@ -194,13 +205,13 @@ class GenerationCore:
             if seq.halted() or separate_batches(self.fast_path):
                 return 0  # stopped; or the last token goes with the next decode step
             last = seq.prompt[-1]
-            logits = self.model(mx.array([[last]]), cache=seq.cache)[:, -1, :]
+            logits = self._forward(mx.array([[last]]), cache=seq.cache)[:, -1, :]
             logprobs = (logits - mx.logsumexp(logits, keepdims=True)).squeeze(0)
             mx.eval(logprobs, [c.state for c in seq.cache])
             seq.ledger.append(last)
             seq.fed += 1
             seq.logprobs = logprobs
-        if seq.on_prompt is not None:
+        if seq.on_prompt is not None and seq.logprobs is not None:
             seq.on_prompt(seq.logprobs)
         return 1
 
@@ -210,16 +221,16 @@ class GenerationCore:
             return []
         rows: list[tuple[Sequence, mx.array]] = []
         if self._merged and self._merged.seqs:
-            logits = self._merged.step(self.model)
+            logits = self._merged.step(self._forward)
             rows += [(s, logits[i : i + 1]) for i, s in enumerate(self._merged.seqs)]
         if self._alone:
-            rows += list(zip(self._alone, separate(self.model, self._alone, self.fast_path)))
+            rows += list(zip(self._alone, separate(self._forward, self._alone, self.fast_path)))
         for seq, _ in rows:
             seq.batch_peak = max(
                 seq.batch_peak,
                 len(rows)
                 if separate_batches(self.fast_path)
-                else len(self._merged.seqs)
+                else len(self._merged_seqs())
                 if seq in self._merged_seqs()
                 else 1,
             )
@@ -242,7 +253,7 @@ class GenerationCore:
                     seq.on_prompt(seq.logprobs)
         ended = []
         for (seq, _), token in zip(rows, sampled):
-            seq.tokens.append(int(token.item()))
+            seq.tokens.append(cast(int, token.item()))  # a token id
             seq.post(seq.tokens[-1])
             if seq.ended():
                 ended.append(seq)
@@ -272,7 +283,7 @@ class GenerationCore:
             self._remove_joining(seq)
         batching = self.threaded and not separate_batches(self.fast_path)
         for seq in ready:  # a sharded model's sequences run one at a time, on every rank
-            seq.not_batched = blocker(self.model, seq.cache, seq.kind) if self.threaded else None
+            seq.not_batched = blocker(self._forward, seq.cache, seq.kind) if self.threaded else None
         mergeable = [s for s in [*self._alone, *ready] if batching and s.not_batched is None]
         self._alone += [s for s in ready if s not in mergeable]
         if self._merged:

@@ -14,12 +14,23 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
 from kvchat.engine.conversation.events import Prefill
 from kvchat.engine.generation.sampling import LogitsProcessor, Sampler
+
+
+class StopFlag(Protocol):
+    """A turn's stop request, as ``threading.Event`` has it (a sharded run's is shared by
+    every rank: kvchat/engine/distributed/driver.py)."""
+
+    def set(self) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def is_set(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -40,8 +51,8 @@ class Sequence:
     to which the core appends what it feeds); an empty prompt samples its first
     token from ``logprobs`` (the log probabilities at the prompt's end, kept
     from an earlier turn). ``on_prompt(logprobs)`` is called once the whole
-    prompt is in the cache, before the first token is sampled. ``stop`` is any
-    object with ``is_set()``.
+    prompt is in the cache, before the first token is sampled. ``stop`` is the
+    turn's :class:`StopFlag`.
     """
 
     prompt: list[int]
@@ -50,7 +61,7 @@ class Sequence:
     sampler: Sampler
     processors: list[LogitsProcessor]
     max_tokens: int
-    stop: Any
+    stop: StopFlag
     eos: frozenset[int] = frozenset()
     prefill_step: int = 512
     logprobs: mx.array | None = None
@@ -62,7 +73,7 @@ class Sequence:
     sampled_logprobs: list[mx.array] = field(default_factory=list)  # one a token, if reported
     kind: str = "standard"  # the cache kind's name, said when it cannot batch
     not_batched: str | None = None  # why its cache decodes alone, if it does
-    messages: queue.Queue = field(default_factory=queue.Queue)  # Prefill | int | Left
+    messages: queue.Queue[Prefill | int | Left] = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     left: threading.Event = field(default_factory=threading.Event)
     fed: int = 0  # prompt tokens in the cache so far

@@ -4,8 +4,10 @@ that the app turns into one engine call."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from rich.text import Text
 from textual import on
@@ -101,23 +103,24 @@ class TrimDialog(Dialog):
 # ----------------------------------------------------------------- cache kind
 
 
-def model_kv_shape(model) -> tuple[int, int, int, int]:
+def model_kv_shape(model: nn.Module) -> tuple[int, int, int, int]:
     """(layers, kv heads, head dim, bytes per element) of a model's attention cache."""
     args = getattr(model, "args", None)
     layers = len(getattr(model, "layers", []))
-    heads = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", 1)
-    head_dim = getattr(args, "head_dim", None) or (
+    heads: int = getattr(args, "num_key_value_heads", 0) or getattr(args, "num_attention_heads", 1)
+    head_dim: int = getattr(args, "head_dim", None) or (
         getattr(args, "hidden_size", 0) // max(1, getattr(args, "num_attention_heads", 1))
     )
     size = 4
-    for _, value in tree_flatten(model.parameters()):
+    # (path, array) pairs: mlx's annotation also allows the dict it fills when given one
+    for _, value in cast(list[tuple[str, Any]], tree_flatten(model.parameters())):
         if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
             size = value.dtype.size
             break
     return layers, heads, head_dim, size
 
 
-def kind_bytes_per_token(model, kind_name: str) -> float:
+def kind_bytes_per_token(model: nn.Module, kind_name: str) -> float:
     """Bytes one token adds to a cache of ``kind_name``, computed from the model's shape:
     layers × kv heads × head dim × 2 (keys and values) × bytes per element; quantized
     and rotated kinds store ``bits/8`` bytes per element plus a scale and a bias per group
@@ -125,7 +128,7 @@ def kind_bytes_per_token(model, kind_name: str) -> float:
     layers, heads, head_dim, size = model_kv_shape(model)
     elements = layers * heads * head_dim * 2
     kind = parse_kind(kind_name)
-    if kind.quantized:
+    if kind.quantized and kind.size is not None:  # its family takes a size: it has one
         return elements * (kind.size / 8 + 2 * size / group_size(model, kind))
     return float(elements * size)
 
@@ -146,7 +149,7 @@ class KindDialog(Dialog):
     """Pick a cache kind, or type one (``rotating:1024``); each line shows its bytes per
     token for this model, and quantized kinds their share of a standard cache's."""
 
-    def __init__(self, current: str, model, applicable: list[str]) -> None:
+    def __init__(self, current: str, model: nn.Module, applicable: list[str]) -> None:
         super().__init__()
         self.current = current
         self.model = model
@@ -155,7 +158,7 @@ class KindDialog(Dialog):
     def _label(self, name: str) -> Text:
         kind = parse_kind(name)
         per_token = kind_bytes_per_token(self.model, name)
-        if kind.family in ("rotating", "chunked"):
+        if kind.family in ("rotating", "chunked") and kind.size is not None:
             extra = f", at most {human_bytes(int(per_token * kind.size))}"
         elif kind.quantized:
             share = per_token / kind_bytes_per_token(self.model, "standard")

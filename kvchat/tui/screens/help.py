@@ -38,7 +38,9 @@ class HelpScreen(ModalScreen):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="help") as box:
             box.border_title = "Keys"
-            table = DataTable(id="help-table", cursor_type="row", show_cursor=False, classes="body")
+            table: DataTable[Text] = DataTable(
+                id="help-table", cursor_type="row", show_cursor=False, classes="body"
+            )
             table.add_columns("where", "keys", "action")
             for where, keys, what in binding_rows(self.app, self.groups):
                 table.add_row(Text(where, style="dim"), Text(keys, style="bold"), Text(what))

@@ -45,7 +45,7 @@ class SessionPicker(ModalScreen):
                 id="picker-filter",
                 disabled=not self.sessions,
             )
-            table = DataTable(
+            table: DataTable[str | Text] = DataTable(
                 id="picker-table", cursor_type="row", zebra_stripes=True, classes="body"
             )
             table.add_columns("name", "model", "cache", "turns", "tokens", "size", "last used")

@@ -17,6 +17,10 @@ from ..screens.message_dialogs import DeletePairDialog, EditDialog
 from .messages import MessageAction
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
+    from kvchat.engine.conversation.branch_ops import Refilled
+
     from .chat import Conversation
 
 
@@ -117,7 +121,7 @@ class BranchNavigator:
             )
             return
 
-        def switched(result) -> None:
+        def switched(result: Refilled) -> Awaitable[None]:
             k, n = session.branch_position(index)
             tab.notify(
                 f"Version {k} of {n}: kept {result.reused:,} cached tokens, "
@@ -137,7 +141,7 @@ class BranchNavigator:
         tab = self.conversation
         session = tab.session
 
-        def deleted(result) -> None:
+        def deleted(result: Refilled) -> Awaitable[None]:
             tab.notify(
                 f"Deleted the exchange: kept {result.reused:,} cached tokens, "
                 f"evaluated {result.evaluated:,}.",

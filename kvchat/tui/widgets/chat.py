@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rich.text import Text
 from textual import on, work
@@ -48,6 +48,8 @@ from .turn_events import (
 if TYPE_CHECKING:
     from kvchat.engine.generation.scheduler import Scheduler
     from kvchat.pool import SessionPool
+
+    from ..app import KvChatApp
 
 
 class Conversation(Vertical):
@@ -153,7 +155,7 @@ class Conversation(Vertical):
         return any(m["role"] == "user" for m in self.session.messages) and not self.saved
 
     @property
-    def log(self) -> VerticalScroll:
+    def log(self) -> VerticalScroll:  # type: ignore[override]  # the transcript, over Textual's logger
         return self.query_one(".log", VerticalScroll)
 
     @property
@@ -220,7 +222,7 @@ class Conversation(Vertical):
 
     async def send(self, text: str) -> bool:
         """Start a turn with ``text``; False (and a notice) if it cannot start now."""
-        if self.refuse_if_busy() or self.app.quitter.underway:
+        if self.refuse_if_busy() or cast("KvChatApp", self.app).quitter.underway:
             return False
         if (
             self.pool is not None
@@ -306,11 +308,18 @@ class Conversation(Vertical):
     def _run_turn(self, events) -> None:
         """Worker thread: wait for the model, stream the turn, report back by messages."""
         post = self.post_message
+
+        def waiting(ahead: int) -> None:
+            post(Waiting(ahead))
+
+        def loading(done: int, total: int) -> None:
+            post(PrefillProgress(done, total, "loading"))
+
         try:
             # Loading an offloaded cache must have the model to itself; the reply then
             # decodes in the model's generation core, beside the other tabs' replies.
-            with self.scheduler.turn(self.owner, on_wait=lambda ahead: post(Waiting(ahead))):
-                self.ensure_cache(lambda done, total: post(PrefillProgress(done, total, "loading")))
+            with self.scheduler.turn(self.owner, on_wait=waiting):
+                self.ensure_cache(loading)
                 figures = self.session.figures()
             if self._pending_text is not None:  # the message this turn adds counts already
                 figures = replace(figures, user_turns=figures.user_turns + 1)

@@ -5,7 +5,7 @@ insert a file's text."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from textual import events, work
 from textual.actions import SkipAction
@@ -27,6 +27,9 @@ from kvchat.store import StoreError
 
 from ..keymap import keys_of
 from ..screens.dialogs import FileDialog
+
+if TYPE_CHECKING:
+    from ..app import KvChatApp
 
 
 class ChatInput(TextArea):
@@ -131,8 +134,10 @@ class ChatInput(TextArea):
         # TextArea inserts a newline on Enter before bindings are looked at, and a
         # priority binding would run ahead of keys still queued (typed text), so these
         # two are dispatched here, in order with the typing. The others go the usual way.
-        keymap = self.app.keymap
+        keymap = cast("KvChatApp", self.app).keymap
         for binding in self.BINDINGS:
+            if not isinstance(binding, Binding):
+                continue
             if binding.action in ("submit", "newline") and event.key in keys_of(binding, keymap):
                 event.stop()
                 event.prevent_default()

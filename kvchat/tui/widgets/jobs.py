@@ -51,13 +51,15 @@ class JobRunner:
         """Worker thread: wait for the model, run the job, report back by a message."""
         tab = self.conversation
         post = tab.post_message
+
+        def progress(done: int, total: int, what: str = label) -> None:
+            post(PrefillProgress(done, total, what))
+
         try:
             with tab.scheduler.turn(tab.owner):
                 if needs_cache:
-                    tab.ensure_cache(
-                        lambda done, total: post(PrefillProgress(done, total, "loading"))
-                    )
-                result = job(lambda done, total: post(PrefillProgress(done, total, label)))
+                    tab.ensure_cache(partial(progress, what="loading"))
+                result = job(progress)
         except SessionError as error:  # a refusal, such as a sharded run's: nothing was done
             post(JobFinished(label, None, None, None, refusal=str(error)))
         except Exception as error:

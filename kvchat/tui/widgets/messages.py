@@ -8,6 +8,8 @@ never parsed as Rich/Textual markup.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -108,13 +110,23 @@ SELECTED_BINDINGS = [
 ]
 
 
-class Selectable:
-    """The keys of a selected message (a mixin; the class sets ``BINDINGS``)."""
+if TYPE_CHECKING:
+    from textual.widget import Widget
+
+    _Mixed = Widget  # what a Selectable is mixed into
+else:
+    _Mixed = object
+
+
+class Selectable(_Mixed):
+    """The keys of a selected message (a mixin of a widget; the class sets ``BINDINGS``)."""
 
     can_focus = True
     index: int = -1
 
     def action_move(self, step: int) -> None:
+        if self.parent is None:  # not mounted (any more)
+            return
         siblings = [w for w in self.parent.children if isinstance(w, Selectable)]
         at = siblings.index(self) + step
         if at >= len(siblings):
@@ -140,7 +152,7 @@ class Selectable:
 class UserMessage(Selectable, Static):
     """What the user sent, shown as plain text; ``index`` is its place in the transcript."""
 
-    BINDINGS = SELECTED_BINDINGS
+    BINDINGS = [*SELECTED_BINDINGS]
 
     def __init__(self, content: str, index: int = -1) -> None:
         self.text = safe(content)
@@ -154,7 +166,7 @@ class AssistantMessage(Selectable, Vertical):
     (``<think>`` blocks) go in a collapsed :class:`Collapsible` above the answer;
     ``text`` stays the whole reply."""
 
-    BINDINGS = SELECTED_BINDINGS
+    BINDINGS = [*SELECTED_BINDINGS]
 
     def __init__(
         self, content: str = "", stopped: bool = False, note: str | None = None, index: int = -1

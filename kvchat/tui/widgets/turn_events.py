@@ -4,13 +4,15 @@ which tells the app to redraw the sidebar."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual.message import Message
-from textual.widget import Widget
 
 from kvchat.engine.conversation.session import TurnDone
 from kvchat.engine.conversation.stats import CacheFigures
+
+if TYPE_CHECKING:
+    from .chat import Conversation
 
 
 class TurnEvent(Message):
@@ -66,9 +68,9 @@ class JobFinished(TurnEvent):
 class Changed(Message):
     """The conversation's session or state changed: the sidebar should redraw.
     (``conversation`` is the ``Conversation`` widget that posts it; this module, which
-    ``chat.py`` imports, does not import it back.)"""
+    ``chat.py`` imports, imports it back for type checking only.)"""
 
-    def __init__(self, conversation: Widget) -> None:
+    def __init__(self, conversation: Conversation) -> None:
         super().__init__()
         self.conversation = conversation
 
@@ -77,6 +79,6 @@ class SessionConflict(Message):
     """A save of the conversation was refused: another kvchat saved its session since
     this tab loaded or saved it. The app asks what to do (nothing was overwritten)."""
 
-    def __init__(self, conversation: Widget) -> None:
+    def __init__(self, conversation: Conversation) -> None:
         super().__init__()
         self.conversation = conversation
