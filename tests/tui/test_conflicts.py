@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from textual.widgets import Button
 
 from kvchat import store
 from kvchat.config import Config
@@ -90,7 +91,7 @@ async def test_an_ask_while_the_tab_is_open_is_kept_and_the_tab_reloads(demo_mod
         await until(pilot, lambda: dialog_shown(app))
         assert tab.session.messages == before  # not sent over the ask's turn
         assert tab.input.text == "Typed in the TUI."  # the message stays in the box
-        await pilot.click("#conflict-reload")
+        app.screen.query_one("#conflict-reload", Button).press()
         await until(pilot, lambda: tab not in app.conversations(), 60)
         await settle(pilot)
         shown = app.active_conversation()
@@ -124,7 +125,7 @@ async def test_a_turn_saved_over_an_ask_asks_and_can_become_a_new_session(demo_m
             asked = real_ask("k1", "Asked from the shell.")
         await until(pilot, lambda: dialog_shown(app) and not tab.busy, 60)
         typed_reply = tab.session.messages[-1]["content"]
-        await pilot.click("#conflict-fork")
+        app.screen.query_one("#conflict-fork", Button).press()
         await until(pilot, lambda: tab.session_name != "k1", 60)
         await settle(pilot)
         new = tab.session_name
