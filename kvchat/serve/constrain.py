@@ -15,6 +15,7 @@ import json
 from copy import copy
 from typing import TYPE_CHECKING, Any, cast
 
+import llguidance
 import mlx.core as mx
 import numpy as np
 
@@ -23,24 +24,11 @@ from .schema import ApiError
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
 
-try:
-    import llguidance
-except ImportError:  # an optional dependency: without it response_format is refused
-    llguidance = None  # type: ignore[assignment]  # None marks the module as missing
-
 _tokenizers: dict[tuple, Any] = {}  # (model fingerprint, end tokens) -> llguidance's tokenizer
 
 
 def schema_grammar(schema: dict, param: str) -> str:
     """The llguidance grammar of JSON that validates against ``schema``."""
-    if llguidance is None:
-        raise ApiError(
-            400,
-            f"'{param}' needs the llguidance package, which this server "
-            "lacks: pip install llguidance.",
-            param=param,
-            code="unsupported_field",
-        )
     try:
         text = llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(schema), defaults={"whitespace_flexible": False}
@@ -54,14 +42,6 @@ def schema_grammar(schema: dict, param: str) -> str:
 
 def lark_grammar(lark: str, param: str) -> str:
     """An llguidance grammar from Lark text (JSON schemas inline as ``%json {...}``)."""
-    if llguidance is None:
-        raise ApiError(
-            400,
-            f"'{param}' needs the llguidance package, which this server "
-            "lacks: pip install llguidance.",
-            param=param,
-            code="unsupported_field",
-        )
     return _checked(llguidance.LLMatcher.grammar_from_lark(lark), param)
 
 
