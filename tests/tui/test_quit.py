@@ -20,15 +20,20 @@ from .test_stream_and_quit import run_tui_and_quit
 pytestmark = pytest.mark.anyio
 
 
+def saving_app(demo_model) -> KvChatApp:
+    """An app on ``demo`` that autosaves into the test's sessions folder."""
+    return KvChatApp(
+        Config(model="demo", max_tokens=8, autosave=True), lm=demo_model, volatile=False
+    )
+
+
 def talk(name: str) -> list[tuple[str, str]]:
     """The saved transcript of ``name``: (role, text) of each message."""
     return [(m["role"], m["content"]) for m in store.read(name)["messages"]]
 
 
 async def test_ctrl_q_saves_an_undo_with_autosave(demo_model, home):
-    app = KvChatApp(
-        Config(model="demo", max_tokens=8, autosave=True), lm=demo_model, volatile=False
-    )
+    app = saving_app(demo_model)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         conversation = app.active_conversation()
@@ -106,9 +111,7 @@ async def test_ctrl_q_without_autosave_save_all_writes_every_tab(make_app):
 async def test_a_signal_ends_the_app_and_its_changes_are_saved_after(demo_model, home):
     """The handler's path in-process: SIGTERM stops and ends the app at once; what is
     unsaved is saved once it has ended, as ``run_app`` does after ``App.run``."""
-    app = KvChatApp(
-        Config(model="demo", max_tokens=8, autosave=True), lm=demo_model, volatile=False
-    )
+    app = saving_app(demo_model)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         conversation = app.active_conversation()
@@ -140,9 +143,7 @@ def test_a_real_kvchat_ended_by_a_signal_saves_and_exits_0(tmp_path, end):
 
 
 async def test_a_save_that_fails_on_quitting_keeps_the_app_open(demo_model, home):
-    app = KvChatApp(
-        Config(model="demo", max_tokens=8, autosave=True), lm=demo_model, volatile=False
-    )
+    app = saving_app(demo_model)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         conversation = app.active_conversation()
