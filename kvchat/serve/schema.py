@@ -24,7 +24,7 @@ from pydantic import (
 
 from kvchat import store
 from kvchat.settings import API, model_fields
-from kvchat.store.schema import _location
+from kvchat.store.schema import error_location
 
 
 class ApiError(Exception):
@@ -374,7 +374,7 @@ def parse_request(raw: bytes, model: type[RequestT]) -> RequestT:
     if first["type"] == "json_invalid":
         raise ApiError(400, f"The body is not valid JSON: {first['msg']}.")
     loc = _field_path(first["loc"])
-    where = _location(loc) or "body"
+    where = error_location(loc) or "body"
     if first["type"] == "extra_forbidden":
         raise ApiError(
             400,
