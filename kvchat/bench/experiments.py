@@ -16,15 +16,15 @@ from .common import (
     READ_PROMPT,
     SUMMARY_PROMPT,
     Log,
-    _eval_only_s,
-    _folder_bytes,
-    _median,
-    _median_profile,
-    _plan,
-    _ratio,
+    bench_plan,
     bytes_per_token,
+    eval_only_s,
+    folder_bytes,
     make_text,
+    median,
+    median_profile,
     profile_cached_turn,
+    ratio,
     run_turn,
     temp_home,
 )
@@ -38,7 +38,7 @@ class Bench:
     def __init__(self, lm: LoadedModel, quick: bool, log: Log | None = None):
         self.lm = lm
         self.quick = quick
-        self.plan = _plan(quick)
+        self.plan = bench_plan(quick)
         self.log = log or (lambda _msg: None)
         self.histories: dict[int, list[dict]] = {}
         self.sessions: dict[int, Session] = {}
@@ -90,8 +90,8 @@ class Bench:
                     "prompt_tokens": c["prompt_tokens"],
                     "cached": _turn_view(c),
                     "uncached": _turn_view(u),
-                    "speedup_prompt_eval": _ratio(u["prompt_eval_s"], c["prompt_eval_s"]),
-                    "speedup_ttft": _ratio(u["ttft_s"], c["ttft_s"]),
+                    "speedup_prompt_eval": ratio(u["prompt_eval_s"], c["prompt_eval_s"]),
+                    "speedup_ttft": ratio(u["ttft_s"], c["ttft_s"]),
                     "same_reply": c["tokens"] == u["tokens"],
                 }
             )
@@ -207,11 +207,11 @@ class Bench:
             for _ in range(plan["cached_repeats"]):
                 cached_runs.append(run_turn(s, FOLLOW_UP))
                 s.undo()
-            cached_med = _median([r["ttft_s"] for r in cached_runs])
+            cached_med = median([r["ttft_s"] for r in cached_runs])
             new = prompt[cached_runs[0]["reused_tokens"] :]
-            eval_only = _median([_eval_only_s(self.lm, new) for _ in range(plan["cached_repeats"])])
+            eval_only = median([eval_only_s(self.lm, new) for _ in range(plan["cached_repeats"])])
             self._say(f"sweep {target}: profile of the cached turn")
-            profile = _median_profile(
+            profile = median_profile(
                 [profile_cached_turn(s, FOLLOW_UP) for _ in range(plan["profile_repeats"])]
             )
             points.append(
@@ -221,14 +221,14 @@ class Bench:
                     "new_tokens": cached_runs[0]["evaluated_tokens"],
                     "cached_ttft_s": cached_med,
                     "cached_ttft_best_s": min(r["ttft_s"] for r in cached_runs),
-                    "cached_prompt_eval_s": _median([r["prompt_eval_s"] for r in cached_runs]),
+                    "cached_prompt_eval_s": median([r["prompt_eval_s"] for r in cached_runs]),
                     "uncached_ttft_s": uncached["ttft_s"],
                     "uncached_prompt_eval_s": uncached["prompt_eval_s"],
                     "uncached_prompt_tokens": len(prompt),
-                    "speedup_ttft": _ratio(uncached["ttft_s"], cached_med),
+                    "speedup_ttft": ratio(uncached["ttft_s"], cached_med),
                     "eval_new_only_s": eval_only,
-                    "cached_over_new_only": _ratio(cached_med, eval_only),
-                    "gen_tps_cached": _median([r["gen_tps"] for r in cached_runs]),
+                    "cached_over_new_only": ratio(cached_med, eval_only),
+                    "gen_tps_cached": median([r["gen_tps"] for r in cached_runs]),
                     # greedy: the cached turn's first token equals the fresh prefill's
                     "same_reply": all(r["tokens"][:1] == [first_uncached] for r in cached_runs),
                     "profile": profile,
@@ -258,7 +258,7 @@ class Bench:
             t0 = time.perf_counter()
             folder = store.save(s, name)
             save_s = time.perf_counter() - t0
-            size = _folder_bytes(folder)
+            size = folder_bytes(folder)
             cache_file = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
             t0 = time.perf_counter()
             loaded = store.load(name, self.lm)
@@ -279,8 +279,8 @@ class Bench:
             "resumed_prompt_eval_s": resumed["prompt_eval_s"],
             "reprefill_ttft_s": uncached["ttft_s"],
             "reprefill_prompt_eval_s": uncached["prompt_eval_s"],
-            "speedup_ttft": _ratio(uncached["ttft_s"], resumed["ttft_s"]),
-            "load_plus_turn_speedup": _ratio(uncached["ttft_s"], load_s + resumed["ttft_s"]),
+            "speedup_ttft": ratio(uncached["ttft_s"], resumed["ttft_s"]),
+            "load_plus_turn_speedup": ratio(uncached["ttft_s"], load_s + resumed["ttft_s"]),
             "same_reply": resumed["tokens"][:1] == [first_uncached],
         }
 
@@ -349,7 +349,7 @@ class Bench:
             mx.clear_cache()
         std = next(r for r in rows if r["kind"] == "standard")
         for r in rows:
-            r["bytes_vs_standard"] = _ratio(r["bytes_per_token"], std["bytes_per_token"])
+            r["bytes_vs_standard"] = ratio(r["bytes_per_token"], std["bytes_per_token"])
         # The same comparison for a 16-bit model: quantize the standard cache's keys
         # and values cast to float16 (scales and biases then take 16 bits too).
         keys16 = {}
@@ -404,8 +404,8 @@ class Bench:
                 continue
             out[label] = json.loads(proc.stdout.strip().splitlines()[-1])
         opt, ref = out.get("optimised", {}), out.get("reference", {})
-        out["speedup"] = _ratio(opt.get("prefill_tps"), ref.get("prefill_tps"))
-        out["matmul_speedup"] = _ratio(opt.get("matmul_gflops"), ref.get("matmul_gflops"))
+        out["speedup"] = ratio(opt.get("prefill_tps"), ref.get("prefill_tps"))
+        out["matmul_speedup"] = ratio(opt.get("matmul_gflops"), ref.get("matmul_gflops"))
         return out
 
 

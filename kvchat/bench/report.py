@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .common import PROFILE_PARTS, SUMMARY_PROMPT, _ratio
+from .common import PROFILE_PARTS, SUMMARY_PROMPT, ratio
 
 if TYPE_CHECKING:
     pass
@@ -64,7 +64,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(
             {
                 "target": "rotated:4 bytes/token = quantized:4's (ratio ≤1)",
-                "value": _ratio(
+                "value": ratio(
                     rows["rotated:4"]["bytes_per_token"], rows["quantized:4"]["bytes_per_token"]
                 ),
                 "limit": 1.0,
@@ -129,7 +129,7 @@ def _fidelity_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(
             {
                 "target": "rotated:4 mean KLD ≤0.5 of quantized:4's (ratio)",
-                "value": _ratio(rows["rotated:4"]["kld_mean"], rows["quantized:4"]["kld_mean"]),
+                "value": ratio(rows["rotated:4"]["kld_mean"], rows["quantized:4"]["kld_mean"]),
                 "limit": 0.5,
                 "op": "<=",
             }
