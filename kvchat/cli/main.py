@@ -282,7 +282,8 @@ def eval_cache(
     from rich.console import Console
 
     from kvchat.bench.fidelity import evaluate
-    from kvchat.bench.report import fidelity_table, rich_table
+    from kvchat.bench.report import rich_table
+    from kvchat.bench.tables import fidelity_table
     from kvchat.engine.caches.kinds import CacheKindError, parse_kind
 
     names = [k for k in kinds.split(",") if k.strip()]
