@@ -14,8 +14,8 @@ from kvchat.engine.caches import rotated
 from kvchat.engine.caches.kinds import convert_cache, copy_cache, make_cache, parse_kind, trim_to
 from kvchat.engine.caches.loading import load_prompt_cache
 from kvchat.engine.caches.rotated import RotatedKVCache, rotation
+from kvchat.engine.caches.sizes import kind_bytes_per_token
 from kvchat.engine.conversation.session import GenerationSettings, Session
-from kvchat.tui.screens.dialogs import kind_bytes_per_token
 
 SYSTEM = "You are terse."
 TEXTS = ["Hello there.", "What is a cache?", "Why is the sky blue?"]
