@@ -27,16 +27,8 @@ from tomlkit.items import String, StringType
 
 from kvchat.atomic import write_atomic
 from kvchat.safety import read_limited
-from kvchat.settings import (
-    SETTINGS,
-    ConfigError,
-    apply_overrides,
-    check,
-    from_env,
-    literal,
-    parse_size,
-    toml_string,
-)
+from kvchat.setting import ConfigError, literal, parse_size, toml_string
+from kvchat.settings import SETTINGS, apply_overrides, check, from_env
 
 __all__ = [
     "Config",

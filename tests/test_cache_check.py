@@ -13,11 +13,12 @@ import mlx.core as mx
 import pytest
 from helpers import turn
 from mlx_lm.models import gemma3_text, mamba
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import save_prompt_cache
 
 from kvchat import store
 from kvchat.engine.caches.cache_check import Reference, cache_problem
 from kvchat.engine.caches.kinds import compacted, make_cache, parse_kind
+from kvchat.engine.caches.loading import load_prompt_cache
 from kvchat.engine.conversation.session import GenerationSettings, Session
 
 SYSTEM = "You are terse."
@@ -213,7 +214,7 @@ def _round_trip(cache: list) -> list:
     with tempfile.TemporaryDirectory() as folder:
         path = f"{folder}/cache.safetensors"
         save_prompt_cache(path, compacted(cache), {})
-        return load_prompt_cache(path)
+        return load_prompt_cache(path)[0]
 
 
 def _gemma() -> gemma3_text.Model:

@@ -12,9 +12,10 @@ from mlx_lm.models import base
 from kvchat import store
 from kvchat.engine.caches import rotated
 from kvchat.engine.caches.kinds import convert_cache, copy_cache, make_cache, parse_kind, trim_to
+from kvchat.engine.caches.loading import load_prompt_cache
 from kvchat.engine.caches.rotated import RotatedKVCache, rotation
+from kvchat.engine.caches.sizes import kind_bytes_per_token
 from kvchat.engine.conversation.session import GenerationSettings, Session
-from kvchat.tui.screens.dialogs import kind_bytes_per_token
 
 SYSTEM = "You are terse."
 TEXTS = ["Hello there.", "What is a cache?", "Why is the sky blue?"]
@@ -103,6 +104,25 @@ def test_saves_and_resumes_with_the_cache(demo_model, home, kind):
     resumed, live = turn(loaded.session, TEXTS[2]), turn(session, TEXTS[2])
     assert resumed.stats.evaluated_tokens == live.stats.evaluated_tokens < 40
     assert resumed.tokens == live.tokens
+
+
+def test_mlx_lm_cache_module_is_left_as_mlx_lm_made_it(demo_model, tmp_path):
+    """kvchat reads its own class back without adding a name to mlx-lm's module."""
+    import mlx_lm.models.cache as mlx_cache
+
+    session = Session(demo_model, kind="rotated:4", system=SYSTEM, settings=settings())
+    turn(session, TEXTS[0])
+    path = str(tmp_path / "c.safetensors")
+    mlx_cache.save_prompt_cache(path, session.cache, {"who": "test"})
+    loaded, meta = load_prompt_cache(path)
+    assert [type(c) for c in loaded] == [RotatedKVCache] * len(session.cache)
+    assert meta == {"who": "test"}
+    assert "RotatedKVCache" not in vars(mlx_cache)
+    assert not [
+        v for v in vars(mlx_cache).values() if getattr(v, "__module__", "").startswith("kvchat")
+    ]
+    with pytest.raises(KeyError, match="RotatedKVCache"):
+        mlx_cache.load_prompt_cache(path)  # mlx-lm alone does not know kvchat's class
 
 
 def test_undo_and_trim_keep_the_cached_data(demo_model):

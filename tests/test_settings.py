@@ -11,12 +11,12 @@ from typer.testing import CliRunner
 from kvchat.cli import app
 from kvchat.config import Config, load_config
 from kvchat.engine.conversation.events import GenerationSettings
+from kvchat.setting import ConfigError
 from kvchat.settings import (
     API,
     DIALOG,
     FLAGS,
     GENERATION,
-    ConfigError,
     apply_overrides,
     from_env,
     generation_of,

@@ -34,9 +34,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import cpu as cpu_bench
+from .blas_speed import blas_comparison
 from .common import DEFAULT_MODEL, Log, machine, make_text
 from .experiments import Bench
-from .report import print_tables, targets, to_markdown
+from .report import print_tables, to_markdown
+from .targets import targets
 
 __all__ = ["DEFAULT_MODEL", "make_text", "print_tables", "run_bench", "to_markdown"]
 
@@ -87,7 +89,7 @@ def run_bench(
     result["persistence"] = persistence
     result["kinds"] = bench.kinds()
     bench.sessions.clear()
-    result["blas"] = bench.blas()
+    result["blas"] = blas_comparison(lm, bench.plan, say)
     say("cpu: the fast path on and off")
     result["cpu"] = cpu_bench.fast_path(lm, bench.plan, say)
     float32 = {}

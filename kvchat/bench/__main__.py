@@ -7,8 +7,8 @@ import sys
 
 from kvchat import blas
 
+from .blas_speed import blas_probe
 from .common import DEFAULT_MODEL
-from .experiments import blas_probe
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,7 @@ FOLLOW_UP = (
 Log = Callable[[str], None]
 
 
-def _plan(quick: bool) -> dict[str, Any]:
+def bench_plan(quick: bool) -> dict[str, Any]:
     """Sizes of every experiment; ``quick`` keeps the whole run small."""
     return {
         "article_tokens": 2000 if quick else 4500,
@@ -148,11 +148,13 @@ def make_text(tokenizer, tokens: int, seed: int) -> str:
 # ------------------------------------------------------------------ helpers
 
 
-def _median(values: list[float]) -> float:
+def median(values: list[float]) -> float:
+    """The median of ``values``, as a float."""
     return float(statistics.median(values))
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or None where either is missing or not finite or ``b`` is not positive."""
     if a is None or b is None or b <= 0 or not math.isfinite(a) or not math.isfinite(b):
         return None
     return a / b
@@ -192,7 +194,7 @@ def bytes_per_token(cache: list[Any]) -> float:
     return total
 
 
-def _eval_only_s(lm: LoadedModel, tokens: list[int]) -> float:
+def eval_only_s(lm: LoadedModel, tokens: list[int]) -> float:
     """Seconds to evaluate only ``tokens`` from an empty cache and sample the first token."""
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
@@ -225,7 +227,8 @@ def temp_home() -> Iterator[Path]:
                 os.environ["KVCHAT_HOME"] = old
 
 
-def _folder_bytes(folder: Path) -> int:
+def folder_bytes(folder: Path) -> int:
+    """The bytes of every file under ``folder``."""
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
@@ -299,8 +302,9 @@ PROFILE_PARTS = {
 }
 
 
-def _median_profile(profiles: list[dict[str, float]]) -> dict[str, Any]:
-    out: dict[str, Any] = {k: _median([p[k] for p in profiles]) for k in PROFILE_PARTS}
+def median_profile(profiles: list[dict[str, float]]) -> dict[str, Any]:
+    """Each part of the cached-turn profiles' median, with their total, each share and the slowest part."""
+    out: dict[str, Any] = {k: median([p[k] for p in profiles]) for k in PROFILE_PARTS}
     total = sum(out[k] for k in PROFILE_PARTS)
     out["total_s"] = total
     out["shares"] = {k: (out[k] / total if total > 0 else 0.0) for k in PROFILE_PARTS}

@@ -16,7 +16,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from .common import FOLLOW_UP, Log, _ratio, make_text
+from .common import FOLLOW_UP, Log, make_text, ratio
 
 if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
@@ -191,9 +191,9 @@ def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]
     )
     for row in rows:
         faster = (
-            _ratio(row["off"], row["on"])
+            ratio(row["off"], row["on"])
             if row["unit"].startswith("s")
-            else _ratio(row["on"], row["off"])
+            else ratio(row["on"], row["off"])
         )
         row["speedup"] = faster
     log("cpu: the machine's bounds for these weights")
@@ -232,8 +232,8 @@ def quantized_weights(
                     lambda m: _prefill_and_decode(m, plan["cpu_prefill"][0], plan["cpu_decode"]),
                 )
                 row |= figures | {
-                    "prefill_vs_float32": _ratio(figures["prefill_tps"], base["prefill_tps"]),
-                    "decode_vs_float32": _ratio(figures["decode_tps"], base["decode_tps"]),
+                    "prefill_vs_float32": ratio(figures["prefill_tps"], base["prefill_tps"]),
+                    "decode_vs_float32": ratio(figures["decode_tps"], base["decode_tps"]),
                 }
             rows.append(row)
             del quant

@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from typing import TYPE_CHECKING, Any, cast
-
-from kvchat import blas
 
 from .common import (
     FOLLOW_UP,
     READ_PROMPT,
     SUMMARY_PROMPT,
     Log,
-    _eval_only_s,
-    _folder_bytes,
-    _median,
-    _median_profile,
-    _plan,
-    _ratio,
+    bench_plan,
     bytes_per_token,
+    eval_only_s,
+    folder_bytes,
     make_text,
+    median,
+    median_profile,
     profile_cached_turn,
+    ratio,
     run_turn,
     temp_home,
 )
@@ -38,7 +32,7 @@ class Bench:
     def __init__(self, lm: LoadedModel, quick: bool, log: Log | None = None):
         self.lm = lm
         self.quick = quick
-        self.plan = _plan(quick)
+        self.plan = bench_plan(quick)
         self.log = log or (lambda _msg: None)
         self.histories: dict[int, list[dict]] = {}
         self.sessions: dict[int, Session] = {}
@@ -90,8 +84,8 @@ class Bench:
                     "prompt_tokens": c["prompt_tokens"],
                     "cached": _turn_view(c),
                     "uncached": _turn_view(u),
-                    "speedup_prompt_eval": _ratio(u["prompt_eval_s"], c["prompt_eval_s"]),
-                    "speedup_ttft": _ratio(u["ttft_s"], c["ttft_s"]),
+                    "speedup_prompt_eval": ratio(u["prompt_eval_s"], c["prompt_eval_s"]),
+                    "speedup_ttft": ratio(u["ttft_s"], c["ttft_s"]),
                     "same_reply": c["tokens"] == u["tokens"],
                 }
             )
@@ -207,11 +201,11 @@ class Bench:
             for _ in range(plan["cached_repeats"]):
                 cached_runs.append(run_turn(s, FOLLOW_UP))
                 s.undo()
-            cached_med = _median([r["ttft_s"] for r in cached_runs])
+            cached_med = median([r["ttft_s"] for r in cached_runs])
             new = prompt[cached_runs[0]["reused_tokens"] :]
-            eval_only = _median([_eval_only_s(self.lm, new) for _ in range(plan["cached_repeats"])])
+            eval_only = median([eval_only_s(self.lm, new) for _ in range(plan["cached_repeats"])])
             self._say(f"sweep {target}: profile of the cached turn")
-            profile = _median_profile(
+            profile = median_profile(
                 [profile_cached_turn(s, FOLLOW_UP) for _ in range(plan["profile_repeats"])]
             )
             points.append(
@@ -221,14 +215,14 @@ class Bench:
                     "new_tokens": cached_runs[0]["evaluated_tokens"],
                     "cached_ttft_s": cached_med,
                     "cached_ttft_best_s": min(r["ttft_s"] for r in cached_runs),
-                    "cached_prompt_eval_s": _median([r["prompt_eval_s"] for r in cached_runs]),
+                    "cached_prompt_eval_s": median([r["prompt_eval_s"] for r in cached_runs]),
                     "uncached_ttft_s": uncached["ttft_s"],
                     "uncached_prompt_eval_s": uncached["prompt_eval_s"],
                     "uncached_prompt_tokens": len(prompt),
-                    "speedup_ttft": _ratio(uncached["ttft_s"], cached_med),
+                    "speedup_ttft": ratio(uncached["ttft_s"], cached_med),
                     "eval_new_only_s": eval_only,
-                    "cached_over_new_only": _ratio(cached_med, eval_only),
-                    "gen_tps_cached": _median([r["gen_tps"] for r in cached_runs]),
+                    "cached_over_new_only": ratio(cached_med, eval_only),
+                    "gen_tps_cached": median([r["gen_tps"] for r in cached_runs]),
                     # greedy: the cached turn's first token equals the fresh prefill's
                     "same_reply": all(r["tokens"][:1] == [first_uncached] for r in cached_runs),
                     "profile": profile,
@@ -258,7 +252,7 @@ class Bench:
             t0 = time.perf_counter()
             folder = store.save(s, name)
             save_s = time.perf_counter() - t0
-            size = _folder_bytes(folder)
+            size = folder_bytes(folder)
             cache_file = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
             t0 = time.perf_counter()
             loaded = store.load(name, self.lm)
@@ -279,8 +273,8 @@ class Bench:
             "resumed_prompt_eval_s": resumed["prompt_eval_s"],
             "reprefill_ttft_s": uncached["ttft_s"],
             "reprefill_prompt_eval_s": uncached["prompt_eval_s"],
-            "speedup_ttft": _ratio(uncached["ttft_s"], resumed["ttft_s"]),
-            "load_plus_turn_speedup": _ratio(uncached["ttft_s"], load_s + resumed["ttft_s"]),
+            "speedup_ttft": ratio(uncached["ttft_s"], resumed["ttft_s"]),
+            "load_plus_turn_speedup": ratio(uncached["ttft_s"], load_s + resumed["ttft_s"]),
             "same_reply": resumed["tokens"][:1] == [first_uncached],
         }
 
@@ -349,7 +343,7 @@ class Bench:
             mx.clear_cache()
         std = next(r for r in rows if r["kind"] == "standard")
         for r in rows:
-            r["bytes_vs_standard"] = _ratio(r["bytes_per_token"], std["bytes_per_token"])
+            r["bytes_vs_standard"] = ratio(r["bytes_per_token"], std["bytes_per_token"])
         # The same comparison for a 16-bit model: quantize the standard cache's keys
         # and values cast to float16 (scales and biases then take 16 bits too).
         keys16 = {}
@@ -377,37 +371,6 @@ class Bench:
             },
         }
 
-    # 5 ------------------------------------------------------------ blas
-    def blas(self) -> dict[str, Any]:
-        if not sys.platform.startswith("linux"):
-            return {"skipped": "not Linux: mlx uses the platform BLAS"}
-        out: dict[str, Any] = {}
-        for label, off in (("optimised", False), ("reference", True)):
-            self._say(f"blas: prefill probe with the {label} BLAS (subprocess)")
-            env = dict(os.environ)
-            env.pop("KVCHAT_NO_BLAS", None)
-            if off:
-                env["KVCHAT_NO_BLAS"] = "1"
-            cmd = [
-                sys.executable,
-                "-m",
-                "kvchat.bench",
-                "--blas-probe",
-                "--model",
-                self.lm.model_id,
-                "--tokens",
-                str(self.plan["blas_probe_tokens"]),
-            ]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-            if proc.returncode != 0:
-                out[label] = {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
-                continue
-            out[label] = json.loads(proc.stdout.strip().splitlines()[-1])
-        opt, ref = out.get("optimised", {}), out.get("reference", {})
-        out["speedup"] = _ratio(opt.get("prefill_tps"), ref.get("prefill_tps"))
-        out["matmul_speedup"] = _ratio(opt.get("matmul_gflops"), ref.get("matmul_gflops"))
-        return out
-
 
 def _turn_view(r: dict[str, Any]) -> dict[str, Any]:
     keys = (
@@ -422,44 +385,3 @@ def _turn_view(r: dict[str, Any]) -> dict[str, Any]:
         "cache_bytes",
     )
     return {k: r[k] for k in keys}
-
-
-def blas_probe(spec: str, tokens: int) -> dict[str, Any]:
-    """Prefill speed of ``tokens`` tokens in one pass, and n×n matmul GFLOP/s, in this process."""
-    import mlx.core as mx
-
-    from kvchat.engine.caches.kinds import make_cache, parse_kind
-    from kvchat.engine.models.model import load_model
-
-    lm = load_model(spec)
-    ids = lm.tokenizer.encode(make_text(lm.tokenizer, tokens + 8, seed=7), add_special_tokens=False)
-    ids = (ids * (tokens // max(1, len(ids)) + 1))[:tokens]
-
-    def once(n: int) -> float:
-        cache = make_cache(lm.model, parse_kind("standard"))
-        start = time.perf_counter()
-        mx.eval(lm.model(mx.array(ids[:n])[None], cache=cache))
-        return time.perf_counter() - start
-
-    once(8)  # warm up
-    times = [once(tokens)]
-    while len(times) < 3 and sum(times) < 3.0:
-        times.append(once(tokens))
-    seconds = min(times)
-    n = 512
-    a = mx.random.normal((n, n))
-    mx.eval(a @ a)
-    start = time.perf_counter()
-    reps = 0
-    while reps < 2 or (time.perf_counter() - start < 0.5 and reps < 50):
-        mx.eval(a @ a)
-        reps += 1
-    gflops = 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
-    return {
-        "blas": blas.describe(),
-        "blas_status": blas.info.status,
-        "tokens": tokens,
-        "prefill_s": seconds,
-        "prefill_tps": tokens / seconds,
-        "matmul_gflops": gflops,
-    }

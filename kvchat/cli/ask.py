@@ -9,7 +9,7 @@ import typer
 
 from kvchat.safety import dumps_json, printable
 
-from .common import _as_text, _fail, app, load_or_exit, setting_options
+from .common import app, as_text, fail, load_or_exit, setting_options
 
 
 @app.command()
@@ -49,10 +49,10 @@ def ask(
     from kvchat.engine.distributed.driver import load_session, new_session, save_session
     from kvchat.settings import apply_overrides, generation_of
 
-    text = _as_text(sys.stdin.buffer.read() if text == "-" else text, "the message")
-    system = _as_text(system, "--system") if system is not None else None
+    text = as_text(sys.stdin.buffer.read() if text == "-" else text, "the message")
+    system = as_text(system, "--system") if system is not None else None
     if not text.strip():
-        raise _fail("Nothing to send: the message is empty.", 2)
+        raise fail("Nothing to send: the message is empty.", 2)
     try:
         flags = flags or {}
         config = apply_overrides(load_config(), flags)
@@ -60,7 +60,7 @@ def ask(
         if session is not None:
             store.check_name(session)
     except (ConfigError, CacheKindError, store.StoreError) as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail(str(exc), 2) from None
 
     lock = store.session_lock(session) if session else contextlib.nullcontext()
     try:
@@ -123,7 +123,7 @@ def ask(
                 except store.StoreError as exc:  # the reply is shown all the same
                     save_error = str(exc)
     except (store.StoreError, SessionError, CacheKindError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     if as_json:
         payload = {
             "reply": done.reply,
@@ -137,7 +137,7 @@ def ask(
     if stats:
         typer.echo(_stats_line(done), err=True)
     if save_error:
-        raise _fail(save_error)
+        raise fail(save_error)
 
 
 def stream_reply(events, echo: bool):

@@ -69,13 +69,13 @@ def load_or_exit(spec: str) -> LoadedModel:
         raise typer.Exit(2) from None
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
+def fail(message: str, code: int = 1) -> typer.Exit:
     """Print ``kvchat: message`` on stderr (made safe: it may quote a file); return the Exit."""
     typer.echo(f"kvchat: {printable(message)}", err=True)
     return typer.Exit(code)
 
 
-def _as_text(raw: bytes | str, what: str) -> str:
+def as_text(raw: bytes | str, what: str) -> str:
     """``raw`` (stdin's bytes, or an argument holding bytes Python could not decode) as
     text: bytes that are not UTF-8 become U+FFFD, and stderr says so."""
     if isinstance(raw, str):

@@ -29,9 +29,9 @@ from .common import (
     RANK0_FAILED,
     SHARDED_COMMANDS,
     SHARDED_ONLY,
-    _as_text,
-    _fail,
     app,
+    as_text,
+    fail,
     load_or_exit,
 )
 from .ring import DEFAULT_PORT, ENTRY, Ring, RingError, rank_ended, ring_hosts
@@ -69,17 +69,17 @@ def launch(
     """
     command = list(ctx.args)
     if backend not in ("ring", "mpi"):
-        raise _fail(f"--backend is ring or mpi, not {backend!r}.", 2)
+        raise fail(f"--backend is ring or mpi, not {backend!r}.", 2)
     if ranks < 1:
-        raise _fail("-n must be at least 1.", 2)
+        raise fail("-n must be at least 1.", 2)
     if not command or command[0].startswith("-"):
         raise typer.Exit(_tui(command, ranks, hosts, hostfile, backend, port))
     if command[0] not in SHARDED_COMMANDS:
-        raise _fail(SHARDED_ONLY, 2)
+        raise fail(SHARDED_ONLY, 2)
     runner = Path(sys.executable).with_name("mlx.launch")
     found = str(runner) if runner.is_file() else shutil.which("mlx.launch")
     if found is None:
-        raise _fail("mlx.launch is not installed beside this Python; install mlx.", 2)
+        raise fail("mlx.launch is not installed beside this Python; install mlx.", 2)
     where = ["--hostfile", str(hostfile)] if hostfile else ["--hosts", hosts] if hosts else []
     argv = [
         found,
@@ -146,12 +146,12 @@ def tui_flags(args: list[str]) -> dict:
     try:
         with options.make_context("kvchat", list(args)) as ctx:
             if ctx.args:  # a command: not one this way runs
-                raise _fail(SHARDED_ONLY, 2)
+                raise fail(SHARDED_ONLY, 2)
             params = dict(ctx.params)
     except typer.TyperException as exc:  # click's usage errors, as typer carries them
-        raise _fail(exc.format_message(), 2) from None
+        raise fail(exc.format_message(), 2) from None
     if params["system"] is not None:
-        params["system"] = _as_text(params["system"], "--system")
+        params["system"] = as_text(params["system"], "--system")
     return {**{k: params[k] for k in TUI_OPTIONS}, "flags": {s.name: params[s.name] for s in FLAGS}}
 
 
@@ -166,7 +166,7 @@ def _tui(
     """Run the TUI on rank 0 (this process) of a ring this process starts."""
     flags = tui_flags(args)
     if backend != "ring":
-        raise _fail(
+        raise fail(
             "The TUI runs over the ring backend only (mlx.launch, which starts the "
             "MPI backend, gives rank 0 no terminal).",
             2,
@@ -174,7 +174,7 @@ def _tui(
     try:
         ring = Ring(ring_hosts(ranks, hosts, hostfile), port or DEFAULT_PORT, ranks_log())
     except RingError as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail(str(exc), 2) from None
     return sharded_tui(ring, flags)
 
 

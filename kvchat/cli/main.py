@@ -25,9 +25,9 @@ from .common import (
     RANK0_FAILED,
     SHARDED_COMMANDS,
     SHARDED_ONLY,
-    _as_text,
-    _fail,
     app,
+    as_text,
+    fail,
     load_or_exit,
     setting_options,
 )
@@ -78,13 +78,13 @@ def root(
         from kvchat.engine.distributed import driver as distributed  # (mlx-lm: under mlx.launch)
 
         if distributed.current():
-            raise _fail(SHARDED_ONLY, 2)
+            raise fail(SHARDED_ONLY, 2)
     if ctx.invoked_subcommand is not None:
         return
     from kvchat.tui.run import run_tui
 
     if system is not None:
-        system = _as_text(system, "--system")
+        system = as_text(system, "--system")
     status = run_tui(model=model, cache=cache, system=system, resume=resume, flags=flags)
     if status:
         raise typer.Exit(status)
@@ -206,9 +206,9 @@ def replay(
         parsed = load_script(script)
         kind = parse_kind(cache)
     except (ReplayError, CacheKindError) as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail(str(exc), 2) from None
     if max_tokens < 1:
-        raise _fail("--max-tokens must be at least 1.", 2)
+        raise fail("--max-tokens must be at least 1.", 2)
     lm = load_or_exit(model)
     try:
         result = run_script(
@@ -219,7 +219,7 @@ def replay(
             settings=GenerationSettings(max_tokens=max_tokens),
         )
     except CacheKindError as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail(str(exc), 2) from None
     if as_json:
         typer.echo(dumps_json(result, indent=2))  # replies are model output
     else:
@@ -282,21 +282,22 @@ def eval_cache(
     from rich.console import Console
 
     from kvchat.bench.fidelity import evaluate
-    from kvchat.bench.report import fidelity_table, rich_table
+    from kvchat.bench.report import rich_table
+    from kvchat.bench.tables import fidelity_table
     from kvchat.engine.caches.kinds import CacheKindError, parse_kind
 
     names = [k for k in kinds.split(",") if k.strip()]
     try:
         names = [parse_kind(k).name for k in names]
     except CacheKindError as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail(str(exc), 2) from None
     if max_tokens < 1:
-        raise _fail("--max-tokens must be at least 1.", 2)
+        raise fail("--max-tokens must be at least 1.", 2)
     lm = load_or_exit(model)
     try:
         rows = [f.as_dict() for f in evaluate(lm, names, max_tokens=max_tokens)]
     except (CacheKindError, ValueError) as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail(str(exc), 2) from None
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from .common import _fail, app, load_or_exit
+from .common import app, fail, load_or_exit
 
 if TYPE_CHECKING:
     from kvchat.config import Config
@@ -87,7 +87,7 @@ def serve(
     from kvchat.settings import generation_of
 
     if not is_loopback(host) and not api_key:
-        raise _fail(
+        raise fail(
             f"--host {host} is reachable from other machines: give --api-key too "
             "(or KVCHAT_API_KEY).",
             2,
@@ -97,14 +97,14 @@ def serve(
         kind = parse_kind(cache).name if cache else config.cache
         body_limit = parse_size(max_body)
     except (ConfigError, CacheKindError) as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail(str(exc), 2) from None
     except ValueError as exc:
-        raise _fail(f"--max-body {max_body}: {exc}", 2) from None
+        raise fail(f"--max-body {max_body}: {exc}", 2) from None
     lm = load_or_exit(model or config.model)
     try:
         make_cache(lm.model, parse_kind(kind))  # a kind this model cannot use: say so now
     except CacheKindError as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail(str(exc), 2) from None
     engine = Engine(
         lm,
         serve_pool(lm, config),

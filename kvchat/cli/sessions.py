@@ -15,7 +15,7 @@ from kvchat.units import human_bytes
 if TYPE_CHECKING:
     pass
 
-from .common import _fail, app
+from .common import app, fail
 
 sessions_app = typer.Typer(
     help="List, show, search, export and remove saved sessions.", no_args_is_help=True
@@ -29,7 +29,7 @@ def _store_call(fn, *args):
     try:
         return fn(*args)
     except StoreError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
 
 
 @sessions_app.command("list")
@@ -163,7 +163,7 @@ def sessions_import(
     try:
         default = load_config().model
     except ConfigError as error:
-        raise _fail(str(error), 2) from None
+        raise fail(str(error), 2) from None
     saved = _store_call(store.import_session, path, name, model, default)
     typer.echo(
         f"Imported {printable(str(path), one_line=True)} as session {saved}; "
@@ -184,20 +184,20 @@ def sessions_prune(
     try:
         seconds = store.parse_duration(older_than)
     except store.StoreError as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail(str(exc), 2) from None
     plan = _store_call(store.prune, seconds, True)
     result = plan
     if plan.removed:
         names = ", ".join(plan.removed)
         if not yes:
             if not sys.stdin.isatty():
-                raise _fail(
+                raise fail(
                     f"Would delete {len(plan.removed)} session(s) ({names}); run it again "
                     "with --yes to confirm, as standard input is not a terminal.",
                     2,
                 )
             if not typer.confirm(f"Delete {len(plan.removed)} session(s): {names}?", default=False):
-                raise _fail("Nothing was deleted.")
+                raise fail("Nothing was deleted.")
         result = _store_call(store.prune, seconds, False, plan.removed)
     removed = result.removed
     typer.echo(

@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from . import tools
 from .constrain import schema_grammar
-from .schema import ApiError, ChatRequest, CompletionRequest, parse_request, session_name
+from .errors import ApiError
+from .schema import ChatRequest, CompletionRequest, parse_request, session_name
 from .shapes import ChatShape, CompletionShape
 from .worker import Engine, Finished, Job, Piece, Started
 

@@ -19,7 +19,7 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
-from .schema import ApiError
+from .errors import ApiError
 
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel

@@ -4,161 +4,31 @@ Strict types (``"0.5"`` is not a temperature, ``true`` is not a token count).
 A field kvchat does not honour is refused with a 400 that names it, never
 accepted and ignored; a field sent as ``null`` is taken as not sent (clients
 echo back ``"tool_calls": null`` and the like). Every problem becomes
-:class:`ApiError`, which the app turns into OpenAI's error shape.
+:class:`~kvchat.serve.errors.ApiError`, which the app turns into OpenAI's error shape.
+The messages and tools a request carries are checked by :mod:`kvchat.serve.messages`.
 """
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     create_model,
     field_validator,
-    model_validator,
 )
 
 from kvchat import store
 from kvchat.settings import API, model_fields
-from kvchat.store.schema import _location
+from kvchat.store.schema import error_location
+
+from .errors import ApiError
+from .messages import Message, NamedChoice, Strict, Tool
 
 
-class ApiError(Exception):
-    """A request refused with ``status``; ``message`` is one sentence for the client."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers or {}
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unset_nulls(cls, data):
-        """A field this model lacks, sent as ``null``, is not sent."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
-        return data
-
-
-class ContentPart(_Strict):
-    """A part of a message's content; only ``text`` parts are taken (see :meth:`check`)."""
-
-    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
-    type: str
-    text: str | None = None
-
-    def check(self, where: str) -> str:
-        """The part's text, or an :class:`ApiError` saying why it cannot be taken."""
-        if self.type == "text" and self.text is not None:
-            return self.text
-        if self.type == "text":
-            raise ApiError(
-                400, f"'{where}.text': a text part needs its text.", param=f"{where}.text"
-            )
-        what = self.type.removesuffix("_url").replace("_", " ")
-        raise ApiError(
-            400,
-            f"This model takes text only: {what} content parts are not "
-            f"supported ('{where}' is of type {self.type!r}).",
-            param=where,
-            code="unsupported_content",
-        )
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str
-
-
-class ToolCall(_Strict):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-    def plain(self) -> dict:
-        """The call as chat templates take it (its arguments an object, not a string)."""
-        try:
-            arguments = json.loads(self.function.arguments)
-        except ValueError:
-            arguments = self.function.arguments
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.function.name, "arguments": arguments},
-        }
-
-
-class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(part.text or "" for part in self.content)
-
-    def plain(self) -> dict:
-        """The message as a Session keeps it (``developer`` is the newer name for ``system``)."""
-        role = "system" if self.role == "developer" else self.role
-        out: dict[str, Any] = {"role": role, "content": self.text()}
-        if self.tool_calls:
-            out["tool_calls"] = [call.plain() for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-class FunctionSpec(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionSpec
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
@@ -166,21 +36,21 @@ class StreamOptions(_Strict):
 # with the ranges kvchat/settings.py declares for them
 if TYPE_CHECKING:  # a model made at run time: a checker sees its fields as Any
 
-    class _Sampling(_Strict):
+    class _Sampling(Strict):
         def __getattr__(self, name: str) -> Any: ...
 
 else:
-    _Sampling = create_model("_Sampling", __base__=_Strict, **model_fields(API, api=True))
+    _Sampling = create_model("_Sampling", __base__=Strict, **model_fields(API, api=True))
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     name: str = Field(min_length=1, max_length=64)
     json_schema: dict = Field(alias="schema")
     description: str | None = None
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     """``response_format``: plain text, any JSON object, or JSON valid against a schema
     (held to it by constrained decoding, :mod:`kvchat.serve.constrain`)."""
 
@@ -374,7 +244,7 @@ def parse_request(raw: bytes, model: type[RequestT]) -> RequestT:
     if first["type"] == "json_invalid":
         raise ApiError(400, f"The body is not valid JSON: {first['msg']}.")
     loc = _field_path(first["loc"])
-    where = _location(loc) or "body"
+    where = error_location(loc) or "body"
     if first["type"] == "extra_forbidden":
         raise ApiError(
             400,

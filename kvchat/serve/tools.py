@@ -17,12 +17,12 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from .constrain import lark_grammar
-from .schema import ApiError
+from .errors import ApiError
 
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
 
-    from .schema import Tool
+    from .messages import Tool
 
 
 def marker(lm: LoadedModel) -> str | None:

@@ -10,7 +10,7 @@ afterwards must have the model to itself: those parts take a
 running ones wait; more than ``max_queue`` waiting are refused (429) before
 any work. Each job reports back to the event loop through an
 :class:`asyncio.Queue`: a :class:`Started`, the reply's text pieces, then a
-:class:`Finished` (or an :class:`~kvchat.serve.schema.ApiError`).
+:class:`Finished` (or an :class:`~kvchat.serve.errors.ApiError`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ from kvchat.settings import GENERATION, apply_overrides
 
 from . import anonymous
 from .constrain import JsonConstraint
+from .errors import ApiError
 from .logprobs import chat_entry, text_of
 from .matching import Match, Matcher
-from .schema import ApiError, ChatRequest, CompletionRequest
+from .schema import ChatRequest, CompletionRequest
 from .tools import marker as tool_marker
 from .tools import plain, split
 

@@ -39,10 +39,10 @@ def read_cache(
     A rank other than 0 of a sharded run reads its own shard (``store/shards.py``).
     """
     import mlx.core as mx
-    from mlx_lm.models.cache import load_prompt_cache
 
     from kvchat.engine.caches.cache_check import cache_problem
     from kvchat.engine.caches.kinds import cache_offset, trim_to
+    from kvchat.engine.caches.loading import load_prompt_cache
     from kvchat.engine.conversation.maintenance import common_prefix
     from kvchat.engine.distributed.sharding import layout_problem
 
@@ -69,7 +69,7 @@ def read_cache(
     try:  # a regular file only (no symlink, FIFO, device), no bigger than a cache can be
         with open_regular(path, _size_cap(lm)) as f:
             sha = sha256_of(f)
-            cache, meta = load_prompt_cache(f, return_metadata=True)
+            cache, meta = load_prompt_cache(f)
             mx.eval([c.state for c in cache])
     except StoreError as exc:
         return None, None, str(exc).rstrip(".")
@@ -117,7 +117,7 @@ def read_cache(
         return None, None, f"{path} does not belong with session.json (a save was cut short?)"
     if sha != shard_sha(info, rank):
         return None, None, f"{path} is damaged (its checksum differs from the one in session.json)"
-    held = cache_offset(cache)
+    held: int | str | None = cache_offset(cache)
     if held is None:  # recurrent state only: the file's own count stands for the position
         held = meta.get("ledger_len")
     if str(held) != str(len(ledger)):

@@ -145,9 +145,9 @@ def read_checkpoints(
     ``reference``), and None; or none and why not, as a clause; none and None when none
     were saved."""
     import mlx.core as mx
-    from mlx_lm.models.cache import load_prompt_cache
 
     from kvchat.engine.caches.checkpoints import CHECKPOINT_BUDGET
+    from kvchat.engine.caches.loading import load_prompt_cache
 
     if info is None:
         return [], None
@@ -157,7 +157,7 @@ def read_checkpoints(
             read = os.fstat(f.fileno())
             if sha256_of(f) != info["sha256"]:
                 return [], f"{path} is damaged (its checksum differs from the one in session.json)"
-            layers, meta = load_prompt_cache(f, return_metadata=True)
+            layers, meta = load_prompt_cache(f)
             mx.eval([layer.state for layer in layers])
     except FileNotFoundError:
         return [], f"{path} is missing"

@@ -141,7 +141,7 @@ def parse_file(raw: bytes, path: Path) -> SessionFile:
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_input=False)
         first = errors[0]
-        where = _location(first["loc"])
+        where = error_location(first["loc"])
         problem = f"{where}: {first['msg']}" if where else first["msg"]
         if len(errors) > 1:
             problem += f", and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''}"
@@ -154,7 +154,7 @@ def parse_session(raw: bytes, path: Path) -> dict[str, Any]:
     return parse_file(raw, path).model_dump(exclude_unset=True)
 
 
-def _location(loc: tuple[int | str, ...]) -> str:
+def error_location(loc: tuple[int | str, ...]) -> str:
     """``('turns', 0, 'temp')`` -> ``turns[0].temp``."""
     out = ""
     for part in loc:

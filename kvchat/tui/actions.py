@@ -15,7 +15,8 @@ from kvchat import store
 from kvchat.engine.caches.kinds import OFFERED_KINDS, applicable_kinds, known_applicable_kinds
 from kvchat.engine.conversation.events import TurnDone
 
-from .screens.dialogs import DropDialog, KindDialog, RenameDialog, TrimChoice, TrimDialog
+from .screens.dialogs import DropDialog, RenameDialog, TrimChoice, TrimDialog
+from .screens.kind import KindDialog
 from .screens.settings import SettingsDialog, TabSettings
 from .widgets.sidebar import user_turns
 
@@ -163,7 +164,7 @@ class TabActions:
                 markup=False,
             )
 
-        await conversation.regenerate(said)
+        await conversation.turns.regenerate(said)
 
     def drop(self) -> None:
         conversation = self.app.idle_conversation()

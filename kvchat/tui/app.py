@@ -1,7 +1,7 @@
 """The kvchat Textual app: tabs of conversations, the cache sidebar, dialogs and key bindings.
 
 A thin layer: every action here is one engine or store call run through a
-conversation's worker (see ``widgets/chat.py``); replies of several tabs run at
+conversation's worker (see ``widgets/turns.py`` and ``widgets/jobs.py``); replies of several tabs run at
 once, and work that needs the model alone goes in the order the shared
 :class:`~kvchat.engine.generation.scheduler.Scheduler` decides. Every key is declared
 once, in a ``BINDINGS`` list; the footer, the help screen and the command
@@ -162,7 +162,7 @@ class KvChatApp(App):
             self.push_screen(LoadingScreen(f"Loading model {self.config.model}…"))
             self.model_loader.load_default(self.config.model)
         else:
-            self.call_later(self.start)
+            self.call_later(self.tab_control.open_first)
 
     def on_unmount(self) -> None:
         if not self.is_headless:
@@ -172,26 +172,6 @@ class KvChatApp(App):
         if self._theme_ready and theme.name != self.config.theme:
             self.config = self.config.override(theme=theme.name)
             remember_theme(self.config_path, theme.name, self.notify)
-
-    def start(self) -> None:
-        """With the app's model loaded: resume the session asked for, or offer the saved
-        ones, or open a new tab."""
-        if self.resume:
-            self.open_saved(self.resume)
-            return
-        sessions = store.list_sessions() if self.picker_on_start else []
-        if sessions:
-            self.push_screen(SessionPicker(sessions, cancellable=False), self._picked)
-        else:
-            self.call_later(self.new_tab)
-
-    async def _picked(self, name: str | None) -> None:
-        if name is None:
-            return
-        if name == "":
-            await self.new_tab()
-        else:
-            self.open_saved(name)
 
     # ------------------------------------------------------------- tabs
 
@@ -292,7 +272,7 @@ class KvChatApp(App):
 
     def action_stop(self) -> None:
         conversation = self.active_conversation()
-        if conversation is not None and conversation.stop():
+        if conversation is not None and conversation.turns.stop():
             self.notify("Stopping…", timeout=2)
 
     async def action_quit(self) -> None:
@@ -303,7 +283,7 @@ class KvChatApp(App):
 
     def action_sessions(self) -> None:
         if self.shards is None or not self.shards.refused():
-            self.push_screen(SessionPicker(store.list_sessions()), self._picked)
+            self.push_screen(SessionPicker(store.list_sessions()), self.tab_control.picked)
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

@@ -61,7 +61,7 @@ class ModelLoader:
         app.lm = lm
         if isinstance(app.screen, LoadingScreen):
             app.pop_screen()
-        app.start()
+        app.tab_control.open_first()
 
     def new_tab_model(self) -> None:
         """Ask for a model, then open a new tab on it."""

@@ -71,7 +71,7 @@ class Quitter:
         self.underway = True
         busy = [c for c in app.conversations() if c.busy]
         for conversation in busy:
-            conversation.stop()
+            conversation.turns.stop()
         if busy:
             app.notify(
                 "Stopping and saving before quitting… (Ctrl+Q again: quit now)",

@@ -1,5 +1,6 @@
-"""Opening and closing conversations: new tabs, saved sessions loaded (cache included) in
-a worker, and closing a tab without losing unsaved messages.
+"""Opening and closing conversations: the first tab when the app starts, new tabs, saved
+sessions loaded (cache included) in a worker, and closing a tab without losing unsaved
+messages.
 
 The app holds a :class:`TabController` (``app.tab_control``); it uses the app's
 ``tabs`` widget, ``pool``, ``models``, ``scheduler``, ``config`` and its dialogs.
@@ -21,6 +22,7 @@ from kvchat.settings import apply_overrides, generation_of
 from .conflict import Conflicts
 from .screens.dialogs import CloseDialog, DraftDialog
 from .screens.loading import LoadingScreen
+from .screens.picker import SessionPicker
 from .widgets.chat import Conversation
 
 if TYPE_CHECKING:
@@ -80,6 +82,29 @@ class TabController:
         while f"{base}-{n}" in taken or store.exists(f"{base}-{n}"):
             n += 1
         return f"{base}-{n}"
+
+    def open_first(self) -> None:
+        """With the app's model loaded: resume the session asked for, or offer the saved
+        ones, or open a new tab."""
+        app = self.app
+        if app.resume:
+            self.open_saved(app.resume)
+            return
+        sessions = store.list_sessions() if app.picker_on_start else []
+        if sessions:
+            app.push_screen(SessionPicker(sessions, cancellable=False), self.picked)
+        else:
+            app.call_later(self.new_tab)
+
+    async def picked(self, name: str | None) -> None:
+        """The session picker's answer: a saved session's name, "" for a new tab, None for
+        nothing."""
+        if name is None:
+            return
+        if name == "":
+            await self.new_tab()
+        else:
+            self.open_saved(name)
 
     async def new_tab(self) -> Conversation | None:
         """A new tab on the app's model (none before it is loaded, or in a sharded run

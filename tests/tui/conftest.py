@@ -51,7 +51,7 @@ async def settle(pilot, conversation=None, timeout: float = 30.0) -> None:
 async def send(pilot, text: str) -> None:
     """One turn in the active tab (the keys that send are tested on their own)."""
     conversation = pilot.app.active_conversation()
-    assert await conversation.send(text)
+    assert await conversation.turns.send(text)
     await settle(pilot, conversation)
 
 

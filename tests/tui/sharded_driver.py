@@ -98,7 +98,7 @@ def main() -> None:
     async def lose_rank_1(app) -> int:
         async with app.run_test(size=SIZE) as pilot:
             await settle(pilot)
-            assert await app.active_conversation().send(text)
+            assert await app.active_conversation().turns.send(text)
             await until(pilot, lambda: app.return_code is not None, timeout=30)
         return app.return_code
 

@@ -121,7 +121,7 @@ async def test_a_turn_saved_over_an_ask_asks_and_can_become_a_new_session(demo_m
         tab = await opened(pilot)
         # the other process saves while the scheduler holds this tab's turn back
         with app.scheduler.turn("held by the test"):
-            assert await tab.send("Typed in the TUI.")
+            assert await tab.turns.send("Typed in the TUI.")
             asked = real_ask("k1", "Asked from the shell.")
         await until(pilot, lambda: dialog_shown(app) and not tab.busy, 60)
         typed_reply = tab.session.messages[-1]["content"]

@@ -131,7 +131,7 @@ async def test_the_tui_keeps_the_message_on_disk_while_its_turn_runs(make_app):
             return watched()
 
         session.send = send_watched
-        assert await conversation.send("a message in flight")
+        assert await conversation.turns.send("a message in flight")
         await until(pilot, lambda: bool(seen))
         assert seen == ["a message in flight".encode()]
         go_on.set()

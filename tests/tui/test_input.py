@@ -187,7 +187,7 @@ async def test_escape_stops_the_reply_before_it_empties_a_recalled_prompt(make_a
         conversation = app.active_conversation()
         box = conversation.input
         first, go_on = gate_after_first_chunk(conversation.session)
-        assert await conversation.send("Tell me a story.")
+        assert await conversation.turns.send("Tell me a story.")
         await until(pilot, first.is_set)
         box.focus()
         await pilot.press("up")  # recalls the prompt being answered
@@ -212,7 +212,7 @@ async def test_sending_while_another_kvchat_holds_the_history_lock_waits_off_the
         await settle(pilot)
         conversation = app.active_conversation()
         with file_lock(history.lock_file(), "The prompt history (another kvchat)"):
-            assert await conversation.send("while locked")
+            assert await conversation.turns.send("while locked")
             assert history.load() == []  # not yet: the worker waits for the lock
         await settle(pilot, conversation)
         assert history.load() == ["while locked"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvchat.engine.caches import fit, kinds
-from kvchat.tui.screens.dialogs import KindDialog, kind_bytes_per_token
+from kvchat.engine.caches.sizes import kind_bytes_per_token
+from kvchat.tui.screens.kind import KindDialog
 from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.chat import Conversation
 from kvchat.tui.widgets.messages import NoticeMessage

@@ -129,7 +129,7 @@ async def test_the_timer_offloads_but_never_a_busy_tab(demo_model, home):
         # while another owner holds the model, the tab waits: it is busy, so never offloaded
         ticket = app.scheduler.request("another tab")
         app.scheduler.wait(ticket)
-        assert await conversation.send("queued")
+        assert await conversation.turns.send("queued")
         await until(pilot, lambda: conversation.owner in app.scheduler.waiting())
         await idle_past_ttl(pilot, name)
         app.expire_idle()  # a tick while the tab waits for the model

@@ -193,7 +193,7 @@ async def test_while_a_reply_is_written_the_panel_shows_that_turn_not_the_last(m
         assert row(panel, "generated") == "6" and row(panel, "last turn") == ""
 
         session.settings.max_tokens = 3000  # endless: it answers until stopped (or 3,000)
-        assert await conversation.send("second")
+        assert await conversation.turns.send("second")
 
         def answering() -> bool:  # past the prompt's evaluation ("evaluated 0 of 15" before)
             panel = widget_text(app.sidebar)
@@ -246,7 +246,7 @@ async def test_a_turn_stopped_in_its_prefill_shows_no_time_to_first_token(make_a
         session.settings.prefill_step = 4
         # long enough that its prefill (4 tokens a step, on the core's thread) is still
         # running when the Escape lands
-        assert await conversation.send(" ".join(["a message of many prefill steps"] * 60))
+        assert await conversation.turns.send(" ".join(["a message of many prefill steps"] * 60))
         await until(pilot, started.is_set)
         await pilot.press("escape")
         go_on.set()

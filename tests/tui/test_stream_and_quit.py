@@ -21,7 +21,7 @@ from kvchat.config import Config
 from kvchat.engine.conversation.session import Chunk
 from kvchat.engine.conversation.thoughts import split_thoughts
 from kvchat.tui.app import KvChatApp
-from kvchat.tui.widgets.chat import AssistantMessage
+from kvchat.tui.widgets.messages import AssistantMessage
 
 from .conftest import SIZE, settle, until
 
@@ -69,7 +69,7 @@ async def test_reply_text_is_on_screen_while_it_is_written(make_app):
         await settle(pilot)
         conversation = app.active_conversation()
         first, go_on = gate_after_first_chunk(conversation.session)
-        assert await conversation.send("Hello there.")
+        assert await conversation.turns.send("Hello there.")
         await until(pilot, first.is_set)
         await until(pilot, lambda: bool(shown_text(conversation)))
         shown = shown_text(conversation)
@@ -89,7 +89,7 @@ async def test_quit_mid_reply_stops_keeps_and_saves_it(demo_model, home):
         conversation = app.active_conversation()
         name = conversation.session_name
         first, go_on = gate_after_first_chunk(conversation.session)
-        assert await conversation.send("Hello there.")
+        assert await conversation.turns.send("Hello there.")
         await until(pilot, first.is_set)
         await pilot.press("ctrl+q")
         go_on.set()
@@ -110,7 +110,7 @@ async def test_quit_right_after_enter_keeps_and_saves_the_message(demo_model, ho
         await settle(pilot)
         conversation = app.active_conversation()
         name = conversation.session_name
-        sending = asyncio.create_task(conversation.send("Hello there."))
+        sending = asyncio.create_task(conversation.turns.send("Hello there."))
         await asyncio.sleep(0)  # send() is now awaiting the mount of the message
         await app.action_quit()
         assert await sending

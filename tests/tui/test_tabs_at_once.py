@@ -6,7 +6,7 @@ import pytest
 from textual.widgets import Markdown
 
 from kvchat.engine.caches.kinds import held_tokens
-from kvchat.tui.widgets.chat import AssistantMessage
+from kvchat.tui.widgets.messages import AssistantMessage
 from kvchat.tui.widgets.sidebar import CacheInfo
 
 from .conftest import SIZE, settle, until
@@ -27,14 +27,14 @@ async def test_a_second_tab_streams_while_the_first_is_still_answering(make_app)
         await settle(pilot)
         first = app.active_conversation()
         first.session.settings.ignore_eos = True  # the demo's replies are over in a blink
-        assert await first.send("Talk for a long time.")
+        assert await first.turns.send("Talk for a long time.")
         await until(pilot, lambda: bool(_reply_text(first)), timeout=60)
         await pilot.press("ctrl+t")
         await until(pilot, lambda: app.active_conversation() is not first, timeout=30)
         second = app.active_conversation()
         await until(pilot, lambda: second.state == "idle", timeout=30)
         second.session.settings.ignore_eos = True
-        assert await second.send("Tell me about the sea.")
+        assert await second.turns.send("Tell me about the sea.")
         await until(pilot, lambda: bool(_reply_text(second)), timeout=60)
         # the first is still answering, and its reply still grows beside the second's
         assert first.state == "answering" and second.state == "answering"
@@ -44,8 +44,8 @@ async def test_a_second_tab_streams_while_the_first_is_still_answering(make_app)
         one, two = CacheInfo.of(first), CacheInfo.of(second)
         assert (one.name, two.name) == (first.session_name, second.session_name)
         assert one.turns == 1 and two.turns == 1 and one.cache_tokens == two.cache_tokens == 0
-        first.stop()
-        second.stop()
+        first.turns.stop()
+        second.turns.stop()
         await settle(pilot)
         for conversation in (first, second):
             session = conversation.session

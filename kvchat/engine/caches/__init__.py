@@ -1,1 +1,1 @@
-"""Cache kinds: the families and their mlx-lm classes, the probes of what a model and backend can run, checkpoints of sliding and recurrent layers."""
+"""Cache kinds: the families and their mlx-lm classes, what each costs a model per token, the reading of a saved cache, the probes of what a model and backend can run, checkpoints of sliding and recurrent layers."""

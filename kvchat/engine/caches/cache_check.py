@@ -159,8 +159,8 @@ def _layer_problem(
     held = held_tokens([saved])
     if held > length:
         return f"claims {held} tokens but its buffer holds {length}"
-    if isinstance(saved, RotatingKVCache) and saved._idx > length:
-        return f"writes at slot {saved._idx} of a {length}-slot buffer"
+    if isinstance(saved, RotatingKVCache) and (slot := saved.state[-1]) > length:
+        return f"writes at slot {slot} of a {length}-slot buffer"
     offsets.append(saved.offset)
     live.extend((x[..., :held, :], MAX_KV_MAGNITUDE) for x in floats if held)
     return None

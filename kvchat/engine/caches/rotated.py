@@ -15,9 +15,9 @@ module that reads these caches (kvchat's own, :class:`kvchat.engine.cpu.layers.A
 which llama-family models get on every device) says so with a true
 ``reads_rotated_cache``, and :func:`unreadable` names a model whose attention does
 not (mlx-lm's own would read the rotated keys with unrotated queries). The rotation
-is not part of the saved state (it depends only on the head dimension), and the
-class is made known to ``mlx_lm.models.cache`` so that ``load_prompt_cache`` finds
-it by name.
+is not part of the saved state (it depends only on the head dimension); a saved
+cache is read back by :func:`kvchat.engine.caches.loading.load_prompt_cache`, which
+knows this class by name.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_lm.models.cache as mlx_cache
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
@@ -95,7 +94,3 @@ class RotatedKVCache(QuantizedKVCache):
         path, mlx-lm's otherwise), for unrotated ``queries``."""
         out = sdpa(rotate(queries), keys, values, self, scale=scale, mask=mask, sinks=sinks)
         return unrotate(out)
-
-
-# load_prompt_cache looks classes up by name there
-mlx_cache.RotatedKVCache = RotatedKVCache  # type: ignore[attr-defined]

@@ -33,7 +33,7 @@ from kvchat.engine.cpu import parallel
 _NEG_INF = np.float32(-np.inf)
 
 
-def _numpy(x: mx.array) -> np.ndarray | None:
+def as_numpy(x: mx.array) -> np.ndarray | None:
     """A float32 numpy view of ``x`` (evaluating it), or None if numpy cannot take it."""
     if x.dtype != mx.float32:
         return None
@@ -77,7 +77,7 @@ def sdpa(
         mx.eval(queries, keys, values)  # one evaluation for the three (each costs a sync)
     except (ValueError, RuntimeError):  # a tracer inside mx.compile
         return None
-    q, k, v = _numpy(queries), _numpy(keys), _numpy(values)
+    q, k, v = as_numpy(queries), as_numpy(keys), as_numpy(values)
     if q is None or k is None or v is None:
         return None
     mask_np = None
@@ -131,7 +131,7 @@ def _softmax_rows(scores: np.ndarray) -> np.ndarray:
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array | None:
     """``silu(gate) * x``, or None (see module doc); in parts over the cores for many rows."""
-    g, u = _numpy(gate), _numpy(x)
+    g, u = as_numpy(gate), as_numpy(x)
     if g is None or u is None or g.shape != u.shape:
         return None
     out = np.empty(g.shape, dtype=np.float32)

@@ -24,7 +24,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map_with_path
 
-from kvchat.engine.cpu.attention import _numpy
+from kvchat.engine.cpu.attention import as_numpy
 
 if TYPE_CHECKING:
     from kvchat.engine.cpu import FastPath
@@ -45,7 +45,7 @@ def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
     key = f"_numpy_{name}"
     cached = module.__dict__.get(key)
     if cached is None or cached[0] != id(array):
-        cached = (id(array), _numpy(array))
+        cached = (id(array), as_numpy(array))
         object.__setattr__(module, key, cached)
     return cached[1]
 
@@ -66,7 +66,7 @@ def _matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None:
     """``x @ layer.weightᵀ`` through numpy, or None when numpy cannot take it."""
     if not layer.fast.on:
         return None
-    xn, w = _numpy(x), param_view(layer)
+    xn, w = as_numpy(x), param_view(layer)
     if xn is None or w is None:
         return None
     out = product(w, xn.reshape(-1, xn.shape[-1]))

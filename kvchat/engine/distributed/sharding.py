@@ -25,11 +25,11 @@ from mlx_lm.utils import load_tokenizer, sharded_load
 from kvchat.engine.models.model import (
     LoadedModel,
     ModelLoadError,
-    _first_line,
-    _load_error,
-    _resolve,
     context_length,
     fingerprint,
+    first_line,
+    load_error,
+    resolve_folder,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -59,9 +59,9 @@ class ShardedModel(LoadedModel):
 def load_sharded(spec: str, group: Any) -> ShardedModel:
     """Load ``spec`` (as :func:`~kvchat.engine.models.model.load_model` takes it) sharded over
     ``group``; every rank of the group must call this together."""
-    path = _resolve(spec)
+    path = resolve_folder(spec)
     if not (path / "config.json").is_file():
-        raise _load_error(spec, "the folder has no config.json")
+        raise load_error(spec, "the folder has no config.json")
     try:
         probe, config = mlx_load_model(path, lazy=True, strict=False)
         mode = choose_mode(probe, config, group.size(), spec)
@@ -78,7 +78,7 @@ def load_sharded(spec: str, group: Any) -> ShardedModel:
     except ModelLoadError:
         raise
     except Exception as exc:  # a broken folder fails in many ways; all mean the same here
-        raise _load_error(spec, _first_line(exc)) from exc
+        raise load_error(spec, first_line(exc)) from exc
     if any(type(c) is not KVCache for c in make_prompt_cache(model)):
         raise ModelLoadError(
             f"kvchat shards only models whose every layer keeps a plain KV cache, and "

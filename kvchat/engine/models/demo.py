@@ -267,13 +267,13 @@ def model_config(shape: str | dict[str, Any], tokenizer: Tokenizer) -> dict[str,
 def write_model(folder: Path, config: dict[str, Any], tokenizer: Tokenizer) -> None:
     """Write an mlx-lm model folder: tokenizer files, config.json, seeded random weights."""
     _write_tokenizer(folder, tokenizer, config["max_position_embeddings"])
-    _write_json(folder / "config.json", config)
+    write_json(folder / "config.json", config)
     _write_weights(folder, config)
 
 
 def _write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
-    _write_json(
+    write_json(
         folder / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -288,7 +288,7 @@ def _write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> Non
             "chat_template": CHAT_TEMPLATE,
         },
     )
-    _write_json(
+    write_json(
         folder / "special_tokens_map.json",
         {"eos_token": IM_END, "pad_token": PAD, "additional_special_tokens": [IM_START, IM_END]},
     )
@@ -318,7 +318,7 @@ def _write_weights(folder: Path, config: dict[str, Any]) -> None:
         index.update(dict.fromkeys(keys, name))
         del shard
     if len(shards) > 1:
-        _write_json(folder / "model.safetensors.index.json", {"metadata": {}, "weight_map": index})
+        write_json(folder / "model.safetensors.index.json", {"metadata": {}, "weight_map": index})
 
 
 def _split(weights: dict[str, mx.array]) -> list[list[str]]:
@@ -335,5 +335,6 @@ def _split(weights: dict[str, mx.array]) -> list[list[str]]:
     return shards
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` as indented JSON with sorted keys (a model folder's files)."""
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -124,7 +124,7 @@ def train(folder: Path, log: Callable[[str], object] = print) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(mx.float32) for k, v in flatten(model.parameters())}
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
-    demo._write_json(folder / "config.json", config)
+    demo.write_json(folder / "config.json", config)
     tokenizer.save(str(folder / "tokenizer.json"))
 
 

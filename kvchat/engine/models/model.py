@@ -84,17 +84,17 @@ def load_model(spec: str, keep_quantized: bool | None = None) -> LoadedModel:
             f"Could not load model {spec.encode('utf-8', 'replace').decode()!r}: its name is "
             f"not valid UTF-8. Rename the folder, or {WAY_OUT[0].lower()}{WAY_OUT[1:]}"
         ) from None
-    path = _resolve(spec)
+    path = resolve_folder(spec)
     source = None if Path(spec).expanduser() == path else path
     if not (path / "config.json").is_file():
-        raise _load_error(spec, "the folder has no config.json", source)
+        raise load_error(spec, "the folder has no config.json", source)
     try:
         # mlx-lm annotates load as a pair or a triple; return_config=True gives the triple.
         model, tokenizer, config = mlx_lm.load(str(path), return_config=True)  # type: ignore[misc]
     except json.JSONDecodeError as exc:
-        raise _load_error(spec, f"a JSON file in it is damaged ({exc})", source) from exc
+        raise load_error(spec, f"a JSON file in it is damaged ({exc})", source) from exc
     except Exception as exc:  # a broken folder fails in many ways; all mean the same here
-        raise _load_error(spec, _first_line(exc), source) from exc
+        raise load_error(spec, first_line(exc), source) from exc
     if mx.default_device() == mx.cpu:
         # Only floating parameters change: quantized weights stay packed integers.
         model.set_dtype(mx.float32)
@@ -181,7 +181,7 @@ def context_length(config: dict[str, Any]) -> int:
     return DEFAULT_CONTEXT_LENGTH
 
 
-def _resolve(spec: str) -> Path:
+def resolve_folder(spec: str) -> Path:
     """The local folder for ``spec``, building a demo or downloading as needed."""
     try:
         demo = parse_demo_spec(spec)
@@ -192,34 +192,37 @@ def _resolve(spec: str) -> Path:
             return build_demo(demo)
         except OSError as exc:
             raise ModelLoadError(
-                f"Could not build the demo model '{spec}': {_first_line(exc)}. "
+                f"Could not build the demo model '{spec}': {first_line(exc)}. "
                 "Free some disk space, or set KVCHAT_CACHE_DIR to a writable folder."
             ) from exc
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise _load_error(spec, "it is a file, not a folder")
+            raise load_error(spec, "it is a file, not a folder")
         return path
     try:
         return Path(snapshot_download(spec, allow_patterns=DOWNLOAD_PATTERNS))
     except HFValidationError as exc:
         reason = "there is no such folder, and it is not a Hugging Face model id either"
-        raise _load_error(spec, reason) from exc
+        raise load_error(spec, reason) from exc
     except LocalEntryNotFoundError as exc:
         reason = "it is not a local folder and it could not be downloaded (no network?)"
-        raise _load_error(spec, reason) from exc
+        raise load_error(spec, reason) from exc
     except (RepositoryNotFoundError, GatedRepoError) as exc:
         reason = "Hugging Face has no such public model (a typo, or a private or gated one?)"
-        raise _load_error(spec, reason) from exc
+        raise load_error(spec, reason) from exc
     except HfHubHTTPError as exc:
-        raise _load_error(spec, f"the download failed ({_first_line(exc)})") from exc
+        raise load_error(spec, f"the download failed ({first_line(exc)})") from exc
 
 
-def _load_error(spec: str, reason: str, source: Path | None = None) -> ModelLoadError:
+def load_error(spec: str, reason: str, source: Path | None = None) -> ModelLoadError:
+    """The error saying model ``spec`` (read from ``source``) could not load, and why."""
     where = f" from {source}" if source else ""
     return ModelLoadError(f"Could not load model '{spec}'{where}: {reason}. {WAY_OUT}")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message without its closing full stop (its type's name
+    when it has none)."""
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0].rstrip(".")

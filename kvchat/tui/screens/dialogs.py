@@ -1,32 +1,20 @@
-"""Modal dialogs: trim, cache kind, drop, rename. Each one dismisses with a small result
-that the app turns into one engine call."""
+"""Modal dialogs: trim, drop, rename, close, a conflict, a kept draft, a file name (the
+cache-kind dialog is in :mod:`.kind`). Each one dismisses with a small result that the
+app turns into one engine call."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
-from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, Static
-from textual.widgets.option_list import Option
+from textual.widgets import Button, Input, Label, Static
 
 from kvchat.drafts import OFFER
-from kvchat.engine.caches.kinds import (
-    OFFERED_KINDS,
-    CacheKindError,
-    group_size,
-    parse_kind,
-)
 from kvchat.safety import printable
-from kvchat.units import human_bytes
 
 
 class Dialog(ModalScreen):
@@ -96,122 +84,6 @@ class TrimDialog(Dialog):
         self.dismiss(TrimChoice(max_tokens=int(raw)))
 
     @on(Button.Pressed, "#trim-cancel")
-    def _cancel(self) -> None:
-        self.dismiss(None)
-
-
-# ----------------------------------------------------------------- cache kind
-
-
-def model_kv_shape(model: nn.Module) -> tuple[int, int, int, int]:
-    """(layers, kv heads, head dim, bytes per element) of a model's attention cache."""
-    args = getattr(model, "args", None)
-    layers = len(getattr(model, "layers", []))
-    heads: int = getattr(args, "num_key_value_heads", 0) or getattr(args, "num_attention_heads", 1)
-    head_dim: int = getattr(args, "head_dim", None) or (
-        getattr(args, "hidden_size", 0) // max(1, getattr(args, "num_attention_heads", 1))
-    )
-    size = 4
-    # (path, array) pairs: mlx's annotation also allows the dict it fills when given one
-    for _, value in cast(list[tuple[str, Any]], tree_flatten(model.parameters())):
-        if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
-            size = value.dtype.size
-            break
-    return layers, heads, head_dim, size
-
-
-def kind_bytes_per_token(model: nn.Module, kind_name: str) -> float:
-    """Bytes one token adds to a cache of ``kind_name``, computed from the model's shape:
-    layers × kv heads × head dim × 2 (keys and values) × bytes per element; quantized
-    and rotated kinds store ``bits/8`` bytes per element plus a scale and a bias per group
-    (of 64, or 32 where the head size needs it)."""
-    layers, heads, head_dim, size = model_kv_shape(model)
-    elements = layers * heads * head_dim * 2
-    kind = parse_kind(kind_name)
-    if kind.quantized and kind.size is not None:  # its family takes a size: it has one
-        return elements * (kind.size / 8 + 2 * size / group_size(model, kind))
-    return float(elements * size)
-
-
-def kind_choices(current: str, applicable: list[str]) -> list[str]:
-    """The kinds the dialog lists: the examples in ``applicable`` (those that apply to the
-    model), plus the current kind after its family's example when its number differs
-    (``rotating:1024``)."""
-    names = [n for n in OFFERED_KINDS if n == current or n in applicable]
-    if current not in names:
-        family = parse_kind(current).family
-        at = max((i for i, n in enumerate(names) if n.split(":")[0] == family), default=-1)
-        names.insert(at + 1, current)
-    return names
-
-
-class KindDialog(Dialog):
-    """Pick a cache kind, or type one (``rotating:1024``); each line shows its bytes per
-    token for this model, and quantized kinds their share of a standard cache's."""
-
-    def __init__(self, current: str, model: nn.Module, applicable: list[str]) -> None:
-        super().__init__()
-        self.current = current
-        self.model = model
-        self.names = kind_choices(current, applicable)
-
-    def _label(self, name: str) -> Text:
-        kind = parse_kind(name)
-        per_token = kind_bytes_per_token(self.model, name)
-        if kind.family in ("rotating", "chunked") and kind.size is not None:
-            extra = f", at most {human_bytes(int(per_token * kind.size))}"
-        elif kind.quantized:
-            share = per_token / kind_bytes_per_token(self.model, "standard")
-            extra = f" ({share:.2f} × standard)"
-        else:
-            extra = ""
-        mark = "● " if name == self.current else "  "
-        return Text.assemble(
-            (f"{mark}{name:<14}", "bold"),
-            f"{human_bytes(int(per_token)):>10}/token{extra}\n",
-            ("    " + kind.description, "dim"),
-        )
-
-    def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog", id="kind-dialog") as box:
-            box.border_title = f"Cache type (now {self.current})"
-            yield OptionList(
-                *(Option(self._label(n), id=n) for n in self.names),
-                id="kind-options",
-                classes="body",
-            )
-            with Vertical(classes="buttons"):
-                yield Static(
-                    "Bytes per token from the model: layers × kv heads × head dim × 2 × "
-                    "bytes per element (quantized: bits/8 plus a scale and bias per 64).",
-                    classes="hint",
-                    markup=False,
-                )
-                with Horizontal(classes="row"):
-                    yield Input(placeholder="or type: rotating:1024", id="kind-input")
-                    yield Button("Use", id="kind-use", variant="primary")
-                    yield Button("Cancel", id="kind-cancel")
-
-    def on_mount(self) -> None:
-        options = self.query_one(OptionList)
-        options.highlighted = self.names.index(self.current)
-        options.focus()
-
-    @on(OptionList.OptionSelected)
-    def _picked(self, event: OptionList.OptionSelected) -> None:
-        self.dismiss(event.option.id)
-
-    @on(Button.Pressed, "#kind-use")
-    @on(Input.Submitted, "#kind-input")
-    def _typed(self) -> None:
-        try:
-            kind = parse_kind(self.query_one("#kind-input", Input).value)
-        except CacheKindError as error:
-            self.notify(str(error), severity="warning", markup=False)
-            return
-        self.dismiss(kind.name)
-
-    @on(Button.Pressed, "#kind-cancel")
     def _cancel(self) -> None:
         self.dismiss(None)
 

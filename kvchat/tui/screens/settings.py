@@ -16,7 +16,8 @@ from textual.widgets.option_list import Option
 
 from kvchat.engine.conversation.session import GenerationSettings
 from kvchat.engine.models.demo import demo_specs
-from kvchat.settings import DIALOG, ConfigError, Setting
+from kvchat.setting import ConfigError, Setting
+from kvchat.settings import DIALOG
 
 from .dialogs import Dialog
 

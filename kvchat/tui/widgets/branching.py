@@ -45,7 +45,7 @@ class BranchNavigator:
         copy, or leave the selection."""
         tab = self.conversation
         if event.action == "leave":
-            if not tab.stop():
+            if not tab.turns.stop():
                 tab.focus_input()
             return
         if event.action in ("copy", "copy_code"):
@@ -92,7 +92,7 @@ class BranchNavigator:
         except SessionError as error:
             tab.notify(str(error), severity="warning", markup=False)
             return
-        await tab.start_turn(events, text=text, upto=index)
+        await tab.turns.start(events, text=text, upto=index)
 
     async def regenerate_at(self, index: int) -> None:
         """A new version of the reply at ``index`` (a new branch)."""
@@ -105,7 +105,7 @@ class BranchNavigator:
         except SessionError as error:
             tab.notify(str(error), severity="warning", markup=False)
             return
-        await tab.start_turn(events, upto=index)
+        await tab.turns.start(events, upto=index)
 
     def switch(self, index: int, step: int) -> None:
         """Show the version ``step`` away of the message at ``index`` (a job)."""

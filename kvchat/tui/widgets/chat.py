@@ -1,13 +1,12 @@
-"""One conversation tab: its transcript view, its input and the worker that runs its turns."""
+"""One conversation tab: its transcript view, its input and status line, and the
+collaborators that act on its session (its turns, jobs and message actions)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from rich.text import Text
-from textual import on, work
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
@@ -15,25 +14,19 @@ from textual.reactive import reactive
 from textual.widgets import ProgressBar, Static
 
 from kvchat import drafts, history, store
-from kvchat.engine.conversation.session import Chunk, Prefill, Session, SessionError, TurnDone
+from kvchat.engine.conversation.session import Session
 from kvchat.engine.conversation.stats import CacheFigures
-from kvchat.engine.generation.scheduler import Cancelled
 
 from .branching import BranchNavigator
 from .chat_input import ChatInput
 from .jobs import JobRunner, Progress
 from .messages import (
-    AssistantMessage,
-    BranchBar,
     MessageAction,
     NoticeMessage,
     Selectable,
-    UserMessage,
-    Welcome,
-    rebuild_note,
 )
 from .status import holder_name, state_text
-from .transcript import selectable, show_branches_from, transcript_widgets
+from .transcript import selectable, transcript_widgets
 from .turn_events import (
     Changed,
     JobFinished,
@@ -44,12 +37,11 @@ from .turn_events import (
     TurnFinished,
     Waiting,
 )
+from .turns import TurnRunner
 
 if TYPE_CHECKING:
     from kvchat.engine.generation.scheduler import Scheduler
     from kvchat.pool import SessionPool
-
-    from ..app import KvChatApp
 
 
 class Conversation(Vertical):
@@ -58,7 +50,9 @@ class Conversation(Vertical):
     ``state`` is ``idle``, ``waiting`` (queued behind another tab), ``answering``
     or a short label of a running job (``rebuilding``...). Its message actions are its
     ``branches`` (a :class:`~kvchat.tui.widgets.branching.BranchNavigator`), its jobs
-    its ``jobs`` (a :class:`~kvchat.tui.widgets.jobs.JobRunner`).
+    its ``jobs`` (a :class:`~kvchat.tui.widgets.jobs.JobRunner`), its turns its ``turns``
+    (a :class:`~kvchat.tui.widgets.turns.TurnRunner`: ``turns.send(text)``,
+    ``turns.regenerate()``, ``turns.stop()``).
     """
 
     BINDINGS = [
@@ -84,14 +78,9 @@ class Conversation(Vertical):
         self.figures: CacheFigures | None = None  # the session's, as its running turn began
         self.autosave = False
         self.pool: SessionPool | None = None  # set by the app: where the cache may be offloaded
-        self._reply: AssistantMessage | None = None
-        self._pending_text: str | None = None
-        self._user_widget: UserMessage | None = None
-        self._reply_index = -1  # where the reply being written goes in the transcript
-        self._redraw: int | None = None  # an edit or regenerate point: redraw from there
-        self._then: Callable[[TurnDone], Any] | None = None  # for the running turn's end
         self.branches = BranchNavigator(self)
         self.jobs = JobRunner(self)
+        self.turns = TurnRunner(self)
         # the running turn's prompt evaluation: tokens done, of how many (for the sidebar)
         self.prefill: tuple[int, int] | None = None
 
@@ -218,132 +207,34 @@ class Conversation(Vertical):
     @on(ChatInput.Submitted)
     async def _submitted(self, event: ChatInput.Submitted) -> None:
         event.stop()
-        await self.send(event.text)
+        await self.turns.send(event.text)
 
-    async def send(self, text: str) -> bool:
-        """Start a turn with ``text``; False (and a notice) if it cannot start now."""
-        if self.refuse_if_busy() or cast("KvChatApp", self.app).quitter.underway:
-            return False
-        if (
-            self.pool is not None
-            and self.session_name in self.pool
-            and self.pool.changed_elsewhere(self.session_name)
-        ):
-            self.post_message(SessionConflict(self))  # the message stays in the box
-            return False
-        try:
-            events = self.session.send(text)
-        except SessionError as error:
-            self.notify(str(error), severity="warning", markup=False)
-            return False
-        try:  # on disk before its prefill starts: a crash from now on loses no message
-            drafts.keep(self.session_name, text)
-        except (store.StoreError, OSError) as error:
-            self.notify(
-                f"The message could not be kept on disk while it is sent: {error}",
-                severity="warning",
-                markup=False,
-            )
-        self.input.clear()
-        self.input.remember(text)
-        await self.start_turn(events, text=text)
-        return True
+    @on(Waiting)
+    def _waiting(self, event: Waiting) -> None:
+        event.stop()
+        self.turns.waiting()
 
-    async def regenerate(self, then: Callable[[TurnDone], Any] | None = None) -> bool:
-        """F5: a new version of the last reply (the old one stays as a branch); ``then``
-        gets the turn's end when it has one."""
-        if self.refuse_if_busy():
-            return False
-        try:
-            events = self.session.regenerate()
-        except SessionError as error:
-            self.notify(str(error), severity="warning", markup=False)
-            return False
-        await self.start_turn(events, upto=len(self.session.messages) - 1, then=then)
-        return True
+    @on(Started)
+    def _started(self, event: Started) -> None:
+        event.stop()
+        self.turns.started(event)
 
-    async def start_turn(
-        self,
-        events,
-        text: str | None = None,
-        upto: int | None = None,
-        then: Callable[[TurnDone], Any] | None = None,
-    ) -> None:
-        """Show a turn starting and run it: ``text`` is the new message, if any; ``upto``
-        cuts the transcript shown to that many messages first (an edit or a regenerate:
-        the new messages get their branches when the turn ends); ``then`` gets the turn's
-        end, if it has one."""
-        self._then = then
-        # Busy from here on, before the first await: a Ctrl+Q or Esc that comes while the
-        # transcript is being drawn stops this turn instead of quitting past it.
-        self.state = "waiting" if self.scheduler.running else "answering"
-        self._redraw = upto
-        if upto is not None:
-            for widget in [*self.selectable(), *self.log.query(BranchBar)]:
-                if widget.index >= upto:
-                    await widget.remove()
-            self.focus_input()  # the selected message may be gone: what is typed next goes here
-        at = len(self.session.messages) if upto is None else upto
-        self._pending_text = text
-        self._user_widget = None if text is None else UserMessage(text, at)
-        self._reply_index = at + (text is not None)
-        self._reply = None
-        self.prefill = None
-        if self._user_widget is not None:
-            await self.log.query(Welcome).remove()
-            await self.log.mount(self._user_widget)
-        self.log.scroll_end(animate=False)
-        self._run_turn(events)
+    @on(PrefillProgress)
+    def _progress(self, event: PrefillProgress) -> None:
+        event.stop()
+        self.turns.progress(event)
 
-    def stop(self) -> bool:
-        """Stop the running reply, or withdraw a queued one. True if there was one."""
-        if self.state == "waiting" and self.scheduler.cancel(self.owner):
-            return True
-        if self.state in ("waiting", "answering"):  # waiting, but not queued yet: stop it
-            self.session.stop()  # as soon as it starts
-            return True
-        return False
+    @on(ReplyChunk)
+    async def _chunk(self, event: ReplyChunk) -> None:
+        event.stop()
+        await self.turns.chunk(event)
 
-    @work(thread=True, group="turn")
-    def _run_turn(self, events) -> None:
-        """Worker thread: wait for the model, stream the turn, report back by messages."""
-        post = self.post_message
+    @on(TurnFinished)
+    async def _finished(self, event: TurnFinished) -> None:
+        event.stop()
+        await self.turns.finished(event)
 
-        def waiting(ahead: int) -> None:
-            post(Waiting(ahead))
-
-        def loading(done: int, total: int) -> None:
-            post(PrefillProgress(done, total, "loading"))
-
-        try:
-            # Loading an offloaded cache must have the model to itself; the reply then
-            # decodes in the model's generation core, beside the other tabs' replies.
-            with self.scheduler.turn(self.owner, on_wait=waiting):
-                self.ensure_cache(loading)
-                figures = self.session.figures()
-            if self._pending_text is not None:  # the message this turn adds counts already
-                figures = replace(figures, user_turns=figures.user_turns + 1)
-            post(Started(figures))
-            done = None
-            for event in events:
-                if isinstance(event, Prefill):
-                    post(PrefillProgress(event.done, event.total, "prefill"))
-                elif isinstance(event, Chunk):
-                    post(ReplyChunk(event.text))
-                elif isinstance(event, TurnDone):
-                    done = event
-            if done is not None and self.autosave:
-                with self.scheduler.turn(self.owner):
-                    try:
-                        self.save_now()
-                    except store.SessionChanged:
-                        pass  # save_now asked the app what to do; the turn itself is done
-            post(TurnFinished(done, None))
-        except Cancelled:
-            events.close()
-            post(TurnFinished(None, None, cancelled=True))
-        except Exception as error:  # the session stays consistent; show why
-            post(TurnFinished(None, f"{type(error).__name__}: {error}"))
+    # -------------------------------------------------------------- saving
 
     def save_now(self) -> None:
         """Worker thread, holding the model: save the session (through the pool, which
@@ -363,83 +254,6 @@ class Conversation(Vertical):
         """Save the session in the tab's worker (in turn with the other tabs), then call
         ``then(None)``; False (and a notice) if the tab is busy."""
         return self.run_job("saving", lambda progress: self.save_now(), then, needs_cache=False)
-
-    @on(Waiting)
-    def _waiting(self, event: Waiting) -> None:
-        event.stop()
-        self.state = "waiting"
-        self.watch_state("waiting")
-
-    @on(Started)
-    def _started(self, event: Started) -> None:
-        event.stop()
-        self.figures = event.figures
-        self.state = "answering"
-
-    @on(PrefillProgress)
-    def _progress(self, event: PrefillProgress) -> None:
-        event.stop()
-        bar = self.query_one(".progress", ProgressBar)
-        # a prefill of a few tokens is over before the bar could be read
-        bar.display = event.total >= 64 and event.done < event.total
-        bar.update(total=max(1, event.total), progress=event.done)
-        if bar.display:
-            self.query_one(".status", Static).update(
-                Text(f"{event.label.capitalize()}: {event.done:,} of {event.total:,} tokens")
-            )
-        if event.label == "prefill":
-            self.prefill = (event.done, event.total)
-            self.post_message(Changed(self))
-
-    @on(ReplyChunk)
-    async def _chunk(self, event: ReplyChunk) -> None:
-        event.stop()
-        if self._reply is None:  # the first words: the whole prompt is evaluated
-            total = self.prefill[1] if self.prefill else 0
-            self.prefill = (total, total)
-            self.post_message(Changed(self))
-            self._reply = AssistantMessage(index=self._reply_index)
-            await self.log.mount(self._reply)
-        await self._reply.write(event.text)
-        self.log.scroll_end(animate=False)
-
-    @on(TurnFinished)
-    async def _finished(self, event: TurnFinished) -> None:
-        event.stop()
-        # The message is in the session (or back in the box): no longer in flight. (An app
-        # ended by a signal mid-turn never gets here: its draft stays unless it was saved.)
-        drafts.clear(self.session_name)
-        if event.cancelled:
-            if self._user_widget is not None:
-                await self._user_widget.remove()
-            if not any(m["role"] == "user" for m in self.session.messages):
-                await self.log.mount(Welcome(), before=0)
-            if self._pending_text is not None and not self.input.text:
-                self.input.text = self._pending_text
-            self.notify("Cancelled before it started.")
-        elif event.error:
-            await self.add_notice(event.error, "error")
-        elif event.done is not None:
-            if self._reply is None:
-                self._reply = AssistantMessage(index=self._reply_index)
-                await self.log.mount(self._reply)
-            await self._reply.finish(
-                event.done.reply, event.done.stopped, rebuild_note(event.done.stats.rebuilt)
-            )
-            if self._then is not None:
-                self._then(event.done)
-        self._reply = None
-        self._user_widget = None
-        self._pending_text = None
-        if self._redraw is not None:  # the branches of the messages changed
-            upto, self._redraw = self._redraw, None
-            if event.done is not None and not (event.cancelled or event.error):
-                await show_branches_from(self.log, self.session, upto)
-            else:  # no reply: the transcript as the session has it, from the start
-                await self.reload()
-        self.log.scroll_end(animate=False)
-        self.touch_pool()
-        self.state = "idle"
 
     # ---------------------------------------------------------------- jobs
 

@@ -1,0 +1,118 @@
+"""The parts of a request that describe a conversation: its messages (text content
+parts, tool calls and their results) and the tools a client offers, checked strictly
+(see :class:`Strict`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .errors import ApiError
+
+
+class Strict(BaseModel):
+    """A request part checked strictly: no field it lacks, no string for a number, no
+    infinite or NaN float; a field it lacks sent as ``null`` counts as not sent."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_nulls(cls, data):
+        """A field this model lacks, sent as ``null``, is not sent."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
+
+
+class ContentPart(Strict):
+    """A part of a message's content; only ``text`` parts are taken (see :meth:`check`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    type: str
+    text: str | None = None
+
+    def check(self, where: str) -> str:
+        """The part's text, or an :class:`ApiError` saying why it cannot be taken."""
+        if self.type == "text" and self.text is not None:
+            return self.text
+        if self.type == "text":
+            raise ApiError(
+                400, f"'{where}.text': a text part needs its text.", param=f"{where}.text"
+            )
+        what = self.type.removesuffix("_url").replace("_", " ")
+        raise ApiError(
+            400,
+            f"This model takes text only: {what} content parts are not "
+            f"supported ('{where}' is of type {self.type!r}).",
+            param=where,
+            code="unsupported_content",
+        )
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def plain(self) -> dict:
+        """The call as chat templates take it (its arguments an object, not a string)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.function.name, "arguments": arguments},
+        }
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text or "" for part in self.content)
+
+    def plain(self) -> dict:
+        """The message as a Session keeps it (``developer`` is the newer name for ``system``)."""
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.plain() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionSpec(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
