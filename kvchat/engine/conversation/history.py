@@ -148,10 +148,11 @@ class History:
 
     def begin(self, messages: Sequence[Message]) -> None:
         """A turn on ``messages`` starts: they are the transcript and the tree's path, and
-        the stats of replies they no longer have go."""
+        the stats are those of the replies on it (a reply the tree did not have, as a
+        client's history brings, has none)."""
         self._messages = list(messages)
         self.record()
-        self._keep_turns()
+        self._turns = self._branches.path_turns()
 
     def add_reply(self, reply: str, stopped: bool) -> None:
         """A turn's reply joins the transcript and the tree."""

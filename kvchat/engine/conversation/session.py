@@ -43,11 +43,8 @@ from kvchat.engine.conversation.events import (
 from kvchat.engine.conversation.history import History, Message
 from kvchat.engine.conversation.maintenance import CacheKeeper, Progress, common_prefix
 from kvchat.engine.conversation.stats import CacheChange, CacheFigures, Refilled, TurnStats
-from kvchat.engine.conversation.template import (
-    render,
-    turn_ends,
-)
-from kvchat.engine.conversation.turn import Plan, Runner
+from kvchat.engine.conversation.template import render, turn_ends
+from kvchat.engine.conversation.turn import Asked, Plan, Runner
 from kvchat.engine.conversation.upkeep import Upkeep
 from kvchat.engine.generation.sampling import Sampler
 from kvchat.engine.generation.sequence import StopFlag
@@ -147,7 +144,7 @@ class Session:
     @property
     def messages(self) -> list[Message]:
         """The transcript (a copy: it changes through this session's methods only)."""
-        return list(self.history.messages)
+        return [dict(m) for m in self.history.messages]
 
     @property
     def ledger(self) -> list[int]:
@@ -340,9 +337,8 @@ class Session:
         return self._upkeep.replace(messages)
 
     def revise_reply(self, message: Message) -> None:
-        """Put ``message`` (an assistant message: the reply as a client got it, cut at a stop
-        string or with its tool calls) in place of the last reply, on its branch too, and
-        trim the cache to what the transcript renders to now."""
+        """Put ``message`` (the reply as a client got it: cut at a stop string, or with its
+        tool calls) in place of the last reply, on its branch too; the cache follows."""
         self._upkeep.revise_reply(message)
 
     def sync(self) -> None:
@@ -359,36 +355,30 @@ class Session:
         self._upkeep.undo(turns)
 
     def trim_history(self, max_tokens: int, progress: Progress | None = None) -> int:
-        """Drop the oldest exchanges, keeping the system prompt, until the transcript fits
-        ``max_tokens``; they move to ``archived``. The kept turns are evaluated again
-        (exact: the cache equals a fresh run). Returns the number of messages dropped."""
+        """Drop the oldest exchanges (to ``archived``) until the transcript fits ``max_tokens``,
+        and evaluate the kept ones again; returns the number of messages dropped."""
         return self._upkeep.trim(max_tokens, progress)
 
     def switch_branch(self, index: int, step: int, progress: Progress | None = None) -> Refilled:
-        """Make the version ``step`` away from the message at ``index`` the current path
-        (down that branch as it was last left); the cache is kept up to where the two
-        paths part and the rest of the new path is evaluated."""
+        """Make the version ``step`` away from the message at ``index`` the current path; the
+        cache is kept up to where the two paths part and the rest evaluated."""
         return self._upkeep.switch(index, step, progress)
 
     def delete_pair(self, index: int, progress: Progress | None = None) -> Refilled:
-        """Delete the user message at ``index`` and its reply (every version of it); the
-        messages after them stay, and the cache is trimmed to the deletion point and the
-        rest evaluated again."""
+        """Delete the user message at ``index`` and every version of its reply; the cache is
+        trimmed to the deletion point and the rest evaluated again."""
         return self._upkeep.delete_pair(index, progress)
 
     def set_kind(self, kind: str | CacheKind, progress: Progress | None = None) -> str | None:
-        """Switch the cache kind, converting the live cache where the data allows. Returns
-        None when it was converted in place, else the reason it was rebuilt from the
-        transcript. Raises ``CacheKindError`` for a kind that cannot apply to this model,
-        before anything changes."""
+        """Switch the cache kind: None when the live cache was converted in place, else why
+        it was rebuilt. ``CacheKindError`` (before any change) for a kind that cannot apply."""
         return self._upkeep.set_kind(kind, progress)
 
     def rebuild(
         self, reason: str, progress: Progress | None = None, *, next_turn_counts: bool = False
     ) -> str:
-        """Recompute the cache from the transcript (exact), reporting progress. With
-        ``next_turn_counts`` (a rebuild at load, which no turn reported) the next turn
-        counts the recomputed tokens as evaluated, not reused."""
+        """Recompute the cache from the transcript. With ``next_turn_counts`` (a rebuild at
+        load, which no turn reported) the next turn counts those tokens as evaluated."""
         return self._upkeep.rebuild(reason, progress, next_turn_counts)
 
     def reset(self) -> bool:
@@ -405,9 +395,8 @@ class Session:
         self.keeper.unload()
 
     def close(self) -> None:
-        """Let go of the cache and the model for good (its tab was closed), so a stale
-        reference to the session (a finished worker's, say) holds neither in memory.
-        The session cannot run again; its transcript stays readable."""
+        """Let go of the cache and the model for good (its tab was closed): a stale reference
+        holds neither. The session cannot run again; its transcript stays readable."""
         self.keeper.close()
         del self.lm
 
@@ -417,13 +406,5 @@ class Session:
         return self._run(Plan.chat(self.lm, messages, self.tools))
 
     def _run(self, plan: Plan) -> Turn:
-        return self.runner.start(
-            self.lm,
-            self.keeper,
-            self.history,
-            plan,
-            settings=self.settings,
-            processors=self.logits_processors,
-            report_logprobs=self.report_logprobs,
-            turn_ends=self.turn_ends,
-        )
+        asked = Asked(self.settings, self.logits_processors, self.report_logprobs)
+        return self.runner.start(self.lm, self.keeper, self.history, plan, asked, self.turn_ends)

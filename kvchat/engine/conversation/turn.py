@@ -90,6 +90,17 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class Asked:
+    """What the session asks of a turn's decoding: its settings, the logits processors
+    beyond their penalties (constrained decoding, a logit bias), and how many alternatives
+    each token's log probabilities carry (None: no TokenLogprobs events)."""
+
+    settings: GenerationSettings
+    processors: list[LogitsProcessor]
+    report: int | None
+
+
+@dataclass(frozen=True)
 class Decoding:
     """How a turn samples its reply."""
 
@@ -126,21 +137,15 @@ class Runner:
         keeper: CacheKeeper,
         history: History,
         plan: Plan,
-        *,
-        settings: GenerationSettings,
-        processors: list[LogitsProcessor],
-        report_logprobs: int | None,
+        asked: Asked,
         turn_ends: TurnEnds,
     ) -> Turn:
-        """The turn's events, run as they are read: the settings' penalties, then
-        ``processors``. A :meth:`stop` from now on stops this turn, even one that comes
-        before its first event is read."""
+        """The turn's events, run as they are read. A :meth:`stop` from now on stops this
+        turn, even one that comes before its first event is read."""
         if not self._busy.locked():  # a running turn keeps its own stop request
             self.flag.clear()
             keeper.last_change = None  # from now on the turn's own figures describe it
-        return self._events(
-            lm, keeper, history, plan, settings, processors, report_logprobs, turn_ends
-        )
+        return self._events(lm, keeper, history, plan, asked, turn_ends)
 
     def _events(
         self,
@@ -148,20 +153,19 @@ class Runner:
         keeper: CacheKeeper,
         history: History,
         plan: Plan,
-        settings: GenerationSettings,
-        processors: list[LogitsProcessor],
-        report_logprobs: int | None,
+        asked: Asked,
         turn_ends: TurnEnds,
     ) -> Turn:
         if not self._busy.acquire(blocking=False):
             raise SessionBusy("This session is already answering; wait or stop it first.")
         try:
-            sampler, penalties = for_settings(settings)
+            # the settings' penalties, then the session's own processors (constrained
+            # decoding, a logit bias); a sharded run makes every rank take rank 0's token
+            sampler, penalties = for_settings(asked.settings)
             if self._share is not None:
                 sampler = self._share(sampler)
-            decoding = Decoding(
-                settings, sampler, [*penalties, *processors], self.flag, report_logprobs
-            )
+            processors = [*penalties, *asked.processors]
+            decoding = Decoding(asked.settings, sampler, processors, self.flag, asked.report)
             yield from run_turn(lm, keeper, history, plan, decoding, turn_ends)
         finally:
             self._busy.release()
