@@ -194,9 +194,9 @@ class Matcher:
                 continue
             if entry.in_memory and entry.session.lm.fingerprint == self.lm.fingerprint:
                 live.add(entry.name)
-                found.append(
-                    _Candidate(entry.name, entry.session.ledger, _pairs(entry.session.messages))
-                )
+                # the keeper's own ledger, read here and now (no copy per session per request)
+                ledger = entry.session.keeper.ledger
+                found.append(_Candidate(entry.name, ledger, _pairs(entry.session.messages)))
         for name in self._saved_names():
             if name not in live:
                 saved = self._read_saved(name)

@@ -66,9 +66,8 @@ class Plan:
     ) -> Plan:
         """A turn answering ``messages`` through the chat template, offering ``tools``."""
         text = template_text(lm, messages, True, tools)
-        return cls(messages, text, encode(lm, text))._fits(
-            lm, "That message makes the conversation"
-        )
+        plan = cls(messages, text, encode(lm, text))
+        return plan._fits(lm, "That message makes the conversation")
 
     @classmethod
     def plain(cls, lm: LoadedModel, text: str) -> Plan:
