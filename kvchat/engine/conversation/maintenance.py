@@ -34,6 +34,7 @@ from kvchat.engine.caches.kinds import (
 from kvchat.engine.conversation.events import Prefill
 from kvchat.engine.conversation.stats import CacheChange
 from kvchat.engine.generation import Sequence
+from kvchat.engine.generation.sampling import LogitsProcessor, Sampler
 
 if TYPE_CHECKING:
     from kvchat.engine.generation.sequence import StopFlag
@@ -137,18 +138,40 @@ class CacheKeeper:
 
     # ----------------------------------------------------------------- evaluating
 
-    def sequence(self, prompt: list[int], **options: Any) -> Sequence:
+    def sequence(
+        self,
+        prompt: list[int],
+        *,
+        sampler: Sampler,
+        processors: list[LogitsProcessor],
+        max_tokens: int,
+        stop: StopFlag,
+        eos: frozenset[int] = frozenset(),
+        prefill_step: int = 512,
+        logprobs: mx.array | None = None,
+        marks: frozenset[int] = frozenset(),
+        report_logprobs: bool = False,
+    ) -> Sequence:
         """A :class:`Sequence` evaluating ``prompt`` into this cache (the core appends what
-        it feeds to the ledger); once the prompt is in, a checkpoint and the log
-        probabilities there are kept, and a checkpoint at each of ``options['marks']``."""
+        it feeds to the ledger), then sampling; once the prompt is in, a checkpoint and the
+        log probabilities there are kept, and a checkpoint at each ledger length in
+        ``marks``. The other fields are :class:`Sequence`'s."""
         return Sequence(
             prompt=prompt,
             cache=self._cache,
             ledger=self._ledger,
-            kind=self._kind.name,
+            sampler=sampler,
+            processors=processors,
+            max_tokens=max_tokens,
+            stop=stop,
+            eos=eos,
+            prefill_step=prefill_step,
+            logprobs=logprobs,
             on_prompt=self._prompt_done,
+            marks=marks,
             on_mark=self._mark,
-            **options,
+            report_logprobs=report_logprobs,
+            kind=self._kind.name,
         )
 
     def prefill(

@@ -120,15 +120,10 @@ class Session:
     def fork_prefix(
         self, messages: list[Message] | None = None, tokens: list[int] | None = None
     ) -> Session:
-        """A new session whose cache starts as a copy of this one's, cut to the
-        common prefix with ``tokens`` or else with ``messages`` rendered (by default
-        this session's system prompt); the new session's transcript is ``messages``.
-
-        This is how a new conversation with the same model, kind and system
-        prompt skips evaluating the system prompt again (and a server's request
-        its whole prompt, given as ``tokens``). A cache that cannot be cut that
-        far starts from this one's nearest checkpoint before it, if any.
-        """
+        """A new session with transcript ``messages`` (by default this one's system prompt)
+        whose cache starts as a copy of this one's, cut to the common prefix with ``tokens``
+        or else with ``messages`` rendered, or to the nearest checkpoint before it: a new
+        conversation skips the system prompt, a server's request its shared prompt."""
         messages = list(
             messages if messages is not None else self.messages[:1] if self.system else []
         )
@@ -279,20 +274,14 @@ class Session:
     # ----------------------------------------------------------------- turns
 
     def send(self, text: str) -> Turn:
-        """Add a user message and stream the reply.
-
-        Bad input raises :class:`SessionError` here, before anything changes (so for
-        every turn below).
-        """
+        """Add a user message and stream the reply. Bad input raises :class:`SessionError`
+        here, before anything changes (so for every turn below)."""
         return self._turn(self.history.asking(text))
 
     def complete(self, text: str) -> Turn:
-        """Continue ``text`` as written, without the chat template (a plain completion).
-
-        The transcript becomes ``text`` as one user message, then the reply, so
-        the session saves and loads like any other; its ledger is ``text``'s own
-        tokens, so a later prompt that extends ``text`` reuses the cache.
-        """
+        """Continue ``text`` as written, without the chat template. The transcript becomes
+        ``text`` as one user message, then the reply; the ledger is ``text``'s own tokens,
+        so a later prompt that extends ``text`` reuses the cache."""
         return self._run(Plan.plain(self.lm, text))
 
     def answer(self, results: Sequence[Message] = ()) -> Turn:
