@@ -69,10 +69,10 @@ def test_positions_of_every_message_in_one_pass(demo_model):
     tree.record(msgs("a", "A", "b", "B3", "d"))
     assert tree.positions() == [(1, 1), (1, 1), (1, 2), (3, 3), (1, 1)]
     assert [tree.position(i) for i in range(5)] == tree.positions()
-    session = Session(demo_model, system=SYSTEM, messages=msgs("a", "A", "c", "C"))
-    session.branches = tree
+    messages = [{"role": "system", "content": SYSTEM}, *msgs("a", "A", "c", "C")]
+    session = Session.restore(demo_model, messages=messages, kind="standard", branches=tree)
     assert session.branch_positions() == [(1, 1)] * 5  # the tree has not caught up
-    session.messages = session.messages[:1] + tree.messages()
+    session.replace_history(session.messages[:1] + tree.messages())
     assert session.branch_positions() == [(1, 1), *tree.positions()]
     assert session.branch_position(4) == (3, 3)
 
@@ -309,7 +309,7 @@ def test_a_damaged_branch_record_is_refused_and_left_alone(demo_model, home):
 def test_messages_set_from_outside_are_saved_as_a_branch_without_changing_the_tree(demo_model):
     session = three_turns(demo_model)
     old = list(session.messages)
-    session.messages = [*old[:3], {"role": "user", "content": "set by a server"}]
+    session.replace_history([*old[:3], {"role": "user", "content": "set by a server"}])
     before = session.branches.to_record()
     record = session.branch_record()
     assert session.branches.to_record() == before  # a read changes nothing

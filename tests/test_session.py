@@ -378,7 +378,8 @@ def test_a_new_system_prompt_is_the_head_a_rotating_cache_keeps(demo_model):
     finish(session.send(MESSAGES[0]))
     assert {c.keep for c in session.cache} == {0}
     assert session.set_system(SYSTEM) == 0  # made again: its head is the new system prompt
-    assert {c.keep for c in session.cache} == {session._system_tokens()} != {0}
+    head = len(session.render(session.messages[:1], False))
+    assert {c.keep for c in session.cache} == {head} != {0}
     done = finish(session.send(MESSAGES[1]))
     assert done.reply == fresh_reply(demo_model, session.messages[:-1], session.settings)
     assert_consistent(session)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine.conversation import session as session_module
-from kvchat.engine.conversation import template
+from kvchat.engine.conversation import template, turn
 from kvchat.engine.conversation.maintenance import common_prefix
 from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 from kvchat.engine.conversation.thoughts import Thoughts, reevaluated_note, split_thoughts
@@ -99,7 +98,7 @@ def test_the_turn_renders_its_prompt_once(dropping_model, monkeypatch):
         return real(lm, messages, generation_prompt, *tools)
 
     monkeypatch.setattr(template, "template_text", counted)
-    monkeypatch.setattr(session_module, "template_text", counted)
+    monkeypatch.setattr(turn, "template_text", counted)
     _, stats = _turn(session, "And how are you?")
     assert stats.reevaluated_reply_tokens > 0  # the reply was looked at
     assert rendered.count((3, True)) == 1  # the prompt, once; its text serves the count too
@@ -122,7 +121,8 @@ def test_a_template_that_keeps_thoughts_reevaluates_nothing(demo_model):
 
 def test_an_edit_before_the_reply_is_not_blamed_on_the_template(dropping_model):
     session = _restored(dropping_model, THOUGHTFUL)
-    session.messages[0] = {"role": "user", "content": "Hello!"}  # an edit upstream
+    # an edit upstream
+    session.replace_history([{"role": "user", "content": "Hello!"}, *session.messages[1:]])
     _, stats = _turn(session, "And how are you?")
     assert stats.reevaluated_reply_tokens == 0
 

@@ -238,50 +238,43 @@ def folder_bytes(folder: Path) -> int:
 def profile_cached_turn(session: Session, text: str) -> dict[str, float]:
     """Split one cached turn's time to first token into its parts, outside the Session.
 
-    Mirrors ``Session._run_turn``: render the transcript through the chat
-    template (tokenising included), search the common prefix with the ledger
-    and trim the cache to it, prefill the new tokens but the last, then feed the
-    last one and sample the first reply token. Leaves the session as it found it.
+    Mirrors a turn (:func:`kvchat.engine.conversation.turn.run_turn`) on the session's
+    cache keeper: render the transcript through the chat template (tokenising
+    included), search the common prefix with the ledger and trim the cache to it,
+    prefill the new tokens but the last, then feed the last one and sample the first
+    reply token. Leaves the transcript as it found it, and the cache holding it.
     """
     import mlx.core as mx
 
-    from kvchat.engine.caches.kinds import trim_to
     from kvchat.engine.conversation.events import GenerationSettings
     from kvchat.engine.conversation.maintenance import common_prefix
-    from kvchat.engine.generation import Sequence, core_for
+    from kvchat.engine.generation import core_for
     from kvchat.engine.generation.sampling import for_settings
 
-    history = list(session.messages)
-    messages = [*history, {"role": "user", "content": text}]
+    keeper = session.keeper
+    messages = [*session.messages, {"role": "user", "content": text}]
     t0 = time.perf_counter()
     prompt = session.render(messages, True)
     t1 = time.perf_counter()
-    n = min(common_prefix(session.ledger, prompt), len(prompt) - 1)
+    n = min(common_prefix(keeper.ledger, prompt), len(prompt) - 1)
     t2 = time.perf_counter()
-    if n < len(session.ledger):
-        assert trim_to(session.cache, n), "the profile needs a trimmable cache"
-        session.ledger = session.ledger[:n]
+    kept, _ = keeper.rewind(n)
+    assert kept == n, "the profile needs a trimmable cache"
     t3 = time.perf_counter()
-    for _ in session._prefill(prompt[n:-1], total=len(prompt) - n):
+    stop = threading.Event()
+    step = session.settings.prefill_step
+    for _ in keeper.prefill(prompt[n:-1], len(prompt) - n, step=step, stop=stop):
         pass
     t4 = time.perf_counter()
     sampler, processors = for_settings(GenerationSettings(temp=0.0))
-    last = Sequence(
-        prompt=prompt[-1:],
-        cache=session.cache,
-        ledger=session.ledger,
-        sampler=sampler,
-        processors=processors,
-        max_tokens=1,
-        stop=threading.Event(),
+    last = keeper.sequence(
+        prompt[-1:], sampler=sampler, processors=processors, max_tokens=1, stop=stop
     )
     for _ in core_for(session.lm).run(last):
         pass
     t5 = time.perf_counter()
-    mx.eval([c.state for c in session.cache])
-    # the ledger says what the cache holds now; put the session back
-    session.messages = history
-    session.sync()
+    mx.eval([c.state for c in keeper.cache])
+    session.sync()  # the cache back to the transcript's tokens
     return {
         "render_s": t1 - t0,
         "prefix_search_s": t2 - t1,

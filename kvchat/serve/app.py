@@ -27,9 +27,10 @@ from starlette.routing import Route
 from . import tools
 from .constrain import schema_grammar
 from .errors import ApiError
+from .jobs import Finished, Job, Piece, Started
 from .schema import ChatRequest, CompletionRequest, parse_request, session_name
 from .shapes import ChatShape, CompletionShape
-from .worker import Engine, Finished, Job, Piece, Started
+from .worker import Engine
 
 Shape = ChatShape | CompletionShape
 

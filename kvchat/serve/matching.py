@@ -57,8 +57,7 @@ class Match:
 
     def adopt(self, messages: list[dict]) -> None:
         """Make ``messages`` the session's transcript, keeping the one it replaces."""
-        self.previous = self.session.messages
-        self.session.messages = messages
+        self.previous = self.session.replace_history(messages)
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,7 @@ class Matcher:
             return Match(name, child, "forked", source.resumed_from_disk, source.notice)
         system = history[0]["content"] if history and history[0]["role"] == "system" else None
         session = self.pool.new_session(self.lm, self.kind, system=system, name=name)
-        session.messages = list(history)
+        session.replace_history(history)
         return Match(name, session, "new")
 
     def _named(self, name: str, history: list[dict]) -> Match:
@@ -195,9 +194,9 @@ class Matcher:
                 continue
             if entry.in_memory and entry.session.lm.fingerprint == self.lm.fingerprint:
                 live.add(entry.name)
-                found.append(
-                    _Candidate(entry.name, entry.session.ledger, _pairs(entry.session.messages))
-                )
+                # the keeper's own ledger, read here and now (no copy per session per request)
+                ledger = entry.session.keeper.ledger
+                found.append(_Candidate(entry.name, ledger, _pairs(entry.session.messages)))
         for name in self._saved_names():
             if name not in live:
                 saved = self._read_saved(name)

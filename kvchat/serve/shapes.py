@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .jobs import Finished, Piece
 from .logprobs import completion_shape
-from .worker import Finished, Piece
 
 
 class ChatShape:

@@ -9,8 +9,9 @@ afterwards must have the model to itself: those parts take a
 :class:`~kvchat.engine.generation.scheduler.Scheduler` ticket. Requests beyond the
 running ones wait; more than ``max_queue`` waiting are refused (429) before
 any work. Each job reports back to the event loop through an
-:class:`asyncio.Queue`: a :class:`Started`, the reply's text pieces, then a
-:class:`Finished` (or an :class:`~kvchat.serve.errors.ApiError`).
+:class:`asyncio.Queue`: a :class:`~kvchat.serve.jobs.Started`, the reply's text pieces,
+then a :class:`~kvchat.serve.jobs.Finished` (or an :class:`~kvchat.serve.errors.ApiError`);
+:mod:`kvchat.serve.jobs` streams the reply and sums it up.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from itertools import count
 from typing import TYPE_CHECKING, Any, cast
 
@@ -30,13 +30,8 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from kvchat import store
 from kvchat.engine.conversation.events import (
-    Chunk,
-    Event,
     GenerationSettings,
-    Prefill,
     SessionError,
-    TokenLogprobs,
-    TurnDone,
 )
 from kvchat.engine.conversation.template import encode_plain
 from kvchat.engine.generation.scheduler import Scheduler
@@ -45,7 +40,7 @@ from kvchat.settings import GENERATION, apply_overrides
 from . import anonymous
 from .constrain import JsonConstraint
 from .errors import ApiError
-from .logprobs import chat_entry, text_of
+from .jobs import Finished, Job, Started, finished, stream_reply
 from .matching import Match, Matcher
 from .schema import ChatRequest, CompletionRequest
 from .tools import marker as tool_marker
@@ -55,52 +50,6 @@ if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
     from kvchat.engine.models.model import LoadedModel
     from kvchat.pool import SessionPool
-
-
-@dataclass(frozen=True)
-class Started:
-    """The job has its session and its prompt is about to be evaluated."""
-
-    match: Match
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A piece of the reply's text, with its tokens' log probabilities when asked for
-    (chat-shaped entries, :mod:`kvchat.serve.logprobs`)."""
-
-    text: str
-    logprobs: tuple[dict, ...] = ()
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The reply as the client gets it, why it ended, and the turn's figures;
-    ``logprobs`` holds every token's entry when they were asked for, else None."""
-
-    text: str
-    finish_reason: str
-    usage: dict
-    kvchat: dict
-    logprobs: list[dict] | None = None
-    tool_calls: list[dict] | None = None  # OpenAI's shape: arguments a JSON string
-
-
-@dataclass(eq=False)
-class Job:
-    """One chat completion request on its way through the model thread."""
-
-    request: ChatRequest | CompletionRequest
-    name: str | None
-    owner: str
-    loop: asyncio.AbstractEventLoop
-    grammar: str | None = None
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    session: Session | None = None
-
-    def emit(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
 
 class Engine:
@@ -299,12 +248,11 @@ class Engine:
             elif new[-1]["role"] == "user":
                 events = session.send(new[-1]["content"])
             else:  # tools' results: the model answers them
-                session.messages = [*session.messages, *new]
-                events = session.answer()
+                events = session.answer(new)
         except SessionError as exc:  # nothing ran: the session is as it was
             self._unset(session, kept_settings)
             if match.previous is not None:
-                session.messages = match.previous
+                session.replace_history(match.previous)
             if not store.exists(match.name):  # created for this request
                 self.pool.drop(match.name)
             code = "context_length_exceeded" if "context" in str(exc) else None
@@ -315,8 +263,9 @@ class Engine:
         calls_wanted = tools is not None and req.tool_choice != "none"
         try:
             stops = cast(list[str], req.stop)  # the schema's validator made it a list
-            done, reply, hit_stop, logprobs = self._stream(
-                job, session, events, stops, tool_marker(self.lm) if calls_wanted else None
+            marker = tool_marker(self.lm) if calls_wanted else None
+            done, reply, hit_stop, logprobs = stream_reply(
+                job, session, events, stops, self._prompts, marker
             )
             calls: list[dict[str, Any]]
             content, calls = reply, []
@@ -327,15 +276,11 @@ class Engine:
             # tools), and the cache follows it
             with self.scheduler.turn(job.owner):
                 if calls:
-                    session.messages[-1] = {
-                        "role": "assistant",
-                        "content": content,
-                        "tool_calls": plain(calls),
-                    }
-                    session.sync()
+                    session.revise_reply(
+                        {"role": "assistant", "content": content, "tool_calls": plain(calls)}
+                    )
                 elif hit_stop:
-                    session.messages[-1] = {"role": "assistant", "content": reply}
-                    session.sync()
+                    session.revise_reply({"role": "assistant", "content": reply})
         finally:
             job.session = None
             self._unset(session, kept_settings)
@@ -358,13 +303,13 @@ class Engine:
             with self._state:
                 held = set(self._in_use)  # this request's session and the others'
             anonymous.keep_within(self.pool, self.keep_anonymous, keep=held)
-        finished = self._finished(match, done, content if calls else reply, hit_stop, saved, notice)
+        summary = finished(match, done, content if calls else reply, hit_stop, saved, notice)
         wanted = req.logprobs_wanted() is not None
         return replace(
-            finished,
+            summary,
             logprobs=logprobs if wanted else None,
             tool_calls=calls or None,
-            finish_reason="tool_calls" if calls else finished.finish_reason,
+            finish_reason="tool_calls" if calls else summary.finish_reason,
         )
 
     @staticmethod
@@ -372,98 +317,3 @@ class Engine:
         """Give ``session`` back its own settings, without this request's extras."""
         session.settings, session.report_logprobs, session.logits_processors = settings, None, []
         session.tools = None
-
-    def _stream(
-        self,
-        job: Job,
-        session: Session,
-        events: Iterator[Event],
-        stops: list[str],
-        marker: str | None = None,
-    ) -> tuple[TurnDone, str, bool, list[dict[str, Any]]]:
-        """Forward the reply's text to the client, holding back what could begin a stop
-        string; stop the turn when one appears or the client leaves. Text from ``marker``
-        (a tool call's start) on is not sent: the calls are, once parsed. A piece carries
-        the log probabilities of the tokens generated since the last piece. At most
-        ``prompt_concurrency`` requests are evaluating their prompts at a time."""
-        hold = max((len(s) for s in [*stops, *([marker] if marker else [])]), default=1) - 1
-        reply, sent, hit_stop = "", 0, False
-        done: TurnDone | None = None
-        entries: list[dict[str, Any]] = []
-        reported = 0  # entries already sent with a piece
-
-        def emit(text: str) -> None:
-            nonlocal reported
-            job.emit(Piece(text, tuple(entries[reported:])))
-            reported = len(entries)
-
-        prompting = self._prompts.acquire()
-        try:
-            for event in events:
-                if prompting and not isinstance(event, Prefill):
-                    self._prompts.release()
-                    prompting = False
-                if isinstance(event, TokenLogprobs) and not hit_stop:
-                    entries.append(chat_entry(self.lm.tokenizer, event))
-                elif isinstance(event, Chunk) and not hit_stop:
-                    if entries:  # the text a token adds is the chunk that follows it
-                        text_of(entries[-1], event.text)
-                    reply += event.text
-                    cut = min(
-                        (i for i in (reply.find(s, max(0, sent - hold)) for s in stops) if i >= 0),
-                        default=-1,
-                    )
-                    if cut >= 0:
-                        reply, hit_stop = reply[:cut], True
-                        session.stop()
-                    upto = len(reply) if hit_stop else max(sent, len(reply) - hold)
-                    if marker is not None and (at := reply.find(marker)) >= 0:
-                        upto = min(upto, at)
-                    if upto > sent:
-                        emit(reply[sent:upto])
-                        sent = upto
-                elif isinstance(event, TurnDone):
-                    done = event
-                if job.cancelled.is_set():
-                    session.stop()
-        finally:
-            if prompting:
-                self._prompts.release()
-        if marker is not None and (at := reply.find(marker)) >= 0:
-            reply_end = max(sent, at)
-        else:
-            reply_end = len(reply)
-        if (sent < reply_end or reported < len(entries)) and not job.cancelled.is_set():
-            emit(reply[sent:reply_end])
-        if done is None:  # a turn's last event is its TurnDone, or it raises
-            raise RuntimeError("The turn ended without its summary.")
-        return done, reply, hit_stop, entries
-
-    def _finished(
-        self,
-        match: Match,
-        done: TurnDone,
-        reply: str,
-        hit_stop: bool,
-        saved: bool,
-        notice: str | None,
-    ) -> Finished:
-        s = done.stats
-        eos = bool(done.tokens) and done.tokens[-1] in self.lm.tokenizer.eos_token_ids
-        reason = "stop" if hit_stop or eos or done.stopped else "length"
-        usage = {
-            "prompt_tokens": s.prompt_tokens,
-            "completion_tokens": s.generated_tokens,
-            "total_tokens": s.prompt_tokens + s.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.reused_tokens},
-        }
-        stats = {
-            "session": match.name,
-            "match": match.how,
-            "resumed_from_disk": match.resumed_from_disk,
-            "saved": saved,
-            "notice": notice,
-            **s.to_dict(),
-            "ledger_tokens": len(match.session.ledger),
-        }
-        return Finished(reply, reason, usage, stats)

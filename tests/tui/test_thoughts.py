@@ -113,10 +113,9 @@ async def test_a_dropping_template_is_noted_in_the_panel(dropping_model, home):
         await settle(pilot)
         conversation = app.active_conversation()
         session = conversation.session
-        session.messages = [
-            {"role": "user", "content": "Hi!"},
-            {"role": "assistant", "content": REPLY},
-        ]
+        session.replace_history(
+            [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": REPLY}]
+        )
         session.rebuild("test")  # the cache holds the reply, thoughts and all
         await conversation.reload()
         reply = conversation.query_one(AssistantMessage)

@@ -1,1 +1,1 @@
-"""A conversation: the Session and its token ledger, its maintenance (trim, undo, kind switch), branches, templates, events and stats."""
+"""A conversation: the Session (one public face) made of a cache keeper (cache, ledger, checkpoints), a history (messages, branches, turns' stats), a turn runner and the upkeep between turns; templates, events and stats."""

@@ -141,6 +141,11 @@ class Branches:
         if self.path:
             self.nodes[self.path[-1]].turn = turn
 
+    def replace_last(self, message: dict[str, Any]) -> None:
+        """Put ``message`` in place of the path's last message (a reply revised after its
+        turn), keeping its turn's stats."""
+        self.nodes[self.path[-1]].message = _plain(message)
+
     def switch(self, index: int, step: int) -> bool:
         """Move the path at ``index`` to the sibling ``step`` away (and down that branch as
         it was last seen); False, changing nothing, when there is none that way."""

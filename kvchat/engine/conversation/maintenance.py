@@ -1,42 +1,46 @@
-"""Cache maintenance for a Session: rewind, rebuild, undo, trim, switch kind.
+"""The cache keeper: a session's prompt cache, its ledger, its checkpoints and the log
+probabilities at the end of the last prompt.
 
-Kept apart from the turn itself (:mod:`kvchat.engine.conversation.session`); every method
-here leaves the ledger equal to what the cache holds.
+The ledger is exactly the token ids whose keys and values the cache holds, in order;
+every method here leaves it so, and the only other writer is the generation core,
+which appends what it feeds through the :class:`~kvchat.engine.generation.Sequence`
+that :meth:`CacheKeeper.sequence` makes. The keeper knows nothing of messages or
+templates: the :class:`~kvchat.engine.conversation.session.Session` says which tokens
+the cache should hold.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from kvchat.engine.caches import checkpoints as checkpoint_bounds
-from kvchat.engine.caches.checkpoints import stateful_paths, what_cannot_go_back
+from kvchat.engine.caches.checkpoints import Checkpoints, stateful_paths, what_cannot_go_back
 from kvchat.engine.caches.kinds import (
     CacheKind,
     after_turn,
+    allocated_bytes,
+    cache_bytes,
     convert_cache,
+    copy_cache,
     group_size,
+    held_tokens,
     make_cache,
-    parse_kind,
     settle,
     trim_to,
 )
-from kvchat.engine.conversation.events import Prefill, SessionError
+from kvchat.engine.conversation.events import Prefill
 from kvchat.engine.conversation.stats import CacheChange
+from kvchat.engine.generation import Sequence
+from kvchat.engine.generation.sampling import LogitsProcessor, Sampler
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
-
-    from kvchat.engine.caches.checkpoints import Checkpoints
-    from kvchat.engine.conversation.branches import Branches
-    from kvchat.engine.conversation.events import GenerationSettings
-    from kvchat.engine.conversation.stats import TurnStats
     from kvchat.engine.generation.sequence import StopFlag
     from kvchat.engine.models.model import LoadedModel
 
-    Progress = Callable[[int, int], None]
+Progress = Callable[[int, int], None]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -48,59 +52,142 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-class CacheMaintenance:
-    """The cache-changing operations of :class:`~kvchat.engine.conversation.session.Session` (a mixin:
-    it uses the session's ``cache``, ``ledger``, ``messages``, ``kind``, ``settings`` and
-    ``checkpoints``)."""
+class CacheKeeper:
+    """One cache object per model layer of ``lm``, of ``kind``, and what describes it.
 
-    last_change: CacheChange | None = None  # maintenance since the last turn, if any
+    ``head`` says how many tokens a new cache keeps at its start whatever it evicts
+    (a rotating cache's system prompt): it is asked each time a cache is made.
+    """
 
-    # What the Session this is part of provides.
-    lm: LoadedModel
-    kind: CacheKind
-    settings: GenerationSettings
-    messages: list[dict[str, Any]]
-    archived: list[dict[str, Any]]
-    turns: list[TurnStats]
-    branches: Branches
-    ledger: list[int]
-    cache: list[Any]
-    checkpoints: Checkpoints
-    _logits: tuple[int, mx.array] | None
-    _stop: StopFlag
-    _pending_rebuild: str | None  # why the cache was dropped, until it is refilled
+    def __init__(self, lm: LoadedModel, kind: CacheKind, head: Callable[[], int]):
+        self.lm = lm
+        self._kind = kind
+        self._head = head
+        self._cache: list[Any] = make_cache(lm.model, kind, keep=head())
+        self._ledger: list[int] = []
+        self.checkpoints = Checkpoints()  # of sliding-window and recurrent layers, by turn
+        self._logits: tuple[int, mx.array] | None = None
+        self.last_change: CacheChange | None = None  # maintenance since the last turn
+        self.pending_rebuild: str | None = None  # why the cache was emptied, until refilled
+        self.recomputed = 0  # tokens a load-time rebuild put in the cache, no turn counted
 
-    if TYPE_CHECKING:
+    # ----------------------------------------------------------------- reading
 
-        @property
-        def system(self) -> str | None: ...
+    @property
+    def kind(self) -> CacheKind:
+        return self._kind
 
-        @property
-        def cache_tokens(self) -> int: ...
+    @property
+    def cache(self) -> list[Any]:
+        return self._cache
 
-        def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]: ...
+    @property
+    def ledger(self) -> list[int]:
+        """The tokens the cache holds (the list itself: read it, change it only through
+        this keeper or a sequence it made)."""
+        return self._ledger
 
-        def _system_tokens(self) -> int: ...
+    @property
+    def tokens(self) -> int:
+        """Tokens whose keys and values the cache holds now."""
+        return held_tokens(self._cache, len(self._ledger))
 
-        def _keep_turns(self, messages: list[dict[str, Any]]) -> None: ...
+    @property
+    def nbytes(self) -> int:
+        """Bytes the held tokens take (what a save writes)."""
+        return cache_bytes(self._cache)
 
-        def talk(self) -> list[dict[str, Any]]: ...
+    @property
+    def allocated(self) -> int:
+        """Bytes the cache's buffers hold in memory, free slots included."""
+        return allocated_bytes(self._cache)
 
-        def _record(self) -> None: ...
+    @property
+    def head(self) -> int:
+        """The tokens a cache made now keeps at its start, whatever it evicts."""
+        return self._head()
 
-    def _changed(self, action: str, evaluated: int = 0) -> None:
-        """Record maintenance work on the cache (the next turn clears it)."""
-        self.last_change = CacheChange(action, self.cache_tokens, evaluated)
+    @property
+    def stateful(self) -> bool:
+        """Whether the cache has sliding-window or recurrent layers (it keeps checkpoints)."""
+        return bool(stateful_paths(self._cache))
 
-    def _prefill(
-        self, tokens: list[int], total: int, marks: frozenset[int] = frozenset()
+    @property
+    def prompt_logprobs(self) -> tuple[int, mx.array] | None:
+        """The log-probabilities at the end of the last prompt and its length."""
+        return self._logits
+
+    @prompt_logprobs.setter
+    def prompt_logprobs(self, value: tuple[int, mx.array]) -> None:
+        if not 0 < value[0] <= len(self._ledger):
+            raise ValueError(f"log-probabilities at token {value[0]} of {len(self._ledger)}")
+        self._logits = value
+
+    def logprobs_at(self, n: int) -> mx.array | None:
+        """The kept log-probabilities if they are those at token ``n``, else None."""
+        return self._logits[1] if self._logits is not None and self._logits[0] == n else None
+
+    def copy_upto(self, n: int) -> tuple[list[Any], list[int]] | None:
+        """A copy of the cache holding ``ledger[:n]`` or, failing that, up to the nearest
+        checkpoint before ``n``, with its ledger; None when it would hold nothing."""
+        copied = copy_cache(self._cache)
+        kept = n if n and trim_to(copied, n) else self.checkpoints.restore(copied, n)
+        if kept and held_tokens(copied) == kept:
+            return copied, self._ledger[:kept]
+        return None
+
+    # ----------------------------------------------------------------- evaluating
+
+    def sequence(
+        self,
+        prompt: list[int],
+        *,
+        sampler: Sampler,
+        processors: list[LogitsProcessor],
+        max_tokens: int,
+        stop: StopFlag,
+        eos: frozenset[int] = frozenset(),
+        prefill_step: int = 512,
+        logprobs: mx.array | None = None,
+        marks: frozenset[int] = frozenset(),
+        report_logprobs: bool = False,
+    ) -> Sequence:
+        """A :class:`Sequence` evaluating ``prompt`` into this cache (the core appends what
+        it feeds to the ledger), then sampling; once the prompt is in, a checkpoint and the
+        log probabilities there are kept, and a checkpoint at each ledger length in
+        ``marks``. The other fields are :class:`Sequence`'s."""
+        return Sequence(
+            prompt=prompt,
+            cache=self._cache,
+            ledger=self._ledger,
+            sampler=sampler,
+            processors=processors,
+            max_tokens=max_tokens,
+            stop=stop,
+            eos=eos,
+            prefill_step=prefill_step,
+            logprobs=logprobs,
+            on_prompt=self._prompt_done,
+            marks=marks,
+            on_mark=self._mark,
+            report_logprobs=report_logprobs,
+            kind=self._kind.name,
+        )
+
+    def prefill(
+        self,
+        tokens: list[int],
+        total: int,
+        *,
+        step: int,
+        stop: StopFlag,
+        marks: frozenset[int] = frozenset(),
     ) -> Iterator[Prefill]:
-        """Evaluate ``tokens`` into the cache in chunks, yielding progress; stops early on stop().
-
-        A checkpoint is kept where the ledger reaches a length in ``marks``.
-        """
-        step = max(1, self.settings.prefill_step)
-        start = len(self.ledger)
+        """Evaluate ``tokens`` into the cache in chunks of ``step``, yielding progress; ends
+        early once ``stop`` is set. A checkpoint is kept where the ledger reaches a length
+        in ``marks``."""
+        step = max(1, step)
+        start = len(self._ledger)
         end = start + len(tokens)
         cuts = sorted(
             {*range(start + step, end, step), *(m for m in marks if start < m < end), end}
@@ -108,240 +195,142 @@ class CacheMaintenance:
         yield Prefill(0, total)
         with mx.stream(generation_stream):
             for cut in cuts if tokens else ():
-                if self._stop.is_set():
+                if stop.is_set():
                     return
-                chunk = tokens[len(self.ledger) - start : cut - start]
-                self.lm.model(mx.array(chunk)[None], cache=self.cache)
-                mx.eval([c.state for c in self.cache])
-                self.ledger.extend(chunk)
+                chunk = tokens[len(self._ledger) - start : cut - start]
+                self.lm.model(mx.array(chunk)[None], cache=self._cache)
+                mx.eval([c.state for c in self._cache])
+                self._ledger.extend(chunk)
                 if cut in marks:
-                    self.checkpoints.keep(self.cache, cut)
+                    self._mark(cut)
                 yield Prefill(cut - start, total)
                 mx.clear_cache()
 
-    def _rewind(self, n: int) -> tuple[int, str | None]:
+    def fill(
+        self,
+        tokens: list[int],
+        *,
+        step: int,
+        stop: StopFlag,
+        marks: frozenset[int] = frozenset(),
+        progress: Progress | None = None,
+    ) -> int:
+        """Evaluate the rest of ``tokens`` (which start with the ledger: :meth:`rewind`
+        first) so the cache holds them all; returns how many were evaluated."""
+        held = len(self._ledger)
+        if tokens[:held] != self._ledger:
+            raise ValueError("the tokens to fill do not start with what the cache holds")
+        for event in self.prefill(
+            tokens[held:], len(tokens) - held, step=step, stop=stop, marks=marks
+        ):
+            if progress:
+                progress(event.done, event.total)
+        after_turn(self._cache)
+        self.pending_rebuild = None  # the whole transcript is in the cache again
+        return len(tokens) - held
+
+    def _prompt_done(self, logprobs: mx.array) -> None:
+        """The prompt is in the cache: keep a checkpoint there (for a regenerate or an edit
+        of this turn) and the log probabilities at its end."""
+        self.keep_checkpoint()
+        self._logits = (len(self._ledger), logprobs)
+
+    def _mark(self, tokens: int) -> None:
+        self.checkpoints.keep(self._cache, tokens)
+
+    def keep_checkpoint(self) -> None:
+        """Keep a checkpoint of the cache as it is now."""
+        self._mark(len(self._ledger))
+
+    def after_turn(self) -> None:
+        """The cache's end-of-turn housekeeping (mlx-lm's, for the kinds that need one)."""
+        after_turn(self._cache)
+
+    # ----------------------------------------------------------------- going back
+
+    def rewind(self, n: int) -> tuple[int, str | None]:
         """Make the cache hold ``ledger[:n]``, or failing that the ledger up to the nearest
-        checkpoint before ``n``, or failing that nothing (a rebuild).
+        checkpoint before ``n``, or failing that nothing (:meth:`discard`).
 
         Returns how many tokens the cache holds now, and the reason it had to be
         emptied (None when it was not).
         """
-        if n >= len(self.ledger):
-            return len(self.ledger), None
-        kept = n if trim_to(self.cache, n) else self.checkpoints.restore(self.cache, n)
+        if n >= len(self._ledger):
+            return len(self._ledger), None
+        kept = n if trim_to(self._cache, n) else self.checkpoints.restore(self._cache, n)
         if kept is not None:
-            settle(self.cache)
-            self._set_ledger(self.ledger[:kept])
+            settle(self._cache)
+            self._cut(kept)
             return kept, None
-        reason = f"the {self.kind.name} cache could not be trimmed back to token {n}"
-        stateful = what_cannot_go_back(self.cache)
+        reason = f"the {self._kind.name} cache could not be trimmed back to token {n}"
+        stateful = what_cannot_go_back(self._cache)
         if stateful:
             reason += f": it holds {stateful}, and no checkpoint is that early"
-        self._discard(reason)
+        self.discard(reason)
         return 0, reason
 
-    def _set_ledger(self, ledger: list[int]) -> None:
-        self.ledger = ledger
-        self.checkpoints.forget_after(len(ledger))
-        if self._logits is not None and self._logits[0] > len(ledger):
+    def _cut(self, n: int) -> None:
+        del self._ledger[n:]
+        self.checkpoints.forget_after(n)
+        if self._logits is not None and self._logits[0] > n:
             self._logits = None
 
-    def _discard(self, reason: str) -> None:
+    def discard(self, reason: str) -> None:
         """Replace the cache with an empty one; the next turn evaluates everything."""
         self.unload()
-        self._pending_rebuild = reason
-        self._recomputed = 0
+        self.pending_rebuild = reason
+        self.recomputed = 0
 
     def unload(self) -> None:
-        """Let go of the cache's memory (it was saved elsewhere); the transcript stays."""
-        self.cache = make_cache(self.lm.model, self.kind, keep=self._system_tokens())
-        self.ledger = []
+        """Let go of the cache's memory (it was saved elsewhere)."""
+        self._cache = make_cache(self.lm.model, self._kind, keep=self.head)
+        self._ledger = []
         self._logits = None
         self.checkpoints.clear()
 
     def close(self) -> None:
-        """Let go of the cache and the model for good (its tab was closed), so a stale
-        reference to the session (a finished worker's, say) holds neither in memory.
-        The session cannot run again; its transcript stays readable."""
-        self.cache, self.ledger, self._logits = [], [], None
+        """Let go of the cache and the model for good."""
+        self._cache, self._ledger, self._logits = [], [], None
         self.checkpoints.clear()
         del self.lm
         mx.clear_cache()
 
-    @property
-    def prompt_logprobs(self) -> tuple[int, mx.array] | None:
-        """The log-probabilities at the end of the last prompt and its length: with the
-        checkpoint there, a regenerate samples from them and evaluates nothing."""
-        return self._logits
-
-    @prompt_logprobs.setter
-    def prompt_logprobs(self, value: tuple[int, mx.array]) -> None:
-        if not 0 < value[0] <= len(self.ledger):
-            raise ValueError(f"log-probabilities at token {value[0]} of {len(self.ledger)}")
-        self._logits = value
-
     def attach(self, cache: list[Any], ledger: list[int]) -> None:
-        """Take back a cache holding exactly ``ledger`` (as loaded from disk)."""
-        self.cache, self.ledger = cache, list(ledger)
+        """Take a cache holding exactly ``ledger`` (as loaded from disk)."""
+        self._cache, self._ledger = cache, list(ledger)
         self._logits = None
         self.checkpoints.clear()
         settle(cache)
 
     def reset(self) -> bool:
-        """Empty the cache and keep the transcript: the next turn prefills it all again.
-
-        Returns False (and changes nothing) when the cache was empty already.
-        """
-        if not self.ledger:
+        """Empty the cache: the next turn prefills it all again. False (and nothing
+        changes) when it was empty already."""
+        if not self._ledger:
             return False
-        self._discard("the cache was reset")
-        self._changed("reset")
+        self.discard("the cache was reset")
+        self.changed("reset")
         return True
 
-    def rebuild(
-        self, reason: str, progress: Progress | None = None, *, next_turn_counts: bool = False
-    ) -> str:
-        """Recompute the cache from the transcript (exact), reporting progress. With
-        ``next_turn_counts`` (a rebuild at load, which no turn reported) the next turn
-        counts the recomputed tokens as evaluated, not reused."""
-        self._discard(reason)
-        _, evaluated = self._refill(progress)  # from nothing: the whole transcript
-        self._recomputed = evaluated if next_turn_counts else 0
-        return reason
-
-    def _turn_ends(
-        self, messages: list[dict[str, Any]], tokens: list[int], after: int = 0
-    ) -> frozenset[int]:
-        """Where in ``tokens`` (the rendering of ``messages``) the prompts and replies that
-        end past token ``after`` end, for checkpoints while they are evaluated again; none
-        for a model that keeps no checkpoints.
-
-        Only the newest :data:`~kvchat.engine.caches.checkpoints.MAX_CHECKPOINTS`: a prefill
-        keeping more would drop the older ones as it kept newer ones. So the transcript
-        is rendered up to each reply from the newest back, until that many are found
-        or the renderings end before ``after`` (they grow with the transcript): a
-        bounded number of renderings, not two per reply (which made a rebuild of a
-        long conversation quadratic in its length) — unless a template rewrites every
-        earlier turn, so that no rendering up to a reply is a prefix of the whole.
-        """
-        if not stateful_paths(self.cache):
-            return frozenset()
-        ends: set[int] = set()
-        for i in reversed(range(len(messages))):
-            if len(ends) >= checkpoint_bounds.MAX_CHECKPOINTS:
-                break
-            if messages[i]["role"] != "assistant":
-                continue
-            prompt = self.render(messages[:i], True)
-            for part in (prompt, self.render(messages[: i + 1], False)):
-                # a template may rewrite earlier turns: only a prefix of ``tokens`` counts
-                if len(part) > after and tokens[: len(part)] == part:
-                    ends.add(len(part))
-            if len(prompt) <= after:
-                break
-        return frozenset(sorted(ends)[-checkpoint_bounds.MAX_CHECKPOINTS :])
-
-    def sync(self) -> None:
-        """Trim the cache to what the transcript renders to now (after undo or an edit)."""
-        tokens = self.render(self.messages, False)
-        self._rewind(common_prefix(self.ledger, tokens))
-
-    def set_system(self, text: str | None) -> int:
-        """Replace the system prompt (``""`` or None: none) and trim the cache to the tokens
-        that still match; return how many it keeps. The next turn evaluates only the rest."""
-        rest = self.talk()
-        kept_head = self._system_tokens()
-        self.messages = ([{"role": "system", "content": text}] if text else []) + rest
-        if self.kind.family == "rotating" and self._system_tokens() != kept_head:
-            self.unload()  # a rotating cache's never-evicted head is fixed when it is made
-        else:
-            self.sync()
-        self._changed("system prompt")
-        return len(self.ledger)
-
-    def undo(self, turns: int = 1) -> None:
-        """Remove the last ``turns`` exchanges (user message and reply) and trim the cache exactly."""
-        self._record()
-        messages = list(self.messages)
-        removed = 0
-        while removed < turns and any(m["role"] == "user" for m in messages):
-            if messages.pop()["role"] == "user":
-                removed += 1
-        if not removed:
-            raise SessionError("Nothing to undo: there is no user message yet.")
-        self.messages = messages
-        self._keep_turns(messages)
-        self.branches.truncate(len(self.talk()))
-        self.sync()
-        self._changed("undo")
-
-    def trim_history(self, max_tokens: int, progress: Progress | None = None) -> int:
-        """Drop the oldest exchanges, keeping the system prompt, until the transcript fits ``max_tokens``.
-
-        Exact semantics: the cache is trimmed back to the system prompt and the
-        kept turns are evaluated again, so it equals a fresh run of the
-        shortened transcript. Dropped turns move to ``archived``. Returns the
-        number of messages dropped.
-        """
-        self._record()
-        keep_system = 1 if self.system else 0
-        messages = list(self.messages)
-        dropped: list[dict[str, Any]] = []
-        while len(self.render(messages, False)) > max_tokens:
-            if len(messages) <= keep_system:
-                raise SessionError(
-                    f"The system prompt alone is over {max_tokens:,} tokens; nothing to trim to."
-                )
-            first = messages.pop(keep_system)
-            dropped.append(first)
-            # an exchange goes whole: drop the replies that answered this message too
-            while len(messages) > keep_system and messages[keep_system]["role"] != "user":
-                dropped.append(messages.pop(keep_system))
-        if not dropped:
-            return 0
-        self.archived.extend(dropped)
-        self.messages = messages
-        del self.turns[: sum(m["role"] == "assistant" for m in dropped)]
-        self.branches.drop_first(len(dropped))
-        _, evaluated = self._refill(progress)
-        self._changed("trim", evaluated)
-        return len(dropped)
-
-    def _refill(self, progress: Progress | None = None) -> tuple[int, int]:
-        """Make the cache hold exactly what the transcript renders to now: trim it to the
-        common prefix with the ledger and evaluate the rest. Returns (reused, evaluated)."""
-        self._stop.clear()
-        tokens = self.render(self.messages, False)
-        self._rewind(common_prefix(self.ledger, tokens))
-        reused = len(self.ledger)
-        marks = self._turn_ends(self.messages, tokens, reused)
-        for event in self._prefill(tokens[reused:], len(tokens) - reused, marks):
-            if progress:
-                progress(event.done, event.total)
-        after_turn(self.cache)
-        self._pending_rebuild = None  # the whole transcript is in the cache again
-        return reused, len(tokens) - reused
-
-    def set_kind(self, kind: str | CacheKind, progress: Progress | None = None) -> str | None:
-        """Switch the cache kind, converting the live cache where the data allows.
-
-        Returns None when the cache was converted in place, else the reason it
-        was rebuilt from the transcript. Raises ``CacheKindError`` for a kind
-        that cannot apply to this model, before anything changes.
-        """
-        new = parse_kind(kind)
-        if new == self.kind:
-            return None
-        make_cache(self.lm.model, new)  # raises if the kind cannot apply to this model
-        old, self.kind = self.kind, new
-        converted = convert_cache(self.cache, old, new, group_size(self.lm.model, new))
+    def set_kind(self, kind: CacheKind) -> str | None:
+        """Switch to ``kind``, converting the cache where the data allows. Returns None
+        when it was converted in place, else why it was emptied (the caller refills it).
+        Raises ``CacheKindError`` for a kind that cannot apply to this model, before
+        anything changes."""
+        make_cache(self.lm.model, kind)  # raises if the kind cannot apply to this model
+        old, self._kind = self._kind, kind
+        converted = convert_cache(self._cache, old, kind, group_size(self.lm.model, kind))
         if converted is not None:
             # Only plain key/value layers changed: the sliding-window and recurrent layers,
             # which are all a checkpoint holds, are the same objects, so the checkpoints stay.
-            self.cache, self._logits = converted, None
+            self._cache, self._logits = converted, None
             settle(converted)
-            self._changed("kind change")
             return None
-        reason = self.rebuild(f"cache kind changed from {old.name} to {new.name}", progress)
-        self._changed("kind change", len(self.ledger))  # all of it evaluated again
+        reason = f"cache kind changed from {old.name} to {kind.name}"
+        self.discard(reason)
         return reason
+
+    # ----------------------------------------------------------------- figures
+
+    def changed(self, action: str, evaluated: int = 0) -> None:
+        """Record maintenance work on the cache (the next turn clears it)."""
+        self.last_change = CacheChange(action, self.tokens, evaluated)

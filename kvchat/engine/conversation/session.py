@@ -3,42 +3,32 @@
 The contract (docs/architecture.md, "The engine contract"): every turn renders the whole
 message list with the chat template, keeps the longest common prefix of that
 rendering and the **ledger** (the token ids whose keys and values are in the
-cache, in order), trims the cache back to it, and evaluates only the rest.
-Nothing in the cache ever differs from what a fresh run of the same prompt
-would compute, so edits, regenerates, templates that rewrite old turns and
-re-tokenised replies need no special cases.
+cache, in order), trims the cache back to it, and evaluates only the rest, so
+nothing in the cache ever differs from what a fresh run of the same prompt would
+compute: edits, regenerates, templates that rewrite old turns and re-tokenised
+replies need no special cases.
 
-:meth:`Session.send` returns a generator of small events, mlx-lm style:
-:class:`Prefill` while the prompt is evaluated, :class:`Chunk` for each
-piece of streamed text and a final :class:`TurnDone` carrying the reply and
-its :class:`~kvchat.engine.conversation.stats.TurnStats`. The TUI and the CLI consume the
-same stream.
+A Session is the one public face of its collaborators: ``keeper`` (the cache, the
+ledger, the checkpoints: :mod:`.maintenance`), ``history`` (the messages, their
+branches, the turns' stats: :mod:`.history`), ``runner`` (one turn at a time:
+:mod:`.turn`) and the work between turns (:mod:`.upkeep`). Every change of the
+transcript is a method here that makes the cache follow.
+
+:meth:`Session.send` returns a generator of events, mlx-lm style: :class:`Prefill`
+while the prompt is evaluated, a :class:`Chunk` per piece of text and a final
+:class:`TurnDone` with the reply and its stats. The TUI and the CLI read the same stream.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from kvchat.engine.caches.checkpoints import Checkpoints
-from kvchat.engine.caches.kinds import (
-    CacheKind,
-    after_turn,
-    allocated_bytes,
-    cache_bytes,
-    copy_cache,
-    held_tokens,
-    make_cache,
-    parse_kind,
-    trim_to,
-)
-from kvchat.engine.conversation.branch_ops import BranchOps
+from kvchat.engine.caches.kinds import CacheKind, parse_kind
 from kvchat.engine.conversation.branches import Branches
 from kvchat.engine.conversation.events import (
     Chunk,
@@ -50,13 +40,13 @@ from kvchat.engine.conversation.events import (
     Turn,
     TurnDone,
 )
-from kvchat.engine.conversation.maintenance import CacheMaintenance, common_prefix
-from kvchat.engine.conversation.stats import CacheFigures, TurnStats, memory
-from kvchat.engine.conversation.template import encode, encode_plain, render, template_text
-from kvchat.engine.conversation.text import ReplyText
-from kvchat.engine.conversation.thoughts import reevaluated_reply
-from kvchat.engine.generation import Left, Sequence, core_for
-from kvchat.engine.generation.sampling import LogitsProcessor, Sampler, for_settings, token_logprobs
+from kvchat.engine.conversation.history import History, Message
+from kvchat.engine.conversation.maintenance import CacheKeeper, Progress, common_prefix
+from kvchat.engine.conversation.stats import CacheChange, CacheFigures, Refilled, TurnStats
+from kvchat.engine.conversation.template import render, turn_ends
+from kvchat.engine.conversation.turn import Asked, Plan, Runner
+from kvchat.engine.conversation.upkeep import Upkeep
+from kvchat.engine.generation.sampling import Sampler
 from kvchat.engine.generation.sequence import StopFlag
 
 if TYPE_CHECKING:
@@ -74,20 +64,8 @@ __all__ = [
     "TurnDone",
 ]
 
-Progress = Callable[[int, int], None]
 
-
-def _last_left(seq: Sequence) -> Left:
-    """The :class:`Left` a sequence's reader stopped reading before."""
-    left = Left(stopped=True)
-    while not seq.messages.empty():
-        message = seq.messages.get()
-        if isinstance(message, Left):
-            left = message
-    return left
-
-
-class Session(CacheMaintenance, BranchOps):
+class Session:
     """One conversation with its own prompt cache (one cache object per model layer)."""
 
     def __init__(
@@ -97,388 +75,325 @@ class Session(CacheMaintenance, BranchOps):
         kind: str | CacheKind = "standard",
         system: str | None = None,
         settings: GenerationSettings | None = None,
-        messages: list[dict[str, Any]] | None = None,
+        messages: list[Message] | None = None,
     ):
         self.lm = lm
-        self.kind = parse_kind(kind)
         self.settings = settings or GenerationSettings()
-        self.messages: list[dict[str, Any]] = list(messages or [])
+        messages = list(messages or [])
+        if system and not (messages and messages[0]["role"] == "system"):
+            messages.insert(0, {"role": "system", "content": system})
+        self.history = History(messages)
         # the tools (OpenAI function specs) the chat template offers the model, if any
         self.tools: list[dict[str, Any]] | None = None
-        if system and not (self.messages and self.messages[0]["role"] == "system"):
-            self.messages.insert(0, {"role": "system", "content": system})
-        self.turns: list[TurnStats] = []
-        self.archived: list[
-            dict[str, Any]
-        ] = []  # turns dropped by trim_history, kept for the record
-        self.branches = Branches.linear(self.talk())  # every path the messages have taken
-        self.ledger: list[int] = []
-        self.cache: list[Any] = make_cache(lm.model, self.kind, keep=self._system_tokens())
-        self.checkpoints = Checkpoints()  # of sliding-window and recurrent layers, by turn
-        self._logits: tuple[int, mx.array] | None = None
+        self.keeper = CacheKeeper(lm, parse_kind(kind), self._system_tokens)
         # set to a count to have turns yield TokenLogprobs with that many alternatives
         self.report_logprobs: int | None = None
         # mlx-lm logits processors every sampled token goes through (constrained decoding)
         self.logits_processors: list[Callable[[mx.array, mx.array], mx.array]] = []
-        self._stop: StopFlag = threading.Event()
-        self._share: Callable[[Sampler], Sampler] | None = None  # see keep_in_step
-        self._busy = threading.Lock()
+        self.runner = Runner()  # one turn at a time, and its stop flag
 
     @classmethod
     def restore(
         cls,
         lm: LoadedModel,
         *,
-        messages: list[dict[str, Any]],
+        messages: list[Message],
         kind: str | CacheKind,
         settings: GenerationSettings | None = None,
         ledger: list[int] | None = None,
         cache: list[Any] | None = None,
         turns: list[TurnStats] | None = None,
-        archived: list[dict[str, Any]] | None = None,
+        archived: list[Message] | None = None,
         branches: Branches | None = None,
-    ) -> "Session":
+    ) -> Session:
         """A session from saved parts. Without a ``cache`` (or ledger) it starts empty;
         the caller decides whether to :meth:`rebuild` it now. ``branches`` must hold
         ``messages`` as its path (:meth:`Branches.from_record` checks that)."""
         session = cls(lm, kind=kind, settings=settings, messages=messages)
-        session.turns = list(turns or [])
-        session.archived = list(archived or [])
-        session.branches = branches or Branches.linear(session.talk(), session.turns)
+        session.history = History(
+            session.messages, turns=turns or (), archived=archived or (), branches=branches
+        )
         if cache is not None and ledger is not None:
             session.attach(cache, ledger)
         return session
 
     def fork_prefix(
-        self, messages: list[dict[str, Any]] | None = None, tokens: list[int] | None = None
-    ) -> "Session":
-        """A new session whose cache starts as a copy of this one's, cut to the
-        common prefix with ``tokens`` or else with ``messages`` rendered (by default
-        this session's system prompt); the new session's transcript is ``messages``.
-
-        This is how a new conversation with the same model, kind and system
-        prompt skips evaluating the system prompt again (and a server's request
-        its whole prompt, given as ``tokens``). A cache that cannot be cut that
-        far starts from this one's nearest checkpoint before it, if any.
-        """
+        self, messages: list[Message] | None = None, tokens: list[int] | None = None
+    ) -> Session:
+        """A new session with transcript ``messages`` (by default this one's system prompt)
+        whose cache starts as a copy of this one's, cut to the common prefix with ``tokens``
+        or else with ``messages`` rendered, or to the nearest checkpoint before it: a new
+        conversation skips the system prompt, a server's request its shared prompt."""
         messages = list(
             messages if messages is not None else self.messages[:1] if self.system else []
         )
         child = Session(self.lm, kind=self.kind, settings=replace(self.settings), messages=messages)
         wanted = tokens if tokens is not None else child.render(messages, False)
-        n = common_prefix(self.ledger, wanted)
-        copied = copy_cache(self.cache)
-        kept = n if n and trim_to(copied, n) else self.checkpoints.restore(copied, n)
-        if kept and held_tokens(copied) == kept:
-            child.attach(copied, self.ledger[:kept])
+        copied = self.keeper.copy_upto(common_prefix(self.keeper.ledger, wanted))
+        if copied is not None:
+            child.attach(*copied)
         return child
 
     # ----------------------------------------------------------------- views
 
     @property
+    def messages(self) -> list[Message]:
+        """The transcript (a copy: it changes through this session's methods only)."""
+        return [dict(m) for m in self.history.messages]
+
+    @property
+    def ledger(self) -> list[int]:
+        """The tokens the cache holds, in order (a copy)."""
+        return list(self.keeper.ledger)
+
+    @property
+    def kind(self) -> CacheKind:
+        return self.keeper.kind
+
+    @property
+    def cache(self) -> list[Any]:
+        return self.keeper.cache
+
+    @property
+    def checkpoints(self) -> Checkpoints:
+        return self.keeper.checkpoints
+
+    @property
+    def turns(self) -> list[TurnStats]:
+        """One entry per reply on the current path, oldest first (a copy)."""
+        return list(self.history.turns)
+
+    @property
+    def archived(self) -> list[Message]:
+        """Exchanges :meth:`trim_history` dropped, kept for the record (a copy)."""
+        return list(self.history.archived)
+
+    @property
+    def branches(self) -> Branches:
+        """Every path the messages have taken."""
+        return self.history.branches
+
+    @property
     def system(self) -> str | None:
-        if self.messages and self.messages[0]["role"] == "system":
-            content: str = self.messages[0]["content"]
-            return content
-        return None
+        return self.history.system
 
     @property
     def answering(self) -> bool:
         """Whether a turn of this session is running (its cache and ledger are the
         turn's until it ends: views read :meth:`figures` taken before)."""
-        return self._busy.locked()
+        return self.runner.busy
 
     @property
     def cache_tokens(self) -> int:
         """Tokens whose keys and values the cache holds now."""
-        return held_tokens(self.cache, len(self.ledger))
+        return self.keeper.tokens
 
     @property
     def cache_bytes(self) -> int:
         """Bytes the held tokens take (what a save writes)."""
-        return cache_bytes(self.cache)
+        return self.keeper.nbytes
 
     @property
     def allocated_bytes(self) -> int:
         """Bytes the cache's buffers hold in memory, free slots included."""
-        return allocated_bytes(self.cache)
+        return self.keeper.allocated
 
     @property
     def pending_rebuild(self) -> str | None:
         """Why the cache was emptied since the last turn (reset, failed turn, ...), if it was."""
-        return self._pending_rebuild
+        return self.keeper.pending_rebuild
+
+    @property
+    def last_change(self) -> CacheChange | None:
+        """Maintenance work on the cache since the last turn (undo, trim...), if any."""
+        return self.keeper.last_change
 
     @property
     def last_stats(self) -> TurnStats | None:
-        return self.turns[-1] if self.turns else None
+        turns = self.history.turns
+        return turns[-1] if turns else None
+
+    @property
+    def prompt_logprobs(self) -> tuple[int, mx.array] | None:
+        """The log-probabilities at the end of the last prompt and its length: with the
+        checkpoint there, a regenerate samples from them and evaluates nothing."""
+        return self.keeper.prompt_logprobs
+
+    @prompt_logprobs.setter
+    def prompt_logprobs(self, value: tuple[int, mx.array]) -> None:
+        self.keeper.prompt_logprobs = value
 
     def figures(self) -> CacheFigures:
         """What the views show of this session, as of now (call it between turns)."""
+        turns = self.history.turns
         return CacheFigures(
             cache_tokens=self.cache_tokens,
             cache_bytes=self.cache_bytes,
             checkpoints=(len(self.checkpoints), self.checkpoints.nbytes),
-            user_turns=sum(1 for m in self.messages if m["role"] == "user"),
+            user_turns=sum(1 for m in self.history.messages if m["role"] == "user"),
             last=self.last_stats,
-            prompt_eval_history=tuple(t.prompt_eval_s for t in self.turns),
-            pending_rebuild=self._pending_rebuild,
+            prompt_eval_history=tuple(t.prompt_eval_s for t in turns),
+            pending_rebuild=self.pending_rebuild,
         )
 
-    def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+    def render(self, messages: list[Message], generation_prompt: bool) -> list[int]:
         """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
         return render(self.lm, messages, generation_prompt, self.tools)
 
+    def talk(self) -> list[Message]:
+        """The messages without the system prompt: what the branches are made of."""
+        return self.history.talk()
+
+    def branch_record(self) -> dict[str, Any] | None:
+        """The branches as saved in ``session.json``; None while there is only one path.
+        Changes nothing (a save may read it while another thread holds the session)."""
+        return self.history.branch_record()
+
+    def branch_positions(self) -> list[tuple[int, int]]:
+        """(k, n) for each message of ``messages``: it is version k of n (1 of 1 for the
+        system prompt, and for all while the tree has not caught up with the messages)."""
+        return self.history.positions()
+
+    def branch_position(self, index: int) -> tuple[int, int]:
+        """(k, n): the message at ``index`` of ``messages`` is version k of n."""
+        return self.history.positions()[index]
+
+    def turn_ends(
+        self, messages: list[Message], tokens: list[int], after: int = 0
+    ) -> frozenset[int]:
+        """Where in ``tokens`` (the rendering of ``messages``) the turns that end past token
+        ``after`` end (:func:`~kvchat.engine.conversation.template.turn_ends`), for
+        checkpoints while they are evaluated; none for a cache that keeps none."""
+        if not self.keeper.stateful:
+            return frozenset()
+        return turn_ends(self.render, messages, tokens, after)
+
     def _system_tokens(self) -> int:
-        return len(self.render(self.messages[:1], False)) if self.system else 0
+        return len(self.render(self.history.messages[:1], False)) if self.system else 0
 
     # ----------------------------------------------------------------- turns
 
     def send(self, text: str) -> Turn:
-        """Add a user message and stream the reply.
-
-        Bad input raises :class:`SessionError` here, before anything changes.
-        """
-        if not isinstance(text, str) or not text.strip():
-            raise SessionError("Nothing to send: the message is empty.")
-        messages = [*self.messages, {"role": "user", "content": text}]
-        return self._turn(messages, *self._fitting_prompt(messages))
+        """Add a user message and stream the reply. Bad input raises :class:`SessionError`
+        here, before anything changes (so for every turn below)."""
+        return self._turn(self.history.asking(text))
 
     def complete(self, text: str) -> Turn:
-        """Continue ``text`` as written, without the chat template (a plain completion).
+        """Continue ``text`` as written, without the chat template. The transcript becomes
+        ``text`` as one user message, then the reply; the ledger is ``text``'s own tokens,
+        so a later prompt that extends ``text`` reuses the cache."""
+        return self._run(Plan.plain(self.lm, text))
 
-        The transcript becomes ``text`` as one user message, then the reply, so
-        the session saves and loads like any other; its ledger is ``text``'s own
-        tokens, so a later prompt that extends ``text`` reuses the cache.
-        """
-        if not isinstance(text, str) or not text:
-            raise SessionError("Nothing to complete: the prompt is empty.")
-        prompt = encode_plain(self.lm, text)
-        self._check_fits(prompt, "That prompt is")
-        return self._turn([{"role": "user", "content": text}], text, prompt)
+    def answer(self, results: Sequence[Message] = ()) -> Turn:
+        """Reply to the transcript with ``results`` added: its last message must be a tool's
+        result (the model called a tool, the caller ran it and gives what it returned)."""
+        return self._turn(self.history.answering(results))
 
-    def answer(self) -> Turn:
-        """Reply to the transcript as it stands: its last message is a tool's result (the
-        model called a tool, the caller ran it and added what it returned)."""
-        if not self.messages or self.messages[-1]["role"] != "tool":
-            raise SessionError("Nothing to answer: the last message is not a tool's result.")
-        messages = list(self.messages)
-        return self._turn(messages, *self._fitting_prompt(messages))
+    def edit(self, index: int, text: str) -> Turn:
+        """Replace the user message at ``index`` with ``text`` and stream a new reply; what
+        followed it stays as another branch."""
+        return self._turn(self.history.edited(index, text))
+
+    def regenerate(self, index: int | None = None) -> Turn:
+        """A new version of the reply at ``index`` (the last message by default); the old
+        one and what followed it stay as another branch. For the last reply the prompt is
+        in the cache already, with its logits: no prefill."""
+        return self._turn(self.history.regenerating(index))
 
     def stop(self) -> None:
         """Ask the running turn to stop after its current token (thread-safe)."""
-        self._stop.set()
+        self.runner.stop()
 
     def keep_in_step(self, stop: StopFlag, share: Callable[[Sampler], Sampler]) -> None:
         """A sharded run's: ``stop`` (a flag every rank checks together) replaces this
         session's, and each turn samples through ``share(sampler)`` (rank 0's token)."""
-        self._stop, self._share = stop, share
+        self.runner.keep_in_step(stop, share)
 
-    def _fitting_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        """The template's text of ``messages`` with the generation prompt, and its tokens."""
-        text = template_text(self.lm, messages, True, self.tools)
-        prompt = encode(self.lm, text)
-        self._check_fits(prompt, "That message makes the conversation")
-        return text, prompt
+    # ------------------------------------------------------- between turns
 
-    def _check_fits(self, prompt: list[int], what: str) -> None:
-        limit = self.lm.context_length
-        if len(prompt) >= limit:
-            raise SessionError(
-                f"{what} {len(prompt):,} tokens, over this model's context of {limit:,}; "
-                "trim the history or start a new session."
-            )
-
-    def _turn(self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]) -> Turn:
-        """The turn's events, run as they are read. A :meth:`stop` from now on stops this
-        turn, even one that comes before its first event is read."""
-        if not self._busy.locked():  # a running turn keeps its own stop request
-            self._stop.clear()
-            self.last_change = None  # from now on the turn's own figures describe the cache
-        return self._events(messages, prompt_text, prompt)
-
-    def _events(self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]) -> Turn:
-        if not self._busy.acquire(blocking=False):
-            raise SessionBusy("This session is already answering; wait or stop it first.")
-        try:
-            yield from self._run_turn(messages, prompt_text, prompt)
-        finally:
-            self._busy.release()
-
-    def _run_turn(
-        self, messages: list[dict[str, Any]], prompt_text: str, prompt: list[int]
-    ) -> Turn:
-        started = time.perf_counter()
-        mx.reset_peak_memory()
-        self.messages = messages
-        self._record()
-
-        n = common_prefix(self.ledger, prompt)
-        zero_prefill = (
-            n == len(prompt) and self._logits is not None and self._logits[0] == len(prompt)
+    @property
+    def _upkeep(self) -> Upkeep:
+        step = self.settings.prefill_step
+        return Upkeep(
+            self.keeper, self.history, self.render, self.turn_ends, step, self.runner.flag
         )
-        if not zero_prefill:
-            n = min(n, len(prompt) - 1)  # the last prompt token is evaluated for its logits
-        kept, rebuilt = self._rewind(n)
-        if kept < n:  # back to a checkpoint, or to nothing
-            n, zero_prefill = kept, False
-        reused, evaluated = n, len(prompt) - n
-        reevaluated = (
-            0
-            if rebuilt
-            else reevaluated_reply(
-                partial(template_text, self.lm),
-                partial(encode, self.lm),
-                messages,
-                prompt_text,
-                prompt,
-                n,
-            )
-        )
-        self._keep_turns(messages)
 
-        max_new = max(1, min(self.settings.max_tokens, self.lm.context_length - len(prompt)))
-        sampler, processors = self._sampler()
-        seq = Sequence(
-            prompt=[] if zero_prefill else prompt[n:],
-            cache=self.cache,
-            ledger=self.ledger,
-            sampler=sampler,
-            processors=processors,
-            max_tokens=max_new,
-            stop=self._stop,
-            eos=frozenset(() if self.settings.ignore_eos else self.lm.tokenizer.eos_token_ids),
-            prefill_step=max(1, self.settings.prefill_step),
-            kind=self.kind.name,
-            logprobs=self._logits[1] if zero_prefill and self._logits is not None else None,
-            on_prompt=self._prompt_done,
-            # checkpoints at the ends of the turns this prefill passes
-            marks=frozenset() if zero_prefill else self._turn_ends(messages, prompt, n),
-            on_mark=partial(self.checkpoints.keep, self.cache),
-            report_logprobs=self.report_logprobs is not None,
-        )
-        report = self.report_logprobs
-        text = ReplyText(self.lm.tokenizer)
-        first_at = prompt_eval_s = None
-        prefill_started = time.perf_counter()
-        stream = core_for(self.lm).run(seq)
-        tokens: list[int] = []  # as this consumer read them
-        left: Left | None = None
-        stopped = False
-        try:
-            try:
-                for message in stream:
-                    if isinstance(message, Prefill):
-                        yield message
-                    elif isinstance(message, Left):
-                        left = message
-                    else:
-                        if first_at is None:
-                            first_at = time.perf_counter()
-                            prompt_eval_s = first_at - prefill_started
-                        tokens.append(message)
-                        if message in seq.eos:
-                            continue
-                        if report is not None:
-                            yield token_logprobs(
-                                message, seq.sampled_logprobs[len(tokens) - 1], report
-                            )
-                        piece = text.add(message)
-                        if piece:
-                            yield Chunk(piece)
-                        # The core may be tokens ahead of this reader: a stop ends the reply
-                        # at the token read; the cache may hold a few more (the ledger says
-                        # so, and the next turn's prefix match trims them).
-                        if self._stop.is_set():
-                            stopped = True
-                            break
-            finally:
-                stream.close()  # a consumer gone: the sequence leaves before we go on
-            left = left or _last_left(seq)
-            if left.error is not None:
-                raise left.error
-            stopped = stopped or left.stopped
-            piece = text.finish()
-            if piece:
-                yield Chunk(piece)
-            reply = text.text
-        except GeneratorExit:
-            # The consumer walked away mid-reply: keep what was said, as stopped.
-            text.finish()
-            self._finish(text.text, stopped=True)
-            raise
-        except KeyboardInterrupt:
-            # The reply's sequence has left the core (its cache is whole), but the
-            # turn did not end as the user asked: the text said so far is kept, as
-            # stopped, and the cache is rebuilt next time to be safe.
-            self._discard("the previous turn was interrupted")
-            text.finish()
-            self._finish(text.text, stopped=True)
-            raise
-        except BaseException:
-            self._discard("the previous turn failed before it finished")
-            raise
+    def replace_history(self, messages: Sequence[Message]) -> list[Message]:
+        """Make ``messages`` the transcript (a client's copy of the conversation) and return
+        the one it replaces (to put back if the request fails). The cache stays: the next
+        turn's prefix match keeps what it shares with them and evaluates the rest; the
+        branches record them at that turn (an old path stays as another branch)."""
+        return self._upkeep.replace(messages)
 
-        ended = time.perf_counter()
-        decode_s = ended - first_at if first_at is not None else 0.0
-        # What this turn put in the cache besides its reply: less than the whole
-        # prompt when it was stopped during the prefill.
-        evaluated = min(len(self.ledger), len(prompt)) - reused
-        carried = min(self._recomputed, reused)  # recomputed at load: this turn's cost
-        self._recomputed = 0
-        self._finish(reply, stopped)
-        stats = TurnStats(
-            prompt_tokens=len(prompt),
-            reused_tokens=reused - carried,
-            evaluated_tokens=evaluated + carried,
-            prompt_eval_s=prompt_eval_s if prompt_eval_s is not None else ended - prefill_started,
-            ttft_s=first_at - started if first_at is not None else 0.0,
-            generated_tokens=len(tokens),
-            gen_tps=(len(tokens) / decode_s) if decode_s > 0 and tokens else 0.0,
-            cache_tokens=self.cache_tokens,
-            cache_bytes=self.cache_bytes,
-            cache_kind=self.kind.name,
-            active_memory_bytes=memory()[0],
-            peak_memory_bytes=memory()[1],
-            rebuilt=rebuilt or self._pending_rebuild,
-            reevaluated_reply_tokens=reevaluated,
-            stopped=stopped,
-            not_batched=seq.not_batched,
-            batch_size=seq.batch_peak,
-        )
-        self._pending_rebuild = None
-        self.turns.append(stats)
-        self.branches.set_turn(stats)
-        if not stopped:
-            self.checkpoints.keep(self.cache, len(self.ledger))
-        yield TurnDone(reply=reply, stats=stats, stopped=stopped, tokens=tuple(tokens))
+    def revise_reply(self, message: Message) -> None:
+        """Put ``message`` (the reply as a client got it: cut at a stop string, or with its
+        tool calls) in place of the last reply, on its branch too; the cache follows."""
+        self._upkeep.revise_reply(message)
 
-    _pending_rebuild: str | None = None
-    _recomputed = 0  # tokens a load-time rebuild put in the cache, not yet counted by a turn
+    def sync(self) -> None:
+        """Trim the cache to what the transcript renders to now."""
+        self._upkeep.sync()
 
-    def _sampler(self) -> tuple[Sampler, list[LogitsProcessor]]:
-        """This turn's sampler and logits processors: the settings' penalties, then the
-        session's own ``logits_processors`` (constrained decoding, a logit bias). A sharded
-        run makes every rank take rank 0's token."""
-        sampler, processors = for_settings(self.settings)
-        if self._share is not None:
-            sampler = self._share(sampler)
-        return sampler, [*processors, *self.logits_processors]
+    def set_system(self, text: str | None) -> int:
+        """Replace the system prompt (``""`` or None: none) and trim the cache to the tokens
+        that still match; return how many it keeps. The next turn evaluates only the rest."""
+        return self._upkeep.set_system(text)
 
-    def _prompt_done(self, logprobs: mx.array) -> None:
-        """The core's call once the prompt is in the cache: keep a checkpoint there (for a
-        regenerate or an edit of this turn) and the log probabilities at its end."""
-        self.checkpoints.keep(self.cache, len(self.ledger))
-        self._logits = (len(self.ledger), logprobs)
+    def undo(self, turns: int = 1) -> None:
+        """Remove the last ``turns`` exchanges (user message and reply) and trim the cache exactly."""
+        self._upkeep.undo(turns)
 
-    def _keep_turns(self, messages: list[dict[str, Any]]) -> None:
-        """Keep one stats entry per reply in ``messages``: an undone or replaced
-        reply takes its turn's stats with it."""
-        del self.turns[sum(m["role"] == "assistant" for m in messages) :]
+    def trim_history(self, max_tokens: int, progress: Progress | None = None) -> int:
+        """Drop the oldest exchanges (to ``archived``) until the transcript fits ``max_tokens``,
+        and evaluate the kept ones again; returns the number of messages dropped."""
+        return self._upkeep.trim(max_tokens, progress)
 
-    def _finish(self, reply: str, stopped: bool) -> None:
-        message: dict[str, Any] = {"role": "assistant", "content": reply}
-        if stopped:
-            message["stopped"] = True
-        self.messages.append(message)
-        self._record()
-        after_turn(self.cache)
+    def switch_branch(self, index: int, step: int, progress: Progress | None = None) -> Refilled:
+        """Make the version ``step`` away from the message at ``index`` the current path; the
+        cache is kept up to where the two paths part and the rest evaluated."""
+        return self._upkeep.switch(index, step, progress)
+
+    def delete_pair(self, index: int, progress: Progress | None = None) -> Refilled:
+        """Delete the user message at ``index`` and every version of its reply; the cache is
+        trimmed to the deletion point and the rest evaluated again."""
+        return self._upkeep.delete_pair(index, progress)
+
+    def set_kind(self, kind: str | CacheKind, progress: Progress | None = None) -> str | None:
+        """Switch the cache kind: None when the live cache was converted in place, else why
+        it was rebuilt. ``CacheKindError`` (before any change) for a kind that cannot apply."""
+        return self._upkeep.set_kind(kind, progress)
+
+    def rebuild(
+        self, reason: str, progress: Progress | None = None, *, next_turn_counts: bool = False
+    ) -> str:
+        """Recompute the cache from the transcript. With ``next_turn_counts`` (a rebuild at
+        load, which no turn reported) the next turn counts those tokens as evaluated."""
+        return self._upkeep.rebuild(reason, progress, next_turn_counts)
+
+    def reset(self) -> bool:
+        """Empty the cache and keep the transcript: the next turn prefills it all again.
+        Returns False (and changes nothing) when the cache was empty already."""
+        return self.keeper.reset()
+
+    def attach(self, cache: list[Any], ledger: list[int]) -> None:
+        """Take back a cache holding exactly ``ledger`` (as loaded from disk)."""
+        self.keeper.attach(cache, ledger)
+
+    def unload(self) -> None:
+        """Let go of the cache's memory (it was saved elsewhere); the transcript stays."""
+        self.keeper.unload()
+
+    def close(self) -> None:
+        """Let go of the cache and the model for good (its tab was closed): a stale reference
+        holds neither. The session cannot run again; its transcript stays readable."""
+        self.keeper.close()
+        del self.lm
+
+    # ----------------------------------------------------------------- turns, run
+
+    def _turn(self, messages: list[Message]) -> Turn:
+        return self._run(Plan.chat(self.lm, messages, self.tools))
+
+    def _run(self, plan: Plan) -> Turn:
+        asked = Asked(self.settings, self.logits_processors, self.report_logprobs)
+        return self.runner.start(self.lm, self.keeper, self.history, plan, asked, self.turn_ends)

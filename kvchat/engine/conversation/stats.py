@@ -64,6 +64,14 @@ class CacheChange:
 
 
 @dataclass(frozen=True)
+class Refilled:
+    """What a branch switch or a deletion did to the cache: tokens kept, tokens evaluated."""
+
+    reused: int
+    evaluated: int
+
+
+@dataclass(frozen=True)
 class CacheFigures:
     """A session's figures at one moment, taken on the thread that runs its turns, so a
     view can show them while the next turn runs without reading the live session."""

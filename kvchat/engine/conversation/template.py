@@ -1,12 +1,16 @@
 """The chat template: a model's messages as text, and that text as token ids.
 
 One place for both, so the session (its prompts, the re-rendered reply whose
-thoughts a template drops) and the server's prefix matching render alike.
+thoughts a template drops, where its turns end) and the server's prefix matching
+render alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from kvchat.engine.caches import checkpoints
 
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
@@ -59,3 +63,36 @@ def encode_plain(lm: LoadedModel, text: str) -> list[int]:
     """Token ids of a plain prompt (no chat template), with the special tokens the
     tokenizer adds by itself (a beginning-of-sequence token), as mlx-lm's server does."""
     return list(lm.tokenizer.encode(text)) if text else []
+
+
+def turn_ends(
+    render: Callable[[list[dict[str, Any]], bool], list[int]],
+    messages: list[dict[str, Any]],
+    tokens: list[int],
+    after: int = 0,
+) -> frozenset[int]:
+    """Where in ``tokens`` (``render(messages, False)``) the prompts and replies that end
+    past token ``after`` end: where a prefill evaluating them keeps checkpoints.
+
+    Only the newest :data:`~kvchat.engine.caches.checkpoints.MAX_CHECKPOINTS`: a prefill
+    keeping more would drop the older ones as it kept newer ones. So the transcript
+    is rendered up to each reply from the newest back, until that many are found
+    or the renderings end before ``after`` (they grow with the transcript): a
+    bounded number of renderings, not two per reply (which made a rebuild of a
+    long conversation quadratic in its length) — unless a template rewrites every
+    earlier turn, so that no rendering up to a reply is a prefix of the whole.
+    """
+    ends: set[int] = set()
+    for i in reversed(range(len(messages))):
+        if len(ends) >= checkpoints.MAX_CHECKPOINTS:
+            break
+        if messages[i]["role"] != "assistant":
+            continue
+        prompt = render(messages[:i], True)
+        for part in (prompt, render(messages[: i + 1], False)):
+            # a template may rewrite earlier turns: only a prefix of ``tokens`` counts
+            if len(part) > after and tokens[: len(part)] == part:
+                ends.add(len(part))
+        if len(prompt) <= after:
+            break
+    return frozenset(sorted(ends)[-checkpoints.MAX_CHECKPOINTS :])

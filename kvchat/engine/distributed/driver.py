@@ -83,7 +83,18 @@ OPS = frozenset(
 ROW = 256  # bytes each rank reports after a save, a load or a drop
 # Session methods that change the cache and are not sent to the followers (the TUI's).
 UNSHARED = frozenset(
-    {"switch_branch", "delete_pair", "fork_prefix", "rebuild", "attach", "sync", "unload", "close"}
+    {
+        "switch_branch",
+        "delete_pair",
+        "fork_prefix",
+        "rebuild",
+        "attach",
+        "sync",
+        "unload",
+        "close",
+        "replace_history",
+        "revise_reply",
+    }
 )
 
 

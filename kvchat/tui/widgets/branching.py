@@ -2,7 +2,7 @@
 delete an exchange, copy a message or a code block.
 
 A :class:`BranchNavigator` is held by each conversation tab. Every change is one
-engine call (:mod:`kvchat.engine.conversation.branch_ops`): an edit or a regenerate is a turn,
+engine call (:mod:`kvchat.engine.conversation.session`): an edit or a regenerate is a turn,
 a switch or a deletion a job; the transcript is then drawn again from the session.
 """
 
@@ -19,7 +19,7 @@ from .messages import MessageAction
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
-    from kvchat.engine.conversation.branch_ops import Refilled
+    from kvchat.engine.conversation.stats import Refilled
 
     from .chat import Conversation
 

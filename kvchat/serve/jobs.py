@@ -1,0 +1,162 @@
+"""A request's job and what it reports back to the event loop: a :class:`Started`, the
+reply's text as :class:`Piece` s (held back where a stop string could begin), then a
+:class:`Finished` with the turn's figures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvchat.engine.conversation.events import Chunk, Event, Prefill, TokenLogprobs, TurnDone
+
+from .logprobs import chat_entry, text_of
+from .matching import Match
+from .schema import ChatRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from kvchat.engine.conversation.session import Session
+
+
+@dataclass(frozen=True)
+class Started:
+    """The job has its session and its prompt is about to be evaluated."""
+
+    match: Match
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of the reply's text, with its tokens' log probabilities when asked for
+    (chat-shaped entries, :mod:`kvchat.serve.logprobs`)."""
+
+    text: str
+    logprobs: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The reply as the client gets it, why it ended, and the turn's figures;
+    ``logprobs`` holds every token's entry when they were asked for, else None."""
+
+    text: str
+    finish_reason: str
+    usage: dict
+    kvchat: dict
+    logprobs: list[dict] | None = None
+    tool_calls: list[dict] | None = None  # OpenAI's shape: arguments a JSON string
+
+
+@dataclass(eq=False)
+class Job:
+    """One chat completion request on its way through the model thread."""
+
+    request: ChatRequest | CompletionRequest
+    name: str | None
+    owner: str
+    loop: asyncio.AbstractEventLoop
+    grammar: str | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    session: Session | None = None
+
+    def emit(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+def stream_reply(
+    job: Job,
+    session: Session,
+    events: Iterator[Event],
+    stops: list[str],
+    prompts: threading.Semaphore,
+    marker: str | None = None,
+) -> tuple[TurnDone, str, bool, list[dict[str, Any]]]:
+    """Forward the reply's text to the client, holding back what could begin a stop
+    string; stop the turn when one appears or the client leaves. Text from ``marker``
+    (a tool call's start) on is not sent: the calls are, once parsed. A piece carries
+    the log probabilities of the tokens generated since the last piece. At most
+    as many requests as ``prompts`` lets in are evaluating their prompts at a time."""
+    hold = max((len(s) for s in [*stops, *([marker] if marker else [])]), default=1) - 1
+    reply, sent, hit_stop = "", 0, False
+    done: TurnDone | None = None
+    entries: list[dict[str, Any]] = []
+    reported = 0  # entries already sent with a piece
+
+    def emit(text: str) -> None:
+        nonlocal reported
+        job.emit(Piece(text, tuple(entries[reported:])))
+        reported = len(entries)
+
+    prompting = prompts.acquire()
+    try:
+        for event in events:
+            if prompting and not isinstance(event, Prefill):
+                prompts.release()
+                prompting = False
+            if isinstance(event, TokenLogprobs) and not hit_stop:
+                entries.append(chat_entry(session.lm.tokenizer, event))
+            elif isinstance(event, Chunk) and not hit_stop:
+                if entries:  # the text a token adds is the chunk that follows it
+                    text_of(entries[-1], event.text)
+                reply += event.text
+                cut = min(
+                    (i for i in (reply.find(s, max(0, sent - hold)) for s in stops) if i >= 0),
+                    default=-1,
+                )
+                if cut >= 0:
+                    reply, hit_stop = reply[:cut], True
+                    session.stop()
+                upto = len(reply) if hit_stop else max(sent, len(reply) - hold)
+                if marker is not None and (at := reply.find(marker)) >= 0:
+                    upto = min(upto, at)
+                if upto > sent:
+                    emit(reply[sent:upto])
+                    sent = upto
+            elif isinstance(event, TurnDone):
+                done = event
+            if job.cancelled.is_set():
+                session.stop()
+    finally:
+        if prompting:
+            prompts.release()
+    if marker is not None and (at := reply.find(marker)) >= 0:
+        reply_end = max(sent, at)
+    else:
+        reply_end = len(reply)
+    if (sent < reply_end or reported < len(entries)) and not job.cancelled.is_set():
+        emit(reply[sent:reply_end])
+    if done is None:  # a turn's last event is its TurnDone, or it raises
+        raise RuntimeError("The turn ended without its summary.")
+    return done, reply, hit_stop, entries
+
+
+def finished(
+    match: Match,
+    done: TurnDone,
+    reply: str,
+    hit_stop: bool,
+    saved: bool,
+    notice: str | None,
+) -> Finished:
+    s = done.stats
+    eos = bool(done.tokens) and done.tokens[-1] in match.session.lm.tokenizer.eos_token_ids
+    reason = "stop" if hit_stop or eos or done.stopped else "length"
+    usage = {
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.generated_tokens,
+        "total_tokens": s.prompt_tokens + s.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.reused_tokens},
+    }
+    stats = {
+        "session": match.name,
+        "match": match.how,
+        "resumed_from_disk": match.resumed_from_disk,
+        "saved": saved,
+        "notice": notice,
+        **s.to_dict(),
+        "ledger_tokens": len(match.session.ledger),
+    }
+    return Finished(reply, reason, usage, stats)
