@@ -306,7 +306,7 @@ def eval_cache(
 def main(on_token: Callable[[int], object] | None = None) -> None:
     """Console-script entry point. Under ``mlx.launch`` (``kvchat launch``), rank 0 runs the
     command and the other ranks follow it (kvchat/engine/distributed/driver.py); a follower
-    passes ``on_token`` to :func:`~kvchat.engine.distributed.follower.follow`.
+    passes ``on_token`` to :func:`~kvchat.sharded.follower.follow`.
 
     It first routes mlx's CPU matmul to OpenBLAS (:func:`kvchat.blas.preload`), which
     must come before anything imports mlx.core: nothing imported so far does."""
@@ -325,7 +325,7 @@ def main(on_token: Callable[[int], object] | None = None) -> None:
         app()
         return
     if link.rank:
-        from kvchat.engine.distributed.follower import follow
+        from kvchat.sharded.follower import follow
 
         sys.exit(follow(link, on_token))
     try:
