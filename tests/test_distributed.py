@@ -116,16 +116,22 @@ def launched_losing_rank_1(*args):
     return run_bounded([sys.executable, "-c", run, *argv], 60, dict(os.environ))
 
 
+def in_this_process(*args) -> str:
+    """What `kvchat ARGS` prints, run by this process (a model it loads is one process's,
+    and the test spares a start of Python and mlx-lm), with the CPU fast path off: the
+    sharded model runs mlx-lm's generate_step, and so does one process without it."""
+    run = CliRunner().invoke(app, list(args), env={"KVCHAT_CPU_FASTPATH": "0"})
+    assert run.exit_code == 0, run.output
+    return run.stdout
+
+
 def replayed_alike(*args) -> list[dict]:
     """The turns of `replay ARGS --json` on two ranks, after checking that their replies
     and token counts are one process's."""
     two = launched(*args)
     assert two.returncode == 0, two.stderr
-    # The sharded model runs mlx-lm's generate_step; one process does too without
-    # the CPU fast path (whose eager decode leaves the last sampled token out of the cache).
-    one = kvchat(*args, env={"KVCHAT_CPU_FASTPATH": "0"})
-    assert one.returncode == 0, one.stderr
-    sharded, single = json.loads(two.stdout)["turns"], json.loads(one.stdout)["turns"]
+    sharded = json.loads(two.stdout)["turns"]
+    single = json.loads(in_this_process(*args))["turns"]
     assert [[t.get(k) for k in COMPARED] for t in sharded] == [
         [t.get(k) for k in COMPARED] for t in single
     ]
