@@ -14,7 +14,8 @@ import mlx.core as mx
 from kvchat.engine.caches.kinds import CacheKindError, applicable_kinds
 from kvchat.engine.conversation.events import GenerationSettings, SessionError
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.distributed.driver import ROW, Link, OpError, bind, perform
+from kvchat.engine.distributed.driver import bind, perform
+from kvchat.engine.distributed.link import ROW, Link, OpError
 from kvchat.engine.distributed.sharding import ShardedModel, load_sharded
 from kvchat.engine.models.model import ModelLoadError
 from kvchat.sharded.disk import load_here

@@ -1,18 +1,18 @@
-"""One kvchat driving a model sharded over MLX distributed ranks (``kvchat launch``).
+"""Rank 0 of a model sharded over MLX distributed ranks (``kvchat launch``): the session
+whose every change of the cache goes to every rank first.
 
 Rank 0 runs the command (``ask``, ``replay``, the TUI); every other rank runs
 :func:`~kvchat.sharded.follower.follow`. Each engine operation that changes a cache
 (load the model, new session, load, send, regenerate, edit, undo, reset, cache
-kind, trim, system prompt, save, drop) is a small JSON object that rank 0 sends
-to every rank with ``mx.distributed.all_sum`` over a uint8 buffer (its length
-first), and then performs on its own :class:`Session`; each follower performs it
-on its own, in the same order. Every rank thus runs the same forward passes on
-the same tokens, so the collectives inside the sharded model meet, every rank's
-cache shard holds the one ledger, and greedy sampling agrees (the logits are the
-same on every rank after the model's own all-sum or all-gather), and every rank
-takes rank 0's sampled token all the same (temperature sampling is seeded alike on
-every rank too). Loading, saving and dropping a session's files on every rank is the
-layer above the engine and the store (kvchat/sharded/disk.py).
+kind, trim, system prompt, save, drop) goes to every rank over the link
+(kvchat/engine/distributed/link.py), and rank 0 then performs it on its own
+:class:`Session`; each follower performs it on its own, in the same order. Every rank
+thus runs the same forward passes on the same tokens, so the collectives inside the
+sharded model meet, every rank's cache shard holds the one ledger, and greedy
+sampling agrees (the logits are the same on every rank after the model's own all-sum
+or all-gather), and every rank takes rank 0's sampled token all the same (temperature
+sampling is seeded alike on every rank too). Loading, saving and dropping a session's
+files on every rank is the layer above the engine and the store (kvchat/sharded/disk.py).
 
 A session's stop flag is shared (:class:`SharedStop`): each check of it during a
 turn is a collective carrying rank 0's flag, so a stop ends the turn after the
@@ -26,15 +26,12 @@ says which rank it was in one sentence.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import mlx.core as mx
-import numpy as np
 
 from kvchat.engine.caches.kinds import applicable_kinds, parse_kind
 from kvchat.engine.conversation.events import (
@@ -45,151 +42,20 @@ from kvchat.engine.conversation.events import (
     TurnDone,
 )
 from kvchat.engine.conversation.session import Session
+from kvchat.engine.distributed.link import Link, Op, OpError, SharedStop, linked
 from kvchat.engine.distributed.sharding import ShardedModel, load_sharded
 from kvchat.engine.generation.sampling import Sampler
 
 if TYPE_CHECKING:
     from kvchat.engine.caches.kinds import CacheKind
 
-Op = dict[str, Any]  # an engine operation, as JSON has it: {"op": name, ...its fields}
 Progress = Callable[[int, int], None]
 T = TypeVar("T")
 
-OPS = frozenset(
-    {
-        "model",
-        "new",
-        "load",
-        "send",
-        "regenerate",
-        "edit",
-        "undo",
-        "reset",
-        "kind",
-        "trim",
-        "system",
-        "save",
-        "drop",
-        "bytes",
-        "kinds",
-        "end",
-    }
-)
-ROW = 256  # bytes each rank reports after a save, a load or a drop
 # Session methods that change the cache and are not sent to the followers (the TUI's).
 UNSHARED = frozenset(
     {"switch_branch", "delete_pair", "fork_prefix", "rebuild", "attach", "sync", "unload", "close"}
 )
-
-
-class OpError(ValueError):
-    """Bytes that are not an engine operation (ranks out of step, or another program)."""
-
-
-def encode_op(op: Op) -> bytes:
-    """The bytes of ``op`` as they travel between ranks."""
-    if not isinstance(op, dict) or op.get("op") not in OPS:
-        raise OpError(f"not an engine operation: {op!r:.80}")
-    return json.dumps(op, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-def decode_op(data: bytes) -> Op:
-    """The operation ``data`` holds, or :class:`OpError` in one sentence."""
-    try:
-        op: object = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise OpError("The ranks are out of step: an operation arrived damaged.") from None
-    if not isinstance(op, dict) or op.get("op") not in OPS:
-        raise OpError(f"The ranks are out of step: {op!r:.60} is not an engine operation.")
-    return op
-
-
-class Link:
-    """Rank 0's channel to every rank of ``group``: operations out, short reports back."""
-
-    def __init__(self, group: Any):
-        self.group = group
-        self.rank, self.size = group.rank(), group.size()
-        self.broken = False  # rank 0 walked away mid-turn: the followers are not at an op
-
-    def _sum(self, values: mx.array) -> mx.array:
-        out = mx.distributed.all_sum(values, group=self.group, stream=mx.cpu)
-        mx.eval(out)
-        return out
-
-    def total(self, value: int) -> int:
-        """The sum of ``value`` over the ranks."""
-        return cast(int, self._sum(mx.array([value], dtype=mx.int32)).item())  # an int32
-
-    def broadcast(self, op: Op | None = None) -> Op:
-        """Rank 0 sends ``op``; every rank (rank 0 too) returns it."""
-        if self.rank == 0 and self.broken:
-            raise SessionError(
-                "The ranks are out of step after a reply left unfinished; start the run again."
-            )
-        data = encode_op(op or {}) if self.rank == 0 else b""
-        length = self.total(len(data))
-        buffer = (
-            np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.zeros(length, np.uint8)
-        )
-        return decode_op(bytes(np.array(self._sum(mx.array(buffer)))))
-
-    def per_rank(self, value: int) -> list[int]:
-        """Every rank's ``value``, in rank order (one all-sum of a vector indexed by rank)."""
-        vector = np.zeros(self.size, np.int64)
-        vector[self.rank] = value
-        return [int(v) for v in np.array(self._sum(mx.array(vector)))]
-
-    def gather(self, row: bytes) -> list[bytes]:
-        """Every rank's ``row`` (at most ROW bytes, no NUL), in rank order."""
-        table = np.zeros((self.size, ROW), np.uint8)
-        table[self.rank, : len(row[:ROW])] = np.frombuffer(row[:ROW], np.uint8)
-        summed = np.array(self._sum(mx.array(table)))
-        return [bytes(r).rstrip(b"\0") for r in summed]
-
-
-class SharedStop:
-    """A session's stop flag (``threading.Event``'s methods), the same on every rank:
-    ``is_set`` is a collective that carries rank 0's flag, so every rank must check it
-    at the same points, as the same turn on every rank does."""
-
-    def __init__(self, link: Link):
-        self._link, self._flag = link, threading.Event()
-
-    def set(self) -> None:
-        self._flag.set()
-
-    def clear(self) -> None:
-        self._flag.clear()
-
-    def is_set(self) -> bool:
-        mine = self._link.rank == 0 and self._flag.is_set()
-        return self._link.total(int(mine)) > 0
-
-
-_link: Link | None = None
-
-
-def start() -> Link | None:
-    """The link of this process when ``mlx.launch`` (or kvchat/cli/ring.py) started it as
-    one rank of several (call it only then: it joins the group the environment names)."""
-    global _link
-    group = mx.distributed.init()
-    if group.size() < 2:
-        return None
-    _link = Link(group)
-    return _link
-
-
-def current() -> Link | None:
-    return _link
-
-
-def linked() -> Link:
-    """This rank's link (rank 0 of a sharded run asks: :func:`start` made it)."""
-    if _link is None:
-        raise SessionError("This is not a sharded run: no other ranks to send to.")
-    return _link
 
 
 def load_model(spec: str) -> ShardedModel:
