@@ -4,11 +4,11 @@ reports back, and the shared stop flag.
 An operation is a small JSON object (``{"op": name, ...its fields}``) that rank 0
 sends to every rank with ``mx.distributed.all_sum`` over a uint8 buffer, its length
 first; after some operations every rank sends back a number or a row of bytes, gathered
-the same way. :func:`start` joins the ring the environment names. It needs only MLX, so a rank joins
-as soon as it starts, before it imports mlx-lm (and with it transformers, seconds on a
-busy machine): the ranks reach the ring within their start-up jitter of each other,
-which keeps MLX's retries of a refused connection (after 1 s, then 2 s, 4 s...) to the
-first.
+the same way. :func:`start` joins the ring the environment names. It needs only MLX,
+so a rank joins as soon as it starts, before it imports mlx-lm (and with it
+transformers, seconds on a busy machine): the ranks reach the ring within their
+start-up jitter of each other, which keeps MLX's retries of a refused connection
+(after 1 s, then 2 s, 4 s...) to the first.
 """
 
 from __future__ import annotations
