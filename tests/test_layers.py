@@ -5,8 +5,9 @@ Layers, lowest first: the engine (models, caches, sessions, decoding, the
 distributed link), which imports nothing above it but leaf modules (those that
 import nothing of kvchat: ``safety``, ``locations``...); the store (sessions on
 disk); the modules that join the two (``pool``, ``sessions``, ``sharded``...); the
-front ends (cli, tui, serve, bench). No module imports from a layer above its own,
-and no two modules import each other, directly or round a circle.
+front ends (cli, tui, serve, bench). No module imports from a layer above its own (a
+type it names for the checker counts too), and no two modules import each other at
+run time, directly or round a circle.
 """
 
 from __future__ import annotations
