@@ -300,9 +300,7 @@ class SessionPool:
     def _write(self, name: str) -> None:
         entry = self.entry(name)
         if entry.in_memory and (entry.dirty or not store.exists(name)):
-            from kvchat.engine.distributed.driver import (
-                save_session,  # a sharded run's: every rank's
-            )
+            from kvchat.sessions import save_session  # a sharded run's: every rank's
 
             save_session(entry.session, name, base=entry.generation)
             entry.saved_state = _signature(entry.session)

@@ -1,9 +1,11 @@
 """A model sharded over MLX distributed ranks: two local ranks over the ring
 backend on loopback, started by `kvchat launch`, against one process.
 
-Each launch costs a few seconds (every rank imports mlx-lm), so the scenarios share
-few launches: one replay, then three `ask --session` runs on one session (create,
-resume, lose rank 1 mid-turn). The rest are unit tests that launch nothing.
+Each launch costs a few seconds (every rank imports mlx-lm, and with it transformers,
+which reads its own source tree; rank 1 then often waits a second for rank 0 to
+listen), so the scenarios share few launches: one replay, then three `ask --session`
+runs on one session (create, resume, lose rank 1 mid-turn); the one process they are
+held against runs in the test's own. The rest are unit tests that launch nothing.
 """
 
 from __future__ import annotations
@@ -22,26 +24,21 @@ from mlx_lm.models.cache import load_prompt_cache
 from mlx_lm.utils import load_model
 from typer.testing import CliRunner
 
-from kvchat import store
+from kvchat import sessions, store
 from kvchat.cli import app
 from kvchat.cli.launch import _run
 from kvchat.engine.caches.cache_check import Reference
+from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.engine.conversation.session import Session, SessionError, TurnDone
-from kvchat.engine.distributed.driver import (
-    DistributedSession,
-    Link,
-    OpError,
-    bind,
-    decode_op,
-    encode_op,
-)
+from kvchat.engine.distributed.driver import DistributedSession, bind
+from kvchat.engine.distributed.link import Link, OpError, decode_op, encode_op
 from kvchat.engine.distributed.sharding import choose_mode, layout, layout_problem
 from kvchat.engine.models import demo
 from kvchat.engine.models.model import ModelLoadError
 from kvchat.store.cache_file import read_cache
 from kvchat.store.shards import delete_shard, write_shard
 from tests.arch_models import TINY
-from tests.helpers import LOSING_RANK_1, run_bounded
+from tests.helpers import LOSING_RANK_1, run_bounded, turn
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 SCRIPT = {
@@ -116,16 +113,22 @@ def launched_losing_rank_1(*args):
     return run_bounded([sys.executable, "-c", run, *argv], 60, dict(os.environ))
 
 
+def in_this_process(*args) -> str:
+    """What `kvchat ARGS` prints, run by this process (a model it loads is one process's,
+    and the test spares a start of Python and mlx-lm), with the CPU fast path off: the
+    sharded model runs mlx-lm's generate_step, and so does one process without it."""
+    run = CliRunner().invoke(app, list(args), env={"KVCHAT_CPU_FASTPATH": "0"})
+    assert run.exit_code == 0, run.output
+    return run.stdout
+
+
 def replayed_alike(*args) -> list[dict]:
     """The turns of `replay ARGS --json` on two ranks, after checking that their replies
     and token counts are one process's."""
     two = launched(*args)
     assert two.returncode == 0, two.stderr
-    # The sharded model runs mlx-lm's generate_step; one process does too without
-    # the CPU fast path (whose eager decode leaves the last sampled token out of the cache).
-    one = kvchat(*args, env={"KVCHAT_CPU_FASTPATH": "0"})
-    assert one.returncode == 0, one.stderr
-    sharded, single = json.loads(two.stdout)["turns"], json.loads(one.stdout)["turns"]
+    sharded = json.loads(two.stdout)["turns"]
+    single = json.loads(in_this_process(*args))["turns"]
     assert [[t.get(k) for k in COMPARED] for t in sharded] == [
         [t.get(k) for k in COMPARED] for t in single
     ]
@@ -235,6 +238,23 @@ def test_ask_resumes_sharded_cache_files_and_a_lost_rank_damages_nothing(demo_mo
 
 
 # ------------------------------------------------------------- without launching
+
+
+def test_a_session_on_one_machine_is_a_plain_session_that_the_store_keeps(demo_model, home):
+    """No link, no driver: a model on one machine gets the conversation layer's Session,
+    and the store saves and loads it (a sharded model's would go to every rank)."""
+    chat = sessions.new_session(
+        demo_model,
+        kind="quantized:8",
+        system="Be terse.",
+        settings=GenerationSettings(max_tokens=4),
+    )
+    assert type(chat) is Session and chat.system == "Be terse." and chat.kind.name == "quantized:8"
+    turn(chat, "hello")
+    sessions.save_session(chat, "local")
+    loaded = sessions.load_session("local", demo_model)
+    assert type(loaded.session) is Session and loaded.resumed_from_disk
+    assert loaded.session.ledger == chat.ledger and loaded.session.messages == chat.messages
 
 
 def test_ops_travel_as_json_bytes_and_anything_else_is_refused():

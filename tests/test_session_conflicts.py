@@ -142,14 +142,14 @@ def test_two_stores_racing_saves_of_one_session_lose_neither(demo_model, home):
 
 HELD_BEFORE_SAVE = """
 import sys
-import kvchat.engine.distributed.driver as distributed
+import kvchat.sessions as sessions
 from kvchat.cli import main
-real = distributed.save_session
+real = sessions.save_session
 def held(*args, **kwargs):
     print("about-to-save", file=sys.stderr, flush=True)
     sys.stdin.readline()
     return real(*args, **kwargs)
-distributed.save_session = held
+sessions.save_session = held
 sys.argv = ["kvchat", *sys.argv[1:]]
 main()
 """

@@ -59,11 +59,11 @@ def setting_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 def load_or_exit(spec: str) -> LoadedModel:
     """Load a model, or print the one-line reason to stderr and exit with status 2."""
-    from kvchat.engine.distributed import driver as distributed
+    from kvchat.engine.distributed import driver, link
     from kvchat.engine.models.model import ModelLoadError, load_model
 
     try:
-        return distributed.load_model(spec) if distributed.current() else load_model(spec)
+        return driver.load_model(spec) if link.current() else load_model(spec)
     except ModelLoadError as exc:
         typer.echo(f"kvchat: {printable(str(exc))}", err=True)
         raise typer.Exit(2) from None

@@ -184,7 +184,7 @@ def sharded_tui(ring: Ring, flags: dict, run=None) -> int:
     ``run`` that drives the app under ``App.run_test``.)"""
     from kvchat import store
     from kvchat.config import ConfigError
-    from kvchat.engine.distributed import driver as distributed
+    from kvchat.engine.distributed.link import start
     from kvchat.tui.run import run_app, tui_app
 
     ring.start()
@@ -200,7 +200,7 @@ def sharded_tui(ring: Ring, flags: dict, run=None) -> int:
     link = failed = None
     said = False  # rank 0 ended the run itself and said why
     try:
-        link = distributed.start()
+        link = start()
         app = tui_app(**flags)
         app.shard(load_or_exit(app.config.model))
         ring.on_lost = lambda rank, code: _tell(app)

@@ -75,9 +75,9 @@ def root(
 ) -> None:
     """Chat with a local model in the terminal (the default when no command is given)."""
     if "MLX_RANK" in os.environ and ctx.invoked_subcommand not in SHARDED_COMMANDS:
-        from kvchat.engine.distributed import driver as distributed  # (mlx-lm: under mlx.launch)
+        from kvchat.engine.distributed.link import current  # (mlx-lm: under mlx.launch)
 
-        if distributed.current():
+        if current():
             raise fail(SHARDED_ONLY, 2)
     if ctx.invoked_subcommand is not None:
         return
@@ -307,7 +307,8 @@ def eval_cache(
 def main(on_token: Callable[[int], object] | None = None) -> None:
     """Console-script entry point. Under ``mlx.launch`` (``kvchat launch``), rank 0 runs the
     command and the other ranks follow it (kvchat/engine/distributed/driver.py); a follower
-    passes ``on_token`` to :func:`~kvchat.engine.distributed.follower.follow`.
+    passes ``on_token`` to :func:`~kvchat.sharded.follower.follow`. A rank joins the ring
+    before it imports mlx-lm (kvchat/engine/distributed/link.py says why).
 
     It first routes mlx's CPU matmul to OpenBLAS (:func:`kvchat.blas.preload`), which
     must come before anything imports mlx.core: nothing imported so far does."""
@@ -315,18 +316,18 @@ def main(on_token: Callable[[int], object] | None = None) -> None:
     if "MLX_RANK" not in os.environ:  # not started by mlx.launch
         app()
         return
-    from kvchat.engine.distributed import driver as distributed
+    from kvchat.engine.distributed.link import start
 
     from .ring import READY, READY_ENV
 
     if os.environ.get(READY_ENV):  # a follower kvchat/cli/ring.py started: rank 0 waits
         print(READY, flush=True)
-    link = distributed.start()
+    link = start()
     if link is None:
         app()
         return
     if link.rank:
-        from kvchat.engine.distributed.follower import follow
+        from kvchat.sharded.follower import follow
 
         sys.exit(follow(link, on_token))
     try:

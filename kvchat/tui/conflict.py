@@ -82,7 +82,7 @@ class Conflicts:
 
     def _save_as(self, conversation: Conversation, new: str) -> None:
         """Save ``conversation`` as the new session ``new`` and file the tab under it."""
-        from kvchat.engine.distributed.driver import save_session
+        from kvchat.sessions import save_session
 
         app = self.app
         old = conversation.session_name

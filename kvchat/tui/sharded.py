@@ -80,7 +80,7 @@ class ShardedRun:
 
     def load(self, name: str) -> None:
         """Worker: open saved session ``name`` on every rank (each its own cache shard)."""
-        from kvchat.engine.distributed.driver import load_session
+        from kvchat.sharded.disk import load_session
 
         tabs = self.app.tab_control
         try:
@@ -101,7 +101,7 @@ class ShardedRun:
         name, fresh = conversation.session_name, app.tab_control.unique_name()
 
         def drop(from_disk: bool):
-            from kvchat.engine.distributed.driver import delete_session
+            from kvchat.sharded.disk import delete_session
 
             problem = None
             if from_disk:

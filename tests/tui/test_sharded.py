@@ -39,7 +39,7 @@ from kvchat.engine.conversation.session import Session
 from kvchat.tui.sharded import ONE_TAB
 from kvchat.tui.widgets.sidebar import human_bytes
 from tests.helpers import run_bounded
-from tests.test_distributed import CLI, _free_port, kvchat, launched
+from tests.test_distributed import CLI, _free_port, in_this_process, kvchat, launched
 
 from .test_sidebar import flat
 
@@ -52,11 +52,7 @@ def test_the_tui_on_two_ranks_answers_as_one_process_and_shows_each_ranks_cache(
     driver = _driver(tmp_path, text)
     assert driver.returncode == 0, driver.stderr
     seen = json.loads(driver.stdout.splitlines()[-1])
-    # The sharded model runs mlx-lm's generate_step; one process does too without the
-    # CPU fast path (see tests/test_distributed.py).
-    one = kvchat("ask", "--json", "--max-tokens", "8", text, env={"KVCHAT_CPU_FASTPATH": "0"})
-    assert one.returncode == 0, one.stderr
-    single = json.loads(one.stdout)
+    single = json.loads(in_this_process("ask", "--json", "--max-tokens", "8", text))
     assert seen["reply"] == single["reply"] and seen["reply"]
     assert len(seen["ledger"]) == single["cache_tokens"]
 

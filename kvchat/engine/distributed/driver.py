@@ -1,17 +1,18 @@
-"""One kvchat driving a model sharded over MLX distributed ranks (``kvchat launch``).
+"""Rank 0 of a model sharded over MLX distributed ranks (``kvchat launch``): the session
+whose every change of the cache goes to every rank first.
 
 Rank 0 runs the command (``ask``, ``replay``, the TUI); every other rank runs
-:func:`~kvchat.engine.distributed.follower.follow`. Each engine operation that changes a cache
+:func:`~kvchat.sharded.follower.follow`. Each engine operation that changes a cache
 (load the model, new session, load, send, regenerate, edit, undo, reset, cache
-kind, trim, system prompt, save, drop) is a small JSON object that rank 0 sends
-to every rank with ``mx.distributed.all_sum`` over a uint8 buffer (its length
-first), and then performs on its own :class:`Session`; each follower performs it
-on its own, in the same order. Every rank thus runs the same forward passes on
-the same tokens, so the collectives inside the sharded model meet, every rank's
-cache shard holds the one ledger, and greedy sampling agrees (the logits are the
-same on every rank after the model's own all-sum or all-gather), and every rank
-takes rank 0's sampled token all the same (temperature sampling is seeded alike on
-every rank too).
+kind, trim, system prompt, save, drop) goes to every rank over the link
+(kvchat/engine/distributed/link.py), and rank 0 then performs it on its own
+:class:`Session`; each follower performs it on its own, in the same order. Every rank
+thus runs the same forward passes on the same tokens, so the collectives inside the
+sharded model meet, every rank's cache shard holds the one ledger, and greedy
+sampling agrees (the logits are the same on every rank after the model's own all-sum
+or all-gather), and every rank takes rank 0's sampled token all the same (temperature
+sampling is seeded alike on every rank too). Loading, saving and dropping a session's
+files on every rank is the layer above the engine and the store (kvchat/sharded/disk.py).
 
 A session's stop flag is shared (:class:`SharedStop`): each check of it during a
 turn is a collective carrying rank 0's flag, so a stop ends the turn after the
@@ -25,15 +26,12 @@ says which rank it was in one sentence.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import mlx.core as mx
-import numpy as np
 
 from kvchat.engine.caches.kinds import applicable_kinds, parse_kind
 from kvchat.engine.conversation.events import (
@@ -44,43 +42,16 @@ from kvchat.engine.conversation.events import (
     TurnDone,
 )
 from kvchat.engine.conversation.session import Session
+from kvchat.engine.distributed.link import Link, Op, OpError, SharedStop, linked
 from kvchat.engine.distributed.sharding import ShardedModel, load_sharded
 from kvchat.engine.generation.sampling import Sampler
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
-    from kvchat.engine.caches.cache_check import Reference
     from kvchat.engine.caches.kinds import CacheKind
-    from kvchat.engine.models.model import LoadedModel
-    from kvchat.store import Generation, Loaded
-    from kvchat.store.cache_file import CacheRead
 
-Op = dict[str, Any]  # an engine operation, as JSON has it: {"op": name, ...its fields}
 Progress = Callable[[int, int], None]
 T = TypeVar("T")
 
-OPS = frozenset(
-    {
-        "model",
-        "new",
-        "load",
-        "send",
-        "regenerate",
-        "edit",
-        "undo",
-        "reset",
-        "kind",
-        "trim",
-        "system",
-        "save",
-        "drop",
-        "bytes",
-        "kinds",
-        "end",
-    }
-)
-ROW = 256  # bytes each rank reports after a save, a load or a drop
 # Session methods that change the cache and are not sent to the followers (the TUI's).
 UNSHARED = frozenset(
     {
@@ -98,120 +69,10 @@ UNSHARED = frozenset(
 )
 
 
-class OpError(ValueError):
-    """Bytes that are not an engine operation (ranks out of step, or another program)."""
-
-
-def encode_op(op: Op) -> bytes:
-    """The bytes of ``op`` as they travel between ranks."""
-    if not isinstance(op, dict) or op.get("op") not in OPS:
-        raise OpError(f"not an engine operation: {op!r:.80}")
-    return json.dumps(op, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-def decode_op(data: bytes) -> Op:
-    """The operation ``data`` holds, or :class:`OpError` in one sentence."""
-    try:
-        op: object = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise OpError("The ranks are out of step: an operation arrived damaged.") from None
-    if not isinstance(op, dict) or op.get("op") not in OPS:
-        raise OpError(f"The ranks are out of step: {op!r:.60} is not an engine operation.")
-    return op
-
-
-class Link:
-    """Rank 0's channel to every rank of ``group``: operations out, short reports back."""
-
-    def __init__(self, group: Any):
-        self.group = group
-        self.rank, self.size = group.rank(), group.size()
-        self.broken = False  # rank 0 walked away mid-turn: the followers are not at an op
-
-    def _sum(self, values: mx.array) -> mx.array:
-        out = mx.distributed.all_sum(values, group=self.group, stream=mx.cpu)
-        mx.eval(out)
-        return out
-
-    def total(self, value: int) -> int:
-        """The sum of ``value`` over the ranks."""
-        return cast(int, self._sum(mx.array([value], dtype=mx.int32)).item())  # an int32
-
-    def broadcast(self, op: Op | None = None) -> Op:
-        """Rank 0 sends ``op``; every rank (rank 0 too) returns it."""
-        if self.rank == 0 and self.broken:
-            raise SessionError(
-                "The ranks are out of step after a reply left unfinished; start the run again."
-            )
-        data = encode_op(op or {}) if self.rank == 0 else b""
-        length = self.total(len(data))
-        buffer = (
-            np.frombuffer(data, dtype=np.uint8) if self.rank == 0 else np.zeros(length, np.uint8)
-        )
-        return decode_op(bytes(np.array(self._sum(mx.array(buffer)))))
-
-    def per_rank(self, value: int) -> list[int]:
-        """Every rank's ``value``, in rank order (one all-sum of a vector indexed by rank)."""
-        vector = np.zeros(self.size, np.int64)
-        vector[self.rank] = value
-        return [int(v) for v in np.array(self._sum(mx.array(vector)))]
-
-    def gather(self, row: bytes) -> list[bytes]:
-        """Every rank's ``row`` (at most ROW bytes, no NUL), in rank order."""
-        table = np.zeros((self.size, ROW), np.uint8)
-        table[self.rank, : len(row[:ROW])] = np.frombuffer(row[:ROW], np.uint8)
-        summed = np.array(self._sum(mx.array(table)))
-        return [bytes(r).rstrip(b"\0") for r in summed]
-
-
-class SharedStop:
-    """A session's stop flag (``threading.Event``'s methods), the same on every rank:
-    ``is_set`` is a collective that carries rank 0's flag, so every rank must check it
-    at the same points, as the same turn on every rank does."""
-
-    def __init__(self, link: Link):
-        self._link, self._flag = link, threading.Event()
-
-    def set(self) -> None:
-        self._flag.set()
-
-    def clear(self) -> None:
-        self._flag.clear()
-
-    def is_set(self) -> bool:
-        mine = self._link.rank == 0 and self._flag.is_set()
-        return self._link.total(int(mine)) > 0
-
-
-_link: Link | None = None
-
-
-def start() -> Link | None:
-    """The link of this process when ``mlx.launch`` (or kvchat/cli/ring.py) started it as
-    one rank of several (call it only then: it joins the group the environment names)."""
-    global _link
-    group = mx.distributed.init()
-    if group.size() < 2:
-        return None
-    _link = Link(group)
-    return _link
-
-
-def current() -> Link | None:
-    return _link
-
-
-def _linked() -> Link:
-    """This rank's link (rank 0 of a sharded run asks: :func:`start` made it)."""
-    if _link is None:
-        raise SessionError("This is not a sharded run: no other ranks to send to.")
-    return _link
-
-
 def load_model(spec: str) -> ShardedModel:
     """Rank 0: load ``spec`` sharded over every rank (ModelLoadError as load_model)."""
     seed = time.time_ns() % (1 << 31)
-    link = _linked()
+    link = linked()
     link.broadcast({"op": "model", "spec": spec, "seed": seed})
     mx.random.seed(seed)
     return load_sharded(spec, link.group)
@@ -221,7 +82,7 @@ def probe_kinds(lm: ShardedModel, names: list[str]) -> list[str]:
     """Rank 0: which of the cache kinds ``names`` the sharded model takes, found out on
     every rank at once (a probe runs the model, whose collectives need every rank). The
     answers are kept (kvchat/engine/caches/fit.py), so asking again later runs nothing."""
-    _linked().broadcast({"op": "kinds", "names": names})
+    linked().broadcast({"op": "kinds", "names": names})
     return applicable_kinds(lm.model, names)
 
 
@@ -243,122 +104,25 @@ def bind(session: Session, link: Link) -> Session:
 
 
 def new_session(
-    lm: LoadedModel,
+    lm: ShardedModel,
     *,
     kind: str | CacheKind,
     system: str | None,
     settings: GenerationSettings | None = None,
 ) -> Session:
-    """A new :class:`Session`, on every rank when ``lm`` is sharded.
+    """A new :class:`Session` on every rank (a session on one machine is a plain
+    :class:`Session`; kvchat/sessions.py picks).
 
     The ranks make it together: a kind other than ``standard`` runs the model once to
     see that it fits (:func:`~kvchat.engine.caches.kinds.make_cache`), a collective here.
     """
-    if not isinstance(lm, ShardedModel):
-        return Session(lm, kind=kind, system=system, settings=settings)
     settings = settings or GenerationSettings()
-    link = _linked()
+    link = linked()
     link.broadcast(
         {"op": "new", "kind": parse_kind(kind).name, "system": system, "settings": asdict(settings)}
     )
     session = Session(lm, kind=kind, system=system, settings=settings)
-    return _standing_in(DistributedSession(link, bind(session, link)).count_bytes())
-
-
-def load_session(name: str, lm: LoadedModel) -> Loaded:
-    """``store.load``, on every rank when ``lm`` is sharded: each rank reads its own cache
-    shard, and when any rank cannot use its shard every rank rebuilds from the transcript."""
-    from kvchat import store
-
-    if not isinstance(lm, ShardedModel):
-        return store.load(name, lm)
-    data, generation = store.read_with_generation(name)
-    link = _linked()
-    link.broadcast({"op": "load", "name": name, "data": data})
-    loaded = load_here(name, lm, data, link)
-    loaded.generation = generation
-    loaded.session = _standing_in(DistributedSession(link, loaded.session).count_bytes())
-    return loaded
-
-
-def load_here(name: str, lm: LoadedModel, data: dict[str, Any], link: Link) -> Loaded:
-    """``store.load`` on this rank, with its own cache shard; every rank rebuilds from the
-    transcript when any one cannot use its shard."""
-    from kvchat import store
-    from kvchat.store.cache_file import read_cache
-
-    def reader(
-        folder: Path,
-        data: dict[str, Any],
-        lm: LoadedModel,
-        ledger: list[int],
-        empty: Session,
-        reference: Reference,
-    ) -> CacheRead:
-        cache, kept, problem = read_cache(
-            folder, data, lm, ledger, empty, reference, rank=link.rank
-        )
-        if problem is None and kept is not None and len(kept) != len(ledger):
-            cache, kept, problem = None, None, "a save was cut short"
-        rows = link.gather(problem.encode("utf-8")[:ROW] if problem else b"")
-        if problem is None:
-            bad = [(r, row) for r, row in enumerate(rows) if row]
-            if bad:
-                rank, why = bad[0]
-                return (
-                    None,
-                    None,
-                    (
-                        f"rank {rank}'s cache shard could not be used: "
-                        f"{why.decode('utf-8', 'ignore')}"
-                    ),
-                )
-        return cache, kept, problem
-
-    loaded = store.load(name, lm, data=data, reader=reader)
-    bind(loaded.session, link)
-    return loaded
-
-
-def save_session(session: Session, name: str, base: Generation | None = None) -> Path:
-    """``store.save`` (``base``: the generation it builds on); for a sharded session every
-    rank first writes its own shard."""
-    from kvchat import store
-
-    if not isinstance(session, DistributedSession):
-        return store.save(session, name, base=base)
-    link = _linked()
-    link.broadcast({"op": "save", "name": name})
-    rows = link.gather(b"")
-    for rank, row in enumerate(rows[1:], 1):
-        if not row.startswith((b"sha:", b"empty")):
-            raise store.StoreError(
-                f"Could not save session {name}: rank {rank} could not write its cache shard "
-                f"({row.decode('utf-8', 'ignore')}); session.json was not changed."
-            )
-    shas = [row[4:].decode() for row in rows[1:] if row.startswith(b"sha:")]
-    return store.save(session.local, name, shards=shas or None, base=base)
-
-
-def delete_session(name: str) -> str | None:
-    """Rank 0 of a sharded run, dropping saved session ``name``: delete it here with
-    ``store.delete``, as on one machine (a StoreError then leaves every rank's files as
-    they were), then every other rank deletes its own cache shard and forgets its
-    session (a new one is made on every rank next, :func:`new_session`). Returns the
-    sentence naming a rank whose shard could not be deleted, or None."""
-    from kvchat import store
-
-    if store.exists(name):
-        store.delete(name)
-    link = _linked()
-    link.broadcast({"op": "drop", "name": name})
-    for rank, row in enumerate(link.gather(b"")[1:], 1):
-        if row:
-            return (
-                f"Dropped {name}, but rank {rank} could not delete its cache shard "
-                f"({row.decode('utf-8', 'ignore')}); it stays on that host."
-            )
-    return None
+    return standing_in(DistributedSession(link, bind(session, link)).count_bytes())
 
 
 class DistributedSession:
@@ -439,7 +203,7 @@ class DistributedSession:
         return self._then_count("system", lambda: self.local.set_system(text), text=text)
 
 
-def _standing_in(session: DistributedSession) -> Session:
+def standing_in(session: DistributedSession) -> Session:
     """Rank 0's :class:`DistributedSession`, handed out where a :class:`Session` goes (the
     TUI's tabs, ``ask``): it sends the calls that change the cache to every rank, and
     every other attribute is its local session's."""

@@ -1,6 +1,7 @@
 """A follower rank of a sharded run (kvchat/engine/distributed/driver.py): it performs every
 operation rank 0 sends, in the same order, on its own part of the model and its own
-:class:`Session`, until rank 0 sends "end"."""
+:class:`Session`, until rank 0 sends "end". Loads, saves and drops read and write this
+rank's cache shard (kvchat/sharded/disk.py is rank 0's side of them)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ import mlx.core as mx
 from kvchat.engine.caches.kinds import CacheKindError, applicable_kinds
 from kvchat.engine.conversation.events import GenerationSettings, SessionError
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.distributed.driver import ROW, Link, OpError, bind, load_here, perform
+from kvchat.engine.distributed.driver import bind, perform
+from kvchat.engine.distributed.link import ROW, Link, OpError
 from kvchat.engine.distributed.sharding import ShardedModel, load_sharded
+from kvchat.engine.models.model import ModelLoadError
+from kvchat.sharded.disk import load_here
+from kvchat.store import StoreError
+from kvchat.store.shards import delete_shard, write_shard
 
 T = TypeVar("T")
 
@@ -25,10 +31,6 @@ def follow(link: Link, on_token: Callable[[int], object] | None = None) -> int:
     ``on_token``, when given, is called with each token's index in a turn (0, 1, ...)
     as this rank's send, regenerate or edit produces it (tests lose a rank mid-turn
     through it)."""
-    from kvchat.engine.models.model import ModelLoadError
-    from kvchat.store import StoreError
-    from kvchat.store.shards import delete_shard, write_shard
-
     lm: ShardedModel | None = None
     session: Session | None = None
     while True:
