@@ -81,6 +81,30 @@ def separate_batches(fast_path: Any) -> bool:
     return fast_path is not None and fast_path.decodes
 
 
+def decoding_path(lm: Any) -> str:
+    """One line: how loaded model ``lm``'s core decodes a batch of sequences, and why."""
+    if getattr(lm, "group", None) is not None:
+        return "one sequence at a time (a sharded model: every rank runs the same steps)"
+    fast = getattr(lm, "fast_path", None)
+    if separate_batches(fast):
+        return (
+            "CPU fast path: its batched numpy step decodes every row at once, each on its "
+            "own cache (the model's decoding step runs whole in numpy)"
+        )
+    if fast is None:
+        why = f"CPU fast path {getattr(lm, 'fast_path_off', 'off')}"
+    elif not fast.on:
+        why = "CPU fast path switched off for this model"
+    else:
+        why = f"no numpy decoding step: {fast.step}"
+    if merges(lm.model):
+        return f"MLX: rows merged into mlx-lm's batch caches, one forward pass a step ({why})"
+    return (
+        "MLX, one forward pass a row: this model does not decode a merged batch as it "
+        f"decodes each row alone ({why})"
+    )
+
+
 def separate(model: nn.Module, seqs: list[Sequence], fast_path: Any) -> list[mx.array]:
     """Feed each sequence's pending token into its own cache; each one's logits ``(1, V)``."""
     if len(seqs) > 1 and separate_batches(fast_path):
