@@ -10,8 +10,9 @@ Two runs, each against real servers in their own processes on loopback:
 - ``load``: C clients × T turns at once against one ``kvchat serve``; every
   turn must come back, and every saved session must equal its client's
   conversation with a cache that loads whole.
-- ``concurrency``: 1, 2, 4 and 8 conversations at once against each server
-  (:mod:`kvchat.bench.concurrency`).
+- ``concurrency``: 1, 2, 4 and 8 conversations at once against each server, the
+  two taking turns; with ``--in-process``, sessions in this process, 8 at once
+  against one alone (:mod:`kvchat.bench.concurrency`).
 
 The client is the standard library (the ``openai`` package is a dev extra).
 """
@@ -232,14 +233,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=64, help="per reply (concurrency)")
+    parser.add_argument(
+        "--first-tokens", type=int, default=340, help="each chat's first message (concurrency)"
+    )
+    parser.add_argument(
+        "--loads", default="1,2,4,8", help="clients at once, comma-separated (concurrency)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="the servers take turns this often (concurrency)"
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="concurrency through sessions in this process: the largest load against one alone",
+    )
     args = parser.parse_args(argv)
     with temp_home() as home:
         if args.what == "ttft":
             result = ttft(args.model, args.history, home)
         elif args.what == "concurrency":
-            from .concurrency import concurrency
+            from .concurrency import concurrency, in_process
 
-            result = concurrency(args.model, home, max_tokens=args.max_tokens)
+            loads = tuple(sorted({int(n) for n in args.loads.split(",")}))
+            if args.in_process:
+                result = in_process(
+                    args.model,
+                    sessions=max(loads),
+                    first_tokens=args.first_tokens,
+                    max_tokens=args.max_tokens,
+                    rounds=args.rounds,
+                )
+            else:
+                result = concurrency(
+                    args.model,
+                    home,
+                    first_tokens=args.first_tokens,
+                    max_tokens=args.max_tokens,
+                    loads=loads,
+                    rounds=args.rounds,
+                )
         else:
             result = load(args.model, args.clients, args.turns, home)
     print(json.dumps(result, indent=2))

@@ -7,7 +7,9 @@ and reads its messages (``Prefill`` progress, sampled token ids, a final
 1. joining sequences evaluate their prompts in chunks, about one chunk's worth of
    tokens a step whoever they are, so a long paste does not freeze the others;
    several sequences' chunks go in one forward pass where their caches merge
-   (:mod:`.prefill`); a prompt done, its first token is sampled;
+   (:mod:`.prefill`); a prompt's last token is fed by the next decode step, with the
+   other rows, and its logits give the first token (a sharded core, stepping on its
+   caller's thread, evaluates it alone and samples the first token there);
 2. every decoding sequence feeds its last sampled token and samples the next, in
    one forward pass for those whose caches merge (:class:`~.batch.Merged`), the
    others (caches that cannot batch, or the CPU fast path's separate rows) beside;
@@ -177,9 +179,11 @@ class GenerationCore:
             if seq.halted() and seq.prompt:
                 self._left(seq, Left(stopped=True))  # stopped at the end of its prefill
                 continue
-            if seq.fed == len(seq.prompt) - 1 and separate_batches(self.fast_path):
+            if seq.fed == len(seq.prompt) - 1 and (
+                self.threaded or separate_batches(self.fast_path)
+            ):
                 # the prompt's last token is fed by the next decode step, with the other
-                # rows of the numpy batched step: its logits are the prompt's end
+                # rows (merged, or of the numpy batched step): its logits are the prompt's end
                 if seq.fed == 0:
                     seq.post(Prefill(0, len(seq.prompt)))
                 ready.append(seq)
