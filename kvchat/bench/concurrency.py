@@ -186,6 +186,7 @@ def in_process(
         _threads(run, len(group))
         seconds = time.perf_counter() - started
         return {
+            "generated_tokens": sum(n for _, n in results),
             "aggregate_tps": sum(n for _, n in results) / seconds,
             "ttft_median_s": statistics.median(t for t, _ in results),
         }
@@ -201,20 +202,23 @@ def in_process(
         text = f"What is part {r + 1} about?"
         alone.append(together(crowd[:1], text))
         many.append(together(crowd[1:], text))
-    best_alone = max(a["aggregate_tps"] for a in alone), min(a["ttft_median_s"] for a in alone)
-    best_many = max(m["aggregate_tps"] for m in many), min(m["ttft_median_s"] for m in many)
+    alone_tps = round(max(a["aggregate_tps"] for a in alone), 2)
+    alone_ttft = round(min(a["ttft_median_s"] for a in alone), 4)
+    many_tps = round(max(m["aggregate_tps"] for m in many), 2)
+    many_ttft = round(min(m["ttft_median_s"] for m in many), 4)
     return {
         "model": model,
         "sessions": sessions,
         "max_tokens": max_tokens,
         "rounds": rounds,
-        "alone": {"aggregate_tps": round(best_alone[0], 2), "ttft_s": round(best_alone[1], 3)},
-        "together": {
-            "aggregate_tps": round(best_many[0], 2),
-            "ttft_median_s": round(best_many[1], 3),
+        "generated_tokens": {
+            "alone": [a["generated_tokens"] for a in alone],
+            "together": [m["generated_tokens"] for m in many],
         },
-        "aggregate_ratio": _ratio(best_many[0], best_alone[0]),
-        "ttft_ratio": _ratio(best_many[1], best_alone[1]),
+        "alone": {"aggregate_tps": alone_tps, "ttft_s": alone_ttft},
+        "together": {"aggregate_tps": many_tps, "ttft_median_s": many_ttft},
+        "aggregate_ratio": _ratio(many_tps, alone_tps),
+        "ttft_ratio": _ratio(many_ttft, alone_ttft),
     }
 
 
