@@ -48,6 +48,10 @@ def test_short_prompts_go_together_and_a_long_one_goes_on_beside_them(demo_model
     # paste here); the first in line goes on all the same, cut to the width
     got = [(s, len(t)) for s, t in plan([*shorts, paste], budget=40)]
     assert got == [(shorts[0], 12), (shorts[1], 8), (shorts[2], 12)]
+    # a short follow-up is not padded to the width of longer prompts beside it
+    longer = [_sequence(demo_model, list(range(100, 251))) for _ in range(2)]
+    assert [(s, len(t)) for s, t in plan([shorts[1], *longer], budget=512)] == [(shorts[1], 8)]
+    assert [len(t) for _, t in plan(longer, budget=512)] == [150, 150]
 
 
 def test_chunks_fed_together_equal_chunks_fed_apart(demo_model):

@@ -7,8 +7,8 @@ tokens, then two short follow-ups; greedy, streamed), against each server on
 the same model folder. Both servers run side by side and take turns load by
 load, ``rounds`` times over (a shared machine's noise falls on both alike);
 each row keeps its best round. Measured: the aggregate tokens per second of the
-replies (counted with the model's tokenizer, the same for both) over the load's
-wall time, and the median time to the first token of turn 2.
+replies (the tokens each server's usage reports, else the reply re-tokenised) over
+the load's wall time, and the median time to the first token of turn 2.
 
 :func:`in_process`: the same question without HTTP, through :class:`Session`
 and the model's generation core: one session's follow-up alone, then
@@ -61,7 +61,7 @@ def concurrency(
             stream_turn(server.url, [{"role": "user", "content": "Warm up."}], 4)
         for r in range(rounds):
             for n in loads:
-                for label in SERVERS if r % 2 == 0 else reversed(SERVERS):
+                for label in SERVERS if r % 2 == 0 else SERVERS[::-1]:
                     row = _load(
                         servers[label].url,
                         n,
@@ -69,7 +69,7 @@ def concurrency(
                         max_tokens,
                         tokenizer,
                         count,
-                        run=f"{label}-{n}-{r}",
+                        run=f"{n}-{r}-{SERVERS.index(label)}",  # as long for both
                     )
                     rows[label][n] = _best(rows[label].get(n), row)
     finally:
@@ -110,7 +110,8 @@ def _load(
             messages.append({"role": "user", "content": text})
             result = stream_turn(url, messages, max_tokens)
             messages.append({"role": "assistant", "content": result["reply"]})
-            generated += count(result["reply"])
+            told = result["completion_tokens"]
+            generated += told if told is not None else count(result["reply"])
             if t == 1:
                 second = result["ttft_s"]
         return generated, second

@@ -99,7 +99,8 @@ def mlx_lm_server(folder: Path, log: Path) -> Running:
 
 
 def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed chat completion: the reply, the seconds to its first text, the total."""
+    """One streamed chat completion: the reply, the seconds to its first text, the total,
+    and the tokens the server says it generated (None if it does not say)."""
     body = json.dumps(
         {
             "model": "default_model",
@@ -107,6 +108,7 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
             "stream": True,
             "max_tokens": max_tokens,
             "temperature": 0,
+            "stream_options": {"include_usage": True},
         }
     ).encode()
     request = urllib.request.Request(
@@ -115,6 +117,7 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
     started = time.perf_counter()
     first, text = None, ""
     extra: dict[str, Any] = {}
+    usage: dict[str, Any] = {}
     with urllib.request.urlopen(request, timeout=1800) as response:
         for line in response:
             line = line.strip()
@@ -122,6 +125,7 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
                 continue
             chunk = json.loads(line[6:])
             extra = chunk.get("kvchat", extra)
+            usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
                 piece = (choice.get("delta") or {}).get("content") or ""
                 if piece and first is None:
@@ -131,6 +135,7 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
         "reply": text,
         "ttft_s": first,
         "total_s": time.perf_counter() - started,
+        "completion_tokens": usage.get("completion_tokens"),
         "kvchat": extra,
     }
 

@@ -2,9 +2,10 @@
 several sequences' chunks in one forward pass.
 
 :func:`plan` picks this step's chunks within the step's token budget: shortest
-remainder first, all cut to one width, so a handful of short follow-ups go in
-together while a long paste goes on a chunk at a time beside them (the first in
-line is always among them, so a steady stream of short ones cannot starve it).
+remainder first, all cut to one width with little padding, so a handful of short
+follow-ups go in together while a long paste goes on a chunk at a time beside
+them (the first in line is always among them, so a steady stream of short ones
+cannot starve it).
 
 :func:`feed` evaluates them. Chunks whose caches merge go in one forward pass
 as ``mlx_lm.generate.BatchGenerator`` prefills: the caches merged into mlx-lm's
@@ -38,19 +39,21 @@ def body_left(seq: Sequence) -> int:
 def plan(joining: list[Sequence], budget: int) -> list[Chunk]:
     """This step's chunks among ``joining`` (in line order): the sequences with the least
     prompt left first, as many as ``budget`` tokens hold once every chunk is padded to
-    the widest; the first in line always gets one (cut to that width). A chunk also ends
-    at the next checkpoint mark it would pass."""
+    the widest, while padding stays under a third of the pass; the first in line always
+    gets one (cut to that width). A chunk also ends at the next checkpoint mark it
+    would pass."""
     waiting = [s for s in joining if body_left(s) > 0]
     if not waiting:
         return []
     chosen: list[Sequence] = []
-    width = 0
+    width = evaluated = 0
     for seq in sorted(waiting, key=body_left):
-        wider = max(width, min(body_left(seq), max(1, seq.prefill_step)))
-        if chosen and (len(chosen) + 1) * wider > budget:
-            break
+        size = min(body_left(seq), max(1, seq.prefill_step))
+        wider, padded = max(width, size), (len(chosen) + 1) * max(width, size)
+        if chosen and (padded > budget or 3 * (evaluated + size) < 2 * padded):
+            break  # over the budget, or a third of the pass would be padding
         chosen.append(seq)
-        width = wider
+        width, evaluated = wider, evaluated + size
     if waiting[0] not in chosen:
         chosen.append(waiting[0])
     chunks = []
