@@ -7,10 +7,11 @@ and reads its messages (``Prefill`` progress, sampled token ids, a final
 1. joining sequences evaluate their prompts in chunks, about one chunk's worth of
    tokens a step whoever they are, so a long paste does not freeze the others;
    several sequences' chunks go in one forward pass where their caches merge
-   (:mod:`.prefill`); a prompt's last token is fed by the next decode step, with the
-   other rows, and its logits give the first token (a sharded core, stepping on its
-   caller's thread, evaluates it alone and samples the first token there);
-2. every decoding sequence feeds its last sampled token and samples the next, in
+   (:mod:`.prefill`); a prompt all in but its last token decodes from this step on:
+   that token is fed by the decode step, with the other rows, and its logits give
+   the first token (a sharded core evaluates it alone and samples the first token
+   in the prefill);
+2. every decoding sequence, those just joined included, feeds its last sampled token and samples the next, in
    one forward pass for those whose caches merge (:class:`~.batch.Merged`), the
    others (caches that cannot batch, or the CPU fast path's separate rows) beside;
 3. sequences that ended (an end token, the length limit, a stop, a consumer gone)
@@ -144,13 +145,13 @@ class GenerationCore:
     def _step(self) -> None:
         with self._cond:
             joining = list(self._joining)
-        decoding = [*self._alone, *(self._merged.seqs if self._merged else [])]
         try:
             with mx.stream(generation_stream):
-                ready = self._prefill(joining)
-                ended = self._decode(decoding)
-                self._leave(ended)
-                self._join(ready)
+                # those whose prompt is in decode in this same step, with the others: a
+                # first token does not wait for the next step's prefill of other prompts
+                self._join(self._prefill(joining))
+                decoding = [*self._alone, *(self._merged.seqs if self._merged else [])]
+                self._leave(self._decode(decoding))
         except Exception as error:  # noqa: BLE001  every sequence learns why, and leaves
             self._fail(error)
 
