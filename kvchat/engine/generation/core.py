@@ -11,9 +11,10 @@ and reads its messages (``Prefill`` progress, sampled token ids, a final
    that token is fed by the decode step, with the other rows, and its logits give
    the first token (a sharded core evaluates it alone and samples the first token
    in the prefill);
-2. every decoding sequence, those just joined included, feeds its last sampled token and samples the next, in
-   one forward pass for those whose caches merge (:class:`~.batch.Merged`), the
-   others (caches that cannot batch, or the CPU fast path's separate rows) beside;
+2. every decoding sequence, those just joined included, feeds its last sampled
+   token and samples the next, in one forward pass for those whose caches merge
+   (:class:`~.batch.Merged`), the others (caches that cannot batch, or the CPU fast
+   path's separate rows) beside;
 3. sequences that ended (an end token, the length limit, a stop, a consumer gone)
    leave with their caches extracted back, and the rest go on.
 
@@ -158,8 +159,10 @@ class GenerationCore:
     def _prefill(self, joining: list[Sequence]) -> list[Sequence]:
         """Evaluate about one chunk's worth of prompt tokens among the joining sequences
         (:mod:`.prefill` chooses the chunks, several in one forward pass where their
-        caches merge); those whose prompt is all in sample their first token. Returns
-        those ready to decode; the ones that ended at once leave here."""
+        caches merge). Returns those ready to decode: on a threaded core, those whose
+        prompt is in but its last token (the decode step feeds it); on a sharded one,
+        those whose prompt is all in, their first token sampled here. The ones that
+        ended at once leave here."""
         live = []
         for seq in joining:
             if seq.halted() and seq.fed < len(seq.prompt):
@@ -183,8 +186,8 @@ class GenerationCore:
             if seq.fed == len(seq.prompt) - 1 and (
                 self.threaded or separate_batches(self.fast_path)
             ):
-                # the prompt's last token is fed by the next decode step, with the other
-                # rows (merged, or of the numpy batched step): its logits are the prompt's end
+                # the prompt's last token is fed by this step's decode, with the other rows
+                # (merged, or of the numpy batched step): its logits are the prompt's end
                 if seq.fed == 0:
                     seq.post(Prefill(0, len(seq.prompt)))
                 ready.append(seq)
