@@ -16,6 +16,7 @@ from kvchat.cli import app
 from kvchat.engine import cpu
 from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
 from kvchat.engine.cpu import decode
+from kvchat.engine.generation.batch import decoding_path
 from kvchat.engine.models.model import load_model
 from tests.test_cpu_fastpath import TINY  # the same tiny llama-family shape
 
@@ -196,11 +197,30 @@ def test_switched_off_a_model_keeps_rotated_caches_with_mlx_arithmetic(demo_mode
 def test_doctor_names_the_model_and_its_fast_path(demo_model):
     result = CliRunner().invoke(app, ["doctor", "--json", "--model", "demo"])
     assert result.exit_code == 0, result.output
-    line = json.loads(result.output)["cpu_fastpath"]
+    report = json.loads(result.output)
+    line, path = report["cpu_fastpath"], report["batch_decoding"]
     if mx.default_device() == mx.cpu:
         assert line == "demo: on (numpy decoding step, attention, SwiGLU and linear layers)"
+        assert path == (
+            "demo: CPU fast path: its batched numpy step decodes every row at once, each on "
+            "its own cache (the model's decoding step runs whole in numpy)"
+        )
     else:
         assert line == "demo: off (MLX runs on the GPU: its own kernels are used)"
+        assert path == (
+            "demo: MLX: rows merged into mlx-lm's batch caches, one forward pass a step "
+            "(CPU fast path off (MLX runs on the GPU: its own kernels are used))"
+        )
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU fast path is the CPU's")
+def test_doctor_says_why_a_batch_decodes_through_mlx(demo_model, monkeypatch):
+    """With the numpy step switched off, the batch's rows merge into mlx-lm's batch caches."""
+    monkeypatch.setattr(demo_model.fast_path, "on", False)
+    assert decoding_path(demo_model) == (
+        "MLX: rows merged into mlx-lm's batch caches, one forward pass a step "
+        "(CPU fast path switched off for this model)"
+    )
 
 
 def test_an_unknown_rope_is_refused_by_name():

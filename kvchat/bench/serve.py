@@ -10,8 +10,9 @@ Two runs, each against real servers in their own processes on loopback:
 - ``load``: C clients × T turns at once against one ``kvchat serve``; every
   turn must come back, and every saved session must equal its client's
   conversation with a cache that loads whole.
-- ``concurrency``: 1, 2, 4 and 8 conversations at once against each server
-  (:mod:`kvchat.bench.concurrency`).
+- ``concurrency``: 1, 2, 4 and 8 conversations at once against each server, the
+  two taking turns; with ``--in-process``, sessions in this process, 8 at once
+  against one alone (:mod:`kvchat.bench.concurrency`).
 
 The client is the standard library (the ``openai`` package is a dev extra).
 """
@@ -98,7 +99,8 @@ def mlx_lm_server(folder: Path, log: Path) -> Running:
 
 
 def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed chat completion: the reply, the seconds to its first text, the total."""
+    """One streamed chat completion: the reply, the seconds to its first text, the total,
+    and the tokens the server says it generated (None if it does not say)."""
     body = json.dumps(
         {
             "model": "default_model",
@@ -106,6 +108,7 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
             "stream": True,
             "max_tokens": max_tokens,
             "temperature": 0,
+            "stream_options": {"include_usage": True},
         }
     ).encode()
     request = urllib.request.Request(
@@ -114,6 +117,7 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
     started = time.perf_counter()
     first, text = None, ""
     extra: dict[str, Any] = {}
+    usage: dict[str, Any] = {}
     with urllib.request.urlopen(request, timeout=1800) as response:
         for line in response:
             line = line.strip()
@@ -121,6 +125,7 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
                 continue
             chunk = json.loads(line[6:])
             extra = chunk.get("kvchat", extra)
+            usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
                 piece = (choice.get("delta") or {}).get("content") or ""
                 if piece and first is None:
@@ -130,6 +135,7 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
         "reply": text,
         "ttft_s": first,
         "total_s": time.perf_counter() - started,
+        "completion_tokens": usage.get("completion_tokens"),
         "kvchat": extra,
     }
 
@@ -232,14 +238,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=64, help="per reply (concurrency)")
+    parser.add_argument(
+        "--first-tokens", type=int, default=340, help="each chat's first message (concurrency)"
+    )
+    parser.add_argument(
+        "--loads", default="1,2,4,8", help="clients at once, comma-separated (concurrency)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="the servers take turns this often (concurrency)"
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="concurrency through sessions in this process: the largest load against one alone",
+    )
     args = parser.parse_args(argv)
     with temp_home() as home:
         if args.what == "ttft":
             result = ttft(args.model, args.history, home)
         elif args.what == "concurrency":
-            from .concurrency import concurrency
+            from .concurrency import concurrency, in_process
 
-            result = concurrency(args.model, home, max_tokens=args.max_tokens)
+            loads = tuple(sorted({int(n) for n in args.loads.split(",")}))
+            if args.in_process:
+                result = in_process(
+                    args.model,
+                    sessions=max(loads),
+                    first_tokens=args.first_tokens,
+                    max_tokens=args.max_tokens,
+                    rounds=args.rounds,
+                )
+            else:
+                result = concurrency(
+                    args.model,
+                    home,
+                    first_tokens=args.first_tokens,
+                    max_tokens=args.max_tokens,
+                    loads=loads,
+                    rounds=args.rounds,
+                )
         else:
             result = load(args.model, args.clients, args.turns, home)
     print(json.dumps(result, indent=2))

@@ -100,8 +100,8 @@ def doctor(
         ),
     ] = None,
 ) -> None:
-    """Show versions, the MLX device, the BLAS, the CPU fast path a model gets, and kvchat's
-    directories."""
+    """Show versions, the MLX device, the BLAS, the CPU fast path a model gets, the path that
+    decodes its batches, and kvchat's directories."""
     report = _doctor_report(model)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
@@ -124,7 +124,7 @@ def _doctor_report(model: str | None) -> dict[str, Any]:
         **_device_report(),
         "blas": blas.describe(),
         "blas_status": blas.info.status,
-        "cpu_fastpath": _fastpath(model),
+        **_model_report(model),
         "matmul_gflops": round(_matmul_gflops(), 1),
         "data_dir": str(locations.data_dir()),
         "config_dir": str(locations.config_dir()),
@@ -132,18 +132,23 @@ def _doctor_report(model: str | None) -> dict[str, Any]:
     }
 
 
-def _fastpath(spec: str | None) -> str:
+def _model_report(spec: str | None) -> dict[str, str]:
     """For ``spec`` (the config's model when None): whether it gets the CPU fast path and
-    what it runs through numpy, or why not."""
+    what it runs through numpy, or why not; and which path decodes its batches, and why."""
     from kvchat.config import ConfigError, load_config
+    from kvchat.engine.generation.batch import decoding_path
     from kvchat.engine.models.model import ModelLoadError, load_model
 
     try:
         spec = spec or load_config().model
         lm = load_model(spec)
     except (ConfigError, ModelLoadError) as exc:
-        return f"{spec}: unknown, the model could not be loaded ({exc})"
-    return f"{spec}: {lm.fast_path_line()}"
+        unknown = f"{spec}: unknown, the model could not be loaded ({exc})"
+        return {"cpu_fastpath": unknown, "batch_decoding": unknown}
+    return {
+        "cpu_fastpath": f"{spec}: {lm.fast_path_line()}",
+        "batch_decoding": f"{spec}: {decoding_path(lm)}",
+    }
 
 
 def _device_report() -> dict[str, Any]:

@@ -63,7 +63,7 @@ def _probe(model: nn.Module) -> bool:
         copies = [copy_cache(cache) for cache in caches]
         for cache in copies:
             alone.append(model(mx.array([[5]]), cache=cache)[0, -1])
-        batch = [_merge([cache[i] for cache in caches]) for i in range(len(caches[0]))]
+        batch = [merge([cache[i] for cache in caches]) for i in range(len(caches[0]))]
         together = model(mx.array([[5], [5]]), cache=batch)[:, -1]
         for row, one in zip(together, alone):
             a, b = (x - mx.logsumexp(x) for x in (row, one))
@@ -81,6 +81,30 @@ def separate_batches(fast_path: Any) -> bool:
     return fast_path is not None and fast_path.decodes
 
 
+def decoding_path(lm: Any) -> str:
+    """One line: how loaded model ``lm``'s core decodes a batch of sequences, and why."""
+    if getattr(lm, "group", None) is not None:
+        return "one sequence at a time (a sharded model: every rank runs the same steps)"
+    fast = getattr(lm, "fast_path", None)
+    if separate_batches(fast):
+        return (
+            "CPU fast path: its batched numpy step decodes every row at once, each on its "
+            "own cache (the model's decoding step runs whole in numpy)"
+        )
+    if fast is None:
+        why = f"CPU fast path {getattr(lm, 'fast_path_off', 'off')}"
+    elif not fast.on:
+        why = "CPU fast path switched off for this model"
+    else:
+        why = f"no numpy decoding step: {fast.step}"
+    if merges(lm.model):
+        return f"MLX: rows merged into mlx-lm's batch caches, one forward pass a step ({why})"
+    return (
+        "MLX, one forward pass a row: this model does not decode a merged batch as it "
+        f"decodes each row alone ({why})"
+    )
+
+
 def separate(model: nn.Module, seqs: list[Sequence], fast_path: Any) -> list[mx.array]:
     """Feed each sequence's pending token into its own cache; each one's logits ``(1, V)``."""
     if len(seqs) > 1 and separate_batches(fast_path):
@@ -95,13 +119,13 @@ class Merged:
 
     def __init__(self, seqs: list[Sequence]):
         self.seqs = list(seqs)
-        self.cache = [_merge([s.cache[i] for s in seqs]) for i in range(len(seqs[0].cache))]
+        self.cache = [merge([s.cache[i] for s in seqs]) for i in range(len(seqs[0].cache))]
         _lend(self.cache, seqs)
 
     def join(self, seqs: list[Sequence]) -> None:
         """Add ``seqs`` (their own caches hold their prompts) at the end of the batch."""
         for i, layer in enumerate(self.cache):
-            layer.extend(_merge([s.cache[i] for s in seqs]))
+            layer.extend(merge([s.cache[i] for s in seqs]))
         _lend(self.cache, seqs)
         self.seqs.extend(seqs)
 
@@ -115,11 +139,11 @@ class Merged:
         """Give ``gone`` their caches back (and, when one row is left, that one too)."""
         rows = [i for i, s in enumerate(self.seqs) if s in gone]
         for i in rows:
-            _give_back(self.cache, i, self.seqs[i].cache)
+            give_back(self.cache, i, self.seqs[i].cache)
         kept = [i for i in range(len(self.seqs)) if i not in rows]
         self.seqs = [self.seqs[i] for i in kept]
         if len(self.seqs) == 1:
-            _give_back(self.cache, kept[0], self.seqs[0].cache)
+            give_back(self.cache, kept[0], self.seqs[0].cache)
             self.seqs = []
         elif rows and self.seqs:
             index = mx.array(kept)
@@ -132,12 +156,12 @@ class Merged:
         """Give every row its cache back; the sequences that were in it."""
         seqs = list(self.seqs)
         for i, s in enumerate(seqs):
-            _give_back(self.cache, i, s.cache)
+            give_back(self.cache, i, s.cache)
         self.seqs, self.cache = [], []
         return seqs
 
 
-def _merge(layers: list[Any]) -> Any:
+def merge(layers: list[Any]) -> Any:
     if isinstance(layers[0], ArraysCache):
         return ArraysCache.merge(layers)
     return BatchKVCache.merge(layers)
@@ -145,7 +169,7 @@ def _merge(layers: list[Any]) -> Any:
 
 def _lend(batch: list[Any], seqs: list[Sequence]) -> None:
     """The batch holds the sequences' keys and values now: let go of their own copies
-    (they come back at :func:`_give_back`), so a batch does not hold every cache twice."""
+    (they come back at :func:`give_back`), so a batch does not hold every cache twice."""
     mx.eval([c.state for c in batch])
     for seq in seqs:
         for mine in seq.cache:
@@ -155,7 +179,7 @@ def _lend(batch: list[Any], seqs: list[Sequence]) -> None:
                 mine.keys = mine.values = None
 
 
-def _give_back(batch: list[Any], row: int, own: list[Any]) -> None:
+def give_back(batch: list[Any], row: int, own: list[Any]) -> None:
     """Put row ``row`` of the batch cache into the sequence's own cache objects."""
     for layer, mine in zip(batch, own):
         got = layer.extract(row)

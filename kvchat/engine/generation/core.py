@@ -4,12 +4,17 @@ A session's turn submits a :class:`~.sequence.Sequence` with :meth:`GenerationCo
 and reads its messages (``Prefill`` progress, sampled token ids, a final
 ``Left``). Each step of the loop, under the device gate (:mod:`.gate`):
 
-1. joining sequences evaluate their prompts in chunks of ``prefill_step`` on their
-   own caches, about one chunk's worth of tokens a step whoever they are, so a
-   long paste does not freeze the others; a prompt done, its first token is sampled;
-2. every decoding sequence feeds its last sampled token and samples the next, in
-   one forward pass for those whose caches merge (:class:`~.batch.Merged`), the
-   others (caches that cannot batch, or the CPU fast path's separate rows) beside;
+1. joining sequences evaluate their prompts in chunks, about one chunk's worth of
+   tokens a step whoever they are, so a long paste does not freeze the others;
+   several sequences' chunks go in one forward pass where their caches merge
+   (:mod:`.prefill`); a prompt all in but its last token decodes from this step on:
+   that token is fed by the decode step, with the other rows, and its logits give
+   the first token (a sharded core evaluates it alone and samples the first token
+   in the prefill);
+2. every decoding sequence, those just joined included, feeds its last sampled
+   token and samples the next, in one forward pass for those whose caches merge
+   (:class:`~.batch.Merged`), the others (caches that cannot batch, or the CPU fast
+   path's separate rows) beside;
 3. sequences that ended (an end token, the length limit, a stop, a consumer gone)
    leave with their caches extracted back, and the rest go on.
 
@@ -28,9 +33,11 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import KVCache
 
 from kvchat.engine.conversation.events import Prefill
-from kvchat.engine.generation.batch import Merged, blocker, separate, separate_batches
+from kvchat.engine.generation import prefill
+from kvchat.engine.generation.batch import Merged, blocker, merges, separate, separate_batches
 from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.sequence import Left, Sequence
 
@@ -139,39 +146,56 @@ class GenerationCore:
     def _step(self) -> None:
         with self._cond:
             joining = list(self._joining)
-        decoding = [*self._alone, *(self._merged.seqs if self._merged else [])]
         try:
             with mx.stream(generation_stream):
-                ready = self._prefill(joining)
-                ended = self._decode(decoding)
-                self._leave(ended)
-                self._join(ready)
+                # those whose prompt is in decode in this same step, with the others: a
+                # first token does not wait for the next step's prefill of other prompts
+                self._join(self._prefill(joining))
+                decoding = [*self._alone, *(self._merged.seqs if self._merged else [])]
+                self._leave(self._decode(decoding))
         except Exception as error:  # noqa: BLE001  every sequence learns why, and leaves
             self._fail(error)
 
     def _prefill(self, joining: list[Sequence]) -> list[Sequence]:
-        """Evaluate about one chunk of prompt tokens among the joining sequences (the
-        first in line first); those whose prompt is all in sample their first token.
-        Returns those ready to decode; the ones that ended at once leave here."""
-        budget = max(1, joining[0].prefill_step) if joining else 0
-        ready = []
+        """Evaluate about one chunk's worth of prompt tokens among the joining sequences
+        (:mod:`.prefill` chooses the chunks, several in one forward pass where their
+        caches merge). Returns those ready to decode: on a threaded core, those whose
+        prompt is in but its last token (the decode step feeds it); on a sharded one,
+        those whose prompt is all in, their first token sampled here. The ones that
+        ended at once leave here."""
+        live = []
         for seq in joining:
             if seq.halted() and seq.fed < len(seq.prompt):
                 self._left(seq, Left(stopped=True))
+            else:
+                live.append(seq)
+        if not live:
+            return []
+        chunks = prefill.plan(live, max(1, live[0].prefill_step))
+        together = self.threaded and all(
+            all(type(c) is KVCache for c in seq.cache) for seq, _ in chunks
+        )
+        prefill.feed(self._forward, chunks, together and merges(self._forward))
+        ready = []
+        for seq in live:
+            if prefill.body_left(seq):
                 continue
-            if budget <= 0:
-                break
-            budget -= self._prefill_chunk(seq, budget)
-            if seq.halted() and seq.prompt and seq.fed >= len(seq.prompt) - 1:
+            if seq.halted() and seq.prompt:
                 self._left(seq, Left(stopped=True))  # stopped at the end of its prefill
                 continue
-            if seq.fed == len(seq.prompt) - 1 and separate_batches(self.fast_path):
-                # the prompt's last token is fed by the next decode step, with the other
-                # rows of the numpy batched step: its logits are the prompt's end
+            if seq.fed == len(seq.prompt) - 1 and (
+                self.threaded or separate_batches(self.fast_path)
+            ):
+                # the prompt's last token is fed by this step's decode, with the other rows
+                # (merged, or of the numpy batched step): its logits are the prompt's end
+                if seq.fed == 0:
+                    seq.post(Prefill(0, len(seq.prompt)))
                 ready.append(seq)
                 continue
             if seq.fed < len(seq.prompt):
-                continue
+                self._feed_last(seq)
+            elif not seq.prompt and seq.on_prompt is not None and seq.logprobs is not None:
+                seq.on_prompt(seq.logprobs)  # the logits kept from an earlier turn
             if seq.logprobs is None:  # the prompt is all in: its end's logits are kept
                 raise RuntimeError("A prompt was evaluated without its last logits.")
             seq.tokens.append(cast(int, seq.sample(seq.logprobs[None]).item()))  # a token id
@@ -182,38 +206,19 @@ class GenerationCore:
                 ready.append(seq)
         return ready
 
-    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
-        """Evaluate the next chunk of ``seq``'s prompt; how many tokens it took."""
-        body = len(seq.prompt) - 1  # the last token goes alone, for its log probabilities
-        if seq.fed == 0 and seq.prompt:
+    def _feed_last(self, seq: Sequence) -> None:
+        """Evaluate the prompt's last token alone, keeping its log probabilities."""
+        if seq.fed == 0:
             seq.post(Prefill(0, len(seq.prompt)))
-        if seq.fed < body:
-            size = min(budget, seq.prefill_step, body - seq.fed)
-            held = len(seq.ledger)  # a chunk ends at the next checkpoint mark it would pass
-            size = min([size, *(m - held for m in seq.marks if held < m < held + size)])
-            chunk = seq.prompt[seq.fed : seq.fed + size]
-            self._forward(mx.array(chunk)[None], cache=seq.cache)
-            mx.eval([c.state for c in seq.cache])
-            seq.ledger.extend(chunk)
-            seq.fed += len(chunk)
-            if seq.on_mark is not None and len(seq.ledger) in seq.marks:
-                seq.on_mark(len(seq.ledger))
-            seq.post(Prefill(seq.fed, len(seq.prompt)))
-            mx.clear_cache()
-            return len(chunk)
-        if seq.fed == body and seq.prompt:
-            if seq.halted() or separate_batches(self.fast_path):
-                return 0  # stopped; or the last token goes with the next decode step
-            last = seq.prompt[-1]
-            logits = self._forward(mx.array([[last]]), cache=seq.cache)[:, -1, :]
-            logprobs = (logits - mx.logsumexp(logits, keepdims=True)).squeeze(0)
-            mx.eval(logprobs, [c.state for c in seq.cache])
-            seq.ledger.append(last)
-            seq.fed += 1
-            seq.logprobs = logprobs
-        if seq.on_prompt is not None and seq.logprobs is not None:
-            seq.on_prompt(seq.logprobs)
-        return 1
+        last = seq.prompt[-1]
+        logits = self._forward(mx.array([[last]]), cache=seq.cache)[:, -1, :]
+        logprobs = (logits - mx.logsumexp(logits, keepdims=True)).squeeze(0)
+        mx.eval(logprobs, [c.state for c in seq.cache])
+        seq.ledger.append(last)
+        seq.fed += 1
+        seq.logprobs = logprobs
+        if seq.on_prompt is not None:
+            seq.on_prompt(logprobs)
 
     def _decode(self, decoding: list[Sequence]) -> list[Sequence]:
         """One decode step for every decoding sequence; those that ended."""

@@ -1,0 +1,107 @@
+"""How a step evaluates the prompts of joining sequences: chunks chosen among them, and
+several sequences' chunks in one forward pass.
+
+:func:`plan` picks this step's chunks within the step's token budget: shortest
+remainder first, all cut to one width with little padding, so a handful of short
+follow-ups go in together while a long paste goes on a chunk at a time beside
+them (the first in line is always among them, so a steady stream of short ones
+cannot starve it).
+
+:func:`feed` evaluates them. Chunks whose caches merge go in one forward pass
+as ``mlx_lm.generate.BatchGenerator`` prefills: the caches merged into mlx-lm's
+``BatchKVCache`` (left-padded to the longest), the chunks right-padded to the
+width (the cache's ``prepare``/``finalize`` move that padding to the left),
+then each row extracted back into its own cache. The weights stream once for
+every row, and on the CPU the products of many rows run several times faster a
+row than those of a few. The others go one forward pass each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kvchat.engine.conversation.events import Prefill
+from kvchat.engine.generation.batch import give_back, merge
+from kvchat.engine.generation.sequence import Sequence
+
+Chunk = tuple[Sequence, list[int]]
+
+
+def body_left(seq: Sequence) -> int:
+    """Prompt tokens still to evaluate before the last one (which goes alone, or with a
+    decode step, for its log probabilities)."""
+    return max(0, len(seq.prompt) - 1 - seq.fed)
+
+
+def plan(joining: list[Sequence], budget: int) -> list[Chunk]:
+    """This step's chunks among ``joining`` (in line order): the sequences with the least
+    prompt left first, as many as ``budget`` tokens hold once every chunk is padded to
+    the widest, while padding stays under a third of the pass; the first in line always
+    gets one (cut to that width). A chunk also ends at the next checkpoint mark it
+    would pass."""
+    waiting = [s for s in joining if body_left(s) > 0]
+    if not waiting:
+        return []
+    chosen: list[Sequence] = []
+    width = evaluated = 0
+    for seq in sorted(waiting, key=body_left):
+        size = min(body_left(seq), max(1, seq.prefill_step))
+        wider, padded = max(width, size), (len(chosen) + 1) * max(width, size)
+        if chosen and (padded > budget or 3 * (evaluated + size) < 2 * padded):
+            break  # over the budget, or a third of the pass would be padding
+        chosen.append(seq)
+        width, evaluated = wider, evaluated + size
+    if waiting[0] not in chosen:
+        chosen.append(waiting[0])
+    chunks = []
+    for seq in joining:  # in line order
+        if seq in chosen:
+            size = min(width, body_left(seq))
+            held = len(seq.ledger)
+            size = min([size, *(m - held for m in seq.marks if held < m < held + size)])
+            chunks.append((seq, seq.prompt[seq.fed : seq.fed + size]))
+    return chunks
+
+
+def feed(model: nn.Module, chunks: list[Chunk], together: bool) -> None:
+    """Evaluate each chunk into its sequence's cache and ledger (in one forward pass when
+    ``together`` and there are several), reporting progress and checkpoint marks."""
+    for seq, _ in chunks:
+        if seq.fed == 0:
+            seq.post(Prefill(0, len(seq.prompt)))
+    if together and len(chunks) > 1:
+        _forward_together(model, chunks)
+    else:
+        for seq, tokens in chunks:
+            model(mx.array(tokens)[None], cache=seq.cache)
+            mx.eval([c.state for c in seq.cache])
+    for seq, tokens in chunks:
+        seq.ledger.extend(tokens)
+        seq.fed += len(tokens)
+        if seq.on_mark is not None and len(seq.ledger) in seq.marks:
+            seq.on_mark(len(seq.ledger))
+        seq.post(Prefill(seq.fed, len(seq.prompt)))
+    mx.clear_cache()
+
+
+def _forward_together(model: nn.Module, chunks: list[Chunk]) -> None:
+    """One forward pass over every chunk, each row's keys and values back in its own cache."""
+    lengths = [len(tokens) for _, tokens in chunks]
+    width = max(lengths)
+    padding = [width - n for n in lengths]
+    layers = len(chunks[0][0].cache)
+    batch: list[Any] = [merge([seq.cache[i] for seq, _ in chunks]) for i in range(layers)]
+    if max(padding):
+        for layer in batch:
+            layer.prepare(lengths=lengths, right_padding=padding)
+    rows = mx.array([tokens + [0] * pad for (_, tokens), pad in zip(chunks, padding)])
+    model(rows, cache=batch)
+    if max(padding):
+        for layer in batch:
+            layer.finalize()
+    mx.eval([layer.state for layer in batch])
+    for i, (seq, _) in enumerate(chunks):
+        give_back(batch, i, seq.cache)

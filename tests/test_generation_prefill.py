@@ -1,0 +1,86 @@
+"""Joining prompts: which chunks a step evaluates, and several sequences' chunks in one
+forward pass leave each cache as its own pass would."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+
+from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
+from kvchat.engine.conversation.events import GenerationSettings, Prefill
+from kvchat.engine.generation import Sequence
+from kvchat.engine.generation.prefill import feed, plan
+from kvchat.engine.generation.sampling import for_settings
+
+
+def _sequence(lm, prompt: list[int], step: int = 512, history: list[int] = ()) -> Sequence:
+    sampler, _ = for_settings(GenerationSettings(temp=0.0))
+    cache = make_cache(lm.model, parse_kind("standard"))
+    if history:
+        lm.model(mx.array(list(history))[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return Sequence(
+        prompt=prompt,
+        cache=cache,
+        ledger=list(history),
+        sampler=sampler,
+        processors=[],
+        max_tokens=4,
+        stop=threading.Event(),
+        prefill_step=step,
+    )
+
+
+def test_short_prompts_go_together_and_a_long_one_goes_on_beside_them(demo_model):
+    paste = _sequence(demo_model, list(range(1, 2001)))
+    shorts = [_sequence(demo_model, list(range(10, 10 + n))) for n in (21, 9, 13)]
+    chunks = plan([paste, *shorts], budget=512)
+    # in line order; every chunk but the paste's is its whole body (the last token waits)
+    assert [(s, len(t)) for s, t in chunks] == [
+        (paste, 20),
+        *((s, len(s.prompt) - 1) for s in shorts),
+    ]
+    assert chunks[0][1] == paste.prompt[:20]
+    # alone, the paste gets a chunk of its prefill step
+    assert [len(t) for _, t in plan([paste], budget=512)] == [512]
+    # what the budget does not hold, padded to the widest, waits for the next step (the
+    # paste here); the first in line goes on all the same, cut to the width
+    got = [(s, len(t)) for s, t in plan([*shorts, paste], budget=40)]
+    assert got == [(shorts[0], 12), (shorts[1], 8), (shorts[2], 12)]
+    # a short follow-up is not padded to the width of longer prompts beside it
+    longer = [_sequence(demo_model, list(range(100, 251))) for _ in range(2)]
+    assert [(s, len(t)) for s, t in plan([shorts[1], *longer], budget=512)] == [(shorts[1], 8)]
+    assert [len(t) for _, t in plan(longer, budget=512)] == [150, 150]
+
+
+def test_chunks_fed_together_equal_chunks_fed_apart(demo_model):
+    lm = demo_model
+    specs = [([5, 6, 7, 8, 9, 10], list(range(30, 47))), ([], list(range(50, 55))), ([3], [61, 62])]
+    runs = {}
+    for together in (False, True):
+        seqs = [_sequence(lm, prompt, history=history) for history, prompt in specs]
+        seqs[0].marks = frozenset({6 + 9})  # a checkpoint mark inside the first chunk
+        marked: list[tuple[int, int]] = []
+        seqs[0].on_mark = lambda n, seq=seqs[0], out=marked: out.append((n, held_tokens(seq.cache)))
+        while any(s.fed < len(s.prompt) - 1 for s in seqs):
+            feed(lm.model, plan(seqs, budget=512), together)
+        runs[together] = seqs, marked
+    (apart, marked_apart), (joined, marked_joined) = runs[False], runs[True]
+    assert marked_apart == marked_joined == [(15, 15)]
+    for a, b, (history, prompt) in zip(apart, joined, specs):
+        assert a.ledger == b.ledger == [*history, *prompt[:-1]]
+        assert held_tokens(b.cache) == len(b.ledger) == b.cache[0].offset
+        for x, y in zip(a.cache, b.cache):
+            assert mx.abs(x.keys[..., : x.offset, :] - y.keys[..., : y.offset, :]).max() < 1e-5
+            assert mx.abs(x.values[..., : x.offset, :] - y.values[..., : y.offset, :]).max() < 1e-5
+        got = []
+        while not b.messages.empty():
+            got.append(b.messages.get())
+        assert got[0] == Prefill(0, len(prompt)) and got[-1] == Prefill(
+            len(prompt) - 1, len(prompt)
+        )
+        # the next token decodes as it does after the prefill apart
+        la = lm.model(mx.array([[prompt[-1]]]), cache=a.cache)
+        lb = lm.model(mx.array([[prompt[-1]]]), cache=b.cache)
+        assert mx.abs(la - lb).max() < 1e-4
