@@ -218,7 +218,7 @@ def test_serve_refuses_a_public_host_without_an_api_key(home):
 
 
 def test_kvchat_serve_runs_as_a_command_and_stops_cleanly(demo_model, home, tmp_path):
-    from kvchat.bench.serve import kvchat_serve, stream_turn
+    from kvchat.bench.servers import kvchat_serve, stream_turn
 
     server = kvchat_serve("demo", tmp_path / "serve.log")
     try:

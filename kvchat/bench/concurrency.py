@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .common import make_text
-from .serve import Running, kvchat_serve, mlx_lm_server, stream_turn
+from .common import make_text, ratio
+from .servers import Running, kvchat_serve, mlx_lm_server, stream_turn
 
 LOADS = (1, 2, 4, 8)
 SERVERS = ("kvchat serve", "mlx_lm.server")
@@ -131,7 +131,8 @@ def _load(
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 2) if a and b else None
+    value = ratio(a, b)
+    return None if value is None else round(value, 2)
 
 
 def _ratios(rows: dict[str, dict[int, dict]], loads: tuple[int, ...]) -> dict:

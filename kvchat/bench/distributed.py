@@ -23,7 +23,7 @@ from pathlib import Path
 from kvchat.engine.models.demo import corpus_parts
 
 from .common import temp_home
-from .serve import free_port
+from .servers import free_port
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 RUNS = {  # name: (kvchat arguments before the replay, extra environment)

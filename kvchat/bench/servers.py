@@ -1,0 +1,121 @@
+"""Real servers on loopback for the serve benchmarks: ``kvchat serve`` and
+``mlx_lm.server`` started in their own processes on the same model folder, and a
+standard-library client that streams one turn and times it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+START_TIMEOUT_S = 300
+
+
+class Running:
+    """A server subprocess on a free loopback port, stopped on exit."""
+
+    def __init__(self, argv: list[str], port: int, log: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log, "ab")
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=self._log, env=os.environ.copy()
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    break
+            except urllib.error.HTTPError:  # an answer all the same: it is listening
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{argv[:4]} did not start; see {log}") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kvchat_serve(model: str, log: Path) -> Running:
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-c",
+        "from kvchat.cli import main; main()",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+    ]
+    return Running(argv, port, log)
+
+
+def mlx_lm_server(folder: Path, log: Path) -> Running:
+    port = free_port()
+    # The optimised BLAS first, as kvchat's entry point loads it (kvchat.blas); the server
+    # is mlx-lm's own, unchanged.
+    entry = "from kvchat import blas; blas.preload(); from mlx_lm.server import main; main()"
+    argv = [sys.executable, "-c", entry, "--model", str(folder), "--port", str(port), "--temp", "0"]
+    return Running(argv, port, log)
+
+
+def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat completion: the reply, the seconds to its first text, the total,
+    and the tokens the server says it generated (None if it does not say)."""
+    body = json.dumps(
+        {
+            "model": "default_model",
+            "messages": messages,
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    started = time.perf_counter()
+    first, text = None, ""
+    extra: dict[str, Any] = {}
+    usage: dict[str, Any] = {}
+    with urllib.request.urlopen(request, timeout=1800) as response:
+        for line in response:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            extra = chunk.get("kvchat", extra)
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and first is None:
+                    first = time.perf_counter() - started
+                text += piece
+    return {
+        "reply": text,
+        "ttft_s": first,
+        "total_s": time.perf_counter() - started,
+        "completion_tokens": usage.get("completion_tokens"),
+        "kvchat": extra,
+    }
