@@ -4,6 +4,7 @@ per model, and quantized weights are dequantized at load."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -437,3 +438,24 @@ def test_every_architecture_computes_the_same_with_the_fast_path(architecture, f
         ]
         logits[on] = mx.concatenate(parts, axis=1)
     assert mx.allclose(logits[True], logits[False], atol=5e-5, rtol=5e-5).item()
+
+
+def test_weight_views_are_kept_beside_the_modules_not_in_them():
+    """A view is made once per array and made again when the array changes; nothing is
+    written into the module (a norm is mlx-lm's own object), and a view goes with its
+    module."""
+    norm = nn.RMSNorm(8)
+    first = linear.param_view(norm)
+    assert first is not None and np.array_equal(first, np.ones(8, np.float32))
+    assert linear.param_view(norm) is first
+    assert set(vars(norm)) == set(vars(nn.RMSNorm(8)))  # no attribute added
+    norm.update({"weight": mx.full((8,), 2.0)})
+    assert np.array_equal(linear.param_view(norm), np.full(8, 2.0, np.float32))
+    half = nn.RMSNorm(8)
+    half.set_dtype(mx.float16)
+    assert linear.param_view(half) is None  # numpy's route takes float32 only
+    key = (id(norm), "weight")
+    assert key in linear.VIEWS
+    del norm
+    gc.collect()
+    assert key not in linear.VIEWS

@@ -17,6 +17,7 @@ model then runs at its float32 twin's speed, in its memory.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -35,18 +36,21 @@ if TYPE_CHECKING:
 SKINNY_ROWS = 64
 
 
-def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
-    """A numpy view of ``module``'s parameter ``name``, made once per array.
+# (id(module), name) -> (the array, its numpy view): kept beside the modules rather than
+# written into them, since norms and embeddings are mlx-lm's own objects; an entry goes
+# when its module does (weakref.finalize), and holding the array keeps its id unique.
+VIEWS: dict[tuple[int, str], tuple[mx.array, np.ndarray | None]] = {}
 
-    The view holds the array it was made from, so the ``id`` it is keyed on
-    cannot be reused while it is cached.
-    """
+
+def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
+    """A numpy view of ``module``'s parameter ``name``, made once per array."""
     array = module[name]
-    key = f"_numpy_{name}"
-    cached = module.__dict__.get(key)
-    if cached is None or cached[0] != id(array):
-        cached = (id(array), as_numpy(array))
-        object.__setattr__(module, key, cached)
+    key = (id(module), name)
+    cached = VIEWS.get(key)
+    if cached is None:
+        weakref.finalize(module, VIEWS.pop, key, None)
+    if cached is None or cached[0] is not array:
+        cached = VIEWS[key] = (array, as_numpy(array))
     return cached[1]
 
 
