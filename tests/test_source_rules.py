@@ -111,3 +111,13 @@ def test_the_rules_find_what_they_forbid():
         "8: reads a test hook",
         "9: walks sys.modules",
     ]
+
+
+# a module is split along its concerns before it grows past this (as mlx-lm's are)
+MAX_LINES = 400
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {path: text.count("\n") for path, text in sources().items()}
+    assert {path: n for path, n in long.items() if n > MAX_LINES} == {}
+    assert max(long.values()) > MAX_LINES // 2  # the count reads real files
