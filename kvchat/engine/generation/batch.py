@@ -108,7 +108,7 @@ def decoding_path(lm: Any) -> str:
 def separate(model: nn.Module, seqs: list[Sequence], fast_path: Any) -> list[mx.array]:
     """Feed each sequence's pending token into its own cache; each one's logits ``(1, V)``."""
     if len(seqs) > 1 and separate_batches(fast_path):
-        logits = decode_batch(model, [s.pending for s in seqs], [s.cache for s in seqs])
+        logits = decode_batch(model, [[s.pending] for s in seqs], [s.cache for s in seqs])
         if logits is not None:
             return [logits[i : i + 1] for i in range(len(seqs))]
     return [model(mx.array([[s.pending]]), cache=s.cache)[:, -1, :] for s in seqs]
