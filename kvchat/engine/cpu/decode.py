@@ -36,6 +36,7 @@ from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
 from kvchat.engine.caches import rotated
 from kvchat.engine.caches.rotated import RotatedKVCache
+from kvchat.engine.cpu.attention import swiglu_rows
 from kvchat.engine.cpu.linear import param_view, product, projections
 
 # caches whose single-token mask is None
@@ -155,9 +156,7 @@ def _linear(layer: nn.Module, x: np.ndarray) -> np.ndarray:
 def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
     gate = _linear(mlp.gate_proj, x)
     up = _linear(mlp.up_proj, x)
-    with np.errstate(over="ignore"):  # exp(-gate) = inf for very negative gates: silu is -0
-        act = gate / (np.float32(1) + np.exp(-gate))
-    return _linear(mlp.down_proj, act * up)
+    return _linear(mlp.down_proj, swiglu_rows(gate, up))
 
 
 def _attention(
@@ -235,17 +234,20 @@ def _attention_tokens(
     grouped = q.reshape(n, kv_heads, group, dim).transpose(1, 0, 2, 3).reshape(kv_heads, -1, dim)
     grouped = grouped * np.float32(attn.scale)
     span = cache.offset
-    keys, values = k, v
-    if span:
-        keys = np.concatenate([np.asarray(cache.keys)[0, :, :span], k], axis=1)
-        values = np.concatenate([np.asarray(cache.values)[0, :, :span], v], axis=1)
-    scores = np.matmul(grouped, keys.swapaxes(-1, -2))  # (kv heads, tokens × group, keys)
-    later = np.triu(np.ones((n, n), dtype=bool), 1)  # new token t sees new tokens ≤ t
-    scores[:, :, span:][:, np.repeat(later, group, axis=0)] = -np.inf
+    scores = np.empty((kv_heads, n * group, span + n), dtype=np.float32)
+    if span:  # the cached keys and values, then the new ones (causal among them)
+        keys = np.asarray(cache.keys)[0, :, :span]
+        np.matmul(grouped, keys.swapaxes(-1, -2), out=scores[:, :, :span])
+    np.matmul(grouped, k.swapaxes(-1, -2), out=scores[:, :, span:])
+    later = np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)  # token t sees new ≤ t
+    scores[:, :, span:] += np.repeat(later, group, axis=0)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores, values).reshape(kv_heads, n, group, -1).transpose(1, 0, 2, 3)
+    out = np.matmul(scores[:, :, span:], v)
+    if span:
+        out += np.matmul(scores[:, :, :span], np.asarray(cache.values)[0, :, :span])
+    out = out.reshape(kv_heads, n, group, -1).transpose(1, 0, 2, 3)
     return out.reshape(n, -1), (k, v)
 
 
@@ -361,7 +363,10 @@ def hidden(
             else:
                 out, new[b][i] = _attention_tokens(attn, form, q[at], k[at], v[at], cache[i], turn)
                 rows.append(out)
-        x = x + _linear(attn.o_proj, np.concatenate(rows))
+        mixed = np.concatenate(rows)
+        if i == len(layers) - 1 and len(x) > len(tokens):  # only rows' last tokens go on
+            x, mixed = x[starts[1:] - 1], mixed[starts[1:] - 1]
+        x = x + _linear(attn.o_proj, mixed)
         x = x + _mlp(layer.mlp, _rms(x, layer.post_attention_layernorm))
     # The caches grow once all layers have read them: one evaluation for the step.
     mx.eval(
@@ -372,4 +377,4 @@ def hidden(
             if kv is not None
         ]
     )
-    return _rms(x[starts[1:] - 1], body.norm)
+    return _rms(x, body.norm)
