@@ -27,8 +27,9 @@ every rank does the same operations in the same order.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, cast
 
 import mlx.core as mx
@@ -41,6 +42,9 @@ from kvchat.engine.generation import prefill
 from kvchat.engine.generation.batch import Merged, blocker, merges, separate, separate_batches
 from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.sequence import Left, Sequence
+
+GATHER_S = 0.005  # from idle, a step waits while turns keep arriving this close together
+GATHER_MAX_S = 0.05  # but no longer than this
 
 
 class GenerationCore:
@@ -138,8 +142,25 @@ class GenerationCore:
                 if not self._cond.wait_for(self._busy, timeout=30.0):
                     self._thread = None  # idle: the next submit starts a new thread
                     return
+                self._gather()
             with GATE.step():
                 self._step()
+
+    def _gather(self) -> None:
+        """When nothing is decoding, let turns sent at once all join the first step: wait
+        while submissions keep coming, each within :data:`GATHER_S` of the one before
+        (:data:`GATHER_MAX_S` at most), so their prompts go in one pass rather than the
+        first alone and the rest a step later. Called holding the condition."""
+        if self._alone or self._merged_seqs():
+            return
+        deadline = time.monotonic() + GATHER_MAX_S
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._cond.wait_for(self._arrival(len(self._joining)), min(GATHER_S, left)):
+                return
+
+    def _arrival(self, held: int) -> Callable[[], bool]:
+        """Whether a sequence joined since there were ``held`` joining."""
+        return lambda: len(self._joining) > held
 
     def _busy(self) -> bool:
         return bool(self._joining or self._alone or (self._merged and self._merged.seqs))
