@@ -10,6 +10,7 @@ import json
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 from typer.testing import CliRunner
 
 from kvchat.cli import app
@@ -98,11 +99,11 @@ def test_batched_step_equals_mlx_lm_row_by_row(llama3, rows):
     finally:
         model.model.fast.on = True
 
-    logits = cpu.decode_batch(model, tokens, batched)
+    logits = cpu.decode_batch(model, [[t] for t in tokens], batched)
     assert logits.shape == (rows, TINY["vocab_size"]) and logits.dtype == mx.float32
     for b, want in enumerate(wants):
         assert mx.allclose(logits[b], want, atol=1e-4, rtol=1e-4).item(), kinds[b]
-        one = cpu.decode_batch(model, [tokens[b]], [single[b]])
+        one = cpu.decode_batch(model, [[tokens[b]]], [single[b]])
         assert mx.allclose(one[0], want, atol=1e-4, rtol=1e-4).item(), kinds[b]
         for ours, alone in zip(batched[b], single[b]):
             assert ours.offset == alone.offset == len(prompts[b]) + 1
@@ -129,16 +130,16 @@ def test_batched_step_declines_and_changes_nothing(llama3):
     model, _ = llama3
     standard = prefilled(model, [5, 6, 7], "standard")
     rotating = prefilled(model, [5, 6, 7], "rotating:64")
-    assert cpu.decode_batch(model, [1, 2], [standard, rotating]) is None
+    assert cpu.decode_batch(model, [[1], [2]], [standard, rotating]) is None
     assert standard[0].offset == 3 and rotating[0].offset == 3
     fast = model.model.fast
     fast.on = False
     try:
-        assert cpu.decode_batch(model, [1], [standard]) is None
+        assert cpu.decode_batch(model, [[1]], [standard]) is None
     finally:
         fast.on = True
     assert standard[0].offset == 3
-    assert cpu.decode_batch(model, [1], [standard]).shape == (1, TINY["vocab_size"])
+    assert cpu.decode_batch(model, [[1]], [standard]).shape == (1, TINY["vocab_size"])
 
 
 @pytest.mark.parametrize(
@@ -158,7 +159,7 @@ def test_models_without_the_numpy_step_say_why(model_type, extra, reason):
     fast = cpu.prepare(model, dequantize=False)
     assert fast.step.startswith(reason), fast.step
     assert fast.describe() == f"on for linear layers only: no numpy decoding step, {fast.step}"
-    assert cpu.decode_batch(model, [1], [make_cache(model, parse_kind("standard"))]) is None
+    assert cpu.decode_batch(model, [[1]], [make_cache(model, parse_kind("standard"))]) is None
     tokens = mx.array([[(i * 37) % 500 + 3 for i in range(12)]])
     assert mx.allclose(model(tokens), stock(tokens), atol=5e-5, rtol=5e-5).item()
 
@@ -230,3 +231,41 @@ def test_an_unknown_rope_is_refused_by_name():
         pass
 
     assert decode.rope_form(Unknown()) == "its RoPE (Unknown) is not one the numpy step computes"
+
+
+def test_step_of_several_tokens_a_row_equals_mlx_lm_forward_pass(demo_model):
+    """Rows of several tokens (a short prompt joining a decoding step) beside rows of one,
+    on caches of different lengths, one of them empty: each row's logits after its last
+    token within 1e-4 of mlx-lm's own forward pass of that row's tokens on a twin cache,
+    and every cache's keys and values within 1e-5 of the twin's."""
+    from mlx_lm.models import qwen2
+
+    model = demo_model.model
+    assert demo_model.fast_path.decodes
+    stock = qwen2.Model(model.args)
+    stock.load_weights(tree_flatten(model.parameters()))
+    prompts = [[], [(i * 13) % 200 + 3 for i in range(9)], [(i * 7) % 300 + 5 for i in range(20)]]
+    prompts.append([17, 4, 99])
+    feeds = [[5, 81, 12, 40, 7], [33], [8, 61, 2, 90, 14, 3, 27], [19, 6]]
+    ours = [prefilled(model, p, "standard") if p else make_prompt_cache(model) for p in prompts]
+    theirs = [prefilled(stock, p, "standard") if p else make_prompt_cache(stock) for p in prompts]
+    wants = [stock(mx.array([f]), cache=c)[0, -1] for f, c in zip(feeds, theirs)]
+    mx.eval(wants)
+
+    logits = cpu.decode_batch(model, feeds, ours)
+    assert logits.shape == (len(feeds), model.args.vocab_size)
+    for b, want in enumerate(wants):
+        assert mx.allclose(logits[b], want, atol=1e-4, rtol=1e-4).item(), b
+        for mine, twin in zip(ours[b], theirs[b]):
+            assert mine.offset == twin.offset == len(prompts[b]) + len(feeds[b])
+            assert_same_content(mine, twin)
+
+
+def test_several_tokens_a_row_only_on_a_plain_cache(llama3):
+    """A row of several tokens on a cache the step cannot extend by several (quantized
+    here) is declined, every cache left as it was."""
+    model, _ = llama3
+    standard = prefilled(model, [5, 6, 7], "standard")
+    quantized = prefilled(model, [5, 6, 7], "quantized:8")
+    assert cpu.decode_batch(model, [[1], [2, 3]], [standard, quantized]) is None
+    assert [c.offset for c in standard] == [c.offset for c in quantized] == [3] * len(standard)

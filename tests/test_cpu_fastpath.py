@@ -262,16 +262,25 @@ def ropes(dims: int, traditional: bool) -> dict:
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("dims", [64, 32])
 def test_numpy_rotary_embedding_matches_mlx(traditional, dims):
-    """Every RoPE variant's own angles (and factor), at two offsets at once."""
+    """Every RoPE variant's own angles (and factor), at two offsets at once, and at five
+    positions from one offset (as a forward pass of five tokens turns them)."""
     x = mx.random.normal((3, 64))
+    five = mx.random.normal((5, 3, 64))
     for name, rope in ropes(dims, traditional).items():
         form = decode.rope_form(rope)
         assert not isinstance(form, str), name
-        tables = decode._rotations({(form.key, 37): (rope, form), (form.key, 300): (rope, form)})
+        tables = decode._rotations(
+            {(form.key, at, n): (rope, form) for at, n in ((37, 1), (300, 1), (37, 5))}
+        )
         for offset in (37, 300):
-            got = decode._rope(np.asarray(x), form, *tables[form.key, offset])
+            cos, sin = tables[form.key, offset, 1]
+            got = decode._rope(np.asarray(x), form, cos[0], sin[0])
             want = rope(x[None, :, None], offset=offset).reshape(3, 64)
             assert mx.allclose(mx.array(got), want, atol=1e-5).item(), (name, offset)
+        cos, sin = tables[form.key, 37, 5]
+        got = decode._rope(np.asarray(five), form, cos[:, None], sin[:, None])
+        want = rope(five.transpose(1, 0, 2)[None], offset=37)[0].transpose(1, 0, 2)
+        assert mx.allclose(mx.array(got), want, atol=1e-5).item(), (name, "five")
 
 
 def test_numpy_decoding_step_leaves_other_caches_to_mlx_lm(demo_model, fast_path, monkeypatch):

@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, Prefill
-from kvchat.engine.generation import Sequence
+from kvchat.engine.generation import GATE, GenerationCore, Left, Sequence, batch, prefill
 from kvchat.engine.generation.prefill import feed, plan
 from kvchat.engine.generation.sampling import for_settings
 
@@ -84,3 +84,47 @@ def test_chunks_fed_together_equal_chunks_fed_apart(demo_model):
         la = lm.model(mx.array([[prompt[-1]]]), cache=a.cache)
         lb = lm.model(mx.array([[prompt[-1]]]), cache=b.cache)
         assert mx.abs(la - lb).max() < 1e-4
+
+
+def _run_together(core: GenerationCore, seqs: list[Sequence]) -> list[list]:
+    """Every sequence's messages, all submitted before the core's first step."""
+    got: list[list] = [[] for _ in seqs]
+
+    def run(i: int) -> None:
+        got[i] = list(core.run(seqs[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(seqs))]
+    with GATE.exclusive():
+        for t in threads:
+            t.start()
+        with core._cond:
+            assert core._cond.wait_for(lambda: len(core._joining) == len(seqs), 60)
+    for t in threads:
+        t.join(120)
+    return got
+
+
+def test_short_prompts_go_whole_into_the_numpy_decode_step(demo_model, monkeypatch):
+    """On the CPU fast path a short prompt gets no prefill pass: its tokens are rows of the
+    decode step, beside a long paste's chunks; the replies are those of the separate
+    prefill, and each ledger lists what its cache holds."""
+    assert demo_model.fast_path.decodes
+    history = demo_model.tokenizer.encode("The sea is wide and the sky is blue.")
+    specs = [([], list(range(3, 203))), (history, list(range(40, 52))), ([], list(range(7, 27)))]
+    fed, rows = [], []
+    real_feed, real_step = prefill.feed, batch.decode_batch
+    monkeypatch.setattr(prefill, "feed", lambda m, c, t: fed.extend(c) or real_feed(m, c, t))
+    monkeypatch.setattr(batch, "decode_batch", lambda m, t, c: rows.append(t) or real_step(m, t, c))
+    runs = {}
+    for fast in (None, demo_model.fast_path):  # the separate prefill, then the folded one
+        seqs = [_sequence(demo_model, p, step=64, history=h) for h, p in specs]
+        runs[fast] = seqs, _run_together(GenerationCore(demo_model.model, fast_path=fast), seqs)
+    (apart, _), (folded, messages) = runs[None], runs[demo_model.fast_path]
+    assert {id(s) for s, _ in fed if s in folded} == {id(folded[0])}  # the paste alone
+    assert [specs[1][1], specs[2][1]] in [[r for r in step if len(r) > 1] for step in rows]
+    for a, b, got, (h, p) in zip(apart, folded, messages, specs):
+        assert b.tokens == a.tokens and len(b.tokens) == 4
+        assert b.ledger == [*h, *p, *b.tokens[:-1]] == a.ledger
+        assert held_tokens(b.cache) == len(b.ledger)
+        assert got[0] == Prefill(0, len(p)) and got[-5:] == [*b.tokens, Left(stopped=False)]
+    assert not any(isinstance(m, Prefill) for m in messages[2][1:])

@@ -13,7 +13,8 @@ On other devices, or with ``KVCHAT_CPU_FASTPATH=0``, it returns the reason as a
 string; a llama-family model still gets kvchat's attention (computing with mlx
 there), which is what reads ``rotated:N`` caches.
 
-:func:`decode_batch` is one decoding step of B sequences for a batched loop.
+:func:`decode_batch` is one decoding step of B sequences for a batched loop (a row may
+feed several tokens: a short prompt joining the step).
 """
 
 from __future__ import annotations
@@ -158,9 +159,12 @@ def prepare(model: nn.Module, dequantize: bool) -> FastPath | str:
     return fast
 
 
-def decode_batch(model: nn.Module, tokens: list[int], caches: list[list[Any]]) -> mx.array | None:
-    """One decoding step of B sequences: ``tokens[b]`` appended to ``caches[b]`` (one cache
-    per layer, as mlx-lm's step would with ``update_and_fetch``); returns the logits
+def decode_batch(
+    model: nn.Module, tokens: list[list[int]], caches: list[list[Any]]
+) -> mx.array | None:
+    """One decoding step of B sequences: the tokens ``tokens[b]`` (one, or several on a
+    plain ``KVCache``) appended to ``caches[b]`` (one cache per layer, as mlx-lm's step
+    would with ``update_and_fetch``); returns the logits after each row's last token
     ``(B, vocab)`` float32, or None, with nothing changed, when the model has no numpy
     decoding step (or it is switched off) or a cache is of a class it does not read."""
     body = model.get("model") if isinstance(model, nn.Module) else None
@@ -171,7 +175,7 @@ def decode_batch(model: nn.Module, tokens: list[int], caches: list[list[Any]]) -
     ):
         return None
     head = model["lm_head"] if "lm_head" in model else body.embed_tokens
-    h = decode.hidden(body, [int(t) for t in tokens], caches, extra=(head,))
+    h = decode.hidden(body, [[int(t) for t in row] for row in tokens], caches, extra=(head,))
     if h is None:
         return None
     return mx.array(linear.product(decode.view(head), h))

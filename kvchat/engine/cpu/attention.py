@@ -134,11 +134,17 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array | None:
     g, u = as_numpy(gate), as_numpy(x)
     if g is None or u is None or g.shape != u.shape:
         return None
+    g2, u2 = (a.reshape(-1, g.shape[-1]) if g.ndim else a.reshape(1, 1) for a in (g, u))
+    return mx.array(swiglu_rows(g2, u2).reshape(g.shape))
+
+
+def swiglu_rows(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``silu(g) * u`` of float32 rows ``(n, features)`` in numpy, in parts over the cores
+    for many rows."""
     out = np.empty(g.shape, dtype=np.float32)
-    g2, u2, out2 = (a.reshape(-1, g.shape[-1]) if g.ndim else a.reshape(1, 1) for a in (g, u, out))
-    split = parallel.bounds(len(g2), parallel.parts(len(g2), g2.shape[-1]))
-    parallel.run(lambda r: _swiglu_rows(g2[r[0] : r[1]], u2[r[0] : r[1]], out2[r[0] : r[1]]), split)
-    return mx.array(out)
+    split = parallel.bounds(len(g), parallel.parts(len(g), g.shape[-1]))
+    parallel.run(lambda r: _swiglu_rows(g[r[0] : r[1]], u[r[0] : r[1]], out[r[0] : r[1]]), split)
+    return out
 
 
 def _swiglu_rows(g: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:

@@ -14,9 +14,11 @@ quantized cache is updated first, a layer at a time, and read back dequantized
 (one hand-off a layer), so the token attends to its own key as stored, as in
 mlx-lm.
 
-:func:`hidden` takes B sequences, one token each, each with its own per-layer
-caches (of any lengths): the linear layers multiply the B rows at once (the
-weights stream once a step), attention runs row by row over each row's cache.
+:func:`hidden` takes B sequences, each with its own per-layer caches (of any
+lengths) and one token or, on a plain ``KVCache``, several (a short prompt
+folded into a decoding step): the linear layers multiply every row's tokens at
+once (the weights stream once a step), attention runs row by row over each
+row's cache and its own new tokens (causal among them).
 The rotary embedding's cosines and sines are the model's own RoPE module's
 (whatever its variant: it is applied to ones and zeros at each row's offset).
 """
@@ -34,6 +36,7 @@ from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
 from kvchat.engine.caches import rotated
 from kvchat.engine.caches.rotated import RotatedKVCache
+from kvchat.engine.cpu.attention import swiglu_rows
 from kvchat.engine.cpu.linear import param_view, product, projections
 
 # caches whose single-token mask is None
@@ -89,40 +92,43 @@ def rope_form(rope: nn.Module) -> RopeForm | str:
 
 
 def _rotations(
-    needed: dict[tuple[RopeKey, int], tuple[nn.Module, RopeForm]],
-) -> dict[tuple[RopeKey, int], Turn]:
-    """``{(form key, offset): (cos, sin)}`` for ``needed`` ``{(key, offset): (rope, form)}``:
-    the RoPE module applied to ones and zeros (all of them in one evaluation)."""
-    probes: dict[tuple[RopeKey, int], mx.array] = {}
-    for (key, offset), (rope, form) in needed.items():
-        probe = np.zeros(form.dims, dtype=np.float32)
+    needed: dict[tuple[RopeKey, int, int], tuple[nn.Module, RopeForm]],
+) -> dict[tuple[RopeKey, int, int], Turn]:
+    """``{(form key, offset, count): (cos, sin)}``, each ``(count, dims / 2)``, for
+    ``needed`` ``{(key, offset, count): (rope, form)}``: the RoPE module applied to ones
+    and zeros at ``count`` positions from ``offset`` (as a forward pass of ``count``
+    tokens applies it), all of them in one evaluation."""
+    probes: dict[tuple[RopeKey, int, int], mx.array] = {}
+    for (key, offset, count), (rope, form) in needed.items():
+        probe = np.zeros((count, form.dims), dtype=np.float32)
         half = form.dims // 2
-        probe[slice(0, None, 2) if form.traditional else slice(0, half)] = 1  # first of pairs
-        probes[key, offset] = rope(mx.array(probe).reshape(1, 1, 1, -1), offset=offset)
+        probe[:, slice(0, None, 2) if form.traditional else slice(0, half)] = 1  # pairs' first
+        probes[key, offset, count] = rope(mx.array(probe)[None, None], offset=offset)
     mx.eval(list(probes.values()))
-    tables: dict[tuple[RopeKey, int], Turn] = {}
-    for (key, offset), turned in probes.items():
-        flat, form = np.asarray(turned).reshape(-1), needed[key, offset][1]
+    tables: dict[tuple[RopeKey, int, int], Turn] = {}
+    for at, turned in probes.items():
+        flat, form = np.asarray(turned)[0, 0], needed[at][1]
         if form.traditional:
-            tables[key, offset] = flat[0::2].copy(), flat[1::2].copy()
+            tables[at] = flat[:, 0::2].copy(), flat[:, 1::2].copy()
         else:
-            tables[key, offset] = flat[: form.dims // 2].copy(), flat[form.dims // 2 :].copy()
+            tables[at] = flat[:, : form.dims // 2].copy(), flat[:, form.dims // 2 :].copy()
     return tables
 
 
 def _rope(x: np.ndarray, form: RopeForm, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate the first ``form.dims`` features of each row of ``x`` (heads × head dim)."""
+    """Rotate the first ``form.dims`` features of each head of ``x`` (heads × head dim, or
+    tokens × heads × head dim with ``cos``/``sin`` of shape tokens × 1 × dims / 2)."""
     out = x.copy()
     dims = form.dims
     if form.traditional:
-        a, b = x[:, 0:dims:2], x[:, 1:dims:2]
-        out[:, 0:dims:2] = a * cos - b * sin
-        out[:, 1:dims:2] = a * sin + b * cos
+        a, b = x[..., 0:dims:2], x[..., 1:dims:2]
+        out[..., 0:dims:2] = a * cos - b * sin
+        out[..., 1:dims:2] = a * sin + b * cos
     else:
         half = dims // 2
-        a, b = x[:, :half], x[:, half:dims]
-        out[:, :half] = a * cos - b * sin
-        out[:, half:dims] = a * sin + b * cos
+        a, b = x[..., :half], x[..., half:dims]
+        out[..., :half] = a * cos - b * sin
+        out[..., half:dims] = a * sin + b * cos
     return out
 
 
@@ -150,9 +156,7 @@ def _linear(layer: nn.Module, x: np.ndarray) -> np.ndarray:
 def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
     gate = _linear(mlp.gate_proj, x)
     up = _linear(mlp.up_proj, x)
-    with np.errstate(over="ignore"):  # exp(-gate) = inf for very negative gates: silu is -0
-        act = gate / (np.float32(1) + np.exp(-gate))
-    return _linear(mlp.down_proj, act * up)
+    return _linear(mlp.down_proj, swiglu_rows(gate, up))
 
 
 def _attention(
@@ -205,6 +209,46 @@ def _attention(
     if turned is not None:  # a mix of rotated values, rotated back
         out = out @ turned.T
     return out.reshape(-1), ((k, v) if own else None)
+
+
+def _attention_tokens(
+    attn: nn.Module,
+    form: RopeForm,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cache: KVCache,
+    turn: Turn,
+) -> tuple[np.ndarray, Turn]:
+    """One row's attention outputs ``(tokens, features)`` for several new tokens on a plain
+    cache: each attends to the cached keys and values and to the new ones up to its own
+    (causal); and their keys and values ``(kv heads, tokens, head dim)`` for the caller
+    to hand to the cache."""
+    n, heads, kv_heads = q.shape[0], attn.n_heads, attn.n_kv_heads
+    cos, sin = (t[:, None, :] for t in turn)
+    q = _rope(q.reshape(n, heads, -1), form, cos, sin)
+    k = _rope(k.reshape(n, kv_heads, -1), form, cos, sin).transpose(1, 0, 2)
+    v = v.reshape(n, kv_heads, -1).transpose(1, 0, 2)
+    group, dim = heads // kv_heads, q.shape[-1]
+    # (kv heads, tokens × group, head dim): query t's group of heads at rows t·group…
+    grouped = q.reshape(n, kv_heads, group, dim).transpose(1, 0, 2, 3).reshape(kv_heads, -1, dim)
+    grouped = grouped * np.float32(attn.scale)
+    span = cache.offset
+    scores = np.empty((kv_heads, n * group, span + n), dtype=np.float32)
+    if span:  # the cached keys and values, then the new ones (causal among them)
+        keys = np.asarray(cache.keys)[0, :, :span]
+        np.matmul(grouped, keys.swapaxes(-1, -2), out=scores[:, :, :span])
+    np.matmul(grouped, k.swapaxes(-1, -2), out=scores[:, :, span:])
+    later = np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)  # token t sees new ≤ t
+    scores[:, :, span:] += np.repeat(later, group, axis=0)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores[:, :, span:], v)
+    if span:
+        out += np.matmul(scores[:, :, :span], np.asarray(cache.values)[0, :, :span])
+    out = out.reshape(kv_heads, n, group, -1).transpose(1, 0, 2, 3)
+    return out.reshape(n, -1), (k, v)
 
 
 def _stored(cache: QuantizedKVCache, k: np.ndarray, v: np.ndarray) -> Turn:
@@ -277,39 +321,57 @@ def _dtype(stored: mx.array | tuple[mx.array, ...]) -> mx.Dtype:
 
 def hidden(
     body: nn.Module,
-    tokens: list[int],
+    tokens: list[list[int]],
     caches: list[list[Any]],
     extra: tuple[nn.Module, ...] = (),
 ) -> np.ndarray | None:
-    """The final hidden states ``(B, D)`` after one token for each of B sequences, each
-    token's keys and values appended to its own ``caches[b]``; or None, nothing changed,
-    when numpy cannot take the parameters or caches (another dtype)."""
-    if not numpy_inputs(body, caches, extra):
+    """The final hidden states ``(B, D)`` after the tokens ``tokens[b]`` of each of B
+    sequences (the last token's), their keys and values appended to the row's own
+    ``caches[b]``; or None, nothing changed, when numpy cannot take the parameters or
+    caches (another dtype), or a row of several tokens has a cache other than mlx-lm's
+    plain ``KVCache``."""
+    several = [cache for row, cache in zip(tokens, caches) if len(row) > 1]
+    if any(type(c) is not KVCache for cache in several for c in cache):
+        return None
+    if not tokens or any(not row for row in tokens) or not numpy_inputs(body, caches, extra):
         return None
     layers = body.layers
     forms = [layer.self_attn.rope_form for layer in layers]
-    needed: dict[tuple[RopeKey, int], tuple[nn.Module, RopeForm]] = {}
-    for cache in caches:
+    counts = [len(row) for row in tokens]
+    starts = np.cumsum([0, *counts])
+    needed: dict[tuple[RopeKey, int, int], tuple[nn.Module, RopeForm]] = {}
+    for cache, n in zip(caches, counts):
         for layer, form, c in zip(layers, forms, cache):
-            needed.setdefault((form.key, c.offset), (layer.self_attn.rope, form))
+            needed.setdefault((form.key, c.offset, n), (layer.self_attn.rope, form))
     turns = _rotations(needed)
-    x = view(body.embed_tokens)[np.asarray(tokens, dtype=np.int64)]
+    x = view(body.embed_tokens)[np.asarray([t for row in tokens for t in row], dtype=np.int64)]
     new: list[list[Turn | None]] = [[None] * len(layers) for _ in tokens]
     for i, (layer, form) in enumerate(zip(layers, forms)):
         attn = layer.self_attn
         h = _rms(x, layer.input_layernorm)
         q, k, v = (_linear(p, h) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         rows = []
-        for b, cache in enumerate(caches):
-            turn = turns[form.key, cache[i].offset]
-            out, new[b][i] = _attention(attn, form, q[b], k[b], v[b], cache[i], turn)
-            rows.append(out)
-        x = x + _linear(attn.o_proj, np.stack(rows))
+        for b, (cache, n) in enumerate(zip(caches, counts)):
+            turn = turns[form.key, cache[i].offset, n]
+            at = slice(starts[b], starts[b + 1])
+            if n == 1:
+                one = (turn[0][0], turn[1][0])
+                t = starts[b]
+                out, kv = _attention(attn, form, q[t], k[t], v[t], cache[i], one)
+                rows.append(out[None])
+                new[b][i] = None if kv is None else (kv[0][:, None], kv[1][:, None])
+            else:
+                out, new[b][i] = _attention_tokens(attn, form, q[at], k[at], v[at], cache[i], turn)
+                rows.append(out)
+        mixed = np.concatenate(rows)
+        if i == len(layers) - 1 and len(x) > len(tokens):  # only rows' last tokens go on
+            x, mixed = x[starts[1:] - 1], mixed[starts[1:] - 1]
+        x = x + _linear(attn.o_proj, mixed)
         x = x + _mlp(layer.mlp, _rms(x, layer.post_attention_layernorm))
     # The caches grow once all layers have read them: one evaluation for the step.
     mx.eval(
         [
-            c.update_and_fetch(mx.array(kv[0][None, :, None]), mx.array(kv[1][None, :, None]))
+            c.update_and_fetch(mx.array(kv[0][None]), mx.array(kv[1][None]))
             for cache, row in zip(caches, new)
             for c, kv in zip(cache, row)
             if kv is not None

@@ -151,7 +151,7 @@ class Body(nn.Module):
             and decode.takes(cache)
         ):
             token = cast(int, inputs.item())  # the one token id of an integer array
-            rows = decode.hidden(self, [token], [cache])
+            rows = decode.hidden(self, [[token]], [cache])
             if rows is not None:
                 return mx.array(rows[:, None])
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings

@@ -106,12 +106,13 @@ def decoding_path(lm: Any) -> str:
 
 
 def separate(model: nn.Module, seqs: list[Sequence], fast_path: Any) -> list[mx.array]:
-    """Feed each sequence's pending token into its own cache; each one's logits ``(1, V)``."""
+    """Feed each sequence's pending tokens (:attr:`Sequence.feeding`) into its own cache;
+    each one's logits after its last ``(1, V)``."""
     if len(seqs) > 1 and separate_batches(fast_path):
-        logits = decode_batch(model, [s.pending for s in seqs], [s.cache for s in seqs])
+        logits = decode_batch(model, [s.feeding for s in seqs], [s.cache for s in seqs])
         if logits is not None:
             return [logits[i : i + 1] for i in range(len(seqs))]
-    return [model(mx.array([[s.pending]]), cache=s.cache)[:, -1, :] for s in seqs]
+    return [model(mx.array([s.feeding]), cache=s.cache)[:, -1, :] for s in seqs]
 
 
 class Merged:
@@ -130,8 +131,9 @@ class Merged:
         self.seqs.extend(seqs)
 
     def step(self, model: nn.Module) -> mx.array:
-        """Feed every row's pending token; the logits ``(B, V)``."""
-        tokens = mx.array([[s.pending] for s in self.seqs])
+        """Feed every row's pending token (one a row: a merged batch folds no prompt in);
+        the logits ``(B, V)``."""
+        tokens = mx.array([s.feeding for s in self.seqs])
         logits: mx.array = model(tokens, cache=self.cache)[:, -1, :]
         return logits
 

@@ -10,7 +10,8 @@ and reads its messages (``Prefill`` progress, sampled token ids, a final
    (:mod:`.prefill`); a prompt all in but its last token decodes from this step on:
    that token is fed by the decode step, with the other rows, and its logits give
    the first token (a sharded core evaluates it alone and samples the first token
-   in the prefill);
+   in the prefill); on the CPU fast path a short prompt goes whole into the decode
+   step instead (:func:`.prefill.folded`), its tokens rows of the same numpy pass;
 2. every decoding sequence, those just joined included, feeds its last sampled
    token and samples the next, in one forward pass for those whose caches merge
    (:class:`~.batch.Merged`), the others (caches that cannot batch, or the CPU fast
@@ -26,8 +27,9 @@ every rank does the same operations in the same order.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, cast
 
 import mlx.core as mx
@@ -40,6 +42,9 @@ from kvchat.engine.generation import prefill
 from kvchat.engine.generation.batch import Merged, blocker, merges, separate, separate_batches
 from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.sequence import Left, Sequence
+
+GATHER_S = 0.005  # from idle, a step waits while turns keep arriving this close together
+GATHER_MAX_S = 0.05  # but no longer than this
 
 
 class GenerationCore:
@@ -137,8 +142,25 @@ class GenerationCore:
                 if not self._cond.wait_for(self._busy, timeout=30.0):
                     self._thread = None  # idle: the next submit starts a new thread
                     return
+                self._gather()
             with GATE.step():
                 self._step()
+
+    def _gather(self) -> None:
+        """When nothing is decoding, let turns sent at once all join the first step: wait
+        while submissions keep coming, each within :data:`GATHER_S` of the one before
+        (:data:`GATHER_MAX_S` at most), so their prompts go in one pass rather than the
+        first alone and the rest a step later. Called holding the condition."""
+        if self._alone or self._merged_seqs():
+            return
+        deadline = time.monotonic() + GATHER_MAX_S
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._cond.wait_for(self._arrival(len(self._joining)), min(GATHER_S, left)):
+                return
+
+    def _arrival(self, held: int) -> Callable[[], bool]:
+        """Whether a sequence joined since there were ``held`` joining."""
+        return lambda: len(self._joining) > held
 
     def _busy(self) -> bool:
         return bool(self._joining or self._alone or (self._merged and self._merged.seqs))
@@ -171,12 +193,20 @@ class GenerationCore:
                 live.append(seq)
         if not live:
             return []
-        chunks = prefill.plan(live, max(1, live[0].prefill_step))
+        budget = max(1, live[0].prefill_step)
+        # short prompts go whole into this step's numpy decode, beside the decoding rows
+        folded = prefill.folded(live, budget) if self._folds() else []
+        for seq in folded:
+            if seq.fed == 0:
+                seq.post(Prefill(0, len(seq.prompt)))
+        live = [s for s in live if s not in folded]
+        used = sum(len(s.prompt) - s.fed for s in folded)
+        chunks = prefill.plan(live, max(1, budget - used)) if live else []
         together = self.threaded and all(
             all(type(c) is KVCache for c in seq.cache) for seq, _ in chunks
         )
         prefill.feed(self._forward, chunks, together and merges(self._forward))
-        ready = []
+        ready = list(folded)
         for seq in live:
             if prefill.body_left(seq):
                 continue
@@ -205,6 +235,11 @@ class GenerationCore:
             else:
                 ready.append(seq)
         return ready
+
+    def _folds(self) -> bool:
+        """Whether the decode step takes whole short prompts: the CPU fast path's numpy
+        step, which feeds several tokens a row (threaded cores only)."""
+        return self.threaded and separate_batches(self.fast_path)
 
     def _feed_last(self, seq: Sequence) -> None:
         """Evaluate the prompt's last token alone, keeping its log probabilities."""
@@ -244,14 +279,14 @@ class GenerationCore:
             caches += [c.state for c in self._merged.cache]
         if not self.threaded:  # a sharded model: its collectives first, then the sampler's
             mx.eval([row for _, row in rows], caches)
-        for seq, _ in rows:  # fed: its keys and values are in the cache (the processors
-            seq.ledger.append(seq.pending)  # that sample the next token see it too)
+        for seq, _ in rows:  # fed: their keys and values are in the cache (the processors
+            seq.ledger.extend(seq.feeding)  # that sample the next token see them too)
         opening = [s for s, _ in rows if not s.tokens]  # fed their prompt's last token
         sampled = [s.sample(row) for s, row in rows]
         mx.eval(sampled, caches)
         for seq, row in rows:
             if seq in opening:  # its logits are the prompt's end: keep them, as a prefill does
-                seq.fed += 1
+                seq.fed = len(seq.prompt)
                 seq.logprobs = (row - mx.logsumexp(row, axis=-1, keepdims=True))[0]
                 mx.eval(seq.logprobs)
                 if seq.on_prompt is not None:

@@ -1,5 +1,10 @@
 """How a step evaluates the prompts of joining sequences: chunks chosen among them, and
-several sequences' chunks in one forward pass.
+several sequences' chunks in one forward pass; or none, where a short prompt goes
+whole into the decode step.
+
+:func:`folded` picks, on the CPU fast path, the short remaining prompts that
+the decode step feeds whole beside its decoding rows (its numpy step takes
+several tokens a row), so they need no pass of their own.
 
 :func:`plan` picks this step's chunks within the step's token budget: shortest
 remainder first, all cut to one width with little padding, so a handful of short
@@ -22,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
 
 from kvchat.engine.conversation.events import Prefill
 from kvchat.engine.generation.batch import give_back, merge
@@ -34,6 +40,31 @@ def body_left(seq: Sequence) -> int:
     """Prompt tokens still to evaluate before the last one (which goes alone, or with a
     decode step, for its log probabilities)."""
     return max(0, len(seq.prompt) - 1 - seq.fed)
+
+
+FOLD = 64  # a remaining prompt this short goes whole into the decode step (CPU fast path)
+
+
+def folded(joining: list[Sequence], budget: int) -> list[Sequence]:
+    """The joining sequences whose remaining prompt (at most :data:`FOLD` tokens, all of
+    them within ``budget``, in line order) the decode step feeds whole with its other
+    rows, for the CPU fast path's numpy step: on the decode step's 2-core products, a
+    few dozen more rows cost little more than the decoding rows alone, where a separate
+    pass would stream the weights once more. Only plain ``KVCache`` caches (the step
+    extends no other kind by several tokens) and prompts that pass no checkpoint mark."""
+    chosen, used = [], 0
+    for seq in joining:
+        left = len(seq.prompt) - seq.fed
+        held = len(seq.ledger)
+        if (
+            1 < left <= FOLD
+            and used + left <= budget
+            and all(type(c) is KVCache for c in seq.cache)
+            and not any(held < m < held + left for m in seq.marks)
+        ):
+            chosen.append(seq)
+            used += left
+    return chosen
 
 
 def plan(joining: list[Sequence], budget: int) -> list[Chunk]:

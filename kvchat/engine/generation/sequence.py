@@ -80,10 +80,11 @@ class Sequence:
     batch_peak: int = 1  # the most rows of a forward pass that decoded it
 
     @property
-    def pending(self) -> int:
-        """The token the next decode step feeds: the last sampled one, or before the first,
-        the prompt's last (when the decode step evaluates it with the other rows)."""
-        return self.tokens[-1] if self.tokens else self.prompt[-1]
+    def feeding(self) -> list[int]:
+        """The tokens the next decode step feeds: the last sampled one, or before the first,
+        the rest of the prompt (its last token, or a short prompt whole, when the decode
+        step evaluates it with the other rows)."""
+        return self.tokens[-1:] if self.tokens else self.prompt[self.fed :]
 
     def post(self, message: Prefill | int | Left) -> None:
         self.messages.put(message)
