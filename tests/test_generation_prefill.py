@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
+import pytest
 
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, Prefill
@@ -104,6 +105,7 @@ def _run_together(core: GenerationCore, seqs: list[Sequence]) -> list[list]:
     return got
 
 
+@pytest.mark.cpu_only  # the CPU fast path's numpy step
 def test_short_prompts_go_whole_into_the_numpy_decode_step(demo_model, monkeypatch):
     """On the CPU fast path a short prompt gets no prefill pass: its tokens are rows of the
     decode step, beside a long paste's chunks; the replies are those of the separate
@@ -121,7 +123,8 @@ def test_short_prompts_go_whole_into_the_numpy_decode_step(demo_model, monkeypat
         runs[fast] = seqs, _run_together(GenerationCore(demo_model.model, fast_path=fast), seqs)
     (apart, _), (folded, messages) = runs[None], runs[demo_model.fast_path]
     assert {id(s) for s, _ in fed if s in folded} == {id(folded[0])}  # the paste alone
-    assert [specs[1][1], specs[2][1]] in [[r for r in step if len(r) > 1] for step in rows]
+    short = sorted([specs[1][1], specs[2][1]])  # in whichever order their threads joined
+    assert short in [sorted(r for r in step if len(r) > 1) for step in rows]
     for a, b, got, (h, p) in zip(apart, folded, messages, specs):
         assert b.tokens == a.tokens and len(b.tokens) == 4
         assert b.ledger == [*h, *p, *b.tokens[:-1]] == a.ledger
