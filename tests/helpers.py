@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 
 from kvchat.engine.conversation.session import Session, TurnDone
+from kvchat.engine.generation import GATE, Left
 
 # What each rank of a test's sharded run may run in place of kvchat's entry
 # (kvchat/cli/ring.py's ENTRY): rank 1 kills itself at the third token of each turn.
@@ -89,3 +91,30 @@ def kill_when_stopped(proc: subprocess.Popen, target: str) -> bool:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     return stopped
+
+
+def run_all(core, seqs, on_token=None) -> dict:
+    """Run ``seqs`` on a generation core at once, every one joined before its first step
+    (the core holds the gate until all have joined), each on its own thread; ``on_token(seq, messages)`` after each token."""
+    out = {}
+
+    def run(seq):
+        gen = core.run(seq)
+        got = []
+        for message in gen:
+            got.append(message)
+            if isinstance(message, int) and on_token is not None and on_token(seq, got):
+                gen.close()
+                break
+        out[id(seq)] = got
+        assert not got or not isinstance(got[-1], Left) or got[-1].error is None, got[-1]
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in seqs]
+    with GATE.exclusive():
+        for t in threads:
+            t.start()
+        with core._cond:
+            assert core._cond.wait_for(lambda: len(core._joining) == len(seqs), 60)
+    for t in threads:
+        t.join(120)
+    return out

@@ -13,6 +13,7 @@ from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
 from kvchat.engine.generation import GATE, GenerationCore, Left, Sequence, core_for
 from kvchat.engine.generation.sampling import for_settings
+from tests.helpers import run_all
 
 QUESTIONS = [
     "What is a cache?",
@@ -125,7 +126,7 @@ def test_batched_log_probabilities_agree_with_alone(arch, family):
         alone.append(rec)
     recs = [Recorder() for _ in prompts]
     seqs = [_sequence(lm, p, 6, processors=[r]) for p, r in zip(prompts, recs)]
-    _run_all(core, seqs)
+    run_all(core, seqs)
     if family == "gemma2":  # its attention does not take a batch cache's mask: rows apart
         assert [(s.batch_peak, s.not_batched) for s in seqs] == [(1, "model gemma2")] * 4
     else:
@@ -134,32 +135,6 @@ def test_batched_log_probabilities_agree_with_alone(arch, family):
         assert len(one.rows) == len(many.rows) == 6
         for a, b in zip(one.rows, many.rows):
             assert mx.abs(a - b).max().item() < 1e-4
-
-
-def _run_all(core, seqs, on_token=None) -> dict:
-    """Run ``seqs`` at once on threads; ``on_token(seq, messages)`` after each token."""
-    out = {}
-
-    def run(seq):
-        gen = core.run(seq)
-        got = []
-        for message in gen:
-            got.append(message)
-            if isinstance(message, int) and on_token is not None and on_token(seq, got):
-                gen.close()
-                break
-        out[id(seq)] = got
-        assert not got or not isinstance(got[-1], Left) or got[-1].error is None, got[-1]
-
-    threads = [threading.Thread(target=run, args=(s,)) for s in seqs]
-    with GATE.exclusive():
-        for t in threads:
-            t.start()
-        with core._cond:
-            assert core._cond.wait_for(lambda: len(core._joining) == len(seqs), 60)
-    for t in threads:
-        t.join(120)
-    return out
 
 
 def test_join_leave_cancel_and_abandon_leave_the_others_as_alone(demo_model):
@@ -188,7 +163,7 @@ def test_join_leave_cancel_and_abandon_leave_the_others_as_alone(demo_model):
             stop.set()  # a stop: it leaves after its next token
         return seq is seqs[3] and len(tokens) == 2  # a consumer that walks away
 
-    out = _run_all(core, seqs, on_token)
+    out = run_all(core, seqs, on_token)
     late.left.wait(60)
     assert seqs[0].tokens == alone[0] and late.tokens == alone[4]
     assert seqs[1].tokens == alone[1][:4]  # it left early (its length limit)

@@ -10,9 +10,10 @@ import pytest
 
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, Prefill
-from kvchat.engine.generation import GATE, GenerationCore, Left, Sequence, batch, prefill
+from kvchat.engine.generation import GenerationCore, Left, Sequence, batch, prefill
 from kvchat.engine.generation.prefill import feed, plan
 from kvchat.engine.generation.sampling import for_settings
+from tests.helpers import run_all
 
 
 def _sequence(lm, prompt: list[int], step: int = 512, history: list[int] = ()) -> Sequence:
@@ -87,24 +88,6 @@ def test_chunks_fed_together_equal_chunks_fed_apart(demo_model):
         assert mx.abs(la - lb).max() < 1e-4
 
 
-def _run_together(core: GenerationCore, seqs: list[Sequence]) -> list[list]:
-    """Every sequence's messages, all submitted before the core's first step."""
-    got: list[list] = [[] for _ in seqs]
-
-    def run(i: int) -> None:
-        got[i] = list(core.run(seqs[i]))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(seqs))]
-    with GATE.exclusive():
-        for t in threads:
-            t.start()
-        with core._cond:
-            assert core._cond.wait_for(lambda: len(core._joining) == len(seqs), 60)
-    for t in threads:
-        t.join(120)
-    return got
-
-
 @pytest.mark.cpu_only  # the CPU fast path's numpy step
 def test_short_prompts_go_whole_into_the_numpy_decode_step(demo_model, monkeypatch):
     """On the CPU fast path a short prompt gets no prefill pass: its tokens are rows of the
@@ -120,7 +103,8 @@ def test_short_prompts_go_whole_into_the_numpy_decode_step(demo_model, monkeypat
     runs = {}
     for fast in (None, demo_model.fast_path):  # the separate prefill, then the folded one
         seqs = [_sequence(demo_model, p, step=64, history=h) for h, p in specs]
-        runs[fast] = seqs, _run_together(GenerationCore(demo_model.model, fast_path=fast), seqs)
+        got = run_all(GenerationCore(demo_model.model, fast_path=fast), seqs)
+        runs[fast] = seqs, [got[id(s)] for s in seqs]
     (apart, _), (folded, messages) = runs[None], runs[demo_model.fast_path]
     assert {id(s) for s, _ in fed if s in folded} == {id(folded[0])}  # the paste alone
     short = sorted([specs[1][1], specs[2][1]])  # in whichever order their threads joined
