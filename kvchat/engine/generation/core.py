@@ -147,11 +147,12 @@ class GenerationCore:
                 self._step()
 
     def _gather(self) -> None:
-        """When nothing is decoding, let turns sent at once all join the first step: wait
-        while submissions keep coming, each within :data:`GATHER_S` of the one before
-        (:data:`GATHER_MAX_S` at most), so their prompts go in one pass rather than the
-        first alone and the rest a step later. Called holding the condition."""
-        if self._alone or self._merged_seqs():
+        """From idle (nothing decoding, no prompt begun), let turns sent at once all join
+        the first step: wait while submissions keep coming, each within :data:`GATHER_S`
+        of the one before (:data:`GATHER_MAX_S` at most), so their prompts go in one pass
+        rather than the first alone and the rest a step later. A long prompt's later
+        chunks do not wait. Called holding the condition."""
+        if self._alone or self._merged_seqs() or any(s.fed for s in self._joining):
             return
         deadline = time.monotonic() + GATHER_MAX_S
         while (left := deadline - time.monotonic()) > 0:
