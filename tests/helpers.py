@@ -8,6 +8,9 @@ import subprocess
 import threading
 import time
 
+from typer.testing import CliRunner
+
+from kvchat.cli import app
 from kvchat.engine.conversation.session import Session, TurnDone
 from kvchat.engine.generation import GATE, Left
 
@@ -118,3 +121,11 @@ def run_all(core, seqs, on_token=None) -> dict:
     for t in threads:
         t.join(120)
     return out
+
+
+def ask_from_shell(session: str, text: str) -> None:
+    """``kvchat ask --session SESSION --model demo --max-tokens 6 --json TEXT``, as a user
+    types it in a shell (in this process); it must succeed."""
+    argv = ["ask", "--session", session, "--model", "demo", "--max-tokens", "6", "--json", text]
+    out = CliRunner().invoke(app, argv)
+    assert out.exit_code == 0, out.output

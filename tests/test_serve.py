@@ -7,6 +7,7 @@ import time
 
 import openai
 import pytest
+from helpers import ask_from_shell
 from serve_helpers import Server, chat, chat_streamed
 from typer.testing import CliRunner
 
@@ -119,21 +120,7 @@ def test_a_restarted_server_resumes_the_conversation_from_disk(demo_model, home)
 
 
 def test_a_session_written_by_kvchat_ask_is_continued_by_name(demo_model, home):
-    out = CliRunner().invoke(
-        app,
-        [
-            "ask",
-            "--session",
-            "notes",
-            "--model",
-            "demo",
-            "--max-tokens",
-            "6",
-            "--json",
-            "Hello from the shell.",
-        ],
-    )
-    assert out.exit_code == 0, out.output
+    ask_from_shell("notes", "Hello from the shell.")
     saved = store.read("notes")
     follow = {"role": "user", "content": "Hello from HTTP."}
     expected_prompt = render(demo_model, [*saved["messages"], follow], True)

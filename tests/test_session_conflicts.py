@@ -11,12 +11,10 @@ import sys
 import time
 
 import pytest
-from helpers import turn
+from helpers import ask_from_shell, turn
 from serve_helpers import Server, chat
-from typer.testing import CliRunner
 
 from kvchat import store
-from kvchat.cli import app
 from kvchat.engine.conversation.session import GenerationSettings, Session
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
@@ -209,21 +207,7 @@ def test_an_ask_and_an_ask_racing_keep_both(demo_model, home):
 
 
 def test_serve_and_ask_on_one_session_keep_both(demo_model, home):
-    out = CliRunner().invoke(
-        app,
-        [
-            "ask",
-            "--session",
-            "notes",
-            "--model",
-            "demo",
-            "--max-tokens",
-            "6",
-            "--json",
-            "Hello from the shell.",
-        ],
-    )
-    assert out.exit_code == 0, out.output
+    ask_from_shell("notes", "Hello from the shell.")
     with Server(demo_model) as server:
         first, _, _ = chat(
             server.client,
