@@ -133,7 +133,7 @@ def test_a_real_kvchat_ended_by_a_signal_saves_and_exits_0(tmp_path, end):
     """A real ``kvchat`` on a pseudo-terminal: a message sent, then the signal while its
     turn runs (or just after): the turn is kept (stopped if it was cut) and saved."""
     home = tmp_path / "home"
-    code, out = run_tui_and_quit(str(home), 0.2, message="keep this message", end=end)
+    code, out = run_tui_and_quit(str(home), 0.2, message="keep this message", end=end, sent=True)
     assert code == 0, out[-1500:].decode(errors="replace")
     saved = json.loads((home / "sessions" / "chat-1" / "session.json").read_text())
     user, reply = saved["messages"][-2:]
@@ -164,3 +164,24 @@ async def test_a_save_that_fails_on_quitting_keeps_the_app_open(demo_model, home
         assert conversation.session.messages[-2]["content"] == "two"
         await pilot.press("ctrl+q")  # again: quits at once
         await until(pilot, lambda: app.return_code is not None)
+
+
+async def test_a_signal_mid_reply_keeps_the_stopped_reply_and_saves_it_after(demo_model, home):
+    """SIGTERM while a reply streams: the app ends with status 0 and the reply, stopped, is
+    saved once it has (the reply's last events may reach a tab whose widgets the ending app
+    is removing: they change no widget; the real-terminal test above meets that race)."""
+    config = Config(model="demo", max_tokens=8000, autosave=True)
+    app = KvChatApp(config, lm=demo_model, volatile=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        name = conversation.session_name
+        assert await conversation.turns.send("keep this message")
+        await until(pilot, lambda: conversation.turns.reply is not None)
+        app.quitter.on_signal(signal.SIGTERM)
+        await until(pilot, lambda: app.return_code is not None)
+    assert app.return_code == 0
+    assert after_exit(app) == 0
+    user, reply = store.read(name)["messages"][-2:]
+    assert user == {"role": "user", "content": "keep this message"}
+    assert reply["role"] == "assistant" and reply["stopped"] is True and reply["content"]

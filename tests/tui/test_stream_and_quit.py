@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from textual.widgets import Markdown
@@ -126,10 +127,17 @@ async def test_quit_right_after_enter_keeps_and_saves_the_message(demo_model, ho
 
 
 def run_tui_and_quit(
-    home: str, wait_s: float, message: str = "hello", end: bytes | signal.Signals = b"\x11"
+    home: str,
+    wait_s: float,
+    message: str = "hello",
+    end: bytes | signal.Signals = b"\x11",
+    sent: bool = False,
 ) -> tuple[int, bytes]:
     """``kvchat --model demo`` on a real pseudo-terminal: send a message, wait, then quit
-    with ``end``: keys (Ctrl+Q), or a signal (SIGHUP: then the terminal closes too)."""
+    with ``end``: keys (Ctrl+Q), or a signal (SIGHUP: then the terminal closes too). With
+    ``sent``, the wait starts once the app has taken the message (its draft, written
+    before the prefill, or the saved session is on disk), not once its keys are written:
+    on a busy machine the keys may still be unread ``wait_s`` later."""
     env = {
         **os.environ,
         "KVCHAT_HOME": home,
@@ -175,6 +183,10 @@ def run_tui_and_quit(
 
     wait_for(b"Message", 60)  # the input's placeholder: the app is up
     os.write(master, message.encode() + b"\r")
+    taken = (Path(home) / "drafts" / "chat-1.txt", Path(home) / "sessions" / "chat-1")
+    deadline = time.monotonic() + 30
+    while sent and not any(p.exists() for p in taken) and time.monotonic() < deadline:
+        read_for(0.01)
     read_for(wait_s)
     if end == signal.SIGHUP:  # the terminal goes: nothing more is read from it
         proc.send_signal(end)

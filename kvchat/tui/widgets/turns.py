@@ -181,17 +181,28 @@ class TurnRunner:
 
     # ------------------------------------------------------------ UI thread
 
+    def ending(self) -> bool:
+        """The app is ending (a signal ended it mid-turn): its widgets are being removed, so
+        the turn's events change no widget (its messages are in the session, saved after)."""
+        return self.conversation.app.return_code is not None
+
     def waiting(self) -> None:
+        if self.ending():
+            return
         tab = self.conversation
         tab.state = "waiting"
         tab.watch_state("waiting")
 
     def started(self, event: Started) -> None:
+        if self.ending():
+            return
         tab = self.conversation
         tab.figures = event.figures
         tab.state = "answering"
 
     def progress(self, event: PrefillProgress) -> None:
+        if self.ending():
+            return
         tab = self.conversation
         bar = tab.query_one(".progress", ProgressBar)
         # a prefill of a few tokens is over before the bar could be read
@@ -206,6 +217,8 @@ class TurnRunner:
             tab.post_message(Changed(tab))
 
     async def chunk(self, event: ReplyChunk) -> None:
+        if self.ending():
+            return
         tab = self.conversation
         if self.reply is None:  # the first words: the whole prompt is evaluated
             total = tab.prefill[1] if tab.prefill else 0
@@ -218,8 +231,14 @@ class TurnRunner:
 
     async def finished(self, event: TurnFinished) -> None:
         tab = self.conversation
-        # The message is in the session (or back in the box): no longer in flight. (An app
-        # ended by a signal mid-turn never gets here: its draft stays unless it was saved.)
+        if self.ending():
+            # A reply is in the session, saved once the app has ended (tui/run.py); a message
+            # that never started keeps its draft.
+            if event.done is not None:
+                drafts.clear(tab.session_name)
+            self.reply = self.user_widget = self.pending_text = self.then = None
+            return
+        # The message is in the session (or back in the box): no longer in flight.
         drafts.clear(tab.session_name)
         if event.cancelled:
             if self.user_widget is not None:
