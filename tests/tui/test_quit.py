@@ -20,10 +20,10 @@ from .test_stream_and_quit import run_tui_and_quit
 pytestmark = pytest.mark.anyio
 
 
-def saving_app(demo_model) -> KvChatApp:
+def saving_app(demo_model, max_tokens: int = 8) -> KvChatApp:
     """An app on ``demo`` that autosaves into the test's sessions folder."""
     return KvChatApp(
-        Config(model="demo", max_tokens=8, autosave=True), lm=demo_model, volatile=False
+        Config(model="demo", max_tokens=max_tokens, autosave=True), lm=demo_model, volatile=False
     )
 
 
@@ -170,8 +170,7 @@ async def test_a_signal_mid_reply_keeps_the_stopped_reply_and_saves_it_after(dem
     """SIGTERM while a reply streams: the app ends with status 0 and the reply, stopped, is
     saved once it has (the reply's last events may reach a tab whose widgets the ending app
     is removing: they change no widget; the real-terminal test above meets that race)."""
-    config = Config(model="demo", max_tokens=8000, autosave=True)
-    app = KvChatApp(config, lm=demo_model, volatile=False)
+    app = saving_app(demo_model, max_tokens=8000)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         conversation = app.active_conversation()
