@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from kvchat import store
+from kvchat import drafts, store
 from kvchat.config import Config
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.run import after_exit
@@ -184,3 +184,20 @@ async def test_a_signal_mid_reply_keeps_the_stopped_reply_and_saves_it_after(dem
     user, reply = store.read(name)["messages"][-2:]
     assert user == {"role": "user", "content": "keep this message"}
     assert reply["role"] == "assistant" and reply["stopped"] is True and reply["content"]
+
+
+async def test_a_signal_mid_reply_without_autosave_keeps_the_message_as_a_draft(make_app):
+    """Autosave off: nothing is saved after the signal, so the message in flight stays on
+    disk as its draft (offered back when the session is next opened)."""
+    app = make_app(max_tokens=8000)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        name = conversation.session_name
+        assert await conversation.turns.send("keep this message")
+        await until(pilot, lambda: conversation.turns.reply is not None)
+        app.quitter.on_signal(signal.SIGTERM)
+        await until(pilot, lambda: app.return_code is not None)
+    assert after_exit(app) == 0
+    assert not store.exists(name)
+    assert drafts.draft_file(name).read_text() == "keep this message"

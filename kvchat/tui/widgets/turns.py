@@ -231,13 +231,8 @@ class TurnRunner:
 
     async def finished(self, event: TurnFinished) -> None:
         tab = self.conversation
-        if self.ending():
-            # A reply is in the session, saved once the app has ended (tui/run.py); a message
-            # that never started keeps its draft.
-            if event.done is not None:
-                drafts.clear(tab.session_name)
-            self.reply = self.user_widget = self.pending_text = self.then = None
-            return
+        if self.ending():  # its draft stays: dropped when the session is next opened, if
+            return  # the save after the app ended (tui/run.py) holds the message
         # The message is in the session (or back in the box): no longer in flight.
         drafts.clear(tab.session_name)
         if event.cancelled:
