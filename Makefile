@@ -7,8 +7,8 @@ STAMP := $(VENV)/.install-stamp
 
 install: $(STAMP)
 
-# Reinstall only when the dependencies change.
-$(STAMP): pyproject.toml
+# Reinstall only when the dependencies or the native kernel's source change.
+$(STAMP): pyproject.toml kvchat/engine/cpu/rows.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install -e '.[dev]'
