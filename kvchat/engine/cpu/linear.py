@@ -38,9 +38,9 @@ if TYPE_CHECKING:
 # core and on two; at 128 rows the two were level.
 SKINNY_ROWS = 64
 # From 2 to this many rows (a batched decoding step) the native kernel of rows.c reads the
-# weights once for all rows: qwen2.5-0.5b's projections, 2 cores, against numpy's OpenBLAS
-# in the same run: 78 against 156 ms for 2 rows, 101–111 against 160 ms for 8, 164 against
-# 177 ms for 16 (one row's gemv: 66–68 ms, which the kernel does not beat).
+# weights once for all rows. qwen2.5-0.5b's projections on 2 cores, numpy's OpenBLAS in the
+# same run: 72 against 147 ms for 2 rows, 94–101 against 159 ms for 8, 114 against 185 for
+# 9, 158–166 against 162–180 ms for 16 (level); one row's gemv, 62–64 ms, stays BLAS's.
 KERNEL_ROWS = 16
 KERNEL_ENV = "KVCHAT_ROWS_KERNEL"  # "0": batched rows through numpy's BLAS (to compare)
 Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray], None]

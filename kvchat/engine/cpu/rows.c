@@ -7,7 +7,8 @@
  * Here each thread takes a band of the weight's rows and, for four weight rows at a
  * time, keeps 4 × B running dot products in vector registers while it streams the
  * four rows once: the weights are read once per step whatever B is, and the 8-row
- * projections of qwen2.5-0.5b cost about 1.5 times one row's gemv.
+ * projections of qwen2.5-0.5b cost about 1.5 times one row's gemv (numbers beside
+ * KERNEL_ROWS in linear.py).
  *
  * The build (pyproject.toml's ext-modules) is optional: where no C compiler is at hand,
  * kvchat.engine.cpu.linear uses numpy's BLAS for these rows as before.
@@ -28,10 +29,21 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
 
 static inline __attribute__((always_inline)) vf load(const float *p) { return *(const vfu *)p; }
 
-static inline __attribute__((always_inline)) float lanes_sum(vf v) {
-    float s = 0;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
+/* The sums of eight vectors' lanes in one vector, by a transpose-and-add tree (three
+ * rounds of shuffles and adds instead of eight serial sums of eight lanes): a[i]'s sum
+ * lands in lane SLOT[i]. Each sum's additions do not depend on the other vectors. */
+#define SH __builtin_shufflevector
+static const int SLOT[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+
+static inline __attribute__((always_inline)) vf lane_sums(const vf *a) {
+    vf c[4], d[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = SH(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + SH(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        d[i] = SH(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+             + SH(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SH(d[0], d[1], 0, 8, 2, 10, 4, 12, 6, 14) + SH(d[0], d[1], 1, 9, 3, 11, 5, 13, 7, 15);
 }
 
 /* y[b, o + r] for b < nb, r < NR: weight rows o … o + NR − 1 times nb rows of x. */
@@ -40,7 +52,7 @@ static inline __attribute__((always_inline)) void tile(
     int nb) {
     vf acc[NR][MB];
     for (int r = 0; r < NR; r++)
-        for (int b = 0; b < nb; b++) acc[r][b] = (vf){0};
+        for (int b = 0; b < MB; b++) acc[r][b] = (vf){0};  /* unused ones add zeros */
     Py_ssize_t k = 0;
     for (; k + VL <= k_len; k += VL) {
         vf wr[NR];
@@ -50,12 +62,14 @@ static inline __attribute__((always_inline)) void tile(
             for (int r = 0; r < NR; r++) acc[r][b] += wr[r] * xb;
         }
     }
-    for (int b = 0; b < nb; b++)
-        for (int r = 0; r < NR; r++) {
-            float s = lanes_sum(acc[r][b]);
+    for (int r = 0; r < NR; r++) {
+        vf sums = lane_sums(acc[r]);
+        for (int b = 0; b < nb; b++) {
+            float s = sums[SLOT[b]];
             for (Py_ssize_t j = k; j < k_len; j++) s += w[(o + r) * k_len + j] * x[b * k_len + j];
             y[b * n + o + r] = s;
         }
+    }
 }
 
 static void row_by_row(
