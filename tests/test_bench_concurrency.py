@@ -27,3 +27,8 @@ def test_in_process_compares_sessions_together_with_one_alone(demo_model):
     assert alone["aggregate_tps"] > 0 and together["aggregate_tps"] > 0
     assert result["aggregate_ratio"] == round(together["aggregate_tps"] / alone["aggregate_tps"], 2)
     assert result["ttft_ratio"] == round(together["ttft_median_s"] / alone["ttft_s"], 2)
+    # decode: each reply's 4 tokens over its decoding time, summed over the 3 together;
+    # every reply's decoding is shorter than the turn, so above the end-to-end figure
+    assert together["decode_tps"] > together["aggregate_tps"] > 0
+    assert alone["decode_tps"] > alone["aggregate_tps"] > 0
+    assert result["decode_ratio"] == round(together["decode_tps"] / alone["decode_tps"], 2)

@@ -13,8 +13,9 @@ the load's wall time, and the median time to the first token of turn 2.
 :func:`in_process`: the same question without HTTP, through :class:`Session`
 and the model's generation core: one session's follow-up alone, then
 ``sessions`` sessions' follow-ups at once, taking turns ``rounds`` times
-(best of each): aggregate decode tokens per second and the median time to first
-token. On a shared machine only the ratios mean something.
+(best of each): aggregate tokens per second over the wall time, aggregate decode tokens
+per second (each reply's tokens over its time from first token to last, summed), and
+the median time to first token. On a shared machine only the ratios mean something.
 """
 
 from __future__ import annotations
@@ -169,17 +170,17 @@ def in_process(
         for k in range(sessions + 1)
     ]
 
-    def turn(session: Session, text: str) -> tuple[float, int]:
+    def turn(session: Session, text: str) -> tuple[float, int, float]:
         done = None
         for event in session.send(text):
             if isinstance(event, TurnDone):
                 done = event
         if done is None:
             raise RuntimeError("a turn ended without its TurnDone")
-        return done.stats.ttft_s, len(done.tokens)
+        return done.stats.ttft_s, len(done.tokens), done.stats.gen_tps
 
     def together(group: list[Session], text: str) -> dict[str, Any]:
-        results: list[tuple[float, int]] = [(0.0, 0)] * len(group)
+        results: list[tuple[float, int, float]] = [(0.0, 0, 0.0)] * len(group)
 
         def run(i: int) -> None:
             results[i] = turn(group[i], text)
@@ -188,9 +189,12 @@ def in_process(
         _threads(run, len(group))
         seconds = time.perf_counter() - started
         return {
-            "generated_tokens": sum(n for _, n in results),
-            "aggregate_tps": sum(n for _, n in results) / seconds,
-            "ttft_median_s": statistics.median(t for t, _ in results),
+            "generated_tokens": sum(n for _, n, _ in results),
+            "aggregate_tps": sum(n for _, n, _ in results) / seconds,
+            # each reply's tokens over its time from first token to last, summed: the
+            # replies decode side by side (same length, started within a step)
+            "decode_tps": sum(d for _, _, d in results),
+            "ttft_median_s": statistics.median(t for t, _, _ in results),
         }
 
     first = [
@@ -206,6 +210,8 @@ def in_process(
         many.append(together(crowd[1:], text))
     alone_tps = round(max(a["aggregate_tps"] for a in alone), 2)
     alone_ttft = round(min(a["ttft_median_s"] for a in alone), 4)
+    alone_decode = round(max(a["decode_tps"] for a in alone), 2)
+    many_decode = round(max(m["decode_tps"] for m in many), 2)
     many_tps = round(max(m["aggregate_tps"] for m in many), 2)
     many_ttft = round(min(m["ttft_median_s"] for m in many), 4)
     return {
@@ -217,9 +223,14 @@ def in_process(
             "alone": [a["generated_tokens"] for a in alone],
             "together": [m["generated_tokens"] for m in many],
         },
-        "alone": {"aggregate_tps": alone_tps, "ttft_s": alone_ttft},
-        "together": {"aggregate_tps": many_tps, "ttft_median_s": many_ttft},
+        "alone": {"aggregate_tps": alone_tps, "decode_tps": alone_decode, "ttft_s": alone_ttft},
+        "together": {
+            "aggregate_tps": many_tps,
+            "decode_tps": many_decode,
+            "ttft_median_s": many_ttft,
+        },
         "aggregate_ratio": _ratio(many_tps, alone_tps),
+        "decode_ratio": _ratio(many_decode, alone_decode),
         "ttft_ratio": _ratio(many_ttft, alone_ttft),
     }
 
