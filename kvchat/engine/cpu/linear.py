@@ -33,10 +33,11 @@ from kvchat.engine.cpu.attention import as_numpy
 if TYPE_CHECKING:
     from kvchat.engine.cpu import FastPath
 
-# Up to this many rows (a cached turn's new tokens), ``(W · xᵀ)ᵀ`` beats ``x · Wᵀ`` through
-# numpy's OpenBLAS: 44 rows through qwen2.5-0.5b's projections ran 10–25% faster on one
-# core and on two; at 128 rows the two were level.
-SKINNY_ROWS = 64
+# Up to this many rows (a cached turn's new tokens, the short prompts a batched step
+# takes), ``(W · xᵀ)ᵀ`` beats ``x · Wᵀ`` through numpy's OpenBLAS. qwen2.5-0.5b's
+# projections on 2 cores, the two taking turns, medians of 5: 11–20% faster at 96 to 192
+# rows (every time), about 10% at 256 and 384 (3 times in 5), level at 512 and 1024.
+SKINNY_ROWS = 256
 # From 2 to this many rows (a batched decoding step) the native kernel of rows.c reads the
 # weights once for all rows. qwen2.5-0.5b's projections on 2 cores, numpy's OpenBLAS in the
 # same run: 72 against 147 ms for 2 rows, 94–101 against 159 ms for 8, 114 against 185 for
@@ -89,7 +90,8 @@ def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
 
 
 def product(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``rows @ wᵀ`` for ``(n, in)`` rows, by the fastest route for ``n`` (see KERNEL_ROWS, SKINNY_ROWS)."""
+    """``rows @ wᵀ`` for ``(n, in)`` rows, by the fastest route for ``n``
+    (see KERNEL_ROWS, SKINNY_ROWS)."""
     out: np.ndarray
     n = rows.shape[0]
     if n == 1:
