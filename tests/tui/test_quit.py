@@ -166,19 +166,25 @@ async def test_a_save_that_fails_on_quitting_keeps_the_app_open(demo_model, home
         await until(pilot, lambda: app.return_code is not None)
 
 
+async def sigterm_mid_reply(app: KvChatApp, message: str) -> str:
+    """Run ``app``, send ``message``, and end the app with SIGTERM once its reply streams;
+    return the tab's session name."""
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        assert await conversation.turns.send(message)
+        await until(pilot, lambda: conversation.turns.reply is not None)
+        app.quitter.on_signal(signal.SIGTERM)
+        await until(pilot, lambda: app.return_code is not None)
+    return conversation.session_name
+
+
 async def test_a_signal_mid_reply_keeps_the_stopped_reply_and_saves_it_after(demo_model, home):
     """SIGTERM while a reply streams: the app ends with status 0 and the reply, stopped, is
     saved once it has (the reply's last events may reach a tab whose widgets the ending app
     is removing: they change no widget; the real-terminal test above meets that race)."""
     app = saving_app(demo_model, max_tokens=8000)
-    async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot)
-        conversation = app.active_conversation()
-        name = conversation.session_name
-        assert await conversation.turns.send("keep this message")
-        await until(pilot, lambda: conversation.turns.reply is not None)
-        app.quitter.on_signal(signal.SIGTERM)
-        await until(pilot, lambda: app.return_code is not None)
+    name = await sigterm_mid_reply(app, "keep this message")
     assert app.return_code == 0
     assert after_exit(app) == 0
     user, reply = store.read(name)["messages"][-2:]
@@ -190,14 +196,7 @@ async def test_a_signal_mid_reply_without_autosave_keeps_the_message_as_a_draft(
     """Autosave off: nothing is saved after the signal, so the message in flight stays on
     disk as its draft (offered back when the session is next opened)."""
     app = make_app(max_tokens=8000)
-    async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot)
-        conversation = app.active_conversation()
-        name = conversation.session_name
-        assert await conversation.turns.send("keep this message")
-        await until(pilot, lambda: conversation.turns.reply is not None)
-        app.quitter.on_signal(signal.SIGTERM)
-        await until(pilot, lambda: app.return_code is not None)
+    name = await sigterm_mid_reply(app, "keep this message")
     assert after_exit(app) == 0
     assert not store.exists(name)
     assert drafts.draft_file(name).read_text() == "keep this message"
