@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from kvchat.cli import app
 from kvchat.engine import cpu
 from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
-from kvchat.engine.cpu import decode
+from kvchat.engine.cpu import decode, linear
 from kvchat.engine.generation.batch import decoding_path
 from kvchat.engine.models.model import load_model
 from tests.test_cpu_fastpath import TINY  # the same tiny llama-family shape
@@ -204,8 +204,8 @@ def test_doctor_names_the_model_and_its_fast_path(demo_model):
         assert line == "demo: on (numpy decoding step, attention, SwiGLU and linear layers)"
         assert path == (
             "demo: CPU fast path: its batched numpy step decodes every row at once, each on "
-            "its own cache (the model's decoding step runs whole in numpy; kvchat's native "
-            "kernel reads the weights once for 2 to 16 rows)"
+            "its own cache (the model's decoding step runs whole in numpy; "
+            f"{linear.rows_route()})"  # its phrases: tests/test_rows_kernel.py
         )
     else:
         assert line == "demo: off (MLX runs on the GPU: its own kernels are used)"
