@@ -130,7 +130,8 @@ static void product(
     for (Py_ssize_t o = tiles * NR; o < n; o++) row_by_row(w, k_len, x, rows, y, n, o);
 }
 
-/* The buffer of a C-contiguous 2-D float32 array (numpy's), or NULL with TypeError. */
+/* Take the buffer of a C-contiguous 2-D float32 array (numpy's): 0, or -1 with the
+ * exception set (ValueError from numpy for a strided or read-only one, TypeError here). */
 static int matrix(PyObject *obj, Py_buffer *view, int writable, const char *name) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
