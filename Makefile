@@ -7,8 +7,8 @@ STAMP := $(VENV)/.install-stamp
 
 install: $(STAMP)
 
-# Reinstall only when the dependencies or the native kernel's source change.
-$(STAMP): pyproject.toml kvchat/engine/cpu/rows.c
+# Reinstall only when the dependencies or the native kernels' sources change.
+$(STAMP): pyproject.toml $(wildcard kvchat/engine/cpu/*.c kvchat/engine/cpu/*.h)
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install -e '.[dev]'

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from kvchat.cli import app
 from kvchat.engine import cpu
 from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
-from kvchat.engine.cpu import decode, linear
+from kvchat.engine.cpu import decode, native, rope
 from kvchat.engine.generation.batch import decoding_path
 from kvchat.engine.models.model import load_model
 from tests.test_cpu_fastpath import TINY  # the same tiny llama-family shape
@@ -205,7 +205,7 @@ def test_doctor_names_the_model_and_its_fast_path(demo_model):
         assert path == (
             "demo: CPU fast path: its batched numpy step decodes every row at once, each on "
             "its own cache (the model's decoding step runs whole in numpy; "
-            f"{linear.rows_route()})"  # its phrases: tests/test_rows_kernel.py
+            f"{native.route()})"  # its phrases: tests/test_fused_kernels.py
         )
     else:
         assert line == "demo: off (MLX runs on the GPU: its own kernels are used)"
@@ -231,7 +231,7 @@ def test_an_unknown_rope_is_refused_by_name():
     class Unknown:
         pass
 
-    assert decode.rope_form(Unknown()) == "its RoPE (Unknown) is not one the numpy step computes"
+    assert rope.rope_form(Unknown()) == "its RoPE (Unknown) is not one the numpy step computes"
 
 
 def test_step_of_several_tokens_a_row_equals_mlx_lm_forward_pass(demo_model):

@@ -20,6 +20,7 @@ from kvchat.engine import cpu
 from kvchat.engine.caches.kinds import make_cache, parse_kind
 from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 from kvchat.engine.cpu import attention, decode, linear, parallel
+from kvchat.engine.cpu import rope as rope_module
 from kvchat.engine.cpu.layers import MLP, Attention, Body
 from kvchat.engine.cpu.linear import CpuEmbedding, CpuLinear, CpuOutput
 from kvchat.engine.models.model import load_model
@@ -267,18 +268,18 @@ def test_numpy_rotary_embedding_matches_mlx(traditional, dims):
     x = mx.random.normal((3, 64))
     five = mx.random.normal((5, 3, 64))
     for name, rope in ropes(dims, traditional).items():
-        form = decode.rope_form(rope)
+        form = rope_module.rope_form(rope)
         assert not isinstance(form, str), name
-        tables = decode._rotations(
+        tables = rope_module.rotations(
             {(form.key, at, n): (rope, form) for at, n in ((37, 1), (300, 1), (37, 5))}
         )
         for offset in (37, 300):
             cos, sin = tables[form.key, offset, 1]
-            got = decode._rope(np.asarray(x), form, cos[0], sin[0])
+            got = rope_module.rotate(np.asarray(x), form, cos[0], sin[0])
             want = rope(x[None, :, None], offset=offset).reshape(3, 64)
             assert mx.allclose(mx.array(got), want, atol=1e-5).item(), (name, offset)
         cos, sin = tables[form.key, 37, 5]
-        got = decode._rope(np.asarray(five), form, cos[:, None], sin[:, None])
+        got = rope_module.rotate(np.asarray(five), form, cos[:, None], sin[:, None])
         want = rope(five.transpose(1, 0, 2)[None], offset=37)[0].transpose(1, 0, 2)
         assert mx.allclose(mx.array(got), want, atol=1e-5).item(), (name, "five")
 

@@ -28,6 +28,7 @@ import mlx.nn as nn
 
 from kvchat.engine.cpu import decode, linear
 from kvchat.engine.cpu.layers import MLP, Attention, Body
+from kvchat.engine.cpu.rope import rope_form
 
 __all__ = ["ENV", "FastPath", "prepare", "step_problem", "decode_batch", "wanted"]
 
@@ -113,7 +114,7 @@ def _layer_problem(layer: nn.Module) -> str | None:
         return f"{heads!r} query heads over {kv_heads!r} key/value heads"
     if not isinstance(scale, float):
         return f"attention scale {scale!r}"
-    rope = decode.rope_form(attn.rope)
+    rope = rope_form(attn.rope)
     if isinstance(rope, str):
         return rope
     if rope.dims > attn.q_proj.weight.shape[0] // heads:
@@ -134,7 +135,7 @@ def _linears_problem(body: nn.Module) -> str | None:
 def _give_layers(model: nn.Module, fast: FastPath | None) -> None:
     """kvchat's attention and MLP in each block of ``model``; its body too when ``fast``."""
     for layer in model.model.layers:
-        form = decode.rope_form(layer.self_attn.rope) if fast is not None else None
+        form = rope_form(layer.self_attn.rope) if fast is not None else None
         attn = Attention(layer.self_attn, fast, form)
         layer.update_modules({"self_attn": attn, "mlp": MLP(layer.mlp, fast)})
     if fast is not None:

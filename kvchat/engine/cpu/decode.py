@@ -17,119 +17,38 @@ mlx-lm.
 :func:`hidden` takes B sequences, each with its own per-layer caches (of any
 lengths) and one token or, on a plain ``KVCache``, several (a short prompt
 folded into a decoding step): the linear layers multiply every row's tokens at
-once (the weights stream once a step), attention runs row by row over each
-row's cache and its own new tokens (causal among them).
+once (the weights stream once a step). Attention reads each row's cache and its
+own new tokens (causal among them): the one-token rows on plain caches all in
+one call of the native kernel (fused.c, reading each cache where it is), the
+others row by row in numpy.
 The rotary embedding's cosines and sines are the model's own RoPE module's
 (whatever its variant: it is applied to ones and zeros at each row's offset).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models import rope_utils
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
 from kvchat.engine.caches import rotated
 from kvchat.engine.caches.rotated import RotatedKVCache
+from kvchat.engine.cpu import native
 from kvchat.engine.cpu.attention import swiglu_rows
 from kvchat.engine.cpu.linear import param_view, product, projections
+from kvchat.engine.cpu.rope import RopeForm, RopeKey, Turn, rotate, rotations
 
 # caches whose single-token mask is None
 CACHES = (KVCache, ConcatenateKVCache, QuantizedKVCache, RotatedKVCache)
-# RoPE modules that turn each pair of the first ``dims`` features by an angle (after an
-# optional constant factor) and leave the rest: what applying one to ones and zeros reads.
-ROPES = (
-    nn.RoPE,
-    rope_utils.Llama3RoPE,
-    rope_utils.YarnRoPE,
-    rope_utils.SuScaledRoPE,
-    rope_utils.ProportionalRoPE,
-    rope_utils.DynamicNTKScalingRoPE,
-)
 
 
 def takes(cache: list[Any]) -> bool:
     """Every layer's cache is of a class the step reads."""
     return all(type(c) in CACHES for c in cache)
-
-
-# A RoPE module's class name, its settings and its frequency table (bytes), if any.
-RopeKey = tuple[str, tuple[tuple[str, bool | int | float | str], ...], bytes | None]
-# (cos, sin) of the angles one offset turns each feature pair by
-Turn = tuple[np.ndarray, np.ndarray]
-
-
-@dataclass(frozen=True)
-class RopeForm:
-    """What the step needs of a RoPE module: the features it turns, their pairing, and a
-    key equal for modules that compute the same angles (one table for all layers)."""
-
-    dims: int
-    traditional: bool
-    key: RopeKey
-
-
-def rope_form(rope: nn.Module) -> RopeForm | str:
-    """``rope``'s :class:`RopeForm`, or why the step cannot take it."""
-    if type(rope) not in ROPES:
-        return f"its RoPE ({type(rope).__name__}) is not one the numpy step computes"
-    dims = getattr(rope, "dims", None) or getattr(rope, "dim", None)
-    if not isinstance(dims, int) or dims <= 0 or dims % 2:
-        return f"its RoPE turns {dims!r} features (an even count is needed)"
-    settings = tuple(
-        sorted((k, v) for k, v in vars(rope).items() if isinstance(v, (bool, int, float, str)))
-    )
-    freqs = rope.get("_freqs")
-    table = None if freqs is None else np.asarray(freqs.astype(mx.float32)).tobytes()
-    return RopeForm(
-        dims, bool(getattr(rope, "traditional", False)), (type(rope).__name__, settings, table)
-    )
-
-
-def _rotations(
-    needed: dict[tuple[RopeKey, int, int], tuple[nn.Module, RopeForm]],
-) -> dict[tuple[RopeKey, int, int], Turn]:
-    """``{(form key, offset, count): (cos, sin)}``, each ``(count, dims / 2)``, for
-    ``needed`` ``{(key, offset, count): (rope, form)}``: the RoPE module applied to ones
-    and zeros at ``count`` positions from ``offset`` (as a forward pass of ``count``
-    tokens applies it), all of them in one evaluation."""
-    probes: dict[tuple[RopeKey, int, int], mx.array] = {}
-    for (key, offset, count), (rope, form) in needed.items():
-        probe = np.zeros((count, form.dims), dtype=np.float32)
-        half = form.dims // 2
-        probe[:, slice(0, None, 2) if form.traditional else slice(0, half)] = 1  # pairs' first
-        probes[key, offset, count] = rope(mx.array(probe)[None, None], offset=offset)
-    mx.eval(list(probes.values()))
-    tables: dict[tuple[RopeKey, int, int], Turn] = {}
-    for at, turned in probes.items():
-        flat, form = np.asarray(turned)[0, 0], needed[at][1]
-        if form.traditional:
-            tables[at] = flat[:, 0::2].copy(), flat[:, 1::2].copy()
-        else:
-            tables[at] = flat[:, : form.dims // 2].copy(), flat[:, form.dims // 2 :].copy()
-    return tables
-
-
-def _rope(x: np.ndarray, form: RopeForm, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate the first ``form.dims`` features of each head of ``x`` (heads × head dim, or
-    tokens × heads × head dim with ``cos``/``sin`` of shape tokens × 1 × dims / 2)."""
-    out = x.copy()
-    dims = form.dims
-    if form.traditional:
-        a, b = x[..., 0:dims:2], x[..., 1:dims:2]
-        out[..., 0:dims:2] = a * cos - b * sin
-        out[..., 1:dims:2] = a * sin + b * cos
-    else:
-        half = dims // 2
-        a, b = x[..., :half], x[..., half:dims]
-        out[..., :half] = a * cos - b * sin
-        out[..., half:dims] = a * sin + b * cos
-    return out
 
 
 def view(module: nn.Module, name: str = "weight") -> np.ndarray:
@@ -173,8 +92,8 @@ def _attention(
     first, so that the token attends to its own key as stored, as in mlx-lm); the keys and
     values before it are read from the cache."""
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
-    q = _rope(q.reshape(heads, -1), form, *turn)
-    k = _rope(k.reshape(kv_heads, -1), form, *turn)
+    q = rotate(q.reshape(heads, -1), form, *turn)
+    k = rotate(k.reshape(kv_heads, -1), form, *turn)
     v = v.reshape(kv_heads, -1)
     grouped = q.reshape(kv_heads, heads // kv_heads, -1) * np.float32(attn.scale)
     turned = None  # a rotated cache's rotation R: keys, values and queries times R
@@ -226,8 +145,8 @@ def _attention_tokens(
     to hand to the cache."""
     n, heads, kv_heads = q.shape[0], attn.n_heads, attn.n_kv_heads
     cos, sin = (t[:, None, :] for t in turn)
-    q = _rope(q.reshape(n, heads, -1), form, cos, sin)
-    k = _rope(k.reshape(n, kv_heads, -1), form, cos, sin).transpose(1, 0, 2)
+    q = rotate(q.reshape(n, heads, -1), form, cos, sin)
+    k = rotate(k.reshape(n, kv_heads, -1), form, cos, sin).transpose(1, 0, 2)
     v = v.reshape(n, kv_heads, -1).transpose(1, 0, 2)
     group, dim = heads // kv_heads, q.shape[-1]
     # (kv heads, tokens × group, head dim): query t's group of heads at rows t·group…
@@ -249,6 +168,44 @@ def _attention_tokens(
         out += np.matmul(scores[:, :, :span], np.asarray(cache.values)[0, :, :span])
     out = out.reshape(kv_heads, n, group, -1).transpose(1, 0, 2, 3)
     return out.reshape(n, -1), (k, v)
+
+
+def _in_place(cache: Any) -> bool:
+    """Whether the native kernel can read ``cache``'s keys and values where they are: a
+    plain cache (not quantized or rotated) whose buffers are C-contiguous."""
+    if type(cache) not in (KVCache, ConcatenateKVCache):
+        return False
+    return not cache.offset or all(
+        np.asarray(a).flags.c_contiguous for a in (cache.keys, cache.values)
+    )
+
+
+def _attend(
+    fused: ModuleType,
+    attn: nn.Module,
+    form: RopeForm,
+    qkv: tuple[np.ndarray, np.ndarray, np.ndarray],
+    at: np.ndarray,
+    own: list[Any],
+    turns: dict[tuple[RopeKey, int, int], Turn],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A layer's attention for rows of one token each (theirs at ``at`` in ``qkv``, their
+    caches ``own``) by the native kernel, which reads each cache in place: the outputs
+    ``(rows, features)`` and the rotated new keys and values ``(rows, kv heads, head
+    dim)`` for the caller to hand to the caches. Their rotations go in one call."""
+    r, heads, kv_heads = len(own), attn.n_heads, attn.n_kv_heads
+    cos = np.stack([turns[form.key, c.offset, 1][0][0] for c in own])[:, None]
+    sin = np.stack([turns[form.key, c.offset, 1][1][0] for c in own])[:, None]
+    q, k, v = (x[at] for x in qkv)
+    q = rotate(q.reshape(r, heads, -1), form, cos, sin)
+    k = rotate(k.reshape(r, kv_heads, -1), form, cos, sin)
+    v = v.reshape(r, kv_heads, -1)
+    spans = [c.offset for c in own]
+    keys = [np.asarray(c.keys) if c.offset else None for c in own]
+    values = [np.asarray(c.values) if c.offset else None for c in own]
+    out = np.empty_like(q)
+    fused.attend(q, k, v, keys, values, spans, float(attn.scale), out)
+    return out.reshape(r, -1), k, v
 
 
 def _stored(cache: QuantizedKVCache, k: np.ndarray, v: np.ndarray) -> Turn:
@@ -343,26 +300,39 @@ def hidden(
     for cache, n in zip(caches, counts):
         for layer, form, c in zip(layers, forms, cache):
             needed.setdefault((form.key, c.offset, n), (layer.self_attn.rope, form))
-    turns = _rotations(needed)
+    turns = rotations(needed)
     x = view(body.embed_tokens)[np.asarray([t for row in tokens for t in row], dtype=np.int64)]
     new: list[list[Turn | None]] = [[None] * len(layers) for _ in tokens]
+    fused = native.module("fused")
     for i, (layer, form) in enumerate(zip(layers, forms)):
         attn = layer.self_attn
         h = _rms(x, layer.input_layernorm)
         q, k, v = (_linear(p, h) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-        rows = []
+        rows: list[np.ndarray] = [np.empty(0)] * len(tokens)
+        # one-token rows on plain caches: the native kernel, all in one call
+        quick = [b for b, row in enumerate(caches) if counts[b] == 1 and _in_place(row[i])]
+        if fused is None:
+            quick = []
+        elif quick:
+            own = [caches[b][i] for b in quick]
+            outs, ks, vs = _attend(fused, attn, form, (q, k, v), starts[quick], own, turns)
+            for j, b in enumerate(quick):
+                rows[b], new[b][i] = outs[j : j + 1], (ks[j][:, None], vs[j][:, None])
         for b, (cache, n) in enumerate(zip(caches, counts)):
+            if b in quick:
+                continue
             turn = turns[form.key, cache[i].offset, n]
             at = slice(starts[b], starts[b + 1])
             if n == 1:
                 one = (turn[0][0], turn[1][0])
                 t = starts[b]
                 out, kv = _attention(attn, form, q[t], k[t], v[t], cache[i], one)
-                rows.append(out[None])
+                rows[b] = out[None]
                 new[b][i] = None if kv is None else (kv[0][:, None], kv[1][:, None])
             else:
-                out, new[b][i] = _attention_tokens(attn, form, q[at], k[at], v[at], cache[i], turn)
-                rows.append(out)
+                rows[b], new[b][i] = _attention_tokens(
+                    attn, form, q[at], k[at], v[at], cache[i], turn
+                )
         mixed = np.concatenate(rows)
         if i == len(layers) - 1 and len(x) > len(tokens):  # only rows' last tokens go on
             x, mixed = x[starts[1:] - 1], mixed[starts[1:] - 1]

@@ -28,7 +28,7 @@ from kvchat.engine.cpu import attention, decode
 
 if TYPE_CHECKING:
     from kvchat.engine.cpu import FastPath
-    from kvchat.engine.cpu.decode import RopeForm
+    from kvchat.engine.cpu.rope import RopeForm
 
 
 def _on(fast: FastPath | None) -> bool:

@@ -17,17 +17,16 @@ model then runs at its float32 twin's speed, in its memory.
 
 from __future__ import annotations
 
-import functools
-import os
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map_with_path
 
+from kvchat.engine.cpu import native
 from kvchat.engine.cpu.attention import as_numpy
 
 if TYPE_CHECKING:
@@ -43,32 +42,14 @@ SKINNY_ROWS = 256
 # same run: 72 against 147 ms for 2 rows, 94–101 against 159 ms for 8, 114 against 185 for
 # 9, 158–166 against 162–180 ms for 16 (level); one row's gemv, 62–64 ms, stays BLAS's.
 KERNEL_ROWS = 16
-KERNEL_ENV = "KVCHAT_ROWS_KERNEL"  # "0": batched rows through numpy's BLAS (to compare)
 Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
-
-
-@functools.cache
-def _built() -> Kernel | None:
-    try:
-        from kvchat.engine.cpu.rows import matmul_t
-    except ImportError:  # built without a C compiler (pyproject.toml's ext-modules)
-        return None
-    return matmul_t
 
 
 def kernel() -> Kernel | None:
     """The native few-row kernel's ``matmul_t(w, x, out)`` (``out = x @ w.T``), or None
-    where it was not built or is switched off."""
-    return None if os.environ.get(KERNEL_ENV, "1") == "0" else _built()
-
-
-def rows_route() -> str:
-    """How a batched decoding step multiplies its rows, in a phrase for ``kvchat doctor``."""
-    if kernel() is not None:
-        return f"kvchat's native kernel reads the weights once for 2 to {KERNEL_ROWS} rows"
-    if _built() is not None:
-        return f"numpy's BLAS ({KERNEL_ENV}=0)"
-    return "numpy's BLAS (kvchat's native kernel was not built: no C compiler at install)"
+    where it was not built or is switched off (:mod:`.native`)."""
+    rows = native.module("rows")
+    return None if rows is None else cast(Kernel, rows.matmul_t)
 
 
 # (id(module), name) -> (the array, its numpy view): kept beside the modules rather than
@@ -96,9 +77,9 @@ def product(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
     n = rows.shape[0]
     if n == 1:
         out = (w @ rows[0])[None]  # a matrix-vector product: BLAS gemv
-    elif n <= KERNEL_ROWS and w.flags.c_contiguous and (native := kernel()) is not None:
+    elif n <= KERNEL_ROWS and w.flags.c_contiguous and (matmul_t := kernel()) is not None:
         out = np.empty((n, w.shape[0]), dtype=np.float32)
-        native(w, np.ascontiguousarray(rows), out)
+        matmul_t(w, np.ascontiguousarray(rows), out)
     elif n <= SKINNY_ROWS:
         out = (w @ rows.T).T  # the weight as the long side of the product
     else:

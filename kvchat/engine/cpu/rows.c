@@ -19,32 +19,11 @@
 #include <omp.h>
 #endif
 
-#define VL 8     /* floats in a vector: 256 bits */
+#include "vectors.h"
+
 #define NR 4     /* weight rows a tile streams together */
 #define MB 8     /* rows of x a tile takes (more go in groups of MB) */
 #define MAX_ROWS 64
-
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
-
-static inline __attribute__((always_inline)) vf load(const float *p) { return *(const vfu *)p; }
-
-/* The sums of eight vectors' lanes in one vector, by a transpose-and-add tree (three
- * rounds of shuffles and adds instead of eight serial sums of eight lanes): a[i]'s sum
- * lands in lane SLOT[i]. Each sum's additions do not depend on the other vectors. */
-#define SH __builtin_shufflevector
-static const int SLOT[8] = {0, 4, 2, 6, 1, 5, 3, 7};
-
-static inline __attribute__((always_inline)) vf lane_sums(const vf *a) {
-    vf c[4], d[2];
-    for (int i = 0; i < 4; i++)
-        c[i] = SH(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
-             + SH(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int i = 0; i < 2; i++)
-        d[i] = SH(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
-             + SH(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return SH(d[0], d[1], 0, 8, 2, 10, 4, 12, 6, 14) + SH(d[0], d[1], 1, 9, 3, 11, 5, 13, 7, 15);
-}
 
 /* y[b, o + r] for b < nb, r < NR: weight rows o … o + NR − 1 times nb rows of x. */
 static inline __attribute__((always_inline)) void tile(
@@ -81,16 +60,6 @@ static void row_by_row(
         y[b * n + o] = s;
     }
 }
-
-/* One clone per instruction set where the compiler can make them (chosen at load). */
-#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-#endif
-#ifndef CLONES
-#define CLONES
-#endif
 
 /* Weight rows lo … hi − 1 (a multiple of NR apart) times every row of x. */
 CLONES static void band(

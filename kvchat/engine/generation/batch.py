@@ -18,8 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from kvchat.engine.caches.kinds import copy_cache
-from kvchat.engine.cpu import decode_batch
-from kvchat.engine.cpu.linear import rows_route
+from kvchat.engine.cpu import decode_batch, native
 from kvchat.engine.generation.sequence import Sequence
 
 
@@ -90,7 +89,7 @@ def decoding_path(lm: Any) -> str:
     if separate_batches(fast):
         return (
             "CPU fast path: its batched numpy step decodes every row at once, each on its "
-            f"own cache (the model's decoding step runs whole in numpy; {rows_route()})"
+            f"own cache (the model's decoding step runs whole in numpy; {native.route()})"
         )
     if fast is None:
         why = f"CPU fast path {getattr(lm, 'fast_path_off', 'off')}"

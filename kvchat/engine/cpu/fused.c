@@ -1,0 +1,299 @@
+/* kvchat.engine.cpu.fused: SwiGLU and one-token attention in one pass each.
+ *
+ * The numpy decoding step spends most of what is not matmul on many small numpy calls:
+ * a row's attention over its cache is about twenty of them (rotate, group, scores,
+ * max, exp, sums, weighted values), about 0.1 ms a row and layer whatever the cache's
+ * length, so 8 rows of qwen2.5-0.5b cost about 20 ms a step. SwiGLU over many rows (a
+ * step that takes short prompts whole) is five passes over the activations. Here:
+ *
+ * - swiglu(g, u, out): out = silu(g) · u in one pass;
+ * - attend(q, k, v, keys, values, spans, scale, out): for each of R rows, its token's
+ *   grouped-query attention over the first spans[r] keys and values of the row's own
+ *   cache (mlx-lm's KVCache buffer, (1, kv heads, capacity, head dim), read in place)
+ *   and its own new key and value last, every (row, kv head) a task over the cores.
+ *
+ * exp is computed in vectors (vexp: a degree-6 polynomial after range reduction, as
+ * Cephes' expf, within 2 ulp of it); the sums run in another order than numpy's, so
+ * results agree with the numpy step to float32 rounding, not bit for bit.
+ * The build (pyproject.toml's ext-modules) is optional: without it the numpy step runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vectors.h"
+
+/* Lane by lane, a where pick is all ones, else b (pick: a comparison's result). */
+static inline __attribute__((always_inline)) vf choose(vi pick, vf a, vf b) {
+    return (vf)(((vi)a & pick) | ((vi)b & ~pick));
+}
+
+/* e^x of each lane: x = n·ln 2 + r with |r| ≤ ln 2 / 2, e^r by Cephes' expf polynomial,
+ * 2^n put in the exponent bits. x is held to [-87.3, 88] (e^x between 1.2e-38 and
+ * 1.7e38, no denormals or infinities): a softmax's zeros come out as 1e-38, SwiGLU's
+ * silu of a very negative input as -1e-37 rather than -0. */
+static inline __attribute__((always_inline)) vf vexp(vf x) {
+    const vf lo = splat(-87.3f), hi = splat(88.0f), shift = splat(12582912.0f); /* 1.5·2²³ */
+    x = choose(x < lo, lo, x);
+    x = choose(x > hi, hi, x);
+    vf t = x * splat(1.44269504088896341f) + shift; /* round(x / ln 2) in the low bits */
+    vf n = t - shift;
+    vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    vi e = ((vi)t - (vi)shift + 127) << 23; /* 2^n */
+    return p * (vf)e;
+}
+
+static float exp1(float x) { return vexp(splat(x))[0]; }
+
+/* out[i] = g[i] / (1 + e^-g[i]) · u[i] for i in lo … hi − 1. */
+CLONES static void silu_mul(const float *g, const float *u, float *out, Py_ssize_t lo,
+                            Py_ssize_t hi) {
+    Py_ssize_t i = lo;
+    for (; i + VL <= hi; i += VL) {
+        vf a = load(g + i);
+        store(out + i, a / (vexp(-a) + splat(1.0f)) * load(u + i));
+    }
+    for (; i < hi; i++) out[i] = g[i] / (exp1(-g[i]) + 1.0f) * u[i];
+}
+
+/* Attention over fewer keys and values than this many floats runs on the calling thread:
+ * waking the others costs more, and they may be busy (BLAS's threads spin for a while
+ * after each product). SwiGLU always does: after a product through BLAS, a second
+ * thread made it ten times slower, not twice as fast. */
+#define SPREAD (1 << 20)
+
+/* Attention of `gn` (at most 8) queries of one kv head (each `dim` floats, consecutive)
+ * over `span` cached keys and values (rows of `dim`) and the token's own key and value,
+ * their scores at scores + g · (span + 1). A key's gn dot products are summed in one
+ * lane_sums tree; the gn outputs' vector of dims stays in registers while the values
+ * stream. Called with a constant gn, so that the loops over it unroll. */
+static inline __attribute__((always_inline)) void attend_block(
+    const float *q, const float *keys, const float *values, const float *k, const float *v,
+    Py_ssize_t span, int gn, int dim, float scale, float *scores, float *out) {
+    Py_ssize_t width = span + 1;
+    for (Py_ssize_t j = 0; j <= span; j++) {
+        const float *key = j < span ? keys + j * dim : k;
+        vf acc[8] = {{0}};
+        for (int d = 0; d < dim; d += VL) {
+            vf kd = load(key + d);
+            for (int g = 0; g < gn; g++) acc[g] += load(q + g * dim + d) * kd;
+        }
+        vf sums = lane_sums(acc) * splat(scale);
+        for (int g = 0; g < gn; g++) scores[g * width + j] = sums[SLOT[g]];
+    }
+    vf total[8] = {{0}};
+    for (int g = 0; g < gn; g++) { /* softmax numerators, in place, and their sums */
+        float *row = scores + g * width, top = row[0];
+        for (Py_ssize_t j = 1; j <= span; j++) top = row[j] > top ? row[j] : top;
+        Py_ssize_t j = 0;
+        for (; j + VL <= width; j += VL) {
+            vf e = vexp(load(row + j) - splat(top));
+            store(row + j, e);
+            total[g] += e;
+        }
+        for (; j < width; j++) total[g][0] += (row[j] = exp1(row[j] - top));
+    }
+    vf inv = splat(1.0f) / lane_sums(total); /* lanes past gn: 1 / 0, unused */
+    for (int d = 0; d < dim; d += VL) {
+        vf o[8] = {{0}};
+        for (Py_ssize_t j = 0; j <= span; j++) {
+            vf val = load((j < span ? values + j * dim : v) + d);
+            for (int g = 0; g < gn; g++) o[g] += splat(scores[g * width + j]) * val;
+        }
+        for (int g = 0; g < gn; g++) store(out + g * dim + d, o[g] * splat(inv[SLOT[g]]));
+    }
+}
+
+/* One row's attention for one kv head: its `group` queries, eight at a time; `scores`
+ * has room for group · (span + 1) floats. */
+CLONES static void attend_head(const float *q, const float *keys, const float *values,
+                               const float *k, const float *v, Py_ssize_t span, int group,
+                               int dim, float scale, float *scores, float *out) {
+    for (int g0 = 0; g0 < group; g0 += 8) {
+        const float *qg = q + g0 * dim;
+        float *s = scores + g0 * (span + 1), *o = out + g0 * dim;
+        switch (group - g0 < 8 ? group - g0 : 8) { /* a constant gn: unrolled */
+        case 1: attend_block(qg, keys, values, k, v, span, 1, dim, scale, s, o); break;
+        case 2: attend_block(qg, keys, values, k, v, span, 2, dim, scale, s, o); break;
+        case 3: attend_block(qg, keys, values, k, v, span, 3, dim, scale, s, o); break;
+        case 4: attend_block(qg, keys, values, k, v, span, 4, dim, scale, s, o); break;
+        case 5: attend_block(qg, keys, values, k, v, span, 5, dim, scale, s, o); break;
+        case 6: attend_block(qg, keys, values, k, v, span, 6, dim, scale, s, o); break;
+        case 7: attend_block(qg, keys, values, k, v, span, 7, dim, scale, s, o); break;
+        default: attend_block(qg, keys, values, k, v, span, 8, dim, scale, s, o); break;
+        }
+    }
+}
+
+typedef struct {
+    const float *keys, *values; /* the row's cache buffers, (kv heads, capacity, dim) */
+    Py_ssize_t span, capacity;
+} Row;
+
+static int attend_all(const float *q, const float *k, const float *v, const Row *rows,
+                      Py_ssize_t n_rows, int heads, int kv_heads, int dim, float scale,
+                      float *out) {
+    int group = heads / kv_heads, failed = 0;
+    Py_ssize_t tasks = n_rows * kv_heads, floats = 0;
+    for (Py_ssize_t r = 0; r < n_rows; r++) floats += 2 * rows[r].span * kv_heads * dim;
+#pragma omp parallel for schedule(dynamic) reduction(| : failed) if (floats > SPREAD)
+    for (Py_ssize_t t = 0; t < tasks; t++) {
+        Py_ssize_t r = t / kv_heads, h = t % kv_heads;
+        const Row *row = rows + r;
+        float *scores = malloc(sizeof(float) * group * (row->span + 1));
+        if (!scores) {
+            failed = 1;
+            continue;
+        }
+        Py_ssize_t at = (r * kv_heads + h) * dim, cached = h * row->capacity * dim;
+        attend_head(q + (r * heads + h * group) * dim,
+                    row->span ? row->keys + cached : NULL,
+                    row->span ? row->values + cached : NULL, k + at, v + at, row->span, group,
+                    dim, scale, scores, out + (r * heads + h * group) * dim);
+        free(scores);
+    }
+    return failed;
+}
+
+/* ------------------------------------------------------------------ Python side */
+
+/* A C-contiguous float32 array of `ndim` dimensions: 0, or -1 with the exception set. */
+static int floats(PyObject *obj, Py_buffer *view, int ndim, int writable, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
+    if (view->ndim != ndim || view->itemsize != 4 || !view->format || strcmp(view->format, "f")) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %d-D float32 array", name, ndim);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *swiglu(PyObject *self, PyObject *args) {
+    PyObject *objs[3];
+    if (!PyArg_ParseTuple(args, "OOO:swiglu", &objs[0], &objs[1], &objs[2])) return NULL;
+    Py_buffer b[3];
+    const char *names[3] = {"g", "u", "out"};
+    for (int i = 0; i < 3; i++)
+        if (floats(objs[i], &b[i], 2, i == 2, names[i]) < 0) {
+            while (i--) PyBuffer_Release(&b[i]);
+            return NULL;
+        }
+    PyObject *result = NULL;
+    if (b[0].len != b[1].len || b[0].len != b[2].len)
+        PyErr_SetString(PyExc_ValueError, "g, u and out must have the same shape");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        silu_mul(b[0].buf, b[1].buf, b[2].buf, 0, b[0].len / 4);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    for (int i = 0; i < 3; i++) PyBuffer_Release(&b[i]);
+    return result;
+}
+
+/* Each row's cache buffers as Row entries, their views in `held` (2 per row): 0, or -1
+ * with the exception set and nothing held. */
+static int cache_rows(PyObject *keys, PyObject *values, PyObject *spans, Py_ssize_t n_rows,
+                      int kv_heads, int dim, Row *rows, Py_buffer *held) {
+    for (Py_ssize_t r = 0; r < n_rows; r++) {
+        Py_ssize_t span = PyLong_AsSsize_t(PyList_GET_ITEM(spans, r));
+        if (span == -1 && PyErr_Occurred()) goto fail;
+        rows[r] = (Row){NULL, NULL, span, 0};
+        memset(&held[2 * r], 0, 2 * sizeof(Py_buffer));
+        if (span == 0) continue;
+        if (floats(PyList_GET_ITEM(keys, r), &held[2 * r], 4, 0, "keys") < 0) goto fail;
+        if (floats(PyList_GET_ITEM(values, r), &held[2 * r + 1], 4, 0, "values") < 0) {
+            PyBuffer_Release(&held[2 * r]);
+            held[2 * r].obj = NULL;
+            goto fail;
+        }
+        Py_ssize_t *ks = held[2 * r].shape, *vs = held[2 * r + 1].shape;
+        if (ks[0] != 1 || ks[1] != kv_heads || ks[3] != dim || memcmp(ks, vs, 4 * sizeof *ks)
+            || span < 0 || span > ks[2]) {
+            PyErr_SetString(PyExc_ValueError,
+                            "a row's keys and values must be (1, kv heads, capacity ≥ span, dim)");
+            PyBuffer_Release(&held[2 * r]);
+            PyBuffer_Release(&held[2 * r + 1]);
+            held[2 * r].obj = held[2 * r + 1].obj = NULL;
+            goto fail;
+        }
+        rows[r] = (Row){held[2 * r].buf, held[2 * r + 1].buf, span, ks[2]};
+    }
+    return 0;
+fail:
+    for (Py_ssize_t i = 0; i < 2 * n_rows; i++)
+        if (held[i].obj) PyBuffer_Release(&held[i]);
+    return -1;
+}
+
+static PyObject *attend(PyObject *self, PyObject *args) {
+    PyObject *objs[4], *keys, *values, *spans;
+    float scale;
+    if (!PyArg_ParseTuple(args, "OOOO!O!O!fO:attend", &objs[0], &objs[1], &objs[2],
+                          &PyList_Type, &keys, &PyList_Type, &values, &PyList_Type, &spans,
+                          &scale, &objs[3]))
+        return NULL;
+    Py_buffer b[4];
+    const char *names[4] = {"q", "k", "v", "out"};
+    for (int i = 0; i < 4; i++)
+        if (floats(objs[i], &b[i], 3, i == 3, names[i]) < 0) {
+            while (i--) PyBuffer_Release(&b[i]);
+            return NULL;
+        }
+    Py_ssize_t n_rows = b[0].shape[0], heads = b[0].shape[1], dim = b[0].shape[2];
+    Py_ssize_t kv_heads = b[1].shape[1];
+    PyObject *result = NULL;
+    Row *rows = NULL;
+    Py_buffer *held = NULL;
+    if (memcmp(b[0].shape, b[3].shape, 3 * sizeof(Py_ssize_t))
+        || memcmp(b[1].shape, b[2].shape, 3 * sizeof(Py_ssize_t)) || b[1].shape[0] != n_rows
+        || b[1].shape[2] != dim || kv_heads < 1 || heads % kv_heads || dim % VL)
+        PyErr_SetString(PyExc_ValueError,
+                        "q and out must be (rows, heads, dim), k and v (rows, kv heads, dim), "
+                        "heads a multiple of kv heads and dim of 8");
+    else if (PyList_GET_SIZE(keys) != n_rows || PyList_GET_SIZE(values) != n_rows
+             || PyList_GET_SIZE(spans) != n_rows)
+        PyErr_SetString(PyExc_ValueError, "keys, values and spans need one entry a row");
+    else if (!(rows = PyMem_Calloc(n_rows, sizeof *rows))
+             || !(held = PyMem_Calloc(2 * n_rows, sizeof *held)))
+        PyErr_NoMemory();
+    else if (cache_rows(keys, values, spans, n_rows, kv_heads, dim, rows, held) == 0) {
+        int failed;
+        Py_BEGIN_ALLOW_THREADS
+        failed = attend_all(b[0].buf, b[1].buf, b[2].buf, rows, n_rows, heads, kv_heads, dim,
+                            scale, b[3].buf);
+        Py_END_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < 2 * n_rows; i++)
+            if (held[i].obj) PyBuffer_Release(&held[i]);
+        result = failed ? PyErr_NoMemory() : Py_NewRef(Py_None);
+    }
+    PyMem_Free(rows);
+    PyMem_Free(held);
+    for (int i = 0; i < 4; i++) PyBuffer_Release(&b[i]);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"swiglu", swiglu, METH_VARARGS,
+     "swiglu(g, u, out): out = silu(g) * u for C-contiguous 2-D float32 arrays of one shape."},
+    {"attend", attend, METH_VARARGS,
+     "attend(q, k, v, keys, values, spans, scale, out): each row's one-token grouped-query "
+     "attention over its cache's first spans[r] keys and values, then its own k and v."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvchat.engine.cpu.fused",
+    "SwiGLU and one-token attention in one pass each (see fused.c).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit_fused(void) { return PyModule_Create(&module); }

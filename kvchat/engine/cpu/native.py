@@ -1,0 +1,38 @@
+"""kvchat's optional native kernels: ``rows`` (rows.c, a few rows' products reading the
+weights once) and ``fused`` (fused.c, one-token attention and SwiGLU in one pass each).
+
+pyproject.toml builds them at install where a C compiler is found; where none was, or
+with ``KVCHAT_NATIVE=0`` (to compare), the numpy step computes the same without them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+
+ENV = "KVCHAT_NATIVE"  # "0": kvchat's native kernels off, numpy and its BLAS instead
+
+
+@functools.cache
+def built(name: str) -> ModuleType | None:
+    """The native module ``kvchat.engine.cpu.<name>``, or None where it was not built."""
+    try:
+        return importlib.import_module(f"kvchat.engine.cpu.{name}")
+    except ImportError:  # no C compiler at install (pyproject.toml's ext-modules)
+        return None
+
+
+def module(name: str) -> ModuleType | None:
+    """:func:`built`'s module, or None where it was not built or is switched off."""
+    return None if os.environ.get(ENV, "1") == "0" else built(name)
+
+
+def route() -> str:
+    """Which native kernels the numpy step uses, in a phrase for ``kvchat doctor``."""
+    if module("rows") is not None and module("fused") is not None:
+        return "kvchat's native kernels: weights read once for 2 to 16 rows, fused attention"
+    if built("rows") is not None or built("fused") is not None:
+        return f"numpy and its BLAS ({ENV}=0)"
+    return "numpy and its BLAS (kvchat's native kernels were not built: no C compiler at install)"

@@ -1,0 +1,47 @@
+/* What kvchat's native kernels (rows.c, fused.c) share: float vectors of 256 bits in
+ * GCC's vector extensions, the sum of eight vectors' lanes, and the per-instruction-set
+ * clones of the loops that use them. */
+#ifndef KVCHAT_VECTORS_H
+#define KVCHAT_VECTORS_H
+
+#define VL 8 /* floats in a vector: 256 bits */
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int vi __attribute__((vector_size(VL * 4)));
+
+static inline __attribute__((always_inline)) vf load(const float *p) { return *(const vfu *)p; }
+static inline __attribute__((always_inline)) void store(float *p, vf a) { *(vfu *)p = a; }
+/* A vector of eight a's. A macro: as an inline function, compiled for the baseline
+ * instruction set before target_clones copies its callers, it made fused.c's clones
+ * build the vector lane by lane (attention 5 times slower). */
+#define splat(a) ((vf){(a), (a), (a), (a), (a), (a), (a), (a)})
+
+/* The sums of eight vectors' lanes in one vector, by a transpose-and-add tree (three
+ * rounds of shuffles and adds instead of eight serial sums of eight lanes): a[i]'s sum
+ * lands in lane SLOT[i]. Each sum's additions do not depend on the other vectors. */
+#define SH __builtin_shufflevector
+static const int SLOT[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+
+static inline __attribute__((always_inline)) vf lane_sums(const vf *a) {
+    vf c[4], d[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = SH(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + SH(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        d[i] = SH(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+             + SH(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SH(d[0], d[1], 0, 8, 2, 10, 4, 12, 6, 14) + SH(d[0], d[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+/* One clone per instruction set where the compiler can make them (chosen at load). */
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef CLONES
+#define CLONES
+#endif
+
+#endif

@@ -1,0 +1,175 @@
+"""The native fused kernels (kvchat/engine/cpu/fused.c): SwiGLU and one-token attention
+equal a float64 reference for every shape they take, a row's result does not depend on
+the rows beside it, bad arguments are refused and leave the output alone, and the
+decoding step reads a cache in place only where its buffers allow it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvchat.engine.cpu import decode, native
+
+fused = pytest.importorskip(
+    "kvchat.engine.cpu.fused", reason="the native kernels were not built (no C compiler)"
+)
+
+
+def silu_times(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    g64 = g.astype(np.float64)
+    with np.errstate(over="ignore"):
+        return (g64 / (1 + np.exp(-g64)) * u).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (1, 8), (3, 4864), (144, 4864)])
+def test_swiglu_equals_the_reference(shape):
+    """Lengths around the vectors of 8 (the tail computed one by one), and enough rows
+    to be spread over the cores; inputs far out on both sides of exp's range."""
+    rng = np.random.default_rng(shape[0])
+    g = (rng.standard_normal(shape, dtype=np.float32) * 30).astype(np.float32)
+    u = rng.standard_normal(shape, dtype=np.float32)
+    out = np.full(shape, np.nan, dtype=np.float32)
+    fused.swiglu(g, u, out)
+    want = silu_times(g, u)
+    assert np.allclose(out, want, rtol=1e-6, atol=1e-30)
+    assert (np.sign(out) == np.sign(want))[np.abs(want) > 1e-30].all()
+
+
+def test_swiglu_refuses_bad_arguments_and_leaves_out_alone():
+    g = np.ones((2, 8), np.float32)
+    out = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match="same shape"):
+        fused.swiglu(g, np.ones((2, 9), np.float32), out)
+    with pytest.raises(TypeError, match="g must be a 2-D float32 array"):
+        fused.swiglu(g.astype(np.float64), g, out)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        fused.swiglu(g, g, out)
+    assert not out.any()
+
+
+def reference(q, k, v, keys, values, spans, scale):
+    """Each row's attention in float64: its query heads grouped by kv head, over the
+    cache's first ``span`` keys and values and its own last."""
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    out = np.empty(q.shape, np.float64)
+    for r, span in enumerate(spans):
+        cached_k = keys[r][0, :, :span] if span else np.zeros((kv_heads, 0, dim))
+        cached_v = values[r][0, :, :span] if span else np.zeros((kv_heads, 0, dim))
+        all_k = np.concatenate([cached_k, k[r][:, None]], axis=1).astype(np.float64)
+        all_v = np.concatenate([cached_v, v[r][:, None]], axis=1).astype(np.float64)
+        grouped = q[r].reshape(kv_heads, heads // kv_heads, dim).astype(np.float64)
+        scores = grouped @ all_k.swapaxes(-1, -2) * scale
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+        out[r] = (weights @ all_v).reshape(heads, dim)
+    return out.astype(np.float32)
+
+
+def inputs(rng, spans, heads, kv_heads, dim, room=5):
+    rows = len(spans)
+    q = rng.standard_normal((rows, heads, dim), dtype=np.float32)
+    k, v = (rng.standard_normal((rows, kv_heads, dim), dtype=np.float32) for _ in range(2))
+    keys = [rng.standard_normal((1, kv_heads, s + room, dim), dtype=np.float32) for s in spans]
+    values = [rng.standard_normal((1, kv_heads, s + room, dim), dtype=np.float32) for s in spans]
+    return q, k, v, keys, values
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim", [(14, 2, 64), (8, 8, 8), (16, 2, 128), (24, 2, 16), (8, 1, 64)]
+)
+@pytest.mark.parametrize("spans", [[0], [1, 7, 8, 9], [150, 3, 0, 300, 64, 1, 2, 33], [1500] * 3])
+def test_attend_equals_the_reference(heads, kv_heads, dim, spans):
+    """Groups of 1 to 12 queries a kv head (over 8: two blocks), spans around the vectors
+    of 8 and long enough to be spread over the cores, an empty cache."""
+    rng = np.random.default_rng(heads * 1000 + dim + sum(spans))
+    q, k, v, keys, values = inputs(rng, spans, heads, kv_heads, dim)
+    scale = dim**-0.5
+    out = np.full(q.shape, np.nan, dtype=np.float32)
+    fused.attend(
+        q, k, v, [a if s else None for a, s in zip(keys, spans)], values, spans, scale, out
+    )
+    assert np.allclose(out, reference(q, k, v, keys, values, spans, scale), atol=2e-6)
+
+
+def test_attend_computes_each_row_alone():
+    """A row's floats are the same in a batch of 8 as alone (what batch-of-8 = alone needs)."""
+    rng = np.random.default_rng(5)
+    spans = [150, 3, 0, 300, 64, 1, 2, 33]
+    q, k, v, keys, values = inputs(rng, spans, 14, 2, 64)
+    together = np.empty_like(q)
+    fused.attend(q, k, v, keys, values, spans, 0.125, together)
+    for r, span in enumerate(spans):
+        alone = np.empty_like(q[r : r + 1])
+        fused.attend(
+            q[r : r + 1], k[r : r + 1], v[r : r + 1], [keys[r]], [values[r]], [span], 0.125, alone
+        )
+        assert np.array_equal(alone[0], together[r])
+
+
+@pytest.mark.parametrize(
+    "change,error,message",
+    [
+        (lambda a: a.update(spans=[9]), ValueError, "capacity ≥ span"),
+        (lambda a: a.update(keys=[np.ones((1, 1, 9, 64), np.float32)]), ValueError, "kv heads"),
+        (
+            lambda a: a.update(keys=[np.ones((1, 2, 9, 64))]),
+            TypeError,
+            "keys must be a 4-D float32",
+        ),
+        (lambda a: a.update(spans=[4, 4]), ValueError, "one entry a row"),
+        (lambda a: a.update(spans=["4"]), TypeError, "integer"),
+        (lambda a: a.update(q=np.ones((1, 3, 64), np.float32)), ValueError, "multiple of kv heads"),
+        (lambda a: a.update(out=np.zeros((1, 14, 60), np.float32)), ValueError, "q and out"),
+    ],
+)
+def test_attend_refuses_bad_arguments_and_leaves_out_alone(change, error, message):
+    rng = np.random.default_rng(2)
+    q, k, v, keys, values = inputs(rng, [4], 14, 2, 64, room=4)
+    args = {"q": q, "k": k, "v": v, "keys": keys, "values": values, "spans": [4]}
+    args["out"] = np.zeros_like(q)
+    change(args)
+    with pytest.raises(error, match=message):
+        fused.attend(
+            args["q"],
+            args["k"],
+            args["v"],
+            args["keys"],
+            args["values"],
+            args["spans"],
+            0.125,
+            args["out"],
+        )
+    assert not args["out"].any()
+
+
+def test_a_cache_is_read_in_place_only_where_its_buffers_allow():
+    """A plain cache's buffers are read in place; a strided one's (a view into a wider
+    array) and a quantized cache go the numpy way."""
+
+    def grown(length):
+        cache = KVCache()
+        cache.update_and_fetch(*(mx.ones((1, 2, length, 32)) for _ in range(2)))
+        return cache
+
+    assert decode._in_place(grown(5)) and decode._in_place(KVCache())
+    strided = KVCache()
+    strided.keys = strided.values = mx.ones((1, 2, 5, 64))[..., :32]
+    strided.offset = 5
+    assert not np.asarray(strided.keys).flags.c_contiguous
+    assert not decode._in_place(strided)
+    assert not decode._in_place(grown(5).to_quantized(group_size=32, bits=8))
+
+
+@pytest.mark.cpu_only
+def test_the_route_says_which_kernels_are_used(monkeypatch):
+    assert native.module("fused") is fused
+    assert native.route() == (
+        "kvchat's native kernels: weights read once for 2 to 16 rows, fused attention"
+    )
+    monkeypatch.setenv("KVCHAT_NATIVE", "0")
+    assert native.module("fused") is None and native.module("rows") is None
+    assert native.route() == "numpy and its BLAS (KVCHAT_NATIVE=0)"
