@@ -1,4 +1,4 @@
-"""The native fused kernels (kvchat/engine/cpu/fused.c): SwiGLU and one-token attention
+"""The native fused kernels (kvchat/engine/cpu/fused.c): SwiGLU and the step's attention
 equal a float64 reference for every shape they take, a row's result does not depend on
 the rows beside it, bad arguments are refused and leave the output alone, and the
 decoding step reads a cache in place only where its buffers allow it."""
@@ -50,64 +50,80 @@ def test_swiglu_refuses_bad_arguments_and_leaves_out_alone():
     assert not out.any()
 
 
-def reference(q, k, v, keys, values, spans, scale):
-    """Each row's attention in float64: its query heads grouped by kv head, over the
-    cache's first ``span`` keys and values and its own last."""
-    rows, heads, dim = q.shape
+def reference(q, k, v, keys, values, spans, counts, scale):
+    """Each new token's attention in float64: its query heads grouped by kv head, over its
+    row's cache's first ``span`` keys and values, then the row's new ones up to its own."""
+    heads, dim = q.shape[1:]
     kv_heads = k.shape[1]
     out = np.empty(q.shape, np.float64)
-    for r, span in enumerate(spans):
+    first = 0
+    for r, (span, count) in enumerate(zip(spans, counts)):
         cached_k = keys[r][0, :, :span] if span else np.zeros((kv_heads, 0, dim))
         cached_v = values[r][0, :, :span] if span else np.zeros((kv_heads, 0, dim))
-        all_k = np.concatenate([cached_k, k[r][:, None]], axis=1).astype(np.float64)
-        all_v = np.concatenate([cached_v, v[r][:, None]], axis=1).astype(np.float64)
-        grouped = q[r].reshape(kv_heads, heads // kv_heads, dim).astype(np.float64)
-        scores = grouped @ all_k.swapaxes(-1, -2) * scale
-        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        weights /= weights.sum(axis=-1, keepdims=True)
-        out[r] = (weights @ all_v).reshape(heads, dim)
+        for i in range(first, first + count):
+            new_k = k[first : i + 1].transpose(1, 0, 2)
+            new_v = v[first : i + 1].transpose(1, 0, 2)
+            all_k = np.concatenate([cached_k, new_k], axis=1).astype(np.float64)
+            all_v = np.concatenate([cached_v, new_v], axis=1).astype(np.float64)
+            grouped = q[i].reshape(kv_heads, heads // kv_heads, dim).astype(np.float64)
+            scores = grouped @ all_k.swapaxes(-1, -2) * scale
+            weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            weights /= weights.sum(axis=-1, keepdims=True)
+            out[i] = (weights @ all_v).reshape(heads, dim)
+        first += count
     return out.astype(np.float32)
 
 
-def inputs(rng, spans, heads, kv_heads, dim, room=5):
-    rows = len(spans)
-    q = rng.standard_normal((rows, heads, dim), dtype=np.float32)
-    k, v = (rng.standard_normal((rows, kv_heads, dim), dtype=np.float32) for _ in range(2))
+def inputs(rng, spans, counts, heads, kv_heads, dim, room=5):
+    tokens = sum(counts)
+    q = rng.standard_normal((tokens, heads, dim), dtype=np.float32)
+    k, v = (rng.standard_normal((tokens, kv_heads, dim), dtype=np.float32) for _ in range(2))
     keys = [rng.standard_normal((1, kv_heads, s + room, dim), dtype=np.float32) for s in spans]
     values = [rng.standard_normal((1, kv_heads, s + room, dim), dtype=np.float32) for s in spans]
     return q, k, v, keys, values
 
 
+LAYOUTS = [  # (spans, counts): each row's cached tokens and new tokens
+    ([0], [1]),
+    ([1, 7, 8, 9], [1, 1, 1, 1]),
+    ([150, 3, 0, 300, 64, 1, 2, 33], [1, 18, 1, 5, 1, 2, 1, 1]),
+    ([0, 40], [9, 21]),
+    ([1500] * 3, [1, 3, 1]),
+]
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,dim", [(14, 2, 64), (8, 8, 8), (16, 2, 128), (24, 2, 16), (8, 1, 64)]
 )
-@pytest.mark.parametrize("spans", [[0], [1, 7, 8, 9], [150, 3, 0, 300, 64, 1, 2, 33], [1500] * 3])
-def test_attend_equals_the_reference(heads, kv_heads, dim, spans):
+@pytest.mark.parametrize("spans,counts", LAYOUTS)
+def test_attend_equals_the_reference(heads, kv_heads, dim, spans, counts):
     """Groups of 1 to 12 queries a kv head (over 8: two blocks), spans around the vectors
-    of 8 and long enough to be spread over the cores, an empty cache."""
-    rng = np.random.default_rng(heads * 1000 + dim + sum(spans))
-    q, k, v, keys, values = inputs(rng, spans, heads, kv_heads, dim)
+    of 8 and long enough to be spread over the cores, empty caches, rows of one token
+    beside rows of several (a short prompt folded into a step: causal among them)."""
+    rng = np.random.default_rng(heads * 1000 + dim + sum(spans) + len(counts))
+    q, k, v, keys, values = inputs(rng, spans, counts, heads, kv_heads, dim)
     scale = dim**-0.5
     out = np.full(q.shape, np.nan, dtype=np.float32)
-    fused.attend(
-        q, k, v, [a if s else None for a, s in zip(keys, spans)], values, spans, scale, out
-    )
-    assert np.allclose(out, reference(q, k, v, keys, values, spans, scale), atol=2e-6)
+    given = [a if s else None for a, s in zip(keys, spans)]
+    fused.attend(q, k, v, given, values, spans, counts, scale, out)
+    want = reference(q, k, v, keys, values, spans, counts, scale)
+    assert np.allclose(out, want, atol=2e-6)
 
 
 def test_attend_computes_each_row_alone():
-    """A row's floats are the same in a batch of 8 as alone (what batch-of-8 = alone needs)."""
+    """A row's floats are the same in a batch as alone (what batch-of-8 = alone needs)."""
     rng = np.random.default_rng(5)
-    spans = [150, 3, 0, 300, 64, 1, 2, 33]
-    q, k, v, keys, values = inputs(rng, spans, 14, 2, 64)
+    spans, counts = LAYOUTS[2]
+    q, k, v, keys, values = inputs(rng, spans, counts, 14, 2, 64)
     together = np.empty_like(q)
-    fused.attend(q, k, v, keys, values, spans, 0.125, together)
-    for r, span in enumerate(spans):
-        alone = np.empty_like(q[r : r + 1])
-        fused.attend(
-            q[r : r + 1], k[r : r + 1], v[r : r + 1], [keys[r]], [values[r]], [span], 0.125, alone
-        )
-        assert np.array_equal(alone[0], together[r])
+    fused.attend(q, k, v, keys, values, spans, counts, 0.125, together)
+    first = 0
+    for r, (span, count) in enumerate(zip(spans, counts)):
+        at = slice(first, first + count)
+        alone = np.empty_like(q[at])
+        fused.attend(q[at], k[at], v[at], [keys[r]], [values[r]], [span], [count], 0.125, alone)
+        assert np.array_equal(alone, together[at])
+        first += count
 
 
 @pytest.mark.parametrize(
@@ -115,31 +131,24 @@ def test_attend_computes_each_row_alone():
     [
         (lambda a: a.update(spans=[9]), ValueError, "capacity ≥ span"),
         (lambda a: a.update(keys=[np.ones((1, 1, 9, 64), np.float32)]), ValueError, "kv heads"),
-        (
-            lambda a: a.update(keys=[np.ones((1, 2, 9, 64))]),
-            TypeError,
-            "keys must be a 4-D float32",
-        ),
+        (lambda a: a.update(keys=[np.ones((1, 2, 9, 64))]), TypeError, "keys must be a 4-D"),
         (lambda a: a.update(spans=[4, 4]), ValueError, "one entry a row"),
         (lambda a: a.update(spans=["4"]), TypeError, "integer"),
-        (lambda a: a.update(q=np.ones((1, 3, 64), np.float32)), ValueError, "multiple of kv heads"),
-        (lambda a: a.update(out=np.zeros((1, 14, 60), np.float32)), ValueError, "q and out"),
+        (lambda a: a.update(counts=[1]), ValueError, "add up to the tokens"),
+        (lambda a: a.update(counts=[0]), ValueError, "at least 1"),
+        (lambda a: a.update(q=np.ones((2, 3, 64), np.float32)), ValueError, "multiple of kv"),
+        (lambda a: a.update(out=np.zeros((2, 14, 60), np.float32)), ValueError, "q and out"),
     ],
 )
 def test_attend_refuses_bad_arguments_and_leaves_out_alone(change, error, message):
     rng = np.random.default_rng(2)
-    q, k, v, keys, values = inputs(rng, [4], 14, 2, 64, room=4)
-    args = {"q": q, "k": k, "v": v, "keys": keys, "values": values, "spans": [4]}
+    q, k, v, keys, values = inputs(rng, [4], [2], 14, 2, 64, room=4)
+    args = {"q": q, "k": k, "v": v, "keys": keys, "values": values, "spans": [4], "counts": [2]}
     args["out"] = np.zeros_like(q)
     change(args)
     with pytest.raises(error, match=message):
         fused.attend(
-            args["q"],
-            args["k"],
-            args["v"],
-            args["keys"],
-            args["values"],
-            args["spans"],
+            *(args[n] for n in ("q", "k", "v", "keys", "values", "spans", "counts")),
             0.125,
             args["out"],
         )

@@ -185,27 +185,31 @@ def _attend(
     attn: nn.Module,
     form: RopeForm,
     qkv: tuple[np.ndarray, np.ndarray, np.ndarray],
-    at: np.ndarray,
+    at: list[slice],
     own: list[Any],
     turns: dict[tuple[RopeKey, int, int], Turn],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A layer's attention for rows of one token each (theirs at ``at`` in ``qkv``, their
-    caches ``own``) by the native kernel, which reads each cache in place: the outputs
-    ``(rows, features)`` and the rotated new keys and values ``(rows, kv heads, head
-    dim)`` for the caller to hand to the caches. Their rotations go in one call."""
-    r, heads, kv_heads = len(own), attn.n_heads, attn.n_kv_heads
-    cos = np.stack([turns[form.key, c.offset, 1][0][0] for c in own])[:, None]
-    sin = np.stack([turns[form.key, c.offset, 1][1][0] for c in own])[:, None]
-    q, k, v = (x[at] for x in qkv)
-    q = rotate(q.reshape(r, heads, -1), form, cos, sin)
-    k = rotate(k.reshape(r, kv_heads, -1), form, cos, sin)
-    v = v.reshape(r, kv_heads, -1)
+    """A layer's attention for rows on plain caches (their tokens at ``at`` in ``qkv``,
+    their caches ``own``), all in one call of the native kernel, which reads each cache
+    in place: each row's outputs ``(tokens, features)`` and rotated new keys and values
+    ``(tokens, kv heads, head dim)``, one after another, for the caller to hand on. Their
+    rotations go in one call too."""
+    heads, kv_heads = attn.n_heads, attn.n_kv_heads
+    counts = [span.stop - span.start for span in at]
+    tables = [turns[form.key, c.offset, n] for c, n in zip(own, counts)]
+    cos, sin = (np.concatenate([t[side] for t in tables])[:, None] for side in (0, 1))
+    # C order for the kernel (a product of many rows comes transposed, see linear.product)
+    q, k, v = (np.ascontiguousarray(np.concatenate([x[span] for span in at])) for x in qkv)
+    n = len(q)
+    q = rotate(q.reshape(n, heads, -1), form, cos, sin)
+    k = rotate(k.reshape(n, kv_heads, -1), form, cos, sin)
+    v = v.reshape(n, kv_heads, -1)
     spans = [c.offset for c in own]
     keys = [np.asarray(c.keys) if c.offset else None for c in own]
     values = [np.asarray(c.values) if c.offset else None for c in own]
     out = np.empty_like(q)
-    fused.attend(q, k, v, keys, values, spans, float(attn.scale), out)
-    return out.reshape(r, -1), k, v
+    fused.attend(q, k, v, keys, values, spans, counts, float(attn.scale), out)
+    return out.reshape(n, -1), k, v
 
 
 def _stored(cache: QuantizedKVCache, k: np.ndarray, v: np.ndarray) -> Turn:
@@ -309,15 +313,18 @@ def hidden(
         h = _rms(x, layer.input_layernorm)
         q, k, v = (_linear(p, h) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         rows: list[np.ndarray] = [np.empty(0)] * len(tokens)
-        # one-token rows on plain caches: the native kernel, all in one call
-        quick = [b for b, row in enumerate(caches) if counts[b] == 1 and _in_place(row[i])]
-        if fused is None:
-            quick = []
-        elif quick:
+        # rows on plain caches: the native kernel, all in one call
+        quick = [b for b, row in enumerate(caches) if _in_place(row[i])] if fused else []
+        if fused is not None and quick:
+            spans = [slice(starts[b], starts[b + 1]) for b in quick]
             own = [caches[b][i] for b in quick]
-            outs, ks, vs = _attend(fused, attn, form, (q, k, v), starts[quick], own, turns)
-            for j, b in enumerate(quick):
-                rows[b], new[b][i] = outs[j : j + 1], (ks[j][:, None], vs[j][:, None])
+            outs, ks, vs = _attend(fused, attn, form, (q, k, v), spans, own, turns)
+            done = 0
+            for b in quick:
+                part = slice(done, done + counts[b])
+                rows[b] = outs[part]
+                new[b][i] = ks[part].transpose(1, 0, 2), vs[part].transpose(1, 0, 2)
+                done = part.stop
         for b, (cache, n) in enumerate(zip(caches, counts)):
             if b in quick:
                 continue

@@ -1,16 +1,18 @@
-/* kvchat.engine.cpu.fused: SwiGLU and one-token attention in one pass each.
+/* kvchat.engine.cpu.fused: SwiGLU in one pass, the decoding step's attention in one call.
  *
  * The numpy decoding step spends most of what is not matmul on many small numpy calls:
  * a row's attention over its cache is about twenty of them (rotate, group, scores,
  * max, exp, sums, weighted values), about 0.1 ms a row and layer whatever the cache's
- * length, so 8 rows of qwen2.5-0.5b cost about 20 ms a step. SwiGLU over many rows (a
- * step that takes short prompts whole) is five passes over the activations. Here:
+ * length, so 8 rows of qwen2.5-0.5b cost about 20 ms a step, and 8 short prompts
+ * folded into a step (18 tokens each) about 100 ms. SwiGLU over many rows is five passes
+ * over the activations. Here:
  *
  * - swiglu(g, u, out): out = silu(g) · u in one pass;
- * - attend(q, k, v, keys, values, spans, scale, out): for each of R rows, its token's
- *   grouped-query attention over the first spans[r] keys and values of the row's own
- *   cache (mlx-lm's KVCache buffer, (1, kv heads, capacity, head dim), read in place)
- *   and its own new key and value last, every (row, kv head) a task over the cores.
+ * - attend(q, k, v, keys, values, spans, counts, scale, out): for each of R rows, the
+ *   grouped-query attention of its counts[r] new tokens over the first spans[r] keys and
+ *   values of the row's own cache (mlx-lm's KVCache buffer, (1, kv heads, capacity, head
+ *   dim), read in place), then over its new keys and values up to the token's own
+ *   (causal), every (token, kv head) a task over the cores.
  *
  * exp is computed in vectors (vexp: a degree-6 polynomial after range reduction, as
  * Cephes' expf, within 2 ulp of it); the sums run in another order than numpy's, so
@@ -70,17 +72,28 @@ CLONES static void silu_mul(const float *g, const float *u, float *out, Py_ssize
  * thread made it ten times slower, not twice as fast. */
 #define SPREAD (1 << 20)
 
+/* Where a query's keys (or values) are: `span` cached rows of `dim` floats, then `own`
+ * new rows (the row's new tokens up to the query's own, causal) `stride` floats apart. */
+typedef struct {
+    const float *cached, *fresh;
+    Py_ssize_t span, own, stride;
+} Keys;
+
+static inline __attribute__((always_inline)) const float *key_at(const Keys *s, Py_ssize_t j,
+                                                                 int dim) {
+    return j < s->span ? s->cached + j * dim : s->fresh + (j - s->span) * s->stride;
+}
+
 /* Attention of `gn` (at most 8) queries of one kv head (each `dim` floats, consecutive)
- * over `span` cached keys and values (rows of `dim`) and the token's own key and value,
- * their scores at scores + g · (span + 1). A key's gn dot products are summed in one
- * lane_sums tree; the gn outputs' vector of dims stays in registers while the values
- * stream. Called with a constant gn, so that the loops over it unroll. */
+ * over their keys and values, the scores at scores + g · width. A key's gn dot products
+ * are summed in one lane_sums tree; the gn outputs' vector of dims stays in registers
+ * while the values stream. Called with a constant gn, so that the loops over it unroll. */
 static inline __attribute__((always_inline)) void attend_block(
-    const float *q, const float *keys, const float *values, const float *k, const float *v,
-    Py_ssize_t span, int gn, int dim, float scale, float *scores, float *out) {
-    Py_ssize_t width = span + 1;
-    for (Py_ssize_t j = 0; j <= span; j++) {
-        const float *key = j < span ? keys + j * dim : k;
+    const float *q, const Keys *keys, const Keys *values, int gn, int dim, float scale,
+    float *scores, float *out) {
+    Py_ssize_t width = keys->span + keys->own;
+    for (Py_ssize_t j = 0; j < width; j++) {
+        const float *key = key_at(keys, j, dim);
         vf acc[8] = {{0}};
         for (int d = 0; d < dim; d += VL) {
             vf kd = load(key + d);
@@ -92,7 +105,7 @@ static inline __attribute__((always_inline)) void attend_block(
     vf total[8] = {{0}};
     for (int g = 0; g < gn; g++) { /* softmax numerators, in place, and their sums */
         float *row = scores + g * width, top = row[0];
-        for (Py_ssize_t j = 1; j <= span; j++) top = row[j] > top ? row[j] : top;
+        for (Py_ssize_t j = 1; j < width; j++) top = row[j] > top ? row[j] : top;
         Py_ssize_t j = 0;
         for (; j + VL <= width; j += VL) {
             vf e = vexp(load(row + j) - splat(top));
@@ -104,31 +117,30 @@ static inline __attribute__((always_inline)) void attend_block(
     vf inv = splat(1.0f) / lane_sums(total); /* lanes past gn: 1 / 0, unused */
     for (int d = 0; d < dim; d += VL) {
         vf o[8] = {{0}};
-        for (Py_ssize_t j = 0; j <= span; j++) {
-            vf val = load((j < span ? values + j * dim : v) + d);
+        for (Py_ssize_t j = 0; j < width; j++) {
+            vf val = load(key_at(values, j, dim) + d);
             for (int g = 0; g < gn; g++) o[g] += splat(scores[g * width + j]) * val;
         }
         for (int g = 0; g < gn; g++) store(out + g * dim + d, o[g] * splat(inv[SLOT[g]]));
     }
 }
 
-/* One row's attention for one kv head: its `group` queries, eight at a time; `scores`
- * has room for group · (span + 1) floats. */
-CLONES static void attend_head(const float *q, const float *keys, const float *values,
-                               const float *k, const float *v, Py_ssize_t span, int group,
-                               int dim, float scale, float *scores, float *out) {
+/* One token's attention for one kv head: its `group` queries, eight at a time; `scores`
+ * has room for group · (span + own) floats. */
+CLONES static void attend_head(const float *q, const Keys *keys, const Keys *values,
+                               int group, int dim, float scale, float *scores, float *out) {
     for (int g0 = 0; g0 < group; g0 += 8) {
         const float *qg = q + g0 * dim;
-        float *s = scores + g0 * (span + 1), *o = out + g0 * dim;
+        float *s = scores + g0 * (keys->span + keys->own), *o = out + g0 * dim;
         switch (group - g0 < 8 ? group - g0 : 8) { /* a constant gn: unrolled */
-        case 1: attend_block(qg, keys, values, k, v, span, 1, dim, scale, s, o); break;
-        case 2: attend_block(qg, keys, values, k, v, span, 2, dim, scale, s, o); break;
-        case 3: attend_block(qg, keys, values, k, v, span, 3, dim, scale, s, o); break;
-        case 4: attend_block(qg, keys, values, k, v, span, 4, dim, scale, s, o); break;
-        case 5: attend_block(qg, keys, values, k, v, span, 5, dim, scale, s, o); break;
-        case 6: attend_block(qg, keys, values, k, v, span, 6, dim, scale, s, o); break;
-        case 7: attend_block(qg, keys, values, k, v, span, 7, dim, scale, s, o); break;
-        default: attend_block(qg, keys, values, k, v, span, 8, dim, scale, s, o); break;
+        case 1: attend_block(qg, keys, values, 1, dim, scale, s, o); break;
+        case 2: attend_block(qg, keys, values, 2, dim, scale, s, o); break;
+        case 3: attend_block(qg, keys, values, 3, dim, scale, s, o); break;
+        case 4: attend_block(qg, keys, values, 4, dim, scale, s, o); break;
+        case 5: attend_block(qg, keys, values, 5, dim, scale, s, o); break;
+        case 6: attend_block(qg, keys, values, 6, dim, scale, s, o); break;
+        case 7: attend_block(qg, keys, values, 7, dim, scale, s, o); break;
+        default: attend_block(qg, keys, values, 8, dim, scale, s, o); break;
         }
     }
 }
@@ -136,30 +148,39 @@ CLONES static void attend_head(const float *q, const float *keys, const float *v
 typedef struct {
     const float *keys, *values; /* the row's cache buffers, (kv heads, capacity, dim) */
     Py_ssize_t span, capacity;
+    Py_ssize_t first, count; /* its new tokens: q, k, v and out rows first … first + count − 1 */
 } Row;
 
+/* Every new token of every row, each kv head a task: token i of a row attends to the
+ * row's cache and to its new tokens up to i. */
 static int attend_all(const float *q, const float *k, const float *v, const Row *rows,
-                      Py_ssize_t n_rows, int heads, int kv_heads, int dim, float scale,
-                      float *out) {
+                      Py_ssize_t n_rows, Py_ssize_t n_tokens, int heads, int kv_heads, int dim,
+                      float scale, float *out) {
     int group = heads / kv_heads, failed = 0;
-    Py_ssize_t tasks = n_rows * kv_heads, floats = 0;
-    for (Py_ssize_t r = 0; r < n_rows; r++) floats += 2 * rows[r].span * kv_heads * dim;
+    Py_ssize_t floats = 0, *row_of = malloc(sizeof(Py_ssize_t) * (n_tokens ? n_tokens : 1));
+    if (!row_of) return 1;
+    for (Py_ssize_t r = 0; r < n_rows; r++) {
+        floats += 2 * (rows[r].span + rows[r].count) * rows[r].count * kv_heads * dim;
+        for (Py_ssize_t i = 0; i < rows[r].count; i++) row_of[rows[r].first + i] = r;
+    }
 #pragma omp parallel for schedule(dynamic) reduction(| : failed) if (floats > SPREAD)
-    for (Py_ssize_t t = 0; t < tasks; t++) {
-        Py_ssize_t r = t / kv_heads, h = t % kv_heads;
-        const Row *row = rows + r;
-        float *scores = malloc(sizeof(float) * group * (row->span + 1));
+    for (Py_ssize_t t = 0; t < n_tokens * kv_heads; t++) {
+        Py_ssize_t token = t / kv_heads, h = t % kv_heads;
+        const Row *row = rows + row_of[token];
+        Py_ssize_t own = token - row->first + 1, cached = h * row->capacity * dim;
+        Py_ssize_t fresh = (row->first * kv_heads + h) * dim, stride = kv_heads * dim;
+        Keys keys = {row->span ? row->keys + cached : NULL, k + fresh, row->span, own, stride};
+        Keys values = {row->span ? row->values + cached : NULL, v + fresh, row->span, own, stride};
+        float *scores = malloc(sizeof(float) * group * (row->span + own));
         if (!scores) {
             failed = 1;
             continue;
         }
-        Py_ssize_t at = (r * kv_heads + h) * dim, cached = h * row->capacity * dim;
-        attend_head(q + (r * heads + h * group) * dim,
-                    row->span ? row->keys + cached : NULL,
-                    row->span ? row->values + cached : NULL, k + at, v + at, row->span, group,
-                    dim, scale, scores, out + (r * heads + h * group) * dim);
+        Py_ssize_t at = (token * heads + h * group) * dim;
+        attend_head(q + at, &keys, &values, group, dim, scale, scores, out + at);
         free(scores);
     }
+    free(row_of);
     return failed;
 }
 
@@ -202,12 +223,21 @@ static PyObject *swiglu(PyObject *self, PyObject *args) {
 
 /* Each row's cache buffers as Row entries, their views in `held` (2 per row): 0, or -1
  * with the exception set and nothing held. */
-static int cache_rows(PyObject *keys, PyObject *values, PyObject *spans, Py_ssize_t n_rows,
-                      int kv_heads, int dim, Row *rows, Py_buffer *held) {
+static int cache_rows(PyObject *keys, PyObject *values, PyObject *spans, PyObject *counts,
+                      Py_ssize_t n_rows, Py_ssize_t n_tokens, int kv_heads, int dim, Row *rows,
+                      Py_buffer *held) {
+    Py_ssize_t first = 0;
     for (Py_ssize_t r = 0; r < n_rows; r++) {
-        Py_ssize_t span = PyLong_AsSsize_t(PyList_GET_ITEM(spans, r));
+        Py_ssize_t span = PyNumber_AsSsize_t(PyList_GET_ITEM(spans, r), PyExc_OverflowError);
         if (span == -1 && PyErr_Occurred()) goto fail;
-        rows[r] = (Row){NULL, NULL, span, 0};
+        Py_ssize_t count = PyNumber_AsSsize_t(PyList_GET_ITEM(counts, r), PyExc_OverflowError);
+        if (count == -1 && PyErr_Occurred()) goto fail;
+        if (count < 1 || count > n_tokens - first) {
+            PyErr_SetString(PyExc_ValueError, "counts must be at least 1 and add up to the tokens");
+            goto fail;
+        }
+        rows[r] = (Row){NULL, NULL, span, 0, first, count};
+        first += count;
         memset(&held[2 * r], 0, 2 * sizeof(Py_buffer));
         if (span == 0) continue;
         if (floats(PyList_GET_ITEM(keys, r), &held[2 * r], 4, 0, "keys") < 0) goto fail;
@@ -226,9 +256,10 @@ static int cache_rows(PyObject *keys, PyObject *values, PyObject *spans, Py_ssiz
             held[2 * r].obj = held[2 * r + 1].obj = NULL;
             goto fail;
         }
-        rows[r] = (Row){held[2 * r].buf, held[2 * r + 1].buf, span, ks[2]};
+        rows[r] = (Row){held[2 * r].buf, held[2 * r + 1].buf, span, ks[2], rows[r].first, count};
     }
-    return 0;
+    if (first == n_tokens) return 0;
+    PyErr_SetString(PyExc_ValueError, "counts must be at least 1 and add up to the tokens");
 fail:
     for (Py_ssize_t i = 0; i < 2 * n_rows; i++)
         if (held[i].obj) PyBuffer_Release(&held[i]);
@@ -236,11 +267,11 @@ fail:
 }
 
 static PyObject *attend(PyObject *self, PyObject *args) {
-    PyObject *objs[4], *keys, *values, *spans;
+    PyObject *objs[4], *keys, *values, *spans, *counts;
     float scale;
-    if (!PyArg_ParseTuple(args, "OOOO!O!O!fO:attend", &objs[0], &objs[1], &objs[2],
+    if (!PyArg_ParseTuple(args, "OOOO!O!O!O!fO:attend", &objs[0], &objs[1], &objs[2],
                           &PyList_Type, &keys, &PyList_Type, &values, &PyList_Type, &spans,
-                          &scale, &objs[3]))
+                          &PyList_Type, &counts, &scale, &objs[3]))
         return NULL;
     Py_buffer b[4];
     const char *names[4] = {"q", "k", "v", "out"};
@@ -249,28 +280,30 @@ static PyObject *attend(PyObject *self, PyObject *args) {
             while (i--) PyBuffer_Release(&b[i]);
             return NULL;
         }
-    Py_ssize_t n_rows = b[0].shape[0], heads = b[0].shape[1], dim = b[0].shape[2];
+    Py_ssize_t n_tokens = b[0].shape[0], heads = b[0].shape[1], dim = b[0].shape[2];
+    Py_ssize_t n_rows = PyList_GET_SIZE(spans);
     Py_ssize_t kv_heads = b[1].shape[1];
     PyObject *result = NULL;
     Row *rows = NULL;
     Py_buffer *held = NULL;
     if (memcmp(b[0].shape, b[3].shape, 3 * sizeof(Py_ssize_t))
-        || memcmp(b[1].shape, b[2].shape, 3 * sizeof(Py_ssize_t)) || b[1].shape[0] != n_rows
+        || memcmp(b[1].shape, b[2].shape, 3 * sizeof(Py_ssize_t)) || b[1].shape[0] != n_tokens
         || b[1].shape[2] != dim || kv_heads < 1 || heads % kv_heads || dim % VL)
         PyErr_SetString(PyExc_ValueError,
-                        "q and out must be (rows, heads, dim), k and v (rows, kv heads, dim), "
+                        "q and out must be (tokens, heads, dim), k and v (tokens, kv heads, dim), "
                         "heads a multiple of kv heads and dim of 8");
     else if (PyList_GET_SIZE(keys) != n_rows || PyList_GET_SIZE(values) != n_rows
-             || PyList_GET_SIZE(spans) != n_rows)
-        PyErr_SetString(PyExc_ValueError, "keys, values and spans need one entry a row");
-    else if (!(rows = PyMem_Calloc(n_rows, sizeof *rows))
-             || !(held = PyMem_Calloc(2 * n_rows, sizeof *held)))
+             || PyList_GET_SIZE(counts) != n_rows)
+        PyErr_SetString(PyExc_ValueError, "keys, values, spans and counts need one entry a row");
+    else if (!(rows = PyMem_Calloc(n_rows ? n_rows : 1, sizeof *rows))
+             || !(held = PyMem_Calloc(n_rows ? 2 * n_rows : 1, sizeof *held)))
         PyErr_NoMemory();
-    else if (cache_rows(keys, values, spans, n_rows, kv_heads, dim, rows, held) == 0) {
+    else if (cache_rows(keys, values, spans, counts, n_rows, n_tokens, kv_heads, dim, rows,
+                        held) == 0) {
         int failed;
         Py_BEGIN_ALLOW_THREADS
-        failed = attend_all(b[0].buf, b[1].buf, b[2].buf, rows, n_rows, heads, kv_heads, dim,
-                            scale, b[3].buf);
+        failed = attend_all(b[0].buf, b[1].buf, b[2].buf, rows, n_rows, n_tokens, heads,
+                            kv_heads, dim, scale, b[3].buf);
         Py_END_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < 2 * n_rows; i++)
             if (held[i].obj) PyBuffer_Release(&held[i]);
@@ -286,14 +319,15 @@ static PyMethodDef methods[] = {
     {"swiglu", swiglu, METH_VARARGS,
      "swiglu(g, u, out): out = silu(g) * u for C-contiguous 2-D float32 arrays of one shape."},
     {"attend", attend, METH_VARARGS,
-     "attend(q, k, v, keys, values, spans, scale, out): each row's one-token grouped-query "
-     "attention over its cache's first spans[r] keys and values, then its own k and v."},
+     "attend(q, k, v, keys, values, spans, counts, scale, out): grouped-query attention of "
+     "each row's counts[r] new tokens over its cache's first spans[r] keys and values, then "
+     "its new keys and values up to the token's own (causal)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvchat.engine.cpu.fused",
-    "SwiGLU and one-token attention in one pass each (see fused.c).", -1, methods,
+    "SwiGLU, and the decoding step's attention in one call (see fused.c).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit_fused(void) { return PyModule_Create(&module); }
