@@ -195,3 +195,73 @@ def test_a_sequence_its_reader_leaves_on_the_callers_thread_runs_no_further_step
     assert seq.left.is_set() and seq.tokens == read == alone.tokens[:3]
     assert seq.ledger == [*prompt, *read[:-1]]  # the last sampled token never fed
     assert held_tokens(seq.cache) == len(seq.ledger)
+
+
+def _short(lm, prompt: list[int]) -> Sequence:
+    sampler, _ = for_settings(GenerationSettings(temp=0.0))
+    return Sequence(
+        prompt=prompt,
+        cache=make_cache(lm.model, parse_kind("standard")),
+        ledger=[],
+        sampler=sampler,
+        processors=[],
+        max_tokens=3,
+        stop=threading.Event(),
+    )
+
+
+def _drain(core: GenerationCore, seq: Sequence, out: list) -> threading.Thread:
+    thread = threading.Thread(target=lambda: out.extend(core.run(seq)))
+    thread.start()
+    return thread
+
+
+def test_a_first_step_waits_for_announced_turns_and_not_for_ever(demo_model, monkeypatch):
+    """Turns announced with expect (a session announces its turn before tokenizing it)
+    start in one step however far apart they are submitted, within GATHER_MAX_S; one
+    announced and never submitted only delays the first step until that bound."""
+    from kvchat.engine.generation import core as core_module
+
+    core = GenerationCore(demo_model.model, fast_path=demo_model.fast_path)
+    joining_at_steps: list[int] = []
+    real_step = core._step
+    monkeypatch.setattr(
+        core, "_step", lambda: joining_at_steps.append(len(core._joining)) or real_step()
+    )
+
+    monkeypatch.setattr(core_module, "GATHER_MAX_S", 30.0)
+    core.expect()
+    core.expect()
+    got_a, got_b = [], []
+    a = _drain(core, _short(demo_model, [5, 6, 7]), got_a)
+    a.join(0.3)  # far longer than GATHER_S: unannounced, the first step would have run
+    assert joining_at_steps == [] and not got_a
+    b = _drain(core, _short(demo_model, [8, 9]), got_b)
+    a.join(60)
+    b.join(60)
+    assert joining_at_steps[0] == 2  # both in the first step
+    assert isinstance(got_a[-1], Left) and isinstance(got_b[-1], Left)
+    assert core._expected == []
+
+    monkeypatch.setattr(core_module, "GATHER_MAX_S", 0.2)
+    joining_at_steps.clear()
+    core.expect()
+    core.expect()  # never submitted
+    got = []
+    _drain(core, _short(demo_model, [5, 6, 7]), got).join(60)
+    assert joining_at_steps[0] == 1 and [m for m in got if isinstance(m, int)]
+    assert isinstance(got[-1], Left) and got[-1].error is None
+
+
+def test_a_sessions_turn_announces_itself_before_it_is_submitted(demo_model, monkeypatch):
+    session = _session(demo_model, max_tokens=2)
+    core = core_for(demo_model)
+    events = []
+    real_expect, real_run = core.expect, core.run
+    monkeypatch.setattr(core, "expect", lambda: events.append("expect") or real_expect())
+    monkeypatch.setattr(core, "run", lambda seq: events.append("run") or real_run(seq))
+    done = _reply(session, "Hello there.")
+    assert done is not None and len(done.tokens) == 2
+    assert events == ["expect", "run"]
+    with core._cond:
+        assert not core._awaited()  # the announcement was consumed by the submission

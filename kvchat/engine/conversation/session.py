@@ -46,6 +46,7 @@ from kvchat.engine.conversation.stats import CacheChange, CacheFigures, Refilled
 from kvchat.engine.conversation.template import render, turn_ends
 from kvchat.engine.conversation.turn import Asked, Plan, Runner
 from kvchat.engine.conversation.upkeep import Upkeep
+from kvchat.engine.generation import core_for
 from kvchat.engine.generation.sampling import Sampler
 from kvchat.engine.generation.sequence import StopFlag
 
@@ -282,7 +283,7 @@ class Session:
         """Continue ``text`` as written, without the chat template. The transcript becomes
         ``text`` as one user message, then the reply; the ledger is ``text``'s own tokens,
         so a later prompt that extends ``text`` reuses the cache."""
-        return self._run(Plan.plain(self.lm, text))
+        return self._run(lambda: Plan.plain(self.lm, text))
 
     def answer(self, results: Sequence[Message] = ()) -> Turn:
         """Reply to the transcript with ``results`` added: its last message must be a tool's
@@ -392,8 +393,11 @@ class Session:
     # ----------------------------------------------------------------- turns, run
 
     def _turn(self, messages: list[Message]) -> Turn:
-        return self._run(Plan.chat(self.lm, messages, self.tools))
+        return self._run(lambda: Plan.chat(self.lm, messages, self.tools))
 
-    def _run(self, plan: Plan) -> Turn:
+    def _run(self, plan: Callable[[], Plan]) -> Turn:
+        # the model's core learns a turn is on its way before its prompt is tokenized, so
+        # that turns sent at once start in one step (GenerationCore.expect)
+        core_for(self.lm).expect()
         asked = Asked(self.settings, self.logits_processors, self.report_logprobs)
-        return self.runner.start(self.lm, self.keeper, self.history, plan, asked, self.turn_ends)
+        return self.runner.start(self.lm, self.keeper, self.history, plan(), asked, self.turn_ends)

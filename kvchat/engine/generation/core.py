@@ -44,7 +44,7 @@ from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.sequence import Left, Sequence
 
 GATHER_S = 0.005  # from idle, a step waits while turns keep arriving this close together
-GATHER_MAX_S = 0.05  # but no longer than this
+GATHER_MAX_S = 0.1  # or while announced turns (expect) are on their way, no longer than this
 
 
 class GenerationCore:
@@ -59,6 +59,7 @@ class GenerationCore:
         self._alone: list[Sequence] = []  # decoding on their own caches
         self._merged: Merged | None = None
         self._thread: threading.Thread | None = None
+        self._expected: list[float] = []  # announced turns' deadlines (monotonic), see expect
 
     # ------------------------------------------------------------------ views
 
@@ -77,6 +78,15 @@ class GenerationCore:
 
     # ---------------------------------------------------------------- actions
 
+    def expect(self) -> None:
+        """Announce a turn that is being prepared (its prompt templated and tokenized) and
+        will be submitted shortly: a first step from idle waits for it, up to
+        :data:`GATHER_MAX_S`, so that turns sent at once (tabs, a server's clients) go in
+        one pass rather than the first few alone and the rest a whole step later. One
+        never submitted only expires."""
+        with self._cond:
+            self._expected.append(time.monotonic() + GATHER_MAX_S)
+
     def run(self, seq: Sequence) -> Generator[Prefill | int | Left, None, None]:
         """Submit ``seq`` and yield its messages until its :class:`Left`. Closing the
         iterator early cancels the sequence and returns once it has left (its cache
@@ -86,6 +96,8 @@ class GenerationCore:
             return
         with self._cond:
             self._joining.append(seq)
+            if self._expected:
+                self._expected.pop(0)
             self._start()
             self._cond.notify_all()
         try:
@@ -148,16 +160,26 @@ class GenerationCore:
 
     def _gather(self) -> None:
         """From idle (nothing decoding, no prompt begun), let turns sent at once all join
-        the first step: wait while submissions keep coming, each within :data:`GATHER_S`
-        of the one before (:data:`GATHER_MAX_S` at most), so their prompts go in one pass
-        rather than the first alone and the rest a step later. A long prompt's later
-        chunks do not wait. Called holding the condition."""
+        the first step: wait while announced turns (:meth:`expect`) are still on their
+        way, or submissions keep coming, each within :data:`GATHER_S` of the one before
+        (:data:`GATHER_MAX_S` at most), so their prompts go in one pass rather than the
+        first alone and the rest a step later. A long prompt's later chunks do not wait.
+        Called holding the condition."""
         if self._alone or self._merged_seqs() or any(s.fed for s in self._joining):
             return
         deadline = time.monotonic() + GATHER_MAX_S
         while (left := deadline - time.monotonic()) > 0:
-            if not self._cond.wait_for(self._arrival(len(self._joining)), min(GATHER_S, left)):
+            held = len(self._joining)
+            if self._awaited():
+                self._cond.wait(min(GATHER_S, left))  # a submission notifies
+            elif not self._cond.wait_for(self._arrival(held), min(GATHER_S, left)):
                 return
+
+    def _awaited(self) -> bool:
+        """Whether an announced turn has yet to be submitted (expired ones dropped)."""
+        now = time.monotonic()
+        self._expected = [t for t in self._expected if t > now]
+        return bool(self._expected)
 
     def _arrival(self, held: int) -> Callable[[], bool]:
         """Whether a sequence joined since there were ``held`` joining."""
