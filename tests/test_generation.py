@@ -197,19 +197,6 @@ def test_a_sequence_its_reader_leaves_on_the_callers_thread_runs_no_further_step
     assert held_tokens(seq.cache) == len(seq.ledger)
 
 
-def _short(lm, prompt: list[int]) -> Sequence:
-    sampler, _ = for_settings(GenerationSettings(temp=0.0))
-    return Sequence(
-        prompt=prompt,
-        cache=make_cache(lm.model, parse_kind("standard")),
-        ledger=[],
-        sampler=sampler,
-        processors=[],
-        max_tokens=3,
-        stop=threading.Event(),
-    )
-
-
 def _drain(core: GenerationCore, seq: Sequence, out: list) -> threading.Thread:
     thread = threading.Thread(target=lambda: out.extend(core.run(seq)))
     thread.start()
@@ -233,10 +220,10 @@ def test_a_first_step_waits_for_announced_turns_and_not_for_ever(demo_model, mon
     core.expect()
     core.expect()
     got_a, got_b = [], []
-    a = _drain(core, _short(demo_model, [5, 6, 7]), got_a)
+    a = _drain(core, _sequence(demo_model, [5, 6, 7], max_tokens=3), got_a)
     a.join(0.3)  # far longer than GATHER_S: unannounced, the first step would have run
     assert joining_at_steps == [] and not got_a
-    b = _drain(core, _short(demo_model, [8, 9]), got_b)
+    b = _drain(core, _sequence(demo_model, [8, 9], max_tokens=3), got_b)
     a.join(60)
     b.join(60)
     assert joining_at_steps[0] == 2  # both in the first step
@@ -248,7 +235,7 @@ def test_a_first_step_waits_for_announced_turns_and_not_for_ever(demo_model, mon
     core.expect()
     core.expect()  # never submitted
     got = []
-    _drain(core, _short(demo_model, [5, 6, 7]), got).join(60)
+    _drain(core, _sequence(demo_model, [5, 6, 7], max_tokens=3), got).join(60)
     assert joining_at_steps[0] == 1 and [m for m in got if isinstance(m, int)]
     assert isinstance(got[-1], Left) and got[-1].error is None
 
