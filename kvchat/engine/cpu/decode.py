@@ -18,9 +18,9 @@ mlx-lm.
 lengths) and one token or, on a plain ``KVCache``, several (a short prompt
 folded into a decoding step): the linear layers multiply every row's tokens at
 once (the weights stream once a step). Attention reads each row's cache and its
-own new tokens (causal among them): the one-token rows on plain caches all in
-one call of the native kernel (fused.c, reading each cache where it is), the
-others row by row in numpy.
+own new tokens (causal among them): the rows on plain caches all in one call of
+the native kernel (fused.c, reading each cache where it is), the others
+(quantized or rotated caches, or no kernel built) row by row in numpy.
 The rotary embedding's cosines and sines are the model's own RoPE module's
 (whatever its variant: it is applied to ones and zeros at each row's offset).
 """
