@@ -314,10 +314,8 @@ class Session:
 
     @property
     def _upkeep(self) -> Upkeep:
-        step = self.settings.prefill_step
-        return Upkeep(
-            self.keeper, self.history, self.render, self.turn_ends, step, self.runner.flag
-        )
+        flag, step = self.runner.flag, self.settings.prefill_step
+        return Upkeep(self.keeper, self.history, self.render, self.turn_ends, step, flag)
 
     def replace_history(self, messages: Sequence[Message]) -> list[Message]:
         """Make ``messages`` the transcript (a client's copy of the conversation) and return
@@ -396,8 +394,6 @@ class Session:
         return self._run(lambda: Plan.chat(self.lm, messages, self.tools))
 
     def _run(self, plan: Callable[[], Plan]) -> Turn:
-        # the model's core learns a turn is on its way before its prompt is tokenized, so
-        # that turns sent at once start in one step (GenerationCore.expect)
-        core_for(self.lm).expect()
+        core_for(self.lm).expect()  # before the prompt is tokenized: turns sent at once
         asked = Asked(self.settings, self.logits_processors, self.report_logprobs)
         return self.runner.start(self.lm, self.keeper, self.history, plan(), asked, self.turn_ends)
