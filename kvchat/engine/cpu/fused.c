@@ -24,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vectors.h"
+#include "kernels.h"
 
 /* Lane by lane, a where pick is all ones, else b (pick: a comparison's result). */
 static inline __attribute__((always_inline)) vf choose(vi pick, vf a, vf b) {
@@ -157,13 +157,13 @@ static int attend_all(const float *q, const float *k, const float *v, const Row 
                       Py_ssize_t n_rows, Py_ssize_t n_tokens, int heads, int kv_heads, int dim,
                       float scale, float *out) {
     int group = heads / kv_heads, failed = 0;
-    Py_ssize_t floats = 0, *row_of = malloc(sizeof(Py_ssize_t) * (n_tokens ? n_tokens : 1));
+    Py_ssize_t work = 0, *row_of = malloc(sizeof(Py_ssize_t) * (n_tokens ? n_tokens : 1));
     if (!row_of) return 1;
     for (Py_ssize_t r = 0; r < n_rows; r++) {
-        floats += 2 * (rows[r].span + rows[r].count) * rows[r].count * kv_heads * dim;
+        work += 2 * (rows[r].span + rows[r].count) * rows[r].count * kv_heads * dim;
         for (Py_ssize_t i = 0; i < rows[r].count; i++) row_of[rows[r].first + i] = r;
     }
-#pragma omp parallel for schedule(dynamic) reduction(| : failed) if (floats > SPREAD)
+#pragma omp parallel for schedule(dynamic) reduction(| : failed) if (work > SPREAD)
     for (Py_ssize_t t = 0; t < n_tokens * kv_heads; t++) {
         Py_ssize_t token = t / kv_heads, h = t % kv_heads;
         const Row *row = rows + row_of[token];
@@ -185,18 +185,6 @@ static int attend_all(const float *q, const float *k, const float *v, const Row 
 }
 
 /* ------------------------------------------------------------------ Python side */
-
-/* A C-contiguous float32 array of `ndim` dimensions: 0, or -1 with the exception set. */
-static int floats(PyObject *obj, Py_buffer *view, int ndim, int writable, const char *name) {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
-    if (view->ndim != ndim || view->itemsize != 4 || !view->format || strcmp(view->format, "f")) {
-        PyErr_Format(PyExc_TypeError, "%s must be a %d-D float32 array", name, ndim);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
 
 static PyObject *swiglu(PyObject *self, PyObject *args) {
     PyObject *objs[3];

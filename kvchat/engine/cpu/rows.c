@@ -19,7 +19,7 @@
 #include <omp.h>
 #endif
 
-#include "vectors.h"
+#include "kernels.h"
 
 #define NR 4     /* weight rows a tile streams together */
 #define MB 8     /* rows of x a tile takes (more go in groups of MB) */
@@ -99,26 +99,13 @@ static void product(
     for (Py_ssize_t o = tiles * NR; o < n; o++) row_by_row(w, k_len, x, rows, y, n, o);
 }
 
-/* Take the buffer of a C-contiguous 2-D float32 array (numpy's): 0, or -1 with the
- * exception set (ValueError from numpy for a strided or read-only one, TypeError here). */
-static int matrix(PyObject *obj, Py_buffer *view, int writable, const char *name) {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
-    if (view->ndim != 2 || view->itemsize != 4 || !view->format || strcmp(view->format, "f")) {
-        PyErr_Format(PyExc_TypeError, "%s must be a 2-D float32 array", name);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
 static PyObject *matmul_t(PyObject *self, PyObject *args) {
     PyObject *w_obj, *x_obj, *y_obj;
     if (!PyArg_ParseTuple(args, "OOO:matmul_t", &w_obj, &x_obj, &y_obj)) return NULL;
     Py_buffer w, x, y;
-    if (matrix(w_obj, &w, 0, "w") < 0) return NULL;
-    if (matrix(x_obj, &x, 0, "x") < 0) { PyBuffer_Release(&w); return NULL; }
-    if (matrix(y_obj, &y, 1, "out") < 0) { PyBuffer_Release(&w); PyBuffer_Release(&x); return NULL; }
+    if (floats(w_obj, &w, 2, 0, "w") < 0) return NULL;
+    if (floats(x_obj, &x, 2, 0, "x") < 0) { PyBuffer_Release(&w); return NULL; }
+    if (floats(y_obj, &y, 2, 1, "out") < 0) { PyBuffer_Release(&w); PyBuffer_Release(&x); return NULL; }
     Py_ssize_t n = w.shape[0], k_len = w.shape[1], rows = x.shape[0];
     PyObject *result = NULL;
     if (x.shape[1] != k_len || y.shape[0] != rows || y.shape[1] != n)

@@ -1,8 +1,11 @@
 /* What kvchat's native kernels (rows.c, fused.c) share: float vectors of 256 bits in
- * GCC's vector extensions, the sum of eight vectors' lanes, and the per-instruction-set
- * clones of the loops that use them. */
-#ifndef KVCHAT_VECTORS_H
-#define KVCHAT_VECTORS_H
+ * GCC's vector extensions, the sum of eight vectors' lanes, the per-instruction-set
+ * clones of the loops that use them, and the check of the arrays they are handed.
+ * Include after Python.h. */
+#ifndef KVCHAT_KERNELS_H
+#define KVCHAT_KERNELS_H
+
+#include <string.h>
 
 #define VL 8 /* floats in a vector: 256 bits */
 
@@ -38,6 +41,20 @@ static inline __attribute__((always_inline)) vf lane_sums(const vf *a) {
 #if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+/* Take the buffer of a C-contiguous float32 array of `ndim` dimensions (numpy's): 0, or
+ * -1 with the exception set (ValueError from numpy for a strided or read-only one,
+ * TypeError here). */
+static int floats(PyObject *obj, Py_buffer *view, int ndim, int writable, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
+    if (view->ndim != ndim || view->itemsize != 4 || !view->format || strcmp(view->format, "f")) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %d-D float32 array", name, ndim);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 #endif
 #endif
 #ifndef CLONES
