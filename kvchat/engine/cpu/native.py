@@ -1,5 +1,6 @@
 """kvchat's optional native kernels: ``rows`` (rows.c, a few rows' products reading the
-weights once) and ``fused`` (fused.c, one-token attention and SwiGLU in one pass each).
+weights once) and ``fused`` (fused.c, every row's attention in one call, SwiGLU in one
+pass).
 
 pyproject.toml builds them at install where a C compiler is found; where none was, or
 with ``KVCHAT_NATIVE=0`` (to compare), the numpy step computes the same without them.
@@ -13,6 +14,8 @@ import os
 from types import ModuleType
 
 ENV = "KVCHAT_NATIVE"  # "0": kvchat's native kernels off, numpy and its BLAS instead
+# each kernel module, and what it does in the numpy step, for kvchat doctor
+KERNELS = {"rows": "weights read once for 2 to 16 rows", "fused": "fused attention"}
 
 
 @functools.cache
@@ -31,8 +34,9 @@ def module(name: str) -> ModuleType | None:
 
 def route() -> str:
     """Which native kernels the numpy step uses, in a phrase for ``kvchat doctor``."""
-    if module("rows") is not None and module("fused") is not None:
-        return "kvchat's native kernels: weights read once for 2 to 16 rows, fused attention"
-    if built("rows") is not None or built("fused") is not None:
+    used = [what for name, what in KERNELS.items() if module(name) is not None]
+    if used:
+        return "kvchat's native kernels: " + ", ".join(used)
+    if any(built(name) is not None for name in KERNELS):
         return f"numpy and its BLAS ({ENV}=0)"
     return "numpy and its BLAS (kvchat's native kernels were not built: no C compiler at install)"
