@@ -198,12 +198,12 @@ def _attend(
     counts = [span.stop - span.start for span in at]
     tables = [turns[form.key, c.offset, n] for c, n in zip(own, counts)]
     cos, sin = (np.concatenate([t[side] for t in tables])[:, None] for side in (0, 1))
-    # C order for the kernel (a product of many rows comes transposed, see linear.product)
-    q, k, v = (np.ascontiguousarray(np.concatenate([x[span] for span in at])) for x in qkv)
+    q, k, v = (np.concatenate([x[span] for span in at]) for x in qkv)
     n = len(q)
-    q = rotate(q.reshape(n, heads, -1), form, cos, sin)
+    q = rotate(q.reshape(n, heads, -1), form, cos, sin)  # rotate's copies are in C order
     k = rotate(k.reshape(n, kv_heads, -1), form, cos, sin)
-    v = v.reshape(n, kv_heads, -1)
+    # C order for the kernel (a product of many rows comes transposed, see linear.product)
+    v = np.ascontiguousarray(v.reshape(n, kv_heads, -1))
     spans = [c.offset for c in own]
     keys = [np.asarray(c.keys) if c.offset else None for c in own]
     values = [np.asarray(c.values) if c.offset else None for c in own]
