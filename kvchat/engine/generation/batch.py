@@ -38,7 +38,7 @@ _merges: dict[int, bool] = {}  # by id(model): whether a merged batch decodes as
 
 def merges(model: nn.Module) -> bool:
     """Whether ``model`` decodes a merged batch as it decodes each row alone, found out
-    once with a probe (two short sequences, alone then merged): some architectures'
+    once with a probe (two short sequences of different lengths): some architectures'
     attention does not take a batch cache's mask, and must not be fed one."""
     key = id(model)
     if key not in _merges:
@@ -48,9 +48,16 @@ def merges(model: nn.Module) -> bool:
 
 
 def _probe(model: nn.Module) -> bool:
-    prompts, alone, caches = [[1, 2, 3], [4]], [], []
+    """Two sequences of 3 and 1 tokens decode one token merged (the shorter one padded);
+    each row must agree with the same sequence decoded in a batch of two copies of
+    itself, merged without padding. Both are batches of two, so their matrix products
+    run the same kernels: where MLX runs a batch's float32 products at reduced precision
+    and one row's at full precision (TF32 on NVIDIA and M5-class GPUs, MLX_ENABLE_TF32),
+    a row alone differs from any batch by about 1e-3, and comparing with it refused
+    every model there. A mask that attention ignores shows in the padded row."""
     try:
-        for prompt in prompts:
+        caches = []
+        for prompt in ([1, 2, 3], [4]):
             cache = (
                 model.make_cache()
                 if hasattr(model, "make_cache")
@@ -60,14 +67,17 @@ def _probe(model: nn.Module) -> bool:
                 return False
             model(mx.array([prompt]), cache=cache)
             caches.append(cache)
-        copies = [copy_cache(cache) for cache in caches]
-        for cache in copies:
-            alone.append(model(mx.array([[5]]), cache=cache)[0, -1])
-        batch = [merge([cache[i] for cache in caches]) for i in range(len(caches[0]))]
-        together = model(mx.array([[5], [5]]), cache=batch)[:, -1]
-        for row, one in zip(together, alone):
-            a, b = (x - mx.logsumexp(x) for x in (row, one))
-            if cast(float, mx.abs(a - b).max().item()) > 1e-3:
+
+        def step(pair: list[list[Any]]) -> mx.array:
+            copies = [copy_cache(c) for c in pair]  # the probe's own caches stay as they were
+            batch = [merge([c[i] for c in copies]) for i in range(len(copies[0]))]
+            logits: mx.array = model(mx.array([[5], [5]]), cache=batch)[:, -1]
+            return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+        together = step(caches)
+        for row, cache in zip(together, caches):
+            twin = step([cache, cache])[0]
+            if cast(float, mx.abs(row - twin).max().item()) > 1e-3:
                 return False
     except Exception:  # noqa: BLE001  a model whose layers cannot take a batch cache
         return False
