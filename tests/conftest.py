@@ -8,7 +8,14 @@ import os
 
 import pytest
 
-from kvchat import blas
+# Full float32 products on every backend: the suite compares a batch's rows with each row
+# alone (token for token, log-probabilities within 1e-4), which holds at full precision.
+# MLX's default on NVIDIA and M5-class GPUs runs a batch's float32 products in TF32 and
+# one row's in full float32; tests/test_batch_probe.py covers that mode. Set before MLX
+# is imported, and inherited by every subprocess.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+from kvchat import blas  # noqa: E402
 
 blas.preload()  # as kvchat's entry point does, before any test imports mlx
 

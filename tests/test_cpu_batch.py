@@ -58,6 +58,7 @@ def prefilled(model, tokens: list[int], kind: str) -> list:
     return cache
 
 
+@pytest.mark.cpu_only
 def test_llama3_rope_decodes_through_the_numpy_step(llama3, monkeypatch):
     model, stock = llama3
     calls = []
@@ -78,6 +79,7 @@ def test_llama3_rope_decodes_through_the_numpy_step(llama3, monkeypatch):
 KINDS = ["standard", "concatenate", "quantized:8", "rotated:4"]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_batched_step_equals_mlx_lm_row_by_row(llama3, rows):
     """B rows of different lengths and cache kinds: logits within 1e-4 of mlx-lm's own
@@ -126,6 +128,7 @@ def assert_same_content(ours, alone) -> None:
             assert a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item()
 
 
+@pytest.mark.cpu_only
 def test_batched_step_declines_and_changes_nothing(llama3):
     model, _ = llama3
     standard = prefilled(model, [5, 6, 7], "standard")
@@ -164,12 +167,14 @@ def test_models_without_the_numpy_step_say_why(model_type, extra, reason):
     assert mx.allclose(model(tokens), stock(tokens), atol=5e-5, rtol=5e-5).item()
 
 
+@pytest.mark.cpu_only
 def test_kept_packed_weights_leave_the_step_out():
     packed = load_model("demo@q4", keep_quantized=True)
     assert "kept packed" in packed.fast_path.step
     assert packed.fast_path_line().startswith("on for linear layers only")
 
 
+@pytest.mark.cpu_only
 def test_rotated_caches_are_refused_where_attention_cannot_rotate():
     model, _ = tiny("gemma2", query_pre_attn_scalar=32)
     cpu.prepare(model, dequantize=False)
@@ -181,6 +186,7 @@ def test_rotated_caches_are_refused_where_attention_cannot_rotate():
         make_cache(model, parse_kind("rotated:4"))
 
 
+@pytest.mark.cpu_only
 def test_switched_off_a_model_keeps_rotated_caches_with_mlx_arithmetic(demo_model, monkeypatch):
     monkeypatch.setenv(cpu.ENV, "0")
     off = load_model("demo")
@@ -215,7 +221,7 @@ def test_doctor_names_the_model_and_its_fast_path(demo_model):
         )
 
 
-@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU fast path is the CPU's")
+@pytest.mark.cpu_only
 def test_doctor_says_why_a_batch_decodes_through_mlx(demo_model, monkeypatch):
     """With the numpy step switched off, the batch's rows merge into mlx-lm's batch caches."""
     monkeypatch.setattr(demo_model.fast_path, "on", False)
@@ -234,6 +240,7 @@ def test_an_unknown_rope_is_refused_by_name():
     assert rope.rope_form(Unknown()) == "its RoPE (Unknown) is not one the numpy step computes"
 
 
+@pytest.mark.cpu_only
 def test_step_of_several_tokens_a_row_equals_mlx_lm_forward_pass(demo_model):
     """Rows of several tokens (a short prompt joining a decoding step) beside rows of one,
     on caches of different lengths, one of them empty: each row's logits after its last
@@ -262,6 +269,7 @@ def test_step_of_several_tokens_a_row_equals_mlx_lm_forward_pass(demo_model):
             assert_same_content(mine, twin)
 
 
+@pytest.mark.cpu_only
 def test_several_tokens_a_row_only_on_a_plain_cache(llama3):
     """A row of several tokens on a cache the step cannot extend by several (quantized
     here) is declined, every cache left as it was."""
