@@ -21,17 +21,30 @@ blas.preload()  # as kvchat's entry point does, before any test imports mlx
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the tests marked ``cpu_only`` (the CPU fast path, the BLAS) where MLX's
-    default device is not the CPU: on a GPU neither is in the path."""
+    """Skip, with the reason, the tests marked ``cpu_only`` (the CPU fast path, the BLAS)
+    where MLX's default device is not the CPU, and those marked ``quantized_attention``
+    where MLX's backend cannot attend over a quantized cache (kvchat refuses those kinds
+    there when they are chosen: tests/test_kind_backend.py)."""
     import mlx.core as mx
 
+    from kvchat.engine.caches import fit
+
     device = mx.default_device()
-    if device == mx.cpu:
-        return
-    skip = pytest.mark.skip(reason=f"about the CPU fast path or the BLAS; MLX runs on {device}")
+    problem = next(
+        (p for bits in (4, 8) if (p := fit.backend_problem(fit.QUANTIZED_ATTENTION, bits, 64))),
+        None,
+    )
+    skips = {
+        "cpu_only": None
+        if device == mx.cpu
+        else f"about the CPU fast path or the BLAS; MLX runs on {device}",
+        "quantized_attention": problem
+        and f"quantized cache kinds are refused on {fit.device()}: {problem}",
+    }
     for item in items:
-        if item.get_closest_marker("cpu_only"):
-            item.add_marker(skip)
+        for marker, reason in skips.items():
+            if reason and item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session", autouse=True)

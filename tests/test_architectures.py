@@ -25,6 +25,7 @@ SECOND = "Tell me another story about the fox and the dog, please, a long one."
 THIRD = "What colour is the fox?"
 
 
+@pytest.mark.quantized_attention
 def test_phi3_head_size_96_quantizes_in_groups_of_32(arch):
     lm = arch("phi3")
     quantized = Session(lm, kind="quantized:8", settings=GREEDY)
@@ -63,6 +64,7 @@ def test_each_family_takes_the_kinds_the_readme_lists(arch, name):
         assert after.stats.rebuilt is None and after.stats.reused_tokens > 0
 
 
+@pytest.mark.quantized_attention
 def test_gemma2_refuses_quantized_kinds_and_keeps_the_session(arch):
     lm = arch("gemma2")
     with pytest.raises(CacheKindError, match="attention cannot read a quantized cache"):

@@ -29,6 +29,7 @@ def test_the_heldout_text_was_never_trained_on():
     assert len(held) > 1000
 
 
+@pytest.mark.quantized_attention
 def test_standard_against_itself_and_the_figures_of_each_kind(demo_model, rows):
     n = len(demo_model.tokenizer.encode(heldout_text(), add_special_tokens=False)) - 1
     assert list(rows) == list(DEFAULT_KINDS)
@@ -56,6 +57,7 @@ def test_the_demo_knows_its_corpus(demo_model):
     assert 1 < std.perplexity < 20
 
 
+@pytest.mark.quantized_attention
 def test_kld_is_computed_from_the_distributions(demo_model):
     """One kind's mean KLD recomputed by hand from the two runs' log-probabilities."""
     tokens = demo_model.tokenizer.encode(heldout_text(), add_special_tokens=False)[:65]
@@ -69,6 +71,7 @@ def test_kld_is_computed_from_the_distributions(demo_model):
     assert got.kld_mean == pytest.approx(want, rel=1e-6)
 
 
+@pytest.mark.quantized_attention
 def test_eval_cache_cli(kvchat_dirs):
     proc = subprocess.run(
         [*CLI, "eval-cache", "--kinds", "quantized:8", "--max-tokens", "48", "--json"],
@@ -86,6 +89,7 @@ def test_eval_cache_cli(kvchat_dirs):
     assert bad.returncode == 2 and "8 or 4 bits" in bad.stderr
 
 
+@pytest.mark.quantized_attention
 def test_rotation_spreads_outlier_key_channels(kvchat_dirs):
     """Qwen-family models have a few key channels far larger than the rest (from a large
     ``k_proj`` bias); the trained demo has none, which is why rotated:4 barely beats

@@ -43,6 +43,7 @@ def test_every_kind_makes_its_mlx_lm_class(demo_model, name, cls):
     assert all(type(c) is cls for c in cache)
 
 
+@pytest.mark.quantized_attention
 def test_kind_parameters_reach_the_cache(demo_model):
     q4 = make_cache(demo_model.model, parse_kind("quantized:4"))[0]
     assert (q4.bits, q4.group_size) == (4, 64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from helpers import turn
 
 from kvchat import store
@@ -123,6 +124,7 @@ def test_budget_offloads_least_recently_used_first(demo_model, home):
     assert got.reply == want.reply and got.stats.reused_tokens == want.stats.reused_tokens > 0
 
 
+@pytest.mark.quantized_attention
 def test_new_session_shares_the_system_prompt_prefix(demo_model, home):
     pool = SessionPool()
     pool.add("a", chat(demo_model))

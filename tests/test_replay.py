@@ -26,6 +26,7 @@ SCRIPT = {
 }
 
 
+@pytest.mark.quantized_attention
 def test_replay_matches_the_no_cache_baseline(demo_model):
     script = parse_script(SCRIPT)
     settings = GenerationSettings(max_tokens=10)

@@ -51,6 +51,7 @@ def test_the_rotation_is_orthogonal_and_fixed(dim):
         assert np.array_equal(r, np.array(rotation.__wrapped__(64)))
 
 
+@pytest.mark.quantized_attention
 def test_identity_rotation_equals_quantized_exactly(demo_model, monkeypatch):
     """The plumbing: with R = I, rotated:4 is quantized:4 bit for bit."""
     tokens = prompt(demo_model)
@@ -60,6 +61,7 @@ def test_identity_rotation_equals_quantized_exactly(demo_model, monkeypatch):
     assert mx.array_equal(got, want).item()
 
 
+@pytest.mark.quantized_attention
 def test_attention_matches_standard_within_tolerance():
     """One attention call over keys with four outlier channels (×12): the largest error
     against full precision is under 0.05 at 8 bits and 0.5 at 4 bits (outputs of size ~1),
@@ -106,6 +108,7 @@ def test_saves_and_resumes_with_the_cache(demo_model, home, kind):
     assert resumed.tokens == live.tokens
 
 
+@pytest.mark.quantized_attention
 def test_mlx_lm_cache_module_is_left_as_mlx_lm_made_it(demo_model, tmp_path):
     """kvchat reads its own class back without adding a name to mlx-lm's module."""
     import mlx_lm.models.cache as mlx_cache
@@ -125,6 +128,7 @@ def test_mlx_lm_cache_module_is_left_as_mlx_lm_made_it(demo_model, tmp_path):
         mlx_cache.load_prompt_cache(path)  # mlx-lm alone does not know kvchat's class
 
 
+@pytest.mark.quantized_attention
 def test_undo_and_trim_keep_the_cached_data(demo_model):
     session = Session(demo_model, kind="rotated:4", system=SYSTEM, settings=settings())
     turn(session, TEXTS[0])
@@ -143,6 +147,7 @@ def test_undo_and_trim_keep_the_cached_data(demo_model):
     assert trim_to(copied, 5) and all(type(c) is RotatedKVCache and c.offset == 5 for c in copied)
 
 
+@pytest.mark.quantized_attention
 def test_converts_from_standard_like_a_fresh_prefill(demo_model):
     tokens = prompt(demo_model)
     cache = make_cache(demo_model.model, parse_kind("standard"))
@@ -163,6 +168,7 @@ def test_converts_from_standard_like_a_fresh_prefill(demo_model):
     assert turn(session, TEXTS[1]).stats.rebuilt is None
 
 
+@pytest.mark.quantized_attention
 def test_picker_bytes_per_token_equal_quantized(demo_model):
     for bits in (4, 8):
         assert kind_bytes_per_token(demo_model.model, f"rotated:{bits}") == kind_bytes_per_token(

@@ -273,6 +273,7 @@ def test_switch_kind_mid_conversation(demo_model, new_kind, converted):
         assert done.reply == fresh_reply(demo_model, session.messages[:-1])
 
 
+@pytest.mark.quantized_attention
 def test_switch_back_from_quantized_rebuilds_exactly(demo_model):
     session = Session(demo_model, kind="quantized:4", system=SYSTEM, settings=SETTINGS)
     converse(session, MESSAGES[:2])

@@ -170,6 +170,7 @@ async def test_save_and_trim_both_ways(make_app, home):
         assert app.sidebar.info.cache_tokens == session.cache_tokens
 
 
+@pytest.mark.quantized_attention
 async def test_cache_kind_switch_and_reset(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:

@@ -179,6 +179,7 @@ async def test_regenerate_at_temperature_zero_says_it_is_greedy(make_app):
         assert conversation.session.last_stats.evaluated_tokens == 0
 
 
+@pytest.mark.quantized_attention
 async def test_regenerate_after_a_kind_switch_says_the_reply_can_differ(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
