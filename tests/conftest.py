@@ -5,6 +5,7 @@ files and builds the demo model once."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -22,9 +23,10 @@ blas.preload()  # as kvchat's entry point does, before any test imports mlx
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip, with the reason, the tests marked ``cpu_only`` (the CPU fast path, the BLAS)
-    where MLX's default device is not the CPU, and those marked ``quantized_attention``
-    where MLX's backend cannot attend over a quantized cache (kvchat refuses those kinds
-    there when they are chosen: tests/test_kind_backend.py)."""
+    where MLX's default device is not the CPU, and where MLX's backend cannot attend over
+    a quantized cache (kvchat refuses those kinds there when they are chosen), those
+    marked ``quantized_attention`` and the cases of a test whose parameters name a
+    quantized or rotated kind."""
     import mlx.core as mx
 
     from kvchat.engine.caches import fit
@@ -34,17 +36,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (p for bits in (4, 8) if (p := fit.backend_problem(fit.QUANTIZED_ATTENTION, bits, 64))),
         None,
     )
-    skips = {
-        "cpu_only": None
-        if device == mx.cpu
-        else f"about the CPU fast path or the BLAS; MLX runs on {device}",
-        "quantized_attention": problem
-        and f"quantized cache kinds are refused on {fit.device()}: {problem}",
-    }
+    on_gpu = device != mx.cpu and f"about the CPU fast path or the BLAS; MLX runs on {device}"
+    refused = problem and f"quantized cache kinds are refused on {fit.device()}: {problem}"
     for item in items:
-        for marker, reason in skips.items():
-            if reason and item.get_closest_marker(marker):
-                item.add_marker(pytest.mark.skip(reason=reason))
+        if on_gpu and item.get_closest_marker("cpu_only"):
+            item.add_marker(pytest.mark.skip(reason=on_gpu))
+        elif refused and (
+            item.get_closest_marker("quantized_attention") or _names_a_quantized_kind(item)
+        ):
+            item.add_marker(pytest.mark.skip(reason=refused))
+
+
+def _names_a_quantized_kind(item: pytest.Item) -> bool:
+    """Whether the case's id names a quantized or rotated kind (``quantized:8``, or a
+    crafted cache's ``quantized-bits``)."""
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and re.search(r"(quantized|rotated)", callspec.id) is not None
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -52,6 +52,7 @@ FITTING = {  # the README's table: rotated:N needs kvchat's attention (llama-fam
 }
 
 
+@pytest.mark.quantized_attention
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_each_family_takes_the_kinds_the_readme_lists(arch, name):
     lm = arch(name)
@@ -90,6 +91,7 @@ def test_gemma2_refuses_quantized_kinds_and_keeps_the_session(arch):
     assert after.stats.rebuilt is None and after.stats.reused_tokens >= len(ledger) - 1
 
 
+@pytest.mark.quantized_attention
 @pytest.mark.parametrize("command, code", [("ask", 1), ("replay", 2)])
 def test_cli_refuses_a_quantized_kind_in_one_sentence(arch, tmp_path, home, command, code):
     lm = arch("gemma2")

@@ -18,6 +18,7 @@ THIRD = "What colour is the fox?"
 FOURTH = "Where does the dog sleep at night?"
 
 
+@pytest.mark.quantized_attention
 @pytest.mark.parametrize("name", ["gemma3_text", "lfm2"])
 def test_a_switch_to_a_quantized_kind_keeps_the_checkpoints(arch, name):
     session = Session(arch(name), settings=GREEDY)

@@ -59,6 +59,7 @@ def test_the_cpu_backend_runs_quantized_attention():
         assert fit.backend_problem(fit.QUANTIZED_ATTENTION, bits, 64) is None
 
 
+@pytest.mark.quantized_attention
 def test_a_kind_the_attention_cannot_run_is_refused_when_chosen(cuda_like):
     assert applicable_kinds(cuda_like.model, list(OFFERED_KINDS)) == [
         k for k in OFFERED_KINDS if parse_kind(k).family not in ("quantized", "rotated")
@@ -80,6 +81,7 @@ def test_a_kind_the_attention_cannot_run_is_refused_when_chosen(cuda_like):
     assert again.stats.rebuilt is None and again.stats.reused_tokens >= len(first.tokens)
 
 
+@pytest.mark.quantized_attention
 def test_bench_reports_a_kind_it_cannot_run_and_goes_on(cuda_like):
     bench = Bench(cuda_like, quick=True)
     bench.plan.update(
