@@ -131,7 +131,7 @@ CRAFTED = {
         "keys[0] of shape (1, 1, n, 4), the model makes (1, 1, n, 8)",
     ),
     "quantized-bits": ("quantized:8", lambda a: _with(a, "0.4", _scalar(4)), "bits 4, expected 8"),
-    "offset-float": (
+    "quantized-offset-float": (
         "quantized:8",
         lambda a: _with(a, "0.2", lambda x: x.astype(mx.float32) + 0.5),
         "expected a whole number",
