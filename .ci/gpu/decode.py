@@ -20,8 +20,14 @@ for i in range(3):
     )
     try:
         d = json.loads(r.stdout)
-        rows.append({"who": "kvchat ask", "tokens": d["generated_tokens"], "tps": d["gen_tps"],
-                     "ttft_s": d["ttft_s"]})
+        rows.append(
+            {
+                "who": "kvchat ask",
+                "tokens": d["generated_tokens"],
+                "tps": d["gen_tps"],
+                "ttft_s": d["ttft_s"],
+            }
+        )
     except (ValueError, KeyError):
         rows.append({"who": "kvchat ask", "error": (r.stdout + r.stderr)[-800:]})
     r = subprocess.run(
@@ -30,8 +36,14 @@ for i in range(3):
     m = re.search(r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec", r.stdout)
     p = re.search(r"Prompt: (\d+) tokens, ([\d.]+) tokens-per-sec", r.stdout)
     if m:
-        rows.append({"who": "mlx_lm generate", "tokens": int(m[1]), "tps": float(m[2]),
-                     "prompt": p and p.group(0)})
+        rows.append(
+            {
+                "who": "mlx_lm generate",
+                "tokens": int(m[1]),
+                "tps": float(m[2]),
+                "prompt": p and p.group(0),
+            }
+        )
     else:
         rows.append({"who": "mlx_lm generate", "error": (r.stdout + r.stderr)[-800:]})
     print(json.dumps(rows[-2:]), file=sys.stderr, flush=True)
