@@ -14,7 +14,7 @@ prompt = "Tell me a long story about a lighthouse keeper and the ships she watch
 ask = [sys.executable, "-c", "from kvchat.cli import main; main()", "ask", "--model", model]
 gen = [sys.executable, "-m", "mlx_lm", "generate", "--model", folder, "--temp", "0"]
 rows = []
-for i in range(3):
+for _ in range(3):
     r = subprocess.run(
         [*ask, "--max-tokens", tokens, "--json", prompt], capture_output=True, text=True
     )
