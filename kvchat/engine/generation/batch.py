@@ -125,6 +125,36 @@ def separate(model: nn.Module, seqs: list[Sequence], fast_path: Any) -> list[mx.
     return [model(mx.array([s.feeding]), cache=s.cache)[:, -1, :] for s in seqs]
 
 
+def feeds_ahead(fast_path: Any, decoding: list[Sequence]) -> bool:
+    """Whether a decode step of ``decoding`` also feeds the tokens it samples, before they
+    are read, so that the next step computes while this one's tokens are read and posted
+    (as mlx-lm's ``generate_step`` does): on MLX's own path (the CPU fast path's numpy
+    step computes as it goes) and on plain caches (``KVCache``), from which a sequence
+    that ends has that token trimmed again (other kinds trim differently, or not at all:
+    recurrent layers' state). The core also asks that nobody waits to join (a step fed
+    ahead has no row for a newcomer) and that the model is not sharded."""
+    return not separate_batches(fast_path) and all(
+        type(c) is KVCache for s in decoding for c in s.cache
+    )
+
+
+def feed_ahead(
+    model: nn.Module,
+    merged: Merged | None,
+    alone: list[Sequence],
+    sampled: dict[Sequence, mx.array],
+) -> None:
+    """Feed each decoding sequence's token just sampled (not evaluated yet), keeping the
+    logits after it as the sequence's :attr:`~.sequence.Sequence.ahead`."""
+    if merged and merged.seqs:
+        tokens = mx.concatenate([sampled[s] for s in merged.seqs])[:, None]
+        logits = merged.step(model, tokens)
+        for i, seq in enumerate(merged.seqs):
+            seq.ahead = logits[i : i + 1]
+    for seq in alone:
+        seq.ahead = model(sampled[seq].reshape(1, 1), cache=seq.cache)[:, -1, :]
+
+
 class Merged:
     """Sequences decoding in one forward pass over one batch cache, row i for ``seqs[i]``."""
 
@@ -140,10 +170,11 @@ class Merged:
         _lend(self.cache, seqs)
         self.seqs.extend(seqs)
 
-    def step(self, model: nn.Module) -> mx.array:
-        """Feed every row's pending token (one a row: a merged batch folds no prompt in);
-        the logits ``(B, V)``."""
-        tokens = mx.array([s.feeding for s in self.seqs])
+    def step(self, model: nn.Module, tokens: mx.array | None = None) -> mx.array:
+        """Feed every row's pending token (one a row: a merged batch folds no prompt in),
+        or ``tokens`` ``(B, 1)`` (sampled, maybe not yet evaluated); the logits ``(B, V)``."""
+        if tokens is None:
+            tokens = mx.array([s.feeding for s in self.seqs])
         logits: mx.array = model(tokens, cache=self.cache)[:, -1, :]
         return logits
 
@@ -163,14 +194,6 @@ class Merged:
                 layer.filter(index)
         if not self.seqs:
             self.cache = []
-
-    def dissolve(self) -> list[Sequence]:
-        """Give every row its cache back; the sequences that were in it."""
-        seqs = list(self.seqs)
-        for i, s in enumerate(seqs):
-            give_back(self.cache, i, s.cache)
-        self.seqs, self.cache = [], []
-        return seqs
 
 
 def merge(layers: list[Any]) -> Any:

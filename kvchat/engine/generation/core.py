@@ -15,7 +15,9 @@ and reads its messages (``Prefill`` progress, sampled token ids, a final
 2. every decoding sequence, those just joined included, feeds its last sampled
    token and samples the next, in one forward pass for those whose caches merge
    (:class:`~.batch.Merged`), the others (caches that cannot batch, or the CPU fast
-   path's separate rows) beside;
+   path's separate rows) beside; on MLX's path the step also feeds the tokens it
+   samples before they are read (:func:`~.batch.feeds_ahead`), so the next step
+   computes while they are read and posted, and newcomers join the step after;
 3. sequences that ended (an end token, the length limit, a stop, a consumer gone)
    leave with their caches extracted back, and the rest go on.
 
@@ -35,11 +37,19 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, trim_prompt_cache
 
 from kvchat.engine.conversation.events import Prefill
 from kvchat.engine.generation import prefill
-from kvchat.engine.generation.batch import Merged, blocker, merges, separate, separate_batches
+from kvchat.engine.generation.batch import (
+    Merged,
+    blocker,
+    feed_ahead,
+    feeds_ahead,
+    merges,
+    separate,
+    separate_batches,
+)
 from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.sequence import Left, Sequence
 
@@ -61,8 +71,6 @@ class GenerationCore:
         self._thread: threading.Thread | None = None
         self._expected: list[float] = []  # announced turns' deadlines (monotonic), see expect
 
-    # ------------------------------------------------------------------ views
-
     @property
     def model(self) -> nn.Module | None:
         return self._model()
@@ -75,8 +83,6 @@ class GenerationCore:
         if model is None:
             raise RuntimeError("The model was unloaded while it was generating.")
         return model
-
-    # ---------------------------------------------------------------- actions
 
     def expect(self) -> None:
         """Announce a turn that is being prepared (its prompt templated and tokenized) and
@@ -139,8 +145,6 @@ class GenerationCore:
             while not seq.messages.empty():
                 seq.messages.get()
 
-    # --------------------------------------------------------------- the loop
-
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(
@@ -193,11 +197,13 @@ class GenerationCore:
             joining = list(self._joining)
         try:
             with mx.stream(generation_stream):
-                # those whose prompt is in decode in this same step, with the others: a
-                # first token does not wait for the next step's prefill of other prompts
-                self._join(self._prefill(joining))
-                decoding = [*self._alone, *(self._merged.seqs if self._merged else [])]
-                self._leave(self._decode(decoding))
+                decoding = [*self._alone, *self._merged_seqs()]
+                if not any(s.ahead is not None for s in decoding):  # else they join next step
+                    # a prompt all in decodes in this same step, its first token not waiting
+                    self._join(self._prefill(joining))
+                    decoding = [*self._alone, *self._merged_seqs()]
+                ahead = self.threaded and not joining and feeds_ahead(self.fast_path, decoding)
+                self._leave(self._decode(decoding, ahead))
         except Exception as error:  # noqa: BLE001  every sequence learns why, and leaves
             self._fail(error)
 
@@ -278,25 +284,27 @@ class GenerationCore:
         if seq.on_prompt is not None:
             seq.on_prompt(logprobs)
 
-    def _decode(self, decoding: list[Sequence]) -> list[Sequence]:
-        """One decode step for every decoding sequence; those that ended."""
+    def _decode(self, decoding: list[Sequence], ahead: bool) -> list[Sequence]:
+        """One decode step for every decoding sequence (fed ahead by the step before, or
+        fed here); those that ended. With ``ahead``, it feeds the tokens it samples too."""
         if not decoding:
             return []
         rows: list[tuple[Sequence, mx.array]] = []
-        if self._merged and self._merged.seqs:
-            logits = self._merged.step(self._forward)
-            rows += [(s, logits[i : i + 1]) for i, s in enumerate(self._merged.seqs)]
-        if self._alone:
-            rows += list(zip(self._alone, separate(self._forward, self._alone, self.fast_path)))
-        for seq, _ in rows:
-            seq.batch_peak = max(
-                seq.batch_peak,
-                len(rows)
-                if separate_batches(self.fast_path)
-                else len(self._merged_seqs())
-                if seq in self._merged_seqs()
-                else 1,
-            )
+        if decoding[0].ahead is not None:  # all of them: a step is fed ahead for all or none
+            rows = [(s, cast(mx.array, s.ahead)) for s in decoding]
+            for seq in decoding:
+                seq.ahead = None
+        else:
+            if self._merged and self._merged.seqs:
+                logits = self._merged.step(self._forward)
+                rows += [(s, logits[i : i + 1]) for i, s in enumerate(self._merged.seqs)]
+            if self._alone:
+                fed = separate(self._forward, self._alone, self.fast_path)
+                rows += list(zip(self._alone, fed))
+        merged = self._merged_seqs()
+        for seq, _ in rows:  # the most rows of a forward pass that decoded it
+            width = len(rows) if separate_batches(self.fast_path) else len(merged) * (seq in merged)
+            seq.batch_peak = max(seq.batch_peak, width, 1)
         caches: list[Any] = [c.state for s in self._alone for c in s.cache]
         if self._merged:
             caches += [c.state for c in self._merged.cache]
@@ -306,7 +314,13 @@ class GenerationCore:
             seq.ledger.extend(seq.feeding)  # that sample the next token see them too)
         opening = [s for s, _ in rows if not s.tokens]  # fed their prompt's last token
         sampled = [s.sample(row) for s, row in rows]
-        mx.eval(sampled, caches)
+        if ahead:
+            feed_ahead(
+                self._forward, self._merged, self._alone, dict(zip([s for s, _ in rows], sampled))
+            )
+            mx.async_eval(sampled, [s.ahead for s, _ in rows])
+        else:
+            mx.eval(sampled, caches)
         for seq, row in rows:
             if seq in opening:  # its logits are the prompt's end: keep them, as a prefill does
                 seq.fed = len(seq.prompt)
@@ -337,6 +351,9 @@ class GenerationCore:
         for seq in ended:
             if seq in self._alone:
                 self._alone.remove(seq)
+            if seq.ahead is not None:  # the token it ended on was fed ahead: not in the ledger
+                trim_prompt_cache(seq.cache, 1)
+                seq.ahead = None
             self._left(seq, Left(stopped=seq.halted()))
 
     def _join(self, ready: list[Sequence]) -> None:
@@ -377,23 +394,3 @@ class GenerationCore:
         for seq in everyone:
             seq.post(Left(stopped=False, error=error))
             seq.left.set()
-
-
-_cores: dict[int, GenerationCore] = {}  # by id(model), dropped when the model goes
-_cores_lock = threading.Lock()
-
-
-def core_for(lm: Any) -> GenerationCore:
-    """The core of loaded model ``lm`` (made on first use; one per model). A sharded
-    model's (one with a ``group``) runs its loop on the caller's thread."""
-    with _cores_lock:
-        core = _cores.get(id(lm.model))
-        if core is None or core.model is not lm.model:
-            core = GenerationCore(
-                lm.model,
-                threaded=getattr(lm, "group", None) is None,
-                fast_path=getattr(lm, "fast_path", None),
-            )
-            _cores[id(lm.model)] = core
-            weakref.finalize(lm.model, _cores.pop, id(lm.model), None)
-        return core

@@ -2,10 +2,13 @@
 tokens sampled one a step until an end token, the length limit or a stop.
 
 The cache contract: the ledger lists exactly the tokens whose keys and values
-are in the cache, at every step. A token joins both when it is fed to the
-model. The last sampled token is never fed (nothing asks for the token after
-it), so after a turn the cache holds the prompt and the reply but its last
-token; the next turn's prefix match evaluates that one with the new message.
+are in the cache whenever a sequence joins or leaves the core. A token joins both
+when it is fed to the model. The last sampled token is never fed (nothing asks for
+the token after it), so after a turn the cache holds the prompt and the reply but its
+last token; the next turn's prefix match evaluates that one with the new message.
+While the core decodes a step ahead (:attr:`Sequence.ahead`), the cache holds one
+token more than the ledger, the last sampled one, fed before it was read; a sequence
+that then leaves has it trimmed from its cache.
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ class Sequence:
     cancelled: threading.Event = field(default_factory=threading.Event)
     left: threading.Event = field(default_factory=threading.Event)
     fed: int = 0  # prompt tokens in the cache so far
+    # the logits (1, V) after its last sampled token, fed (lazily) before that token was
+    # read, while the step before it computed; the ledger gets the token when it is used
+    ahead: mx.array | None = None
     batch_peak: int = 1  # the most rows of a forward pass that decoded it
 
     @property

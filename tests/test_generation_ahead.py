@@ -1,0 +1,127 @@
+"""Decoding a step ahead on MLX's own path: the core feeds the token it just sampled
+before reading it, so the next step computes while this one's token is read and posted
+(as mlx-lm's ``generate_step`` does). The replies are mlx-lm's own, token for token, and
+whenever a sequence leaves (its length, an end token, a stop, a consumer gone) its cache
+holds exactly its ledger: the token it ended on, fed ahead, is trimmed again.
+
+The demo model's CPU fast path is switched off here (its numpy step computes as it goes
+and decodes nothing ahead); on a GPU that is the path every model takes."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
+from kvchat.engine.conversation.events import GenerationSettings
+from kvchat.engine.generation import GATE, Sequence, core_for
+from kvchat.engine.generation.sampling import for_settings
+
+PROMPT_TEXT = "Tell me about the sea and the ships on it."
+
+
+@pytest.fixture
+def mlx_path(demo_model, monkeypatch):
+    monkeypatch.setattr(demo_model.fast_path, "on", False)
+    return demo_model
+
+
+def _sequence(lm, prompt, max_tokens, eos=frozenset(), stop=None) -> Sequence:
+    sampler, _ = for_settings(GenerationSettings(temp=0.0))
+    return Sequence(
+        prompt=list(prompt),
+        cache=make_cache(lm.model, parse_kind("standard")),
+        ledger=[],
+        sampler=sampler,
+        processors=[],
+        max_tokens=max_tokens,
+        stop=stop or threading.Event(),
+        eos=eos,
+    )
+
+
+def _mlx_lm_tokens(lm, prompt, n: int) -> list[int]:
+    steps = generate_step(
+        mx.array(prompt), lm.model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+    )
+    return [int(token) for token, _ in steps]
+
+
+def _contract(seq: Sequence, prompt: list[int]) -> None:
+    assert seq.left.is_set() and seq.ahead is None
+    assert seq.ledger == [*prompt, *seq.tokens[:-1]]  # the token it ended on is not fed
+    assert held_tokens(seq.cache) == len(seq.ledger)
+
+
+def test_replies_are_mlx_lms_and_the_cache_holds_one_token_more_between_steps(mlx_path):
+    prompt = mlx_path.tokenizer.encode(PROMPT_TEXT)
+    reference = _mlx_lm_tokens(mlx_path, prompt, 24)
+    seq = _sequence(mlx_path, prompt, 24)
+    tokens, between = [], None
+    for message in core_for(mlx_path).run(seq):
+        if isinstance(message, int):
+            tokens.append(message)
+            if len(tokens) == 3:
+                with GATE.exclusive():  # the core is between two steps
+                    between = (held_tokens(seq.cache), len(seq.ledger), seq.ahead is not None)
+    assert tokens == seq.tokens == reference
+    held, ledger, ahead = between
+    assert ahead and held == ledger + 1  # the last sampled token, fed before it was read
+    _contract(seq, prompt)
+
+
+@pytest.mark.parametrize("ending", ["length", "end token", "stop", "consumer gone"])
+def test_a_sequence_that_leaves_has_the_token_fed_ahead_trimmed(mlx_path, ending):
+    prompt = mlx_path.tokenizer.encode(PROMPT_TEXT)
+    reference = _mlx_lm_tokens(mlx_path, prompt, 20)
+    stop = threading.Event()
+    seq = _sequence(
+        mlx_path,
+        prompt,
+        max_tokens=9 if ending == "length" else 20,
+        eos=frozenset({reference[6]}) if ending == "end token" else frozenset(),
+        stop=stop,
+    )
+    stream = core_for(mlx_path).run(seq)
+    for message in stream:
+        if isinstance(message, int) and len(seq.tokens) >= 4:
+            if ending == "stop":
+                stop.set()
+            elif ending == "consumer gone":
+                stream.close()  # cancels, and returns once the sequence has left
+                break
+    assert seq.tokens == reference[: len(seq.tokens)]
+    expected = {"length": 9, "end token": reference.index(reference[6]) + 1}
+    if ending in expected:
+        assert len(seq.tokens) == expected[ending]
+    else:
+        assert 4 <= len(seq.tokens) < 20
+    _contract(seq, prompt)
+
+
+def test_rows_merged_and_fed_ahead_leave_one_by_one_each_as_alone(mlx_path):
+    prompts = [mlx_path.tokenizer.encode(f"{PROMPT_TEXT} " * (i + 1)) for i in range(3)]
+    lengths = [5, 11, 16]
+    alone = [_mlx_lm_tokens(mlx_path, p, n) for p, n in zip(prompts, lengths)]
+    seqs = [_sequence(mlx_path, p, n) for p, n in zip(prompts, lengths)]
+    core = core_for(mlx_path)
+    threads = [threading.Thread(target=lambda s=s: list(core.run(s))) for s in seqs]
+    with GATE.exclusive():  # all three submitted before the first step
+        for t in threads:
+            t.start()
+        with core._cond:
+            assert core._cond.wait_for(lambda: len(core._joining) == len(seqs), 60)
+    for t in threads:
+        t.join(120)
+    for seq, prompt, tokens in zip(seqs, prompts, alone):
+        assert seq.tokens == tokens and seq.batch_peak == len(seqs)
+        _contract(seq, prompt)
+    # the caches given back are each sequence's own: a next turn continues from them
+    again = _sequence(mlx_path, [*prompts[2], *seqs[2].tokens], 4)
+    again.cache, again.ledger, again.fed = seqs[2].cache, list(seqs[2].ledger), len(seqs[2].ledger)
+    list(core.run(again))
+    fresh = _mlx_lm_tokens(mlx_path, [*prompts[2], *seqs[2].tokens], 4)
+    assert again.tokens == fresh
