@@ -19,6 +19,7 @@ from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.engine.generation import GATE, Sequence, core_for
 from kvchat.engine.generation.sampling import for_settings
+from tests.helpers import run_all
 
 PROMPT_TEXT = "Tell me about the sea and the ships on it."
 
@@ -108,14 +109,7 @@ def test_rows_merged_and_fed_ahead_leave_one_by_one_each_as_alone(mlx_path):
     alone = [_mlx_lm_tokens(mlx_path, p, n) for p, n in zip(prompts, lengths)]
     seqs = [_sequence(mlx_path, p, n) for p, n in zip(prompts, lengths)]
     core = core_for(mlx_path)
-    threads = [threading.Thread(target=lambda s=s: list(core.run(s))) for s in seqs]
-    with GATE.exclusive():  # all three submitted before the first step
-        for t in threads:
-            t.start()
-        with core._cond:
-            assert core._cond.wait_for(lambda: len(core._joining) == len(seqs), 60)
-    for t in threads:
-        t.join(120)
+    run_all(core, seqs)  # all three submitted before the first step
     for seq, prompt, tokens in zip(seqs, prompts, alone):
         assert seq.tokens == tokens and seq.batch_peak == len(seqs)
         _contract(seq, prompt)
