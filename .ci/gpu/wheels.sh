@@ -11,8 +11,14 @@ PY=.venv/bin/python
 grep -qx '/.gpu1/' .git/info/exclude 2>/dev/null || printf '/.gpu1/\n/.gpu2/\n' >> .git/info/exclude
 rm -rf .gpu1 .gpu2 /tmp/kvchat-wheels && mkdir -p .gpu1 .gpu2 /tmp/kvchat-wheels
 MLX=$($PY -c "import importlib.metadata as m; print(m.version('mlx'))")
-# the versions this checkout runs with, where the GPU machine's image has none or older
-PINS=$($PY -m pip list --format=freeze 2>/dev/null | grep -i -E '^(mlx-lm|textual|platformdirs|tomlkit|pydantic|pydantic-core|annotated-types|typing-inspection|starlette|uvicorn|llguidance|openai|distro|jiter|sniffio|pytest-textual-snapshot|syrupy|mdit-py-plugins|linkify-it-py|uc-micro-py|rich|typer|typing-extensions|markdown-it-py|mdurl|pygments|click|shellingham|annotated-doc|anyio|h11)==')
+# what the GPU machine's image lacks (or has too old), at the versions this checkout runs
+# with where it has them (pip's names normalised: pydantic_core is pydantic-core)
+NEED="mlx-lm textual platformdirs tomlkit pydantic pydantic-core annotated-types
+typing-inspection starlette uvicorn llguidance openai distro jiter sniffio
+pytest-textual-snapshot syrupy mdit-py-plugins linkify-it-py uc-micro-py rich typer
+typing-extensions markdown-it-py mdurl pygments click shellingham annotated-doc anyio h11"
+HAVE=$($PY -m pip list --format=freeze 2>/dev/null | tr 'A-Z_' 'a-z-')
+PINS=$(for n in $NEED; do echo "$HAVE" | grep -m1 "^$n==" || echo "$n"; done)
 PLAT="--platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
   -d /tmp/kvchat-wheels "mlx==$MLX" "mlx-cuda-13==$MLX" $PINS "setuptools>=77"  # pyproject.toml's build floor
