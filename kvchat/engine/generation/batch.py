@@ -17,7 +17,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from kvchat.engine.caches.kinds import copy_cache
 from kvchat.engine.cpu import decode_batch, native
 from kvchat.engine.generation.sequence import Sequence
 
@@ -69,8 +68,8 @@ def _probe(model: nn.Module) -> bool:
             caches.append(cache)
 
         def step(pair: list[list[Any]]) -> mx.array:
-            copies = [copy_cache(c) for c in pair]  # the probe's own caches stay as they were
-            batch = [merge([c[i] for c in copies]) for i in range(len(copies[0]))]
+            # merging copies each cache into new arrays: the probe's own stay as they were
+            batch = [merge([c[i] for c in pair]) for i in range(len(pair[0]))]
             logits: mx.array = model(mx.array([[5], [5]]), cache=batch)[:, -1]
             return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
