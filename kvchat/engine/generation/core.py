@@ -305,9 +305,10 @@ class GenerationCore:
         for seq, _ in rows:  # the most rows of a forward pass that decoded it
             width = len(rows) if separate_batches(self.fast_path) else len(merged) * (seq in merged)
             seq.batch_peak = max(seq.batch_peak, width, 1)
-        caches: list[Any] = [c.state for s in self._alone for c in s.cache]
-        if self._merged:
-            caches += [c.state for c in self._merged.cache]
+        caches: list[Any] = []  # evaluated with the step (fed ahead: with the logits after it)
+        if not ahead:
+            caches += [c.state for s in self._alone for c in s.cache]
+            caches += [c.state for c in self._merged.cache] if self._merged else []
         if not self.threaded:  # a sharded model: its collectives first, then the sampler's
             mx.eval([row for _, row in rows], caches)
         for seq, _ in rows:  # fed: their keys and values are in the cache (the processors
