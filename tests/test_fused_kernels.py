@@ -126,6 +126,19 @@ def test_attend_computes_each_row_alone():
         first += count
 
 
+def test_attend_on_the_calling_thread_computes_the_same_floats():
+    """``spread=False`` (the caller's products go through BLAS) keeps every task on the
+    calling thread: the same floats as over the cores, for work large enough to spread."""
+    rng = np.random.default_rng(9)
+    spans, counts = [1500] * 3, [1, 3, 1]
+    q, k, v, keys, values = inputs(rng, spans, counts, 14, 2, 64)
+    spread, alone = np.full(q.shape, np.nan, np.float32), np.full(q.shape, np.nan, np.float32)
+    fused.attend(q, k, v, keys, values, spans, counts, 0.125, spread, True)
+    fused.attend(q, k, v, keys, values, spans, counts, 0.125, alone, False)
+    assert not np.isnan(alone).any() and np.array_equal(spread, alone)
+    assert np.allclose(alone, reference(q, k, v, keys, values, spans, counts, 0.125), atol=2e-6)
+
+
 @pytest.mark.parametrize(
     "change,error,message",
     [

@@ -96,3 +96,13 @@ def test_the_linear_layers_route_batched_rows_through_it_unless_switched_off(mon
     blas = linear.product(w, x)
     assert np.allclose(native, blas, rtol=1e-5, atol=1e-4)
     assert np.allclose(native, reference(w, x), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.cpu_only
+def test_the_step_knows_which_row_counts_the_kernel_takes(monkeypatch):
+    """What the numpy step's attention asks (spread over the cores only beside the
+    kernel's products, not BLAS's): 2 to KERNEL_ROWS rows, while the kernel is on."""
+    taken = [n for n in range(1, 40) if linear.through_kernel(n)]
+    assert taken == list(range(2, linear.KERNEL_ROWS + 1))
+    monkeypatch.setenv("KVCHAT_NATIVE", "0")
+    assert not any(linear.through_kernel(n) for n in range(1, 40))

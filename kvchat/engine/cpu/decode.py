@@ -39,7 +39,7 @@ from kvchat.engine.caches import rotated
 from kvchat.engine.caches.rotated import RotatedKVCache
 from kvchat.engine.cpu import native
 from kvchat.engine.cpu.attention import swiglu_rows
-from kvchat.engine.cpu.linear import param_view, product, projections
+from kvchat.engine.cpu.linear import param_view, product, projections, through_kernel
 from kvchat.engine.cpu.rope import RopeForm, RopeKey, Turn, rotate, rotations
 
 # caches whose single-token mask is None
@@ -188,12 +188,13 @@ def _attend(
     at: list[slice],
     own: list[Any],
     turns: dict[tuple[RopeKey, int, int], Turn],
+    spread: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A layer's attention for rows on plain caches (their tokens at ``at`` in ``qkv``,
     their caches ``own``), all in one call of the native kernel, which reads each cache
-    in place: each row's outputs ``(tokens, features)`` and rotated new keys and values
-    ``(tokens, kv heads, head dim)``, one after another, for the caller to hand on. Their
-    rotations go in one call too."""
+    in place (over the cores if ``spread``): each row's outputs ``(tokens, features)`` and
+    rotated new keys and values ``(tokens, kv heads, head dim)``, one after another, for
+    the caller to hand on. Their rotations go in one call too."""
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
     counts = [span.stop - span.start for span in at]
     tables = [turns[form.key, c.offset, n] for c, n in zip(own, counts)]
@@ -208,7 +209,7 @@ def _attend(
     keys = [np.asarray(c.keys) if c.offset else None for c in own]
     values = [np.asarray(c.values) if c.offset else None for c in own]
     out = np.empty_like(q)
-    fused.attend(q, k, v, keys, values, spans, counts, float(attn.scale), out)
+    fused.attend(q, k, v, keys, values, spans, counts, float(attn.scale), out, spread)
     return out.reshape(n, -1), k, v
 
 
@@ -318,7 +319,10 @@ def hidden(
         if fused is not None and quick:
             spans = [slice(starts[b], starts[b + 1]) for b in quick]
             own = [caches[b][i] for b in quick]
-            outs, ks, vs = _attend(fused, attn, form, (q, k, v), spans, own, turns)
+            # over the cores only where the products are the native kernel's too: BLAS's
+            # threads and OpenMP's would share them (see fused.c's SPREAD)
+            spread = through_kernel(len(x))
+            outs, ks, vs = _attend(fused, attn, form, (q, k, v), spans, own, turns, spread)
             done = 0
             for b in quick:
                 part = slice(done, done + counts[b])

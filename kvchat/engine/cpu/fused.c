@@ -8,11 +8,12 @@
  * over the activations. Here:
  *
  * - swiglu(g, u, out): out = silu(g) · u in one pass;
- * - attend(q, k, v, keys, values, spans, counts, scale, out): for each of R rows, the
+ * - attend(q, k, v, keys, values, spans, counts, scale, out, spread): for each of R rows, the
  *   grouped-query attention of its counts[r] new tokens over the first spans[r] keys and
  *   values of the row's own cache (mlx-lm's KVCache buffer, (1, kv heads, capacity, head
  *   dim), read in place), then over its new keys and values up to the token's own
- *   (causal), every (token, kv head) a task over the cores.
+ *   (causal), every (token, kv head) a task over the cores (on the calling thread where
+ *   `spread` is false: see SPREAD).
  *
  * exp is computed in vectors (vexp: a degree-6 polynomial after range reduction, as
  * Cephes' expf, within 2 ulp of it); the sums run in another order than numpy's, so
@@ -67,8 +68,14 @@ CLONES static void silu_mul(const float *g, const float *u, float *out, Py_ssize
 }
 
 /* Attention over fewer keys and values than this many floats runs on the calling thread:
- * waking the others costs more, and they may be busy (BLAS's threads spin for a while
- * after each product). SwiGLU always does: after a product through BLAS, a second
+ * waking the others costs more. So does any attention whose caller asks (`spread`
+ * false) because its next products go through BLAS: OpenMP's threads spin for a while
+ * after a parallel region (libgomp's GOMP_SPINCOUNT), BLAS's threads spin after each
+ * product, and on a machine with as many cores as threads the two pools then share
+ * them. A step of 8 short prompts folded beside their decoding rows (168 rows, BLAS's
+ * products) took 0.88-1.08 s with its attention spread over 2 cores, 0.79-0.84 s on
+ * the calling thread; 3 prompts beside 2 decoding rows, 0.50-0.65 s against 0.36-0.42 s.
+ * SwiGLU always runs on the calling thread: after a product through BLAS, a second
  * thread made it ten times slower, not twice as fast. */
 #define SPREAD (1 << 20)
 
@@ -155,7 +162,7 @@ typedef struct {
  * row's cache and to its new tokens up to i. */
 static int attend_all(const float *q, const float *k, const float *v, const Row *rows,
                       Py_ssize_t n_rows, Py_ssize_t n_tokens, int heads, int kv_heads, int dim,
-                      float scale, float *out) {
+                      float scale, int spread, float *out) {
     int group = heads / kv_heads, failed = 0;
     Py_ssize_t work = 0, *row_of = malloc(sizeof(Py_ssize_t) * (n_tokens ? n_tokens : 1));
     if (!row_of) return 1;
@@ -163,7 +170,7 @@ static int attend_all(const float *q, const float *k, const float *v, const Row 
         work += 2 * (rows[r].span + rows[r].count) * rows[r].count * kv_heads * dim;
         for (Py_ssize_t i = 0; i < rows[r].count; i++) row_of[rows[r].first + i] = r;
     }
-#pragma omp parallel for schedule(dynamic) reduction(| : failed) if (work > SPREAD)
+#pragma omp parallel for schedule(dynamic) reduction(| : failed) if (spread && work > SPREAD)
     for (Py_ssize_t t = 0; t < n_tokens * kv_heads; t++) {
         Py_ssize_t token = t / kv_heads, h = t % kv_heads;
         const Row *row = rows + row_of[token];
@@ -257,9 +264,10 @@ fail:
 static PyObject *attend(PyObject *self, PyObject *args) {
     PyObject *objs[4], *keys, *values, *spans, *counts;
     float scale;
-    if (!PyArg_ParseTuple(args, "OOOO!O!O!O!fO:attend", &objs[0], &objs[1], &objs[2],
+    int spread = 1;
+    if (!PyArg_ParseTuple(args, "OOOO!O!O!O!fO|p:attend", &objs[0], &objs[1], &objs[2],
                           &PyList_Type, &keys, &PyList_Type, &values, &PyList_Type, &spans,
-                          &PyList_Type, &counts, &scale, &objs[3]))
+                          &PyList_Type, &counts, &scale, &objs[3], &spread))
         return NULL;
     Py_buffer b[4];
     const char *names[4] = {"q", "k", "v", "out"};
@@ -291,7 +299,7 @@ static PyObject *attend(PyObject *self, PyObject *args) {
         int failed;
         Py_BEGIN_ALLOW_THREADS
         failed = attend_all(b[0].buf, b[1].buf, b[2].buf, rows, n_rows, n_tokens, heads,
-                            kv_heads, dim, scale, b[3].buf);
+                            kv_heads, dim, scale, spread, b[3].buf);
         Py_END_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < 2 * n_rows; i++)
             if (held[i].obj) PyBuffer_Release(&held[i]);
@@ -307,9 +315,10 @@ static PyMethodDef methods[] = {
     {"swiglu", swiglu, METH_VARARGS,
      "swiglu(g, u, out): out = silu(g) * u for C-contiguous 2-D float32 arrays of one shape."},
     {"attend", attend, METH_VARARGS,
-     "attend(q, k, v, keys, values, spans, counts, scale, out): grouped-query attention of "
-     "each row's counts[r] new tokens over its cache's first spans[r] keys and values, then "
-     "its new keys and values up to the token's own (causal)."},
+     "attend(q, k, v, keys, values, spans, counts, scale, out, spread=True): grouped-query "
+     "attention of each row's counts[r] new tokens over its cache's first spans[r] keys and "
+     "values, then its new keys and values up to the token's own (causal); over the cores "
+     "unless spread is false."},
     {NULL, NULL, 0, NULL},
 };
 

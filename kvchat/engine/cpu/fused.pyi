@@ -12,10 +12,15 @@ def attend(
     keys: list[np.ndarray | None],
     values: list[np.ndarray | None],
     spans: list[int],
+    counts: list[int],
     scale: float,
     out: np.ndarray,
+    spread: bool = True,
+    /,
 ) -> None:
-    """Each row's one-token grouped-query attention: ``q``/``out`` ``(rows, heads, dim)``,
-    ``k``/``v`` ``(rows, kv heads, dim)`` (its own key and value, attended last), over
-    the first ``spans[r]`` keys and values of ``keys[r]``/``values[r]`` ``(1, kv heads,
-    capacity, dim)`` (None where the span is 0)."""
+    """Each row's grouped-query attention of its ``counts[r]`` new tokens: ``q``/``out``
+    ``(tokens, heads, dim)``, ``k``/``v`` ``(tokens, kv heads, dim)`` (the rows' new keys
+    and values, one row's after another), over the first ``spans[r]`` keys and values of
+    ``keys[r]``/``values[r]`` ``(1, kv heads, capacity, dim)`` (None where the span is 0),
+    then over the row's new ones up to the token's own (causal). Over the cores, unless
+    ``spread`` is false (the caller's next products go through BLAS: see fused.c)."""

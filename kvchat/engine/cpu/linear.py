@@ -70,6 +70,12 @@ def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
     return cached[1]
 
 
+def through_kernel(n: int) -> bool:
+    """Whether :func:`product` multiplies ``n`` rows (by a C-contiguous weight) with the
+    native kernel, on OpenMP's threads, rather than with BLAS on its own."""
+    return 2 <= n <= KERNEL_ROWS and kernel() is not None
+
+
 def product(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``rows @ wᵀ`` for ``(n, in)`` rows, by the fastest route for ``n``
     (see KERNEL_ROWS, SKINNY_ROWS)."""
@@ -77,9 +83,9 @@ def product(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
     n = rows.shape[0]
     if n == 1:
         out = (w @ rows[0])[None]  # a matrix-vector product: BLAS gemv
-    elif n <= KERNEL_ROWS and w.flags.c_contiguous and (matmul_t := kernel()) is not None:
+    elif through_kernel(n) and w.flags.c_contiguous:
         out = np.empty((n, w.shape[0]), dtype=np.float32)
-        matmul_t(w, np.ascontiguousarray(rows), out)
+        cast(Kernel, kernel())(w, np.ascontiguousarray(rows), out)
     elif n <= SKINNY_ROWS:
         out = (w @ rows.T).T  # the weight as the long side of the product
     else:
