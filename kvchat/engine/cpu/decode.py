@@ -309,6 +309,9 @@ def hidden(
     x = view(body.embed_tokens)[np.asarray([t for row in tokens for t in row], dtype=np.int64)]
     new: list[list[Turn | None]] = [[None] * len(layers) for _ in tokens]
     fused = native.module("fused")
+    # attention over the cores only where the products are the native kernel's too:
+    # BLAS's threads and OpenMP's would share them (see fused.c's SPREAD)
+    spread = through_kernel(len(x))
     for i, (layer, form) in enumerate(zip(layers, forms)):
         attn = layer.self_attn
         h = _rms(x, layer.input_layernorm)
@@ -319,9 +322,6 @@ def hidden(
         if fused is not None and quick:
             spans = [slice(starts[b], starts[b + 1]) for b in quick]
             own = [caches[b][i] for b in quick]
-            # over the cores only where the products are the native kernel's too: BLAS's
-            # threads and OpenMP's would share them (see fused.c's SPREAD)
-            spread = through_kernel(len(x))
             outs, ks, vs = _attend(fused, attn, form, (q, k, v), spans, own, turns, spread)
             done = 0
             for b in quick:

@@ -70,10 +70,16 @@ def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
     return cached[1]
 
 
+def _kernel_for(n: int) -> Kernel | None:
+    """The native kernel where :func:`product` takes it for ``n`` rows (by a C-contiguous
+    weight), else None."""
+    return kernel() if 2 <= n <= KERNEL_ROWS else None
+
+
 def through_kernel(n: int) -> bool:
     """Whether :func:`product` multiplies ``n`` rows (by a C-contiguous weight) with the
     native kernel, on OpenMP's threads, rather than with BLAS on its own."""
-    return 2 <= n <= KERNEL_ROWS and kernel() is not None
+    return _kernel_for(n) is not None
 
 
 def product(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -83,9 +89,9 @@ def product(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
     n = rows.shape[0]
     if n == 1:
         out = (w @ rows[0])[None]  # a matrix-vector product: BLAS gemv
-    elif through_kernel(n) and w.flags.c_contiguous:
+    elif w.flags.c_contiguous and (matmul_t := _kernel_for(n)) is not None:
         out = np.empty((n, w.shape[0]), dtype=np.float32)
-        cast(Kernel, kernel())(w, np.ascontiguousarray(rows), out)
+        matmul_t(w, np.ascontiguousarray(rows), out)
     elif n <= SKINNY_ROWS:
         out = (w @ rows.T).T  # the weight as the long side of the product
     else:
