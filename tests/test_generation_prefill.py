@@ -4,6 +4,7 @@ forward pass leave each cache as its own pass would."""
 from __future__ import annotations
 
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, Prefill
 from kvchat.engine.generation import GenerationCore, Left, Sequence, batch, prefill
+from kvchat.engine.generation.pace import FLOOR, Pace
 from kvchat.engine.generation.prefill import feed, plan
 from kvchat.engine.generation.sampling import for_settings
 from tests.helpers import run_all
@@ -115,3 +117,74 @@ def test_short_prompts_go_whole_into_the_numpy_decode_step(demo_model, monkeypat
         assert held_tokens(b.cache) == len(b.ledger)
         assert got[0] == Prefill(0, len(p)) and got[-5:] == [*b.tokens, Left(stopped=False)]
     assert not any(isinstance(m, Prefill) for m in messages[2][1:])
+
+
+def test_a_step_takes_a_paced_share_of_prompt_while_others_decode():
+    pace = Pace(seconds=0.5)
+    assert pace.budget(512, others_decoding=False) == 512  # nobody waits: the whole step
+    assert pace.budget(512, others_decoding=True) == FLOOR  # no rate measured yet
+    with pace.timed(100):
+        time.sleep(0.2)
+    assert 0 < pace.rate <= 100 / 0.2  # 100 tokens over at least 0.2 s
+    assert pace.budget(512, others_decoding=True) == max(FLOOR, int(pace.rate * 0.5))
+    assert pace.budget(512, others_decoding=False) == 512
+    pace.rate = 10_000.0  # a fast device: the prefill step is the limit
+    assert pace.budget(512, others_decoding=True) == 512
+    pace.rate = 1.0  # a slow pass: never fewer than the floor
+    assert pace.budget(512, others_decoding=True) == FLOOR
+    assert pace.budget(8, others_decoding=True) == 8  # nor more than the prefill step
+    # the budget caps the first in line's chunk too
+    assert [len(t) for _, t in plan([_long_sequence()], budget=FLOOR)] == [FLOOR]
+
+
+def _long_sequence() -> Sequence:
+    sampler, _ = for_settings(GenerationSettings(temp=0.0))
+    return Sequence(list(range(3, 303)), [], [], sampler, [], 4, threading.Event())
+
+
+def test_a_long_prompt_goes_in_beside_a_streaming_reply_not_before_it(demo_model):
+    """While one sequence decodes, a joining paste gets a paced chunk a step, so the
+    decoding one keeps getting tokens between the paste's chunks; both replies are
+    those they get alone, and each ledger lists what its cache holds."""
+    lm = demo_model
+    paste = list(range(3, 303))
+    alone = _sequence(lm, paste, step=512)
+    run_all(GenerationCore(lm.model), [alone])
+    core = GenerationCore(lm.model)
+    core.pace = Pace(seconds=1e-9)  # every paced step: the floor
+    streaming = _sequence(lm, list(range(40, 52)))
+    streaming.max_tokens = 60
+    second = _sequence(lm, paste, step=512)
+    order: list[tuple[str, object]] = []
+    reading = threading.Event()
+
+    def stream() -> None:
+        for message in core.run(streaming):
+            order.append(("streaming", message))
+            reading.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert reading.wait(60)
+    order.extend(("paste", m) for m in core.run(second))
+    thread.join(120)
+    progress = [m.done for who, m in order if who == "paste" and isinstance(m, Prefill)]
+    assert progress[0] == 0 and progress[-1] == len(paste) - 1  # the last: the decode step's
+    assert max(b - a for a, b in zip(progress, progress[1:])) <= FLOOR
+    assert len(progress) >= (len(paste) - 1) // FLOOR
+    # the streaming reply got tokens between the paste's chunks, not only after them
+    between = [
+        sum(1 for who, m in order[i:j] if who == "streaming" and isinstance(m, int))
+        for i, j in _gaps(order, "paste", Prefill)
+    ]
+    assert sum(1 for n in between if n) >= len(between) // 2, between
+    assert second.tokens == alone.tokens and len(second.tokens) == 4
+    for seq in (second, streaming):
+        assert held_tokens(seq.cache) == len(seq.ledger)
+    assert second.ledger == [*paste, *second.tokens[:-1]]
+
+
+def _gaps(order: list[tuple[str, object]], who: str, kind: type) -> list[tuple[int, int]]:
+    """The index spans between consecutive ``kind`` messages of ``who`` in ``order``."""
+    at = [i for i, (w, m) in enumerate(order) if w == who and isinstance(m, kind)]
+    return list(zip(at, at[1:]))

@@ -4,8 +4,9 @@ A session's turn submits a :class:`~.sequence.Sequence` with :meth:`GenerationCo
 and reads its messages (``Prefill`` progress, sampled token ids, a final
 ``Left``). Each step of the loop, under the device gate (:mod:`.gate`):
 
-1. joining sequences evaluate their prompts in chunks, about one chunk's worth of
-   tokens a step whoever they are, so a long paste does not freeze the others;
+1. joining sequences evaluate their prompts in chunks, one chunk's worth of tokens a
+   step whoever they are, fewer while others decode (:mod:`.pace`): a long paste
+   does not freeze the others;
    several sequences' chunks go in one forward pass where their caches merge
    (:mod:`.prefill`); a prompt all in but its last token decodes from this step on:
    that token is fed by the decode step, with the other rows, and its logits give
@@ -51,6 +52,7 @@ from kvchat.engine.generation.batch import (
     separate_batches,
 )
 from kvchat.engine.generation.gate import GATE
+from kvchat.engine.generation.pace import Pace
 from kvchat.engine.generation.sequence import Left, Sequence
 
 GATHER_S = 0.005  # from idle, a step waits while turns keep arriving this close together
@@ -70,6 +72,7 @@ class GenerationCore:
         self._merged: Merged | None = None
         self._thread: threading.Thread | None = None
         self._expected: list[float] = []  # announced turns' deadlines (monotonic), see expect
+        self.pace = Pace()  # a step's prompt tokens while others decode
 
     @property
     def model(self) -> nn.Module | None:
@@ -200,20 +203,20 @@ class GenerationCore:
                 decoding = [*self._alone, *self._merged_seqs()]
                 if not any(s.ahead is not None for s in decoding):  # else they join next step
                     # a prompt all in decodes in this same step, its first token not waiting
-                    self._join(self._prefill(joining))
+                    self._join(self._prefill(joining, bool(decoding)))
                     decoding = [*self._alone, *self._merged_seqs()]
                 ahead = self.threaded and not joining and feeds_ahead(self.fast_path, decoding)
                 self._leave(self._decode(decoding, ahead))
         except Exception as error:  # noqa: BLE001  every sequence learns why, and leaves
             self._fail(error)
 
-    def _prefill(self, joining: list[Sequence]) -> list[Sequence]:
-        """Evaluate about one chunk's worth of prompt tokens among the joining sequences
-        (:mod:`.prefill` chooses the chunks, several in one forward pass where their
-        caches merge). Returns those ready to decode: on a threaded core, those whose
-        prompt is in but its last token (the decode step feeds it); on a sharded one,
-        those whose prompt is all in, their first token sampled here. The ones that
-        ended at once leave here."""
+    def _prefill(self, joining: list[Sequence], others_decoding: bool) -> list[Sequence]:
+        """Evaluate about one chunk's worth of prompt tokens among the joining sequences,
+        fewer while others decode (:mod:`.prefill` chooses the chunks, several in one
+        forward pass where their caches merge). Returns those ready to decode: on a
+        threaded core, those whose prompt is in but its last token (the decode step
+        feeds it); on a sharded one, those whose prompt is all in, their first token
+        sampled here. Those that ended at once leave here."""
         live = []
         for seq in joining:
             if seq.halted() and seq.fed < len(seq.prompt):
@@ -222,7 +225,7 @@ class GenerationCore:
                 live.append(seq)
         if not live:
             return []
-        budget = max(1, live[0].prefill_step)
+        budget = self.pace.budget(max(1, live[0].prefill_step), others_decoding)
         # short prompts go whole into this step's numpy decode, beside the decoding rows
         folded = prefill.folded(live, budget) if self._folds() else []
         for seq in folded:
@@ -231,10 +234,9 @@ class GenerationCore:
         live = [s for s in live if s not in folded]
         used = sum(len(s.prompt) - s.fed for s in folded)
         chunks = prefill.plan(live, max(1, budget - used)) if live else []
-        together = self.threaded and all(
-            all(type(c) is KVCache for c in seq.cache) for seq, _ in chunks
-        )
-        prefill.feed(self._forward, chunks, together and merges(self._forward))
+        plain = all(type(c) is KVCache for seq, _ in chunks for c in seq.cache)
+        with self.pace.timed(sum(len(t) for _, t in chunks)):
+            prefill.feed(self._forward, chunks, self.threaded and plain and merges(self._forward))
         ready = list(folded)
         for seq in live:
             if prefill.body_left(seq):

@@ -69,17 +69,17 @@ def folded(joining: list[Sequence], budget: int) -> list[Sequence]:
 
 def plan(joining: list[Sequence], budget: int) -> list[Chunk]:
     """This step's chunks among ``joining`` (in line order): the sequences with the least
-    prompt left first, as many as ``budget`` tokens hold once every chunk is padded to
-    the widest, while padding stays under a third of the pass; the first in line always
-    gets one (cut to that width). A chunk also ends at the next checkpoint mark it
-    would pass."""
+    prompt left first, none longer than ``budget`` or its prefill step, as many as
+    ``budget`` tokens hold once every chunk is padded to the widest, while padding stays
+    under a third of the pass; the first in line always gets one (cut to that width). A
+    chunk also ends at the next checkpoint mark it would pass."""
     waiting = [s for s in joining if body_left(s) > 0]
     if not waiting:
         return []
     chosen: list[Sequence] = []
     width = evaluated = 0
     for seq in sorted(waiting, key=body_left):
-        size = min(body_left(seq), max(1, seq.prefill_step))
+        size = min(body_left(seq), max(1, seq.prefill_step), budget)
         wider, padded = max(width, size), (len(chosen) + 1) * max(width, size)
         if chosen and (padded > budget or 3 * (evaluated + size) < 2 * padded):
             break  # over the budget, or a third of the pass would be padding
