@@ -1,9 +1,11 @@
 """The concurrency bench: its rows keep the best round of each column, and the in-process
-run answers every turn of every session, the ratios made of its own figures."""
+run answers every turn of every session, the ratios made of its own figures; the paste
+bench's row measures the streaming reply within the paste's wait."""
 
 from __future__ import annotations
 
 from kvchat.bench.concurrency import _best, in_process
+from kvchat.bench.paste import meanwhile
 
 
 def test_a_row_keeps_the_best_of_each_column():
@@ -32,3 +34,19 @@ def test_in_process_compares_sessions_together_with_one_alone(demo_model):
     assert together["decode_tps"] > together["aggregate_tps"] > 0
     assert alone["decode_tps"] > alone["aggregate_tps"] > 0
     assert result["decode_ratio"] == round(together["decode_tps"] / alone["decode_tps"], 2)
+
+
+def test_a_paste_row_counts_the_streaming_replys_waits_within_the_pastes_own():
+    # pieces at 0, 1, 2 (a stall), 5.5, 6, 7; the paste waited from 1.5 to 6.5
+    row = meanwhile([0.0, 1.0, 2.0, 5.5, 6.0, 7.0], start=1.5, end=6.5)
+    assert row == {
+        "longest_wait_s": 3.5,  # 2.0 to 5.5
+        "pieces_meanwhile": 3,  # 2.0, 5.5, 6.0
+        "paste_ttft_s": 5.0,
+        "reply_ended_first": False,
+    }
+    # a stall across the whole span counts the span, not the gap's ends outside it
+    assert meanwhile([0.0, 10.0], start=1.0, end=4.0)["longest_wait_s"] == 3.0
+    # a reply that ended before the paste's first token says so
+    ended = meanwhile([0.0, 0.5, 1.0], start=0.8, end=3.0)
+    assert ended["reply_ended_first"] and ended["pieces_meanwhile"] == 1

@@ -13,6 +13,8 @@ Two runs, each against real servers in their own processes on loopback:
 - ``concurrency``: 1, 2, 4 and 8 conversations at once against each server, the
   two taking turns; with ``--in-process``, sessions in this process, 8 at once
   against one alone (:mod:`kvchat.bench.concurrency`).
+- ``paste``: a long paste sent beside a streaming reply, against each server: the
+  reply's longest wait while the paste goes in (:mod:`kvchat.bench.paste`).
 
 The client is the standard library (the ``openai`` package is a dev extra).
 """
@@ -122,12 +124,17 @@ def load(model: str, clients: int, turns: int, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvchat.bench.serve")
-    parser.add_argument("what", choices=["ttft", "load", "concurrency"])
+    parser.add_argument("what", choices=["ttft", "load", "concurrency", "paste"])
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--history", type=int, default=2000, help="turn 1's tokens (ttft)")
+    parser.add_argument(
+        "--history", type=int, default=2000, help="turn 1's tokens (ttft), the paste's (paste)"
+    )
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=64, help="per reply (concurrency)")
+    parser.add_argument(
+        "--reply-tokens", type=int, default=400, help="the streaming reply's, at most (paste)"
+    )
     parser.add_argument(
         "--first-tokens", type=int, default=340, help="each chat's first message (concurrency)"
     )
@@ -135,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         "--loads", default="1,2,4,8", help="clients at once, comma-separated (concurrency)"
     )
     parser.add_argument(
-        "--rounds", type=int, default=1, help="the servers take turns this often (concurrency)"
+        "--rounds",
+        type=int,
+        default=1,
+        help="the servers take turns this often (concurrency, paste)",
     )
     parser.add_argument(
         "--in-process",
@@ -167,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                     loads=loads,
                     rounds=args.rounds,
                 )
+        elif args.what == "paste":
+            from .paste import paste
+
+            result = paste(args.model, home, args.history, args.reply_tokens, args.rounds)
         else:
             result = load(args.model, args.clients, args.turns, home)
     print(json.dumps(result, indent=2))

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +80,13 @@ def mlx_lm_server(folder: Path, log: Path) -> Running:
     return Running(argv, port, log)
 
 
-def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
+def stream_turn(
+    url: str, messages: list[dict], max_tokens: int, on_text: Callable[[], None] | None = None
+) -> dict:
     """One streamed chat completion: the reply, the seconds to its first text, the total,
-    and the tokens the server says it generated (None if it does not say)."""
+    the tokens the server says it generated (None if it does not say), and when it
+    started and each piece of text came (``time.perf_counter``); ``on_text()`` is called
+    when the first text comes."""
     body = json.dumps(
         {
             "model": "default_model",
@@ -97,6 +102,7 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
     )
     started = time.perf_counter()
     first, text = None, ""
+    arrivals: list[float] = []
     extra: dict[str, Any] = {}
     usage: dict[str, Any] = {}
     with urllib.request.urlopen(request, timeout=1800) as response:
@@ -109,13 +115,19 @@ def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
                 piece = (choice.get("delta") or {}).get("content") or ""
+                if piece:
+                    arrivals.append(time.perf_counter())
                 if piece and first is None:
-                    first = time.perf_counter() - started
+                    first = arrivals[-1] - started
+                    if on_text is not None:
+                        on_text()
                 text += piece
     return {
         "reply": text,
         "ttft_s": first,
         "total_s": time.perf_counter() - started,
+        "started": started,
+        "arrivals": arrivals,
         "completion_tokens": usage.get("completion_tokens"),
         "kvchat": extra,
     }
