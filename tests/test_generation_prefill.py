@@ -188,3 +188,15 @@ def _gaps(order: list[tuple[str, object]], who: str, kind: type) -> list[tuple[i
     """The index spans between consecutive ``kind`` messages of ``who`` in ``order``."""
     at = [i for i, (w, m) in enumerate(order) if w == who and isinstance(m, kind)]
     return list(zip(at, at[1:]))
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_sharded_cores_chunks_are_not_paced_by_its_own_clock(demo_model, threaded):
+    """Every rank of a sharded model must cut the same chunks, so its core (not threaded)
+    takes the whole prefill step even while another sequence decodes."""
+    core = GenerationCore(demo_model.model, threaded=threaded)
+    core.pace = Pace(seconds=1e-9)
+    paste = _sequence(demo_model, list(range(3, 303)), step=128)
+    assert core._prefill([paste], others_decoding=True) == []
+    assert paste.fed == len(paste.ledger) == (FLOOR if threaded else 128)
+    assert held_tokens(paste.cache) == paste.fed

@@ -225,7 +225,8 @@ class GenerationCore:
                 live.append(seq)
         if not live:
             return []
-        budget = self.pace.budget(max(1, live[0].prefill_step), others_decoding)
+        # not paced on a sharded model: its ranks must cut the same chunks, whatever their clocks
+        budget = self.pace.budget(max(1, live[0].prefill_step), others_decoding and self.threaded)
         # short prompts go whole into this step's numpy decode, beside the decoding rows
         folded = prefill.folded(live, budget) if self._folds() else []
         for seq in folded:

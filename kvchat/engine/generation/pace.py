@@ -9,7 +9,8 @@ sequence decodes, a step takes only as many prompt tokens as the core evaluates
 in about :data:`PACE_S` at its measured rate: the paste goes on a chunk at a
 time beside the others, who keep streaming. With nobody decoding, the whole
 budget goes in (the prompt's owner waits for its end either way, and larger
-chunks evaluate faster a token).
+chunks evaluate faster a token). A sharded model's core is not paced: its ranks
+must cut the same chunks, and each would measure its own rate.
 
 The rate is the last prompt pass's tokens over its seconds: it follows the
 device, the model, and the depth of the cache the chunks attend to. A pass of
