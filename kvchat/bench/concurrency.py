@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from .common import make_text, ratio
-from .servers import Running, kvchat_serve, mlx_lm_server, stream_turn
+from .servers import SERVERS, in_turn, side_by_side, stream_turn
 
 LOADS = (1, 2, 4, 8)
-SERVERS = ("kvchat serve", "mlx_lm.server")
 
 
 def concurrency(
@@ -53,16 +52,11 @@ def concurrency(
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
-    servers: dict[str, Running] = {}
     rows: dict[str, dict[int, dict]] = {label: {} for label in SERVERS}
-    try:
-        servers["kvchat serve"] = kvchat_serve(model, out / "kvchat-conc.log")
-        servers["mlx_lm.server"] = mlx_lm_server(folder, out / "mlx_lm-conc.log")
-        for server in servers.values():
-            stream_turn(server.url, [{"role": "user", "content": "Warm up."}], 4)
+    with side_by_side(model, folder, out, "conc") as servers:
         for r in range(rounds):
             for n in loads:
-                for label in SERVERS if r % 2 == 0 else SERVERS[::-1]:
+                for label in in_turn(r):
                     row = _load(
                         servers[label].url,
                         n,
@@ -73,9 +67,6 @@ def concurrency(
                         run=f"{n}-{r}-{SERVERS.index(label)}",  # as long for both
                     )
                     rows[label][n] = _best(rows[label].get(n), row)
-    finally:
-        for server in servers.values():
-            server.stop()
     return {
         "model": model,
         "first_tokens": first_tokens,

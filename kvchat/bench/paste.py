@@ -16,8 +16,7 @@ import threading
 from pathlib import Path
 
 from .common import make_text
-from .concurrency import SERVERS
-from .servers import Running, kvchat_serve, mlx_lm_server, stream_turn
+from .servers import in_turn, side_by_side, stream_turn
 
 
 def paste(
@@ -29,21 +28,13 @@ def paste(
     lm = load_model(model)
     tokenizer, folder = lm.tokenizer, lm.path
     del lm  # the servers hold the weights
-    servers: dict[str, Running] = {}
     rows: dict[str, dict] = {}
-    try:
-        servers["kvchat serve"] = kvchat_serve(model, out / "kvchat-paste.log")
-        servers["mlx_lm.server"] = mlx_lm_server(folder, out / "mlx_lm-paste.log")
-        for server in servers.values():
-            stream_turn(server.url, [{"role": "user", "content": "Warm up."}], 4)
+    with side_by_side(model, folder, out, "paste") as servers:
         for r in range(rounds):
             text = make_text(tokenizer, paste_tokens, seed=100 + r)  # the same for both
-            for label in SERVERS if r % 2 == 0 else SERVERS[::-1]:
+            for label in in_turn(r):
                 row = _beside(servers[label].url, f"{r}-{label}", text, max_tokens)
                 rows[label] = _best(rows.get(label), row)
-    finally:
-        for server in servers.values():
-            server.stop()
     ours, theirs = rows["kvchat serve"], rows["mlx_lm.server"]
     return {
         "model": model,

@@ -12,11 +12,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 START_TIMEOUT_S = 300
+SERVERS = ("kvchat serve", "mlx_lm.server")
 
 
 class Running:
@@ -78,6 +80,29 @@ def mlx_lm_server(folder: Path, log: Path) -> Running:
     entry = "from kvchat import blas; blas.preload(); from mlx_lm.server import main; main()"
     argv = [sys.executable, "-c", entry, "--model", str(folder), "--port", str(port), "--temp", "0"]
     return Running(argv, port, log)
+
+
+@contextmanager
+def side_by_side(model: str, folder: Path, out: Path, tag: str) -> Iterator[dict[str, Running]]:
+    """Both :data:`SERVERS` on the same model (``kvchat serve`` by name, ``mlx_lm.server``
+    on its ``folder``), started, warmed up with a short turn, and stopped on exit; their
+    logs in ``out``, named with ``tag``."""
+    servers: dict[str, Running] = {}
+    try:
+        servers["kvchat serve"] = kvchat_serve(model, out / f"kvchat-{tag}.log")
+        servers["mlx_lm.server"] = mlx_lm_server(folder, out / f"mlx_lm-{tag}.log")
+        for server in servers.values():
+            stream_turn(server.url, [{"role": "user", "content": "Warm up."}], 4)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def in_turn(round_: int) -> tuple[str, ...]:
+    """The :data:`SERVERS` in the order they take round ``round_``: each goes first in
+    every other round, so a shared machine's drift falls on both alike."""
+    return SERVERS if round_ % 2 == 0 else SERVERS[::-1]
 
 
 def stream_turn(
