@@ -160,6 +160,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def rounded_ratio(a: float | None, b: float | None) -> float | None:
+    """:func:`ratio` rounded to two decimals, as the reports give it."""
+    value = ratio(a, b)
+    return None if value is None else round(value, 2)
+
+
 def run_turn(session: Session, text: str) -> dict[str, Any]:
     """Send ``text``, drain the reply; return the stats as a dict plus the reply's token ids."""
     from kvchat.engine.conversation.session import TurnDone

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .common import make_text, ratio
+from .common import make_text, rounded_ratio
 from .servers import SERVERS, in_turn, side_by_side, stream_turn
 
 LOADS = (1, 2, 4, 8)
@@ -122,25 +122,20 @@ def _load(
     }
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    value = ratio(a, b)
-    return None if value is None else round(value, 2)
-
-
 def _ratios(rows: dict[str, dict[int, dict]], loads: tuple[int, ...]) -> dict:
     most, one = max(loads), min(loads)
     ours, theirs = rows["kvchat serve"], rows["mlx_lm.server"]
     return {
-        f"kvchat_aggregate_{most}_vs_{one}": _ratio(
+        f"kvchat_aggregate_{most}_vs_{one}": rounded_ratio(
             ours[most]["aggregate_tps"], ours[one]["aggregate_tps"]
         ),
-        f"kvchat_turn2_ttft_{most}_vs_{one}": _ratio(
+        f"kvchat_turn2_ttft_{most}_vs_{one}": rounded_ratio(
             ours[most]["turn2_ttft_median_s"], ours[one]["turn2_ttft_median_s"]
         ),
-        f"aggregate_kvchat_vs_mlx_lm_at_{most}": _ratio(
+        f"aggregate_kvchat_vs_mlx_lm_at_{most}": rounded_ratio(
             ours[most]["aggregate_tps"], theirs[most]["aggregate_tps"]
         ),
-        f"turn2_ttft_kvchat_vs_mlx_lm_at_{most}": _ratio(
+        f"turn2_ttft_kvchat_vs_mlx_lm_at_{most}": rounded_ratio(
             ours[most]["turn2_ttft_median_s"], theirs[most]["turn2_ttft_median_s"]
         ),
     }
@@ -220,9 +215,9 @@ def in_process(
             "decode_tps": many_decode,
             "ttft_median_s": many_ttft,
         },
-        "aggregate_ratio": _ratio(many_tps, alone_tps),
-        "decode_ratio": _ratio(many_decode, alone_decode),
-        "ttft_ratio": _ratio(many_ttft, alone_ttft),
+        "aggregate_ratio": rounded_ratio(many_tps, alone_tps),
+        "decode_ratio": rounded_ratio(many_decode, alone_decode),
+        "ttft_ratio": rounded_ratio(many_ttft, alone_ttft),
     }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from .common import make_text
+from .common import make_text, rounded_ratio
 from .servers import in_turn, side_by_side, stream_turn
 
 
@@ -43,10 +43,12 @@ def paste(
         "rounds": rounds,
         "servers": rows,
         "ratios": {
-            "longest_wait_kvchat_vs_mlx_lm": round(
-                ours["longest_wait_s"] / theirs["longest_wait_s"], 2
+            "longest_wait_kvchat_vs_mlx_lm": rounded_ratio(
+                ours["longest_wait_s"], theirs["longest_wait_s"]
             ),
-            "paste_ttft_kvchat_vs_mlx_lm": round(ours["paste_ttft_s"] / theirs["paste_ttft_s"], 2),
+            "paste_ttft_kvchat_vs_mlx_lm": rounded_ratio(
+                ours["paste_ttft_s"], theirs["paste_ttft_s"]
+            ),
         },
     }
 

@@ -142,10 +142,10 @@ def stream_turn(
                 piece = (choice.get("delta") or {}).get("content") or ""
                 if piece:
                     arrivals.append(time.perf_counter())
-                if piece and first is None:
-                    first = arrivals[-1] - started
-                    if on_text is not None:
-                        on_text()
+                    if first is None:
+                        first = arrivals[-1] - started
+                        if on_text is not None:
+                            on_text()
                 text += piece
     return {
         "reply": text,
