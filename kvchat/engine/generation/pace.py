@@ -2,9 +2,9 @@
 
 A step runs its prompt chunks, then every decoding sequence's next token: a
 decoding conversation gets no token until the step's prompts are in. A chunk of
-the prefill step's 512 tokens takes some 20 ms on a GPU for a small model, but
-2.6-4.9 s on two CPU cores (`demo:qwen2.5-0.5b`, the deeper into a long paste
-the longer), and every other conversation stood still that long. So while any
+the prefill step's 512 tokens took 2.6-4.9 s on two CPU cores
+(`demo:qwen2.5-0.5b`, the deeper into a long paste the longer), and every other
+conversation stood still that long. So while any
 sequence decodes, a step takes only as many prompt tokens as the core evaluates
 in about :data:`PACE_S` at its measured rate: the paste goes on a chunk at a
 time beside the others, who keep streaming. With nobody decoding, the whole
