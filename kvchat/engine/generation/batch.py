@@ -141,17 +141,27 @@ def feed_ahead(
     model: nn.Module,
     merged: Merged | None,
     alone: list[Sequence],
-    sampled: dict[Sequence, mx.array],
+    tokens: mx.array,
+    order: list[Sequence],
 ) -> None:
-    """Feed each decoding sequence's token just sampled (not evaluated yet), keeping the
-    logits after it as the sequence's :attr:`~.sequence.Sequence.ahead`."""
+    """Feed each decoding sequence the token just sampled for it (``tokens[i]`` for
+    ``order[i]``, not evaluated yet), keeping the logits after it as the sequence's
+    :attr:`~.sequence.Sequence.ahead`."""
+    row = {seq: i for i, seq in enumerate(order)}
     if merged and merged.seqs:
-        tokens = mx.concatenate([sampled[s] for s in merged.seqs])[:, None]
-        logits = merged.step(model, tokens)
+        rows = [row[s] for s in merged.seqs]
+        first = rows[0]
+        together = (
+            tokens[first : first + len(rows)]
+            if rows == list(range(first, first + len(rows)))
+            else tokens[mx.array(rows)]
+        )
+        logits = merged.step(model, together[:, None])
         for i, seq in enumerate(merged.seqs):
             seq.ahead = logits[i : i + 1]
     for seq in alone:
-        seq.ahead = model(sampled[seq].reshape(1, 1), cache=seq.cache)[:, -1, :]
+        i = row[seq]
+        seq.ahead = model(tokens[i : i + 1].reshape(1, 1), cache=seq.cache)[:, -1, :]
 
 
 class Merged:

@@ -53,7 +53,7 @@ from kvchat.engine.generation.batch import (
 )
 from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.pace import Pace
-from kvchat.engine.generation.sequence import Left, Sequence
+from kvchat.engine.generation.sequence import Left, Sequence, sample_rows
 
 GATHER_S = 0.005  # from idle, a step waits while turns keep arriving this close together
 GATHER_MAX_S = 0.1  # or while announced turns (expect) are on their way, no longer than this
@@ -317,11 +317,9 @@ class GenerationCore:
         for seq, _ in rows:  # fed: their keys and values are in the cache (the processors
             seq.ledger.extend(seq.feeding)  # that sample the next token see them too)
         opening = [s for s, _ in rows if not s.tokens]  # fed their prompt's last token
-        sampled = [s.sample(row) for s, row in rows]
+        sampled = sample_rows(rows)  # one call for the rows that sample alike
         if ahead:
-            feed_ahead(
-                self._forward, self._merged, self._alone, dict(zip([s for s, _ in rows], sampled))
-            )
+            feed_ahead(self._forward, self._merged, self._alone, sampled, [s for s, _ in rows])
             mx.async_eval(sampled, [s.ahead for s, _ in rows])
         else:
             mx.eval(sampled, caches)
@@ -333,9 +331,9 @@ class GenerationCore:
                 if seq.on_prompt is not None:
                     seq.on_prompt(seq.logprobs)
         ended = []
-        for (seq, _), token in zip(rows, sampled):
-            seq.tokens.append(cast(int, token.item()))  # a token id
-            seq.post(seq.tokens[-1])
+        for (seq, _), token in zip(rows, cast(list[int], sampled.tolist())):  # token ids
+            seq.tokens.append(token)
+            seq.post(token)
             if seq.ended():
                 ended.append(seq)
         return ended

@@ -12,12 +12,16 @@ keeps every token.
 A logits processor takes ``(tokens, logits)``, ``tokens`` being the sequence
 so far (prompt and reply); the penalties look at its last
 ``repetition_context_size`` tokens. The generation core applies each
-sequence's own sampler and processors to its own row.
+sequence's own sampler and processors to its own row; rows that sample alike
+(:func:`alike`: no processors, greedy or the same unseeded settings) go in one call
+over their rows stacked, as ``mlx_lm.generate.BatchGenerator`` does for a batch that
+shares its sampler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -45,22 +49,46 @@ def for_settings(settings: GenerationSettings) -> tuple[Sampler, list[LogitsProc
 def _sampler(s: GenerationSettings) -> Sampler:
     if s.temp <= 0:
         return greedy_sampler
-    key = [mx.random.key(s.seed % (1 << 64))] if s.seed is not None else None
+    key = mx.random.key(s.seed % (1 << 64)) if s.seed is not None else None
+    return Draw(s.top_p, s.min_p, s.top_k, s.temp, key)
 
-    def sample(logprobs: mx.array) -> mx.array:
-        if 0 < s.top_p < 1:
-            logprobs = apply_top_p(logprobs, s.top_p)
-        if s.min_p > 0:
-            logprobs = apply_min_p(logprobs, s.min_p)
-        if 0 < s.top_k < logprobs.shape[-1]:
-            logprobs = apply_top_k(logprobs, s.top_k)
-        scaled = logprobs * (1.0 / s.temp)
-        if key is None:
+
+@dataclass(eq=False)
+class Draw:
+    """A sampled turn's sampler (temperature above 0): mlx-lm's filters, then a draw at
+    the temperature, from MLX's global random state, or with a seed from its own
+    ``key``, split at every token. Takes log probabilities ``(B, V)``, gives ``(B,)``."""
+
+    top_p: float
+    min_p: float
+    top_k: int
+    temp: float
+    key: mx.array | None = None
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if 0 < self.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p > 0:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if 0 < self.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        scaled = logprobs * (1.0 / self.temp)
+        if self.key is None:
             return mx.random.categorical(scaled)
-        key[0], step = mx.random.split(key[0])
+        self.key, step = mx.random.split(self.key)
         return mx.random.categorical(scaled, key=step)
 
-    return sample
+
+def alike(sampler: Sampler) -> Hashable | None:
+    """What rows of a step must share to be sampled in one call of either's sampler
+    (over their log probabilities stacked): greedy rows, or unseeded draws with the same
+    settings. None for a sampler that draws alone: a seeded one (its key is its own, so
+    that its reply does not depend on who else is in the batch), or one made elsewhere."""
+    if sampler is greedy_sampler:
+        return "greedy"
+    if isinstance(sampler, Draw) and sampler.key is None:
+        return (sampler.top_p, sampler.min_p, sampler.top_k, sampler.temp)
+    return None
 
 
 def _processors(s: GenerationSettings) -> list[LogitsProcessor]:

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 
 from kvchat.engine.conversation.events import Prefill
-from kvchat.engine.generation.sampling import LogitsProcessor, Sampler
+from kvchat.engine.generation.sampling import LogitsProcessor, Sampler, alike
 
 
 class StopFlag(Protocol):
@@ -103,6 +103,14 @@ class Sequence:
         """A stop or a cancel (a consumer that went away) was asked for."""
         return self.cancelled.is_set() or self.stop.is_set()
 
+    def alike(self) -> Hashable | None:
+        """What another row must share to be sampled in one call with this one (see
+        :func:`~.sampling.alike`); None when it samples alone (it has processors, or
+        reports its log probabilities)."""
+        if self.processors or self.report_logprobs:
+            return None
+        return alike(self.sampler)
+
     def sample(self, logits: mx.array) -> mx.array:
         """This sequence's next token from its row of logits ``(1, vocab)`` (lazy). Its draws
         are its own: a seeded sampler carries its key (:mod:`kvchat.engine.generation.sampling`)."""
@@ -116,3 +124,25 @@ class Sequence:
             mx.eval(row)
             self.sampled_logprobs.append(row)
         return self.sampler(logprobs)
+
+
+def sample_rows(rows: list[tuple[Sequence, mx.array]]) -> mx.array:
+    """Each row's next token, ``(B,)`` (lazy), for ``rows`` of a sequence and its logits
+    ``(1, V)``: rows that sample alike (:meth:`Sequence.alike`) in one call over their
+    logits stacked, the others each on its own (:meth:`Sequence.sample`)."""
+    groups: dict[Hashable, list[int]] = {}
+    drawn: list[mx.array | None] = [None] * len(rows)
+    for i, (seq, row) in enumerate(rows):
+        key = seq.alike()
+        if key is None:
+            drawn[i] = seq.sample(row)
+        else:
+            groups.setdefault(key, []).append(i)
+    for members in groups.values():
+        logits = mx.concatenate([rows[i][1] for i in members])
+        tokens = rows[members[0]][0].sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        if len(members) == len(rows):
+            return tokens
+        for j, i in enumerate(members):
+            drawn[i] = tokens[j : j + 1]
+    return mx.concatenate(cast(list[mx.array], drawn))
