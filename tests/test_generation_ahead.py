@@ -1,6 +1,6 @@
 """Decoding a step ahead on MLX's own path: the core feeds the token it just sampled
-before reading it, so the next step computes while this one's token is read and posted
-(as mlx-lm's ``generate_step`` does). The replies are mlx-lm's own, token for token, and
+before reading it, and samples the token after it in the same graph, so the next step
+computes while this one's token is read and posted (as mlx-lm's ``generate_step`` does). The replies are mlx-lm's own, token for token, and
 whenever a sequence leaves (its length, an end token, a stop, a consumer gone) its cache
 holds exactly its ledger: the token it ended on, fed ahead, is trimmed again.
 
@@ -67,10 +67,13 @@ def test_replies_are_mlx_lms_and_the_cache_holds_one_token_more_between_steps(ml
             tokens.append(message)
             if len(tokens) == 3:
                 with GATE.exclusive():  # the core is between two steps
-                    between = (held_tokens(seq.cache), len(seq.ledger), seq.ahead is not None)
+                    between = (held_tokens(seq.cache), len(seq.ledger), seq.ahead, seq.drawn)
+                    between += (len(seq.tokens),)
     assert tokens == seq.tokens == reference
-    held, ledger, ahead = between
-    assert ahead and held == ledger + 1  # the last sampled token, fed before it was read
+    held, ledger, ahead, drawn, read = between
+    assert ahead is not None and held == ledger + 1  # the last token read, fed before it was
+    # and the token after it sampled in the same graph: the step after reads it at once
+    assert drawn is not None and drawn.item() == reference[read]
     _contract(seq, prompt)
 
 
@@ -119,3 +122,32 @@ def test_rows_merged_and_fed_ahead_leave_one_by_one_each_as_alone(mlx_path):
     list(core.run(again))
     fresh = _mlx_lm_tokens(mlx_path, [*prompts[2], *seqs[2].tokens], 4)
     assert again.tokens == fresh
+
+
+def test_a_sequence_with_penalties_is_fed_ahead_but_samples_once_its_token_is_known(mlx_path):
+    """A penalty looks at the tokens so far, the one fed ahead included: that row is not
+    sampled ahead, and its reply is mlx-lm's with the same processors."""
+    prompt = mlx_path.tokenizer.encode(PROMPT_TEXT)
+    settings = GenerationSettings(temp=0.0, repetition_penalty=1.8, repetition_context_size=8)
+    sampler, processors = for_settings(settings)
+    reference = [
+        int(token)
+        for token, _ in generate_step(
+            mx.array(prompt),
+            mlx_path.model,
+            max_tokens=24,
+            sampler=lambda x: mx.argmax(x, axis=-1),
+            logits_processors=for_settings(settings)[1],
+        )
+    ]
+    assert reference != _mlx_lm_tokens(mlx_path, prompt, 24)  # the penalty does change it
+    seq = _sequence(mlx_path, prompt, 24)
+    seq.sampler, seq.processors = sampler, processors
+    seen = []
+    for message in core_for(mlx_path).run(seq):
+        if isinstance(message, int) and len(seq.tokens) == 3:
+            with GATE.exclusive():
+                seen.append((seq.ahead is not None, seq.drawn))
+    assert seq.tokens == reference
+    assert seen == [(True, None)]
+    _contract(seq, prompt)

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from kvchat.engine.cpu import decode_batch, native
-from kvchat.engine.generation.sequence import Sequence
+from kvchat.engine.generation.sequence import Sequence, sample_rows
 
 
 def blocker(model: nn.Module, cache: list[Any], kind: str) -> str | None:
@@ -146,7 +146,11 @@ def feed_ahead(
 ) -> None:
     """Feed each decoding sequence the token just sampled for it (``tokens[i]`` for
     ``order[i]``, not evaluated yet), keeping the logits after it as the sequence's
-    :attr:`~.sequence.Sequence.ahead`."""
+    :attr:`~.sequence.Sequence.ahead`; for those that :meth:`~.sequence.Sequence.draws_ahead`,
+    sample the token after from them too (:attr:`~.sequence.Sequence.drawn`), so that
+    what the next step reads was computed by this one's graph, while the next computes
+    (reading a token sampled at the head of the next step's graph waits for that whole
+    graph where the device signals a graph's outputs when it completes)."""
     row = {seq: i for i, seq in enumerate(order)}
     if merged and merged.seqs:
         rows = [row[s] for s in merged.seqs]
@@ -162,6 +166,11 @@ def feed_ahead(
     for seq in alone:
         i = row[seq]
         seq.ahead = model(tokens[i : i + 1].reshape(1, 1), cache=seq.cache)[:, -1, :]
+    drawing = [seq for seq in order if seq.draws_ahead()]
+    if drawing:
+        drawn = sample_rows([(seq, cast(mx.array, seq.ahead)) for seq in drawing])
+        for i, seq in enumerate(drawing):
+            seq.drawn = drawn[i : i + 1]
 
 
 class Merged:

@@ -17,8 +17,9 @@ and reads its messages (``Prefill`` progress, sampled token ids, a final
    token and samples the next, in one forward pass for those whose caches merge
    (:class:`~.batch.Merged`), the others (caches that cannot batch, or the CPU fast
    path's separate rows) beside; on MLX's path the step also feeds the tokens it
-   samples before they are read (:func:`~.batch.feeds_ahead`), so the next step
-   computes while they are read and posted, and newcomers join the step after;
+   samples before they are read (:func:`~.batch.feeds_ahead`) and samples the next
+   ones from what that gives, in the same graph, so the next step computes while
+   they are read and posted, and newcomers join the step after;
 3. sequences that ended (an end token, the length limit, a stop, a consumer gone)
    leave with their caches extracted back, and the rest go on.
 
@@ -317,19 +318,17 @@ class GenerationCore:
         for seq, _ in rows:  # fed: their keys and values are in the cache (the processors
             seq.ledger.extend(seq.feeding)  # that sample the next token see them too)
         opening = [s for s, _ in rows if not s.tokens]  # fed their prompt's last token
-        sampled = sample_rows(rows)  # one call for the rows that sample alike
+        sampled = sample_rows(rows)  # or drawn by the step before (Sequence.drawn)
         if ahead:
             feed_ahead(self._forward, self._merged, self._alone, sampled, [s for s, _ in rows])
-            mx.async_eval(sampled, [s.ahead for s, _ in rows])
+            mx.async_eval(
+                sampled, [a for s, _ in rows for a in (s.ahead, s.drawn) if a is not None]
+            )
         else:
             mx.eval(sampled, caches)
         for seq, row in rows:
-            if seq in opening:  # its logits are the prompt's end: keep them, as a prefill does
-                seq.fed = len(seq.prompt)
-                seq.logprobs = (row - mx.logsumexp(row, axis=-1, keepdims=True))[0]
-                mx.eval(seq.logprobs)
-                if seq.on_prompt is not None:
-                    seq.on_prompt(seq.logprobs)
+            if seq in opening:
+                seq.opened(row)
         ended = []
         for (seq, _), token in zip(rows, cast(list[int], sampled.tolist())):  # token ids
             seq.tokens.append(token)
@@ -355,7 +354,7 @@ class GenerationCore:
                 self._alone.remove(seq)
             if seq.ahead is not None:  # the token it ended on was fed ahead: not in the ledger
                 trim_prompt_cache(seq.cache, 1)
-                seq.ahead = None
+                seq.ahead = seq.drawn = None
             self._left(seq, Left(stopped=seq.halted()))
 
     def _join(self, ready: list[Sequence]) -> None:

@@ -83,6 +83,9 @@ class Sequence:
     # the logits (1, V) after its last sampled token, fed (lazily) before that token was
     # read, while the step before it computed; the ledger gets the token when it is used
     ahead: mx.array | None = None
+    # the token after that one, sampled (lazily) from ``ahead`` in the same graph, so
+    # that the step after reads a token already computed (see :meth:`draws_ahead`)
+    drawn: mx.array | None = None
     batch_peak: int = 1  # the most rows of a forward pass that decoded it
 
     @property
@@ -102,6 +105,22 @@ class Sequence:
     def halted(self) -> bool:
         """A stop or a cancel (a consumer that went away) was asked for."""
         return self.cancelled.is_set() or self.stop.is_set()
+
+    def opened(self, logits: mx.array) -> None:
+        """Its prompt's last token was fed by a decode step, ``logits`` ``(1, V)`` after
+        it: the prompt is all in; keep its end's log probabilities, as a prefill does."""
+        self.fed = len(self.prompt)
+        self.logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
+        mx.eval(self.logprobs)
+        if self.on_prompt is not None:
+            self.on_prompt(self.logprobs)
+
+    def draws_ahead(self) -> bool:
+        """Whether its next token may be sampled as soon as the token before it is fed, in
+        the same graph (as mlx-lm's ``generate_step`` does): not when its processors
+        must see that token in the ledger first, nor when it reports log probabilities
+        (evaluated as they are sampled)."""
+        return not self.processors and not self.report_logprobs
 
     def alike(self) -> Hashable | None:
         """What another row must share to be sampled in one call with this one (see
@@ -128,14 +147,17 @@ class Sequence:
 
 def sample_rows(rows: list[tuple[Sequence, mx.array]]) -> mx.array:
     """Each row's next token, ``(B,)`` (lazy), for ``rows`` of a sequence and its logits
-    ``(1, V)``: rows that sample alike (:meth:`Sequence.alike`) in one call over their
-    logits stacked, the others each on its own (:meth:`Sequence.sample`)."""
+    ``(1, V)``: the token a step before drew from those logits where it did
+    (:attr:`Sequence.drawn`, taken), else rows that sample alike (:meth:`Sequence.alike`)
+    in one call over their logits stacked, the others each on its own
+    (:meth:`Sequence.sample`)."""
     groups: dict[Hashable, list[int]] = {}
-    drawn: list[mx.array | None] = [None] * len(rows)
+    picked: list[mx.array | None] = [None] * len(rows)
     for i, (seq, row) in enumerate(rows):
-        key = seq.alike()
-        if key is None:
-            drawn[i] = seq.sample(row)
+        if seq.drawn is not None:
+            picked[i], seq.drawn = seq.drawn, None
+        elif (key := seq.alike()) is None:
+            picked[i] = seq.sample(row)
         else:
             groups.setdefault(key, []).append(i)
     for members in groups.values():
@@ -144,5 +166,5 @@ def sample_rows(rows: list[tuple[Sequence, mx.array]]) -> mx.array:
         if len(members) == len(rows):
             return tokens
         for j, i in enumerate(members):
-            drawn[i] = tokens[j : j + 1]
-    return mx.concatenate(cast(list[mx.array], drawn))
+            picked[i] = tokens[j : j + 1]
+    return mx.concatenate(cast(list[mx.array], picked))
