@@ -151,3 +151,21 @@ def test_a_sequence_with_penalties_is_fed_ahead_but_samples_once_its_token_is_kn
     assert seq.tokens == reference
     assert seen == [(True, None)]
     _contract(seq, prompt)
+
+
+def test_a_row_reporting_log_probabilities_beside_rows_drawn_ahead(mlx_path):
+    """A row that reports each token's log probabilities samples when its step reads it;
+    the rows merged with it draw ahead; each reply is still mlx-lm's alone."""
+    prompts = [mlx_path.tokenizer.encode(f"{PROMPT_TEXT} " * (i + 1)) for i in range(3)]
+    alone = [_mlx_lm_tokens(mlx_path, p, 12) for p in prompts]
+    seqs = [_sequence(mlx_path, p, 12) for p in prompts]
+    seqs[1].report_logprobs = True
+    run_all(core_for(mlx_path), seqs)
+    for seq, prompt, tokens in zip(seqs, prompts, alone):
+        assert seq.tokens == tokens and seq.batch_peak == len(seqs)
+        _contract(seq, prompt)
+    reported = seqs[1].sampled_logprobs
+    assert len(reported) == 12
+    assert [int(mx.argmax(row).item()) for row in reported] == seqs[1].tokens
+    assert all(abs(mx.logsumexp(row).item()) < 1e-4 for row in reported)
+    assert seqs[0].sampled_logprobs == seqs[2].sampled_logprobs == []
