@@ -112,15 +112,21 @@ def run_all(core, seqs, on_token=None) -> dict:
         out[id(seq)] = got
         assert not got or not isinstance(got[-1], Left) or got[-1].error is None, got[-1]
 
-    threads = [threading.Thread(target=run, args=(s,)) for s in seqs]
+    start_together(core, [threading.Thread(target=run, args=(s,)) for s in seqs])
+    return out
+
+
+def start_together(core, threads: list[threading.Thread]) -> None:
+    """Start ``threads``, each submitting one sequence to ``core``, so that all have
+    joined before the core's first step (it waits on the gate held meanwhile); then
+    wait for them to finish."""
     with GATE.exclusive():
         for t in threads:
             t.start()
         with core._cond:
-            assert core._cond.wait_for(lambda: len(core._joining) == len(seqs), 60)
+            assert core._cond.wait_for(lambda: len(core._joining) == len(threads), 60)
     for t in threads:
         t.join(120)
-    return out
 
 
 def ask_from_shell(session: str, text: str) -> None:

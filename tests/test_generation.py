@@ -11,9 +11,9 @@ import pytest
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.generation import GATE, GenerationCore, Left, Sequence, core_for
+from kvchat.engine.generation import GenerationCore, Left, Sequence, core_for
 from kvchat.engine.generation.sampling import for_settings
-from tests.helpers import run_all
+from tests.helpers import run_all, start_together
 
 QUESTIONS = [
     "What is a cache?",
@@ -43,14 +43,7 @@ def _together(sessions: list[Session], texts: list[str]) -> list[TurnDone]:
     def run(i: int) -> None:
         results[i] = _reply(sessions[i], texts[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sessions))]
-    with GATE.exclusive():  # the core waits until every turn has been submitted
-        for t in threads:
-            t.start()
-        with core._cond:
-            assert core._cond.wait_for(lambda: len(core._joining) == len(sessions), 60)
-    for t in threads:
-        t.join(120)
+    start_together(core, [threading.Thread(target=run, args=(i,)) for i in range(len(sessions))])
     return results
 
 

@@ -12,9 +12,10 @@ import pytest
 
 from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.generation import GATE, Sequence, core_for
+from kvchat.engine.generation import Sequence, core_for
 from kvchat.engine.generation.sampling import for_settings
 from kvchat.engine.generation.sequence import sample_rows
+from tests.helpers import start_together
 
 SETTINGS = [
     GenerationSettings(temp=0.0),
@@ -80,15 +81,8 @@ def test_a_batch_of_mixed_settings_gives_each_reply_as_alone(endless, monkeypatc
     def run(i: int) -> None:
         results[i] = _reply(endless, settings[i], texts[i])
 
-    core = core_for(endless)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(settings))]
-    with GATE.exclusive():  # every turn submitted before the first step
-        for t in threads:
-            t.start()
-        with core._cond:
-            assert core._cond.wait_for(lambda: len(core._joining) == len(settings), 60)
-    for t in threads:
-        t.join(120)
+    start_together(core_for(endless), threads)  # every turn submitted before the first step
     for one, many in zip(alone, results):
         assert many is not None and many.stats.batch_size == len(settings)
         assert many.tokens == one.tokens and len(many.tokens) == 20
