@@ -130,7 +130,12 @@ def test_batched_log_probabilities_agree_with_alone(arch, family):
             assert mx.abs(a - b).max().item() < 1e-4
 
 
-def test_join_leave_cancel_and_abandon_leave_the_others_as_alone(demo_model):
+@pytest.mark.parametrize("path", ["CPU fast path", "MLX"])
+def test_join_leave_cancel_and_abandon_leave_the_others_as_alone(demo_model, monkeypatch, path):
+    """On MLX's path (a GPU's) the batch merges, each step is fed ahead and its tokens
+    sampled ahead: a newcomer joins a step whose rows' tokens were drawn before it."""
+    if path == "MLX":
+        monkeypatch.setattr(demo_model.fast_path, "on", False)
     lm = demo_model
     core = core_for(lm)
     prompts = _prompts(lm, 5)
