@@ -110,7 +110,7 @@ class Sequence:
         """Its prompt's last token was fed by a decode step, ``logits`` ``(1, V)`` after
         it: the prompt is all in; keep its end's log probabilities, as a prefill does."""
         self.fed = len(self.prompt)
-        self.logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
+        self.logprobs = log_probs(logits)[0]
         mx.eval(self.logprobs)
         if self.on_prompt is not None:
             self.on_prompt(self.logprobs)
@@ -124,11 +124,9 @@ class Sequence:
 
     def alike(self) -> Hashable | None:
         """What another row must share to be sampled in one call with this one (see
-        :func:`~.sampling.alike`); None when it samples alone (it has processors, or
-        reports its log probabilities)."""
-        if self.processors or self.report_logprobs:
-            return None
-        return alike(self.sampler)
+        :func:`~.sampling.alike`); None when it samples alone (when it does not sample
+        from its row of logits alone: see :meth:`draws_ahead`)."""
+        return alike(self.sampler) if self.draws_ahead() else None
 
     def sample(self, logits: mx.array) -> mx.array:
         """This sequence's next token from its row of logits ``(1, vocab)`` (lazy). Its draws
@@ -137,12 +135,18 @@ class Sequence:
             so_far = mx.array(self.ledger)  # everything fed so far, this prompt included
             for processor in self.processors:
                 logits = processor(so_far, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = log_probs(logits)
         if self.report_logprobs:  # read by the consumer's thread with the token: evaluated
             row = logprobs[0]  # here, on the core's stream (MLX streams are per thread)
             mx.eval(row)
             self.sampled_logprobs.append(row)
         return self.sampler(logprobs)
+
+
+def log_probs(logits: mx.array) -> mx.array:
+    """Each row of ``logits`` ``(B, V)`` as log probabilities, as mlx-lm's samplers take
+    them: the same arithmetic for a row sampled alone or stacked with others."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def sample_rows(rows: list[tuple[Sequence, mx.array]]) -> mx.array:
@@ -162,7 +166,7 @@ def sample_rows(rows: list[tuple[Sequence, mx.array]]) -> mx.array:
             groups.setdefault(key, []).append(i)
     for members in groups.values():
         logits = mx.concatenate([rows[i][1] for i in members])
-        tokens = rows[members[0]][0].sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        tokens = rows[members[0]][0].sampler(log_probs(logits))
         if len(members) == len(rows):
             return tokens
         for j, i in enumerate(members):
