@@ -153,14 +153,9 @@ def feed_ahead(
     graph where the device signals a graph's outputs when it completes)."""
     row = {seq: i for i, seq in enumerate(order)}
     if merged and merged.seqs:
-        rows = [row[s] for s in merged.seqs]
-        first = rows[0]
-        together = (
-            tokens[first : first + len(rows)]
-            if rows == list(range(first, first + len(rows)))
-            else tokens[mx.array(rows)]
-        )
-        logits = merged.step(model, together[:, None])
+        # the core lists a step's rows with the batch's together, in the batch's order
+        first = row[merged.seqs[0]]
+        logits = merged.step(model, tokens[first : first + len(merged.seqs)][:, None])
         for i, seq in enumerate(merged.seqs):
             seq.ahead = logits[i : i + 1]
     for seq in alone:
