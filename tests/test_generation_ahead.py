@@ -1,8 +1,9 @@
 """Decoding a step ahead on MLX's own path: the core feeds the token it just sampled
 before reading it, and samples the token after it in the same graph, so the next step
-computes while this one's token is read and posted (as mlx-lm's ``generate_step`` does). The replies are mlx-lm's own, token for token, and
-whenever a sequence leaves (its length, an end token, a stop, a consumer gone) its cache
-holds exactly its ledger: the token it ended on, fed ahead, is trimmed again.
+computes while this one's token is read and posted (as mlx-lm's ``generate_step``
+does). The replies are mlx-lm's own, token for token, and whenever a sequence leaves
+(its length, an end token, a stop, a consumer gone) its cache holds exactly its
+ledger: the token it ended on, fed ahead, is trimmed again.
 
 The demo model's CPU fast path is switched off here (its numpy step computes as it goes
 and decodes nothing ahead); on a GPU that is the path every model takes."""
