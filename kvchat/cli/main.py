@@ -8,6 +8,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -34,17 +35,39 @@ from .common import (
 
 
 def _print_version(value: bool) -> None:
+    """Print kvchat's, MLX's and the BLAS's versions without importing MLX (or anything
+    heavy): ``kvchat doctor`` loads MLX and says which device it runs on."""
     if not value:
         return
-    import mlx.core as mx
-
-    from kvchat.engine.caches import fit
-
     typer.echo(f"kvchat {kvchat.__version__}")
-    version = mx.__version__  # type: ignore[attr-defined]  # mlx.core's stubs leave it out
-    typer.echo(f"mlx {version}, device {fit.device()}")
+    typer.echo(f"mlx {_installed('mlx') or 'not installed'}, backend {_mlx_backends()}")
     typer.echo(f"BLAS: {blas.describe()}")
     raise typer.Exit()
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return package_version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _mlx_backends() -> str:
+    """The MLX backend packages installed (mlx-cpu, mlx-metal, mlx-cuda-…), from their
+    metadata; on macOS mlx itself carries Metal."""
+    found = [name for name in BACKEND_PACKAGES if _installed(name)]
+    if not found and platform.system() == "Darwin":
+        return "metal"
+    return ", ".join(BACKEND_PACKAGES[name] for name in found) or "none found"
+
+
+BACKEND_PACKAGES = {
+    "mlx-cpu": "cpu",
+    "mlx-metal": "metal",
+    "mlx-cuda": "cuda",
+    "mlx-cuda-12": "cuda 12",
+    "mlx-cuda-13": "cuda 13",
+}
 
 
 @app.callback(invoke_without_command=True)

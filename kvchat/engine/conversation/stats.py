@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-import mlx.core as mx
-
 
 @dataclass
 class TurnStats:
@@ -90,4 +88,6 @@ STAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TurnStats))
 
 def memory() -> tuple[int, int]:
     """Process memory held by mlx: (active bytes, peak bytes since the last reset)."""
+    import mlx.core as mx  # here: `kvchat sessions list` reads stats without loading MLX
+
     return mx.get_active_memory(), mx.get_peak_memory()
