@@ -55,3 +55,19 @@ def test_quick_commands_import_nothing_heavy(args, demo_model, home):
 def test_version_names_mlx_from_its_metadata(kvchat_dirs):
     _, stdout = _run(["--version"], dict(os.environ))
     assert stdout.splitlines()[1].startswith(f"mlx {version('mlx')}, backend ")
+
+
+def test_sessions_show_reads_as_text(demo_model, home):
+    """Words for labels and missing values, the last turn as a sentence: no Python reprs
+    (``None``, ``key=value``) on the screen; ``--json`` keeps the raw fields."""
+    ask_from_shell("shown", "Hello there.")
+    _, stdout = _run(["sessions", "show", "shown"], dict(os.environ))
+    lines = dict(
+        line.split(None, 1)
+        for line in stdout.replace("last turn", "last_turn").splitlines()
+        if line.strip()
+    )
+    assert "None" not in stdout and "=" not in stdout, stdout
+    assert lines["model"] == "demo"
+    assert lines["system"] == "(none)"
+    assert lines["last_turn"].startswith("prompt ") and " evaluated in " in lines["last_turn"]

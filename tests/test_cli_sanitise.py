@@ -78,8 +78,8 @@ def test_sessions_list_show_export_print_no_raw_control(evil):
     shown = show.stdout.decode()
     for key, value in (
         ("system", "sys " + EVIL),
-        ("model_id", "model " + EVIL),
-        ("cache_kind", "kind " + EVIL),
+        ("model", "model " + EVIL),
+        ("cache kind", "kind " + EVIL),
         ("created", "2026 " + EVIL),
     ):
         assert f"{key:<13} {printable(value, one_line=True)}\n" in shown

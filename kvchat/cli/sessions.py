@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -90,10 +91,65 @@ def sessions_show(
     if as_json:
         typer.echo(dumps_json(info, indent=2))
         return
-    for key, value in info.items():
-        if key == "last_turn" and value:
-            value = ", ".join(f"{k}={v}" for k, v in value.items())
-        typer.echo(f"{key:<13} {printable(str(value), one_line=True)}")
+    for label, value in _described(info):
+        typer.echo(f"{label:<13} {printable(value, one_line=True)}")
+
+
+def _described(info: dict[str, Any]) -> list[tuple[str, str]]:
+    """``sessions show``'s lines for people: words for labels and missing values, sizes
+    in bytes' units, the last turn as a sentence (``--json`` keeps the raw fields)."""
+    lines = [
+        ("name", info["name"]),
+        ("model", info["model_id"] or "unknown"),
+        ("cache kind", info["cache_kind"]),
+        ("turns", str(info["turns"])),
+        ("cache", f"{info['cache_tokens']} tokens, {human_bytes(info['size_bytes'])} on disk"),
+        ("created", _when(info["created"])),
+        ("last used", _when(info["last_used"])),
+        ("messages", str(info["messages"])),
+        ("system", info["system"] if info["system"] is not None else "(none)"),
+        ("folder", info["path"]),
+    ]
+    if info.get("note"):
+        lines.append(("note", info["note"]))
+    if info.get("last_turn"):
+        lines.append(("last turn", _turn_sentence(info["last_turn"])))
+    return lines
+
+
+def _when(stamp: str | None) -> str:
+    """An ISO time to the second, as ``2026-11-28 12:59:51``; anything else as it is."""
+    if not stamp:
+        return "unknown"
+    return (
+        stamp[:19].replace("T", " ")
+        if re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", stamp)
+        else stamp
+    )
+
+
+def _turn_sentence(turn: dict[str, Any]) -> str:
+    """A turn's stats in a sentence: ``prompt 12 tokens (0 reused, 12 evaluated in 0.033
+    s); 5 generated at 520 tokens/s; cache 16 tokens (16.0 KiB)``, and why it was
+    rebuilt or stopped where it was."""
+
+    def number(key: str, form: str = "{}") -> str:
+        value = turn.get(key)
+        return form.format(value) if isinstance(value, (int, float)) else "?"
+
+    parts = [
+        f"prompt {number('prompt_tokens')} tokens ({number('reused_tokens')} reused, "
+        f"{number('evaluated_tokens')} evaluated in {number('prompt_eval_s', '{:.3f}')} s)",
+        f"{number('generated_tokens')} generated at {number('gen_tps', '{:.1f}')} tokens/s",
+    ]
+    size = turn.get("cache_bytes")
+    held = human_bytes(size) if isinstance(size, int) else "?"
+    parts.append(f"cache {number('cache_tokens')} tokens ({held})")
+    if turn.get("stopped"):
+        parts.append("stopped")
+    if turn.get("rebuilt"):
+        parts.append(f"rebuilt: {turn['rebuilt']}")
+    return "; ".join(parts)
 
 
 @sessions_app.command("search")
