@@ -150,7 +150,8 @@ def remember(path: Path | None = None, **values: Any) -> None:
     try:
         document = tomlkit.parse(text)
     except ParseError as error:
-        reason = str(error).split(" at line ")[0]
+        # tomlkit names the end of the text as the character '\x00'
+        reason = str(error).split(" at line ")[0].replace("character: '\\x00'", "end of file")
         raise ConfigError(
             f"{path.name} has an error at line {error.line} ({reason}); your change applies "
             "to this run only and the file was left alone."

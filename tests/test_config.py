@@ -167,3 +167,16 @@ def test_a_linked_config_is_edited_where_it_lives(tmp_path):
     remember(link, theme="gruvbox")
     assert link.is_symlink()
     assert kept.read_text() == '# mine\ntemp = 0.5\ntheme = "gruvbox"\n'
+
+
+def test_a_file_cut_short_says_end_of_file(tmp_path):
+    """tomlkit names the end of the text as the character '\\x00'; people read "end of
+    file"."""
+    path = tmp_path / "config.toml"
+    path.write_text("temp = 0.7\ntheme = ")
+    with pytest.raises(ConfigError) as error:
+        remember(path, theme="gruvbox")
+    assert str(error.value) == (
+        "config.toml has an error at line 2 (Unexpected end of file); your change applies "
+        "to this run only and the file was left alone."
+    )
