@@ -16,6 +16,7 @@ import mlx_lm
 import pytest
 from helpers import turn
 from mlx.utils import tree_flatten
+from mlx_lm.models import qwen2
 from tokenizers import Tokenizer
 
 from kvchat.engine.conversation.session import GenerationSettings, Session
@@ -124,8 +125,51 @@ def test_parse_demo_spec():
     assert demo.parse_demo_spec("demo:qwen2.5-0.5b") == "qwen2.5-0.5b"
     assert demo.parse_demo_spec("mlx-community/Qwen2.5-0.5B-Instruct-4bit") is None
     assert demo.parse_demo_spec("./demo") is None
+    assert demo.parse_demo_spec("demo@bf16") == "demo@bf16"
+    assert demo.parse_demo_spec("demo:qwen2.5-0.5b@q4") == "qwen2.5-0.5b@q4"
     with pytest.raises(ValueError, match="demo:llama-3.2-1b"):
         demo.parse_demo_spec("demo:gpt-5")
+    with pytest.raises(ValueError, match="@bf16"):
+        demo.parse_demo_spec("demo@f16")
+
+
+TINY = {
+    "num_hidden_layers": 2,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
+@pytest.mark.parametrize("suffix", ["bf16", "q4", "q8"])
+def test_a_variant_holds_the_seeded_weights_as_mlx_stores_them(suffix, tmp_path):
+    """A variant is written a layer at a time from the lazily initialised model: what
+    mlx_lm.load reads back equals that model cast to bfloat16 (and, packed, what
+    mx.quantize gives it), and no file holds a float32 array."""
+    tokenizer = demo.train_tokenizer()
+    config = {**demo.model_config("qwen2.5-0.5b", tokenizer), **TINY}
+    demo.write_model(tmp_path, config, tokenizer, suffix)
+    model, _ = mlx_lm.load(str(tmp_path))
+    got = dict(tree_flatten(model.parameters()))
+    mx.random.seed(0)
+    arch = qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    want = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(arch.parameters())}
+    bits = demo.VARIANTS[suffix].bits
+    for key, value in want.items():
+        name = key.removesuffix(".weight")
+        if bits and value.ndim == 2:
+            packed = dict(zip(["weight", "scales", "biases"], mx.quantize(value, 64, bits)))
+            for part, array in packed.items():
+                assert mx.array_equal(got[f"{name}.{part}"], array), f"{name}.{part}"
+        else:
+            assert got[key].dtype == mx.bfloat16 and mx.array_equal(got[key], value), key
+    files = [mx.load(str(f)) for f in tmp_path.glob("*.safetensors")]
+    assert {v.dtype for f in files for v in f.values()} == (
+        {mx.uint32, mx.bfloat16} if bits else {mx.bfloat16}
+    )
+    quantization = json.loads((tmp_path / "config.json").read_text()).get("quantization")
+    assert quantization == ({"group_size": 64, "bits": bits, "mode": "affine"} if bits else None)
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.2-1b"])

@@ -79,7 +79,7 @@ def root(
         typer.Option(
             "--model",
             "-m",
-            help="demo, demo:<shape> (either may end in @q4 or @q8), a Hugging Face id or a "
+            help="demo, demo:<shape> (either may end in @q4, @q8 or @bf16), a Hugging Face id or a "
             "folder (default: the config's).",
         ),
     ] = None,

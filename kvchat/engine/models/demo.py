@@ -1,7 +1,8 @@
 """Built-in demo models: a small trained model and random-weight shapes, real files.
 
-``--model demo`` (and ``demo:<shape>``, each optionally ``@q4`` or ``@q8`` for
-4- or 8-bit weights made by ``mlx_lm.convert``) needs no download. On first use a
+``--model demo`` (and ``demo:<shape>``, each optionally ``@q4``, ``@q8`` or ``@bf16``
+for 4- or 8-bit or bfloat16 weights, as ``mlx_lm.convert`` makes them) needs no
+download. On first use a
 model folder in mlx-lm's format (config.json, safetensors weights, tokenizer
 files) is built into the cache dir, and from then on it is loaded like any
 other model with ``mlx_lm.load``.
@@ -18,12 +19,10 @@ Builds are deterministic: the same files, byte for byte, on every build.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,10 +30,10 @@ from typing import Any
 import mlx.core as mx
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from kvchat.engine.caches.trees import flatten
+from kvchat.engine.models.demo_build import VARIANTS, write_json, write_weights
 from kvchat.locations import models_dir
 
-BUILD_VERSION = "v2"  # bump when a build changes, so old folders are not reused
+BUILD_VERSION = "v3"  # bump when a build changes, so old folders are not reused
 PREFIX = "demo"
 VOCAB_SIZE = 2048
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -42,7 +41,6 @@ SPECIAL_TOKENS = [PAD, IM_START, IM_END]
 CORPUS = Path(__file__).with_name("demo_corpus.txt")
 TRAINED = Path(__file__).with_name("demo_weights")  # demo_train.py writes it
 HELDOUT_TITLE = "On Learning a Language as an Adult"  # the corpus's last section, never trained on
-SHARD_BYTES = 1 << 30  # big shapes are written in shards of about this size
 
 # Qwen2's pre-tokenisation split (transformers' Qwen2Tokenizer), see train_tokenizer().
 PRETOKENIZE_REGEX = (
@@ -129,13 +127,13 @@ def demo_names() -> list[str]:
 
 def demo_specs() -> list[str]:
     """What ``--model`` accepts for each shape: ``demo``, ``demo:<shape>``; each may end
-    in ``@q4`` or ``@q8`` for a copy with 4- or 8-bit weights (``mlx_lm.convert -q``)."""
+    in ``@q4``, ``@q8`` or ``@bf16`` for a copy with 4- or 8-bit or bfloat16 weights."""
     return [PREFIX if name == PREFIX else f"{PREFIX}:{name}" for name in SHAPES]
 
 
 def parse_demo_spec(spec: str) -> str | None:
-    """The shape a ``--model`` value names (with its ``@q4``/``@q8``), or None when it
-    is not a demo spec.
+    """The shape a ``--model`` value names (with its ``@q4``/``@q8``/``@bf16``), or None
+    when it is not a demo spec.
 
     Raises ValueError for an unknown shape or suffix, naming the valid specs.
     """
@@ -146,15 +144,12 @@ def parse_demo_spec(spec: str) -> str | None:
         name = base.removeprefix(PREFIX + ":")
     else:
         return None
-    if name not in SHAPES or bits not in QUANTIZED:
+    if name not in SHAPES or bits not in VARIANTS:
         raise ValueError(
             f"Unknown demo model '{spec}'; use one of: {', '.join(demo_specs())}, "
-            "optionally ending in @q4 or @q8."
+            "optionally ending in @q4, @q8 or @bf16."
         )
     return f"{name}@{bits}" if bits else name
-
-
-QUANTIZED = {"": None, "q4": 4, "q8": 8}  # suffix -> bits of the weights
 
 
 def demo_path(name: str) -> Path:
@@ -167,26 +162,25 @@ def build_demo(name: str) -> Path:
 
     The folder appears atomically: it is built beside the target and renamed
     into place, so a crash leaves nothing half-written, and when two processes
-    race the loser throws its copy away. ``<shape>@q4`` is ``<shape>`` converted
-    by mlx-lm to 4-bit weights (group size 64), as mlx-community models are.
+    race the loser throws its copy away. ``<shape>@q4`` holds the same weights as
+    ``<shape>`` cast to bfloat16 and quantized by mlx-lm to 4 bits (group size 64),
+    as mlx-community models are; it is written a layer at a time, without a
+    float32 copy (:mod:`kvchat.engine.models.demo_build`).
     """
     shape, _, suffix = name.partition("@")
-    if shape not in SHAPES or suffix not in QUANTIZED:
+    if shape not in SHAPES or suffix not in VARIANTS:
         raise ValueError(f"Unknown demo shape '{name}'; use one of: {', '.join(SHAPES)}.")
     target = demo_path(name)
     if target.is_dir():
         return target
-    bits = QUANTIZED[suffix]
-    source = build_demo(shape) if bits else None
+    target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        if source is not None and bits:
-            _quantize(source, scratch, bits)
-        elif shape == PREFIX:
-            _copy_trained(scratch)
+        if shape == PREFIX:
+            _copy_trained(scratch, suffix)
         else:
             tokenizer = train_tokenizer()
-            write_model(scratch, model_config(name, tokenizer), tokenizer)
+            write_model(scratch, model_config(shape, tokenizer), tokenizer, suffix)
         try:
             os.rename(scratch, target)
         except OSError:
@@ -197,29 +191,23 @@ def build_demo(name: str) -> Path:
     return target
 
 
-def _copy_trained(folder: Path) -> None:
-    """Write the trained demo: its shipped weights, config and tokenizer, plus the
-    tokenizer files every demo has."""
+def _copy_trained(folder: Path, suffix: str) -> None:
+    """Write the trained demo: its shipped weights (as variant ``suffix``), config and
+    tokenizer, plus the tokenizer files every demo has."""
     config = json.loads((TRAINED / "config.json").read_text(encoding="utf-8"))
     _write_tokenizer(
         folder,
         Tokenizer.from_file(str(TRAINED / "tokenizer.json")),
         config["max_position_embeddings"],
     )
-    for name in ("config.json", "model.safetensors"):
-        shutil.copyfile(TRAINED / name, folder / name)
+    if not suffix:
+        for name in ("config.json", "model.safetensors"):
+            shutil.copyfile(TRAINED / name, folder / name)
+        return
+    from mlx_lm.utils import load_model
 
-
-def _quantize(source: Path, folder: Path, bits: int) -> None:
-    """Write ``source`` with ``bits``-bit weights into ``folder`` through ``mlx_lm.convert``."""
-    from mlx_lm import convert
-
-    out = folder / "model"  # convert insists on creating its output folder itself
-    with contextlib.redirect_stdout(sys.stderr):  # its progress lines are not a reply
-        convert(str(source), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=64)
-    for item in out.iterdir():
-        item.rename(folder / item.name)
-    out.rmdir()
+    model, _ = load_model(TRAINED, lazy=True)
+    write_json(folder / "config.json", write_weights(folder, model, config, VARIANTS[suffix]))
 
 
 def train_tokenizer() -> Tokenizer:
@@ -264,11 +252,16 @@ def model_config(shape: str | dict[str, Any], tokenizer: Tokenizer) -> dict[str,
     }
 
 
-def write_model(folder: Path, config: dict[str, Any], tokenizer: Tokenizer) -> None:
-    """Write an mlx-lm model folder: tokenizer files, config.json, seeded random weights."""
+def write_model(
+    folder: Path, config: dict[str, Any], tokenizer: Tokenizer, suffix: str = ""
+) -> None:
+    """Write an mlx-lm model folder: tokenizer files, config.json, seeded random
+    weights (mlx-lm's own initialisation, seed 0) stored as variant ``suffix``."""
     _write_tokenizer(folder, tokenizer, config["max_position_embeddings"])
-    write_json(folder / "config.json", config)
-    _write_weights(folder, config)
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(0)
+    model = arch.Model(arch.ModelArgs.from_dict(config))  # lazy: nothing computed yet
+    write_json(folder / "config.json", write_weights(folder, model, config, VARIANTS[suffix]))
 
 
 def _write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> None:
@@ -292,49 +285,3 @@ def _write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> Non
         folder / "special_tokens_map.json",
         {"eos_token": IM_END, "pad_token": PAD, "additional_special_tokens": [IM_START, IM_END]},
     )
-
-
-def _write_weights(folder: Path, config: dict[str, Any]) -> None:
-    """Initialise mlx-lm's own model class (seeded, float32) and save its weights.
-
-    Arrays are lazy until saved, so writing shard by shard keeps at most one
-    shard in memory; a model that fits in one shard is ``model.safetensors``.
-    """
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    mx.random.seed(0)
-    model = arch.Model(arch.ModelArgs.from_dict(config))
-    weights = dict(flatten(model.parameters()))
-    del model
-    shards = _split(weights)
-    names = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    )
-    index = {}
-    for name, keys in zip(names, shards, strict=True):
-        shard = {key: weights.pop(key).astype(mx.float32) for key in keys}
-        mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
-        index.update(dict.fromkeys(keys, name))
-        del shard
-    if len(shards) > 1:
-        write_json(folder / "model.safetensors.index.json", {"metadata": {}, "weight_map": index})
-
-
-def _split(weights: dict[str, mx.array]) -> list[list[str]]:
-    """Group parameter names into shards of at most about SHARD_BYTES each."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for key, value in weights.items():
-        nbytes = value.size * 4
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(key)
-        size += nbytes
-    return shards
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` as indented JSON with sorted keys (a model folder's files)."""
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -42,6 +42,7 @@ from mlx_lm.models import qwen2  # noqa: E402
 
 from kvchat.engine.caches.trees import flatten  # noqa: E402
 from kvchat.engine.models import demo  # noqa: E402
+from kvchat.engine.models.demo_build import write_json  # noqa: E402
 
 WEIGHTS = Path(__file__).with_name("demo_weights")
 FILES = ("config.json", "tokenizer.json", "model.safetensors")
@@ -124,7 +125,7 @@ def train(folder: Path, log: Callable[[str], object] = print) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(mx.float32) for k, v in flatten(model.parameters())}
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
-    demo.write_json(folder / "config.json", config)
+    write_json(folder / "config.json", config)
     tokenizer.save(str(folder / "tokenizer.json"))
 
 
