@@ -172,7 +172,47 @@ def test_a_variant_holds_the_seeded_weights_as_mlx_stores_them(suffix, tmp_path)
     assert quantization == ({"group_size": 64, "bits": bits, "mode": "affine"} if bits else None)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.2-1b"])
+BUILD = """
+import sys, resource
+from pathlib import Path
+from kvchat.engine.models import demo
+tokenizer = demo.train_tokenizer()
+config = {**demo.model_config("qwen2.5-0.5b", tokenizer), **MEDIUM}
+demo.write_model(Path(sys.argv[1]), config, tokenizer, "q4")
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+# about 1 GB of float32 weights (243M), 0.14 GB at 4 bits
+MEDIUM = {
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+}
+
+
+def test_a_packed_variant_is_built_in_a_fraction_of_its_float32_size(tmp_path):
+    """The writer holds a layer in float32 at a time, never the model: building a 4-bit
+    variant peaks well below the float32 model's size (the process itself included)."""
+    code = BUILD.replace("MEDIUM", repr(MEDIUM))
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    peak = int(out.stdout.split()[-1])
+    model, _ = mlx_lm.load(str(tmp_path))
+    float32 = 4 * sum(
+        m.weight.size * 32 // m.bits if "scales" in m else m.weight.size
+        for _, m in model.named_modules()
+        if "weight" in m
+    )
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    assert float32 > 0.95e9 and on_disk < 0.15 * float32
+    assert peak < 0.5 * float32, f"{peak / 1e9:.2f} GB at peak for {float32 / 1e9:.2f} GB"
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen2.5-0.5b", "llama-3.2-1b", "qwen3-0.35b", "qwen3-moe-2b", "qwen2.5-3b"]
+)
 def test_big_shapes_load_in_mlx_lm(name, tmp_path):
     """The shape-true configs are valid for mlx-lm: a one-layer copy builds and loads."""
     tokenizer = demo.train_tokenizer()

@@ -58,7 +58,7 @@ def test_demo_shapes_differ_in_config():
     assert demo.SHAPES["random"] == demo.SHAPES["demo"]
     names = [name for name in demo.demo_names() if name != "random"]
     configs = [demo.model_config(name, tokenizer) for name in names]
-    assert len({json.dumps(c, sort_keys=True) for c in configs}) == len(configs) == 3
+    assert len({json.dumps(c, sort_keys=True) for c in configs}) == len(configs) == 6
 
 
 def test_half_precision_is_cast_to_float32_on_cpu(demo_model, tmp_path):

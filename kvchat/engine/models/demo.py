@@ -54,6 +54,19 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
+# Qwen3-30B-A3B's attention and depth, halved (the MoE shape and its dense twin share it).
+QWEN3_HALF = {
+    "num_hidden_layers": 24,
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 40960,
+}
+
 # Architecture of each demo shape; vocab_size and token ids come from the tokenizer.
 SHAPES: dict[str, dict[str, Any]] = {
     "demo": {
@@ -84,6 +97,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "max_position_embeddings": 32768,
     },
+    # the active weights of qwen3-moe-2b as one dense model: its twin in the bench
+    "qwen3-0.35b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **QWEN3_HALF,
+        "intermediate_size": 3072,  # = 8 experts chosen x 384
+    },
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -106,6 +126,33 @@ SHAPES: dict[str, dict[str, Any]] = {
         "mlp_bias": False,
         "tie_word_embeddings": True,
         "max_position_embeddings": 131072,
+    },
+    # Qwen3-30B-A3B's layout at half the width, layers and experts: 2.0B weights, 0.35B
+    # of them read per token (the attention, the router and 8 experts of 64 per layer)
+    "qwen3-moe-2b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        **QWEN3_HALF,
+        "intermediate_size": 3072,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 384,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
+    "qwen2.5-3b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "num_hidden_layers": 36,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "intermediate_size": 11008,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 32768,
     },
 }
 
