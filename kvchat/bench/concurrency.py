@@ -25,10 +25,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import make_text, rounded_ratio
 from .servers import SERVERS, in_turn, side_by_side, stream_turn
+
+if TYPE_CHECKING:
+    from kvchat.engine.models.model import LoadedModel
 
 LOADS = (1, 2, 4, 8)
 
@@ -145,13 +148,20 @@ def in_process(
     model: str, sessions: int = 8, first_tokens: int = 120, max_tokens: int = 24, rounds: int = 3
 ) -> dict:
     """One session's follow-up alone against ``sessions`` follow-ups at once, in turns."""
-    from kvchat.engine.conversation.events import GenerationSettings, TurnDone
-    from kvchat.engine.conversation.session import Session
     from kvchat.engine.models.model import load_model
 
-    lm = load_model(model)
+    return {"model": model} | crowd(load_model(model), sessions, first_tokens, max_tokens, rounds)
+
+
+def crowd(
+    lm: LoadedModel, sessions: int, first_tokens: int, max_tokens: int, rounds: int
+) -> dict[str, Any]:
+    """:func:`in_process`'s figures on a loaded model."""
+    from kvchat.engine.conversation.events import GenerationSettings, TurnDone
+    from kvchat.engine.conversation.session import Session
+
     settings = GenerationSettings(max_tokens=max_tokens, ignore_eos=True)
-    crowd = [
+    chats = [
         Session(lm, system=f"You are assistant {k}.", settings=settings)
         for k in range(sessions + 1)
     ]
@@ -187,13 +197,13 @@ def in_process(
         f"Please read this.\n\n{make_text(lm.tokenizer, first_tokens, seed=k + 1)}"
         for k in range(sessions + 1)
     ]
-    _threads(lambda k: turn(crowd[k], first[k]), sessions + 1)
+    _threads(lambda k: turn(chats[k], first[k]), sessions + 1)
     alone: list[dict[str, Any]] = []
     many: list[dict[str, Any]] = []
     for r in range(rounds):
         text = f"What is part {r + 1} about?"
-        alone.append(together(crowd[:1], text))
-        many.append(together(crowd[1:], text))
+        alone.append(together(chats[:1], text))
+        many.append(together(chats[1:], text))
     alone_tps = round(max(a["aggregate_tps"] for a in alone), 2)
     alone_ttft = round(min(a["ttft_median_s"] for a in alone), 4)
     alone_decode = round(max(a["decode_tps"] for a in alone), 2)
@@ -201,7 +211,6 @@ def in_process(
     many_tps = round(max(m["aggregate_tps"] for m in many), 2)
     many_ttft = round(min(m["ttft_median_s"] for m in many), 4)
     return {
-        "model": model,
         "sessions": sessions,
         "max_tokens": max_tokens,
         "rounds": rounds,
