@@ -177,10 +177,26 @@ def test_undo_and_trim_keep_messages_stats_and_tree_in_step():
     assert history.turns == [stats(2)] and history.branches.holds(history.talk())
     history.undo(1)
     assert history.messages == [msg("system", "S")] and history.turns == []
+    assert history.archived == talk  # the trimmed exchange, then the undone one
     with pytest.raises(SessionError, match="Nothing to undo"):
         history.undo(1)
     with pytest.raises(SessionError, match="system prompt alone is over 0 tokens"):
         history.trim(lambda messages: True, 0)
+
+
+def test_undo_archives_what_it_removes_with_the_branches_under_it():
+    """An undone exchange goes to ``archived`` as a trimmed one does, with every branch
+    that started under it (a regenerated reply); a version of the undone message itself
+    (an edit) is a branch beside it and stays in the tree."""
+    history = History([msg("system", "S"), msg("user", "a"), msg("assistant", "A")])
+    history.begin(history.edited(1, "a2"))
+    history.add_reply("A2", stopped=False)
+    history.begin(history.regenerating(None))
+    history.add_reply("A3", stopped=False)
+    history.undo(1)
+    assert history.messages == [msg("system", "S")]
+    assert history.archived == [msg("user", "a2"), msg("assistant", "A2"), msg("assistant", "A3")]
+    assert [n.message["content"] for n in history.branches.nodes] == ["a", "A"]
 
 
 def test_a_switch_takes_the_other_paths_messages_and_stats():

@@ -15,12 +15,14 @@ from kvchat import store
 from kvchat.engine.caches.kinds import OFFERED_KINDS, applicable_kinds, known_applicable_kinds
 from kvchat.engine.conversation.events import TurnDone
 
-from .screens.dialogs import DropDialog, RenameDialog, TrimChoice, TrimDialog
+from .screens.dialogs import ConfirmDialog, DropDialog, RenameDialog, TrimChoice, TrimDialog
 from .screens.kind import KindDialog
 from .screens.settings import SettingsDialog, TabSettings
 from .widgets.sidebar import user_turns
 
 if TYPE_CHECKING:
+    from kvchat.engine.conversation.session import Session
+
     from .app import KvChatApp
 
 
@@ -59,6 +61,26 @@ class TabActions:
         async def chosen(choice: TrimChoice | None) -> None:
             if choice is None:
                 return
+            turns = user_turns(session)
+            if choice.undo >= turns or (
+                choice.max_tokens is not None and drops_everything(session, choice.max_tokens)
+            ):
+                what = (
+                    "undo the only turn" if choice.undo else f"trim to {choice.max_tokens:,} tokens"
+                )
+                self.push_screen(
+                    ConfirmDialog(
+                        "Drop every message?",
+                        f"To {what}, every message of this conversation goes (the system "
+                        "prompt stays); they are kept in the saved session under archived.",
+                        "Drop them",
+                    ),
+                    lambda yes: act(choice) if yes else None,
+                )
+            else:
+                act(choice)
+
+        def act(choice: TrimChoice) -> None:
             if choice.undo:
 
                 def undone(_):
@@ -277,3 +299,15 @@ class TabActions:
         self.push_screen(
             SettingsDialog(session.lm.model_id, session.system or "", session.settings), chosen
         )
+
+
+def drops_everything(session: Session, max_tokens: int) -> bool:
+    """Whether a trim to ``max_tokens`` drops every exchange: the oldest go first, so it does
+    when the system prompt and the last exchange alone are over ``max_tokens`` (one exchange
+    rendered with the tokenizer: no model work)."""
+    messages = session.messages
+    last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last is None:
+        return False
+    kept = [m for m in messages[:1] if m["role"] == "system"] + messages[last:]
+    return len(session.render(kept, False)) > max_tokens

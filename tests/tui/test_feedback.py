@@ -8,7 +8,7 @@ import pytest
 
 from kvchat import store
 from kvchat.engine.conversation.session import GenerationSettings, Session
-from kvchat.tui.screens.dialogs import TrimDialog
+from kvchat.tui.screens.dialogs import ConfirmDialog, TrimDialog
 from kvchat.tui.screens.help import HelpScreen
 from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import AssistantMessage, NoticeMessage, Welcome
@@ -37,6 +37,8 @@ async def test_the_welcome_leaves_when_the_conversation_starts_and_comes_back_em
         await pilot.press("ctrl+l")
         await pilot.pause()
         await pilot.click("#trim-undo")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmDialog))  # the only turn
+        await pilot.click("#confirm-yes")
         await settle(pilot, conversation)
         assert conversation.session.messages == [] and conversation.log.query(Welcome)
 

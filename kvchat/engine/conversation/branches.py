@@ -173,6 +173,14 @@ class Branches:
         path = self.path[:index] + self.path[index + 2 :]
         self._remove(self._subtree([user]), path)
 
+    def after(self, length: int) -> list[dict[str, Any]]:
+        """The messages :meth:`truncate` would delete: the path from ``length`` on and every
+        branch that starts after it, in the order they were added."""
+        if length >= len(self.path):
+            return []
+        gone = self._subtree([self.path[length]])
+        return [dict(self.nodes[i].message) for i in sorted(gone)]
+
     def truncate(self, length: int) -> None:
         """Delete the path from ``length`` on, with every branch that starts after it."""
         if length < len(self.path):

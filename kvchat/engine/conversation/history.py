@@ -184,7 +184,7 @@ class History:
 
     def undo(self, turns: int) -> None:
         """Remove the last ``turns`` exchanges (user message and what followed it), and
-        every branch that starts after what is left."""
+        every branch that starts after what is left; they move to ``archived``."""
         self.record()
         messages = list(self._messages)
         removed = 0
@@ -195,6 +195,9 @@ class History:
             raise SessionError("Nothing to undo: there is no user message yet.")
         self._messages = messages
         self._keep_turns()
+        # what goes is archived, as a trim's is: the undone exchanges and every branch
+        # that started after what is left (an edited version of an undone message)
+        self._archived.extend(self._branches.after(len(self.talk())))
         self._branches.truncate(len(self.talk()))
 
     def trim(self, too_long: Callable[[list[Message]], bool], limit: int) -> int:

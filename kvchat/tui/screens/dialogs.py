@@ -1,12 +1,12 @@
-"""Modal dialogs: trim, drop, rename, close, a conflict, a kept draft, a file name (the
-cache-kind dialog is in :mod:`.kind`). Each one dismisses with a small result that the
-app turns into one engine call."""
+"""Modal dialogs: trim (and a confirmation), drop, rename, close, a conflict, a kept draft,
+a file name (the cache-kind dialog is in :mod:`.kind`). Each one dismisses with a small
+result that the app turns into one engine call."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from textual import on
+from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -18,13 +18,46 @@ from kvchat.safety import printable
 
 
 class Dialog(ModalScreen):
-    """A modal with a title; Escape cancels (dismisses with None)."""
+    """A modal with a title; Escape cancels (dismisses with None). Each dialog names its
+    primary action in ``AUTO_FOCUS`` (Textual focuses the first focusable match), so that
+    Enter does what the dialog offers first."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="dialog_cancel")]
     TITLE_TEXT = ""
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+class UnpromptedDialog(Dialog):
+    """A dialog that opens on its own, not at a key of the user's: it takes no keys for
+    :data:`GRACE_S` (nothing focused, keys dropped), so that keys typed before it appeared,
+    meant for the message box, do not press its buttons; then its primary action
+    (``PRIMARY``) gets the focus."""
+
+    AUTO_FOCUS = ""
+    PRIMARY = ""
+    GRACE_S = 0.4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taking_keys = False
+
+    def on_mount(self) -> None:
+        self.set_timer(self.GRACE_S, self._take_keys)
+
+    def _take_keys(self) -> None:
+        self.taking_keys = True
+        self.query_one(self.PRIMARY, Button).focus()
+
+    def on_key(self, event: events.Key) -> None:
+        if not self.taking_keys:
+            event.prevent_default()
+            event.stop()
+
+    def action_cancel(self) -> None:
+        if self.taking_keys:
+            super().action_cancel()
 
 
 # ----------------------------------------------------------------------- trim
@@ -38,6 +71,8 @@ class TrimChoice:
 
 class TrimDialog(Dialog):
     """Undo the last turn, or drop the oldest turns until the history fits N tokens."""
+
+    AUTO_FOCUS = "#trim-undo, #trim-cancel"
 
     def __init__(self, cache_tokens: int, turns: int) -> None:
         super().__init__()
@@ -88,12 +123,42 @@ class TrimDialog(Dialog):
         self.dismiss(None)
 
 
+class ConfirmDialog(Dialog):
+    """A question before a step that drops something: Enter does it (the dialog was asked
+    for by a key of the user's), Escape or Cancel does not; dismisses with a bool."""
+
+    AUTO_FOCUS = "#confirm-yes"
+
+    def __init__(self, title: str, text: str, yes: str) -> None:
+        super().__init__()
+        self.title_text, self.text, self.yes = title, text, yes
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="confirm-dialog") as box:
+            box.border_title = self.title_text
+            yield Static(self.text, markup=False)
+            with Horizontal(classes="row buttons"):
+                yield Button(self.yes, id="confirm-yes", variant="warning")
+                yield Button("Cancel", id="confirm-cancel")
+
+    @on(Button.Pressed, "#confirm-yes")
+    def _yes(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#confirm-cancel")
+    def _no(self) -> None:
+        self.dismiss(False)
+
+
 # ----------------------------------------------------------------------- drop
 
 
 class DropDialog(Dialog):
     """Confirm dropping a session: from memory only (it stays on disk) or from disk too;
-    ``then`` says what becomes of its tab."""
+    ``then`` says what becomes of its tab. Enter drops it from memory only (it stays on
+    disk)."""
+
+    AUTO_FOCUS = "#drop-memory"
 
     def __init__(self, name: str, on_disk: bool, then: str = "close its tab") -> None:
         super().__init__()
@@ -130,6 +195,8 @@ class DropDialog(Dialog):
 class RenameDialog(Dialog):
     """A new name for the session (it is also the name it is saved under)."""
 
+    AUTO_FOCUS = "#rename-input"
+
     def __init__(self, name: str) -> None:
         super().__init__()
         self.session_name = name
@@ -158,6 +225,8 @@ class RenameDialog(Dialog):
 class CloseDialog(Dialog):
     """Closing a tab with unsaved changes, or quitting with several: save them first, discard
     them, or cancel. ``unsaved`` maps each session's name to whether it was saved before."""
+
+    AUTO_FOCUS = "#close-save"
 
     def __init__(self, unsaved: dict[str, bool], quitting: bool = False) -> None:
         super().__init__()
@@ -190,9 +259,6 @@ class CloseDialog(Dialog):
                 yield Button("Discard", id="close-discard", variant="error")
                 yield Button("Cancel", id="close-cancel")
 
-    def on_mount(self) -> None:
-        self.query_one("#close-save", Button).focus()
-
     @on(Button.Pressed, "#close-save")
     def _save(self) -> None:
         self.dismiss("save")
@@ -206,9 +272,11 @@ class CloseDialog(Dialog):
         self.dismiss(None)
 
 
-class ConflictDialog(Dialog):
+class ConflictDialog(UnpromptedDialog):
     """Another kvchat saved this tab's session since the tab loaded it: keep both, as
     branches of the session (reloaded), or as a new session; or decide later."""
+
+    PRIMARY = "#conflict-reload"
 
     def __init__(self, name: str, new_name: str) -> None:
         super().__init__()
@@ -229,9 +297,6 @@ class ConflictDialog(Dialog):
                 yield Button("New session", id="conflict-fork")
                 yield Button("Later", id="conflict-later")
 
-    def on_mount(self) -> None:
-        self.query_one("#conflict-reload", Button).focus()
-
     @on(Button.Pressed, "#conflict-reload")
     def _reload(self) -> None:
         self.dismiss("reload")
@@ -245,9 +310,11 @@ class ConflictDialog(Dialog):
         self.dismiss(None)
 
 
-class DraftDialog(Dialog):
+class DraftDialog(UnpromptedDialog):
     """A message that was being sent when kvchat stopped: put it back in the message box,
     or let it go. (Escape asks again next time the session is opened.)"""
+
+    PRIMARY = "#draft-restore"
 
     def __init__(self, name: str, text: str) -> None:
         super().__init__()
@@ -267,9 +334,6 @@ class DraftDialog(Dialog):
                 yield Button("Restore", id="draft-restore", variant="primary")
                 yield Button("Discard", id="draft-discard", variant="error")
 
-    def on_mount(self) -> None:
-        self.query_one("#draft-restore", Button).focus()
-
     @on(Button.Pressed, "#draft-restore")
     def _restore(self) -> None:
         self.dismiss("restore")
@@ -284,6 +348,8 @@ class DraftDialog(Dialog):
 
 class FileDialog(Dialog):
     """The path of a text file whose text goes into the message at the cursor."""
+
+    AUTO_FOCUS = "#file-input"
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="file-dialog") as box:

@@ -20,6 +20,8 @@ class ExportDialog(Dialog):
     """Dismisses with (format, path): the button pressed, or Enter by the path's suffix.
     A path ending in the other format's suffix gets the chosen one's."""
 
+    AUTO_FOCUS = "#export-path"
+
     def __init__(self, name: str) -> None:
         super().__init__()
         self.session_name = name
@@ -65,6 +67,8 @@ class ExportDialog(Dialog):
 
 class ImportDialog(Dialog):
     """Dismisses with the path of a JSON export, or None."""
+
+    AUTO_FOCUS = "#import-path"
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="import-dialog") as box:
