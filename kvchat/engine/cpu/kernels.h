@@ -41,24 +41,34 @@ static inline __attribute__((always_inline)) vf lane_sums(const vf *a) {
 #if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-/* Take the buffer of a C-contiguous float32 array of `ndim` dimensions (numpy's): 0, or
- * -1 with the exception set (ValueError from numpy for a strided or read-only one,
- * TypeError here). */
-static int floats(PyObject *obj, Py_buffer *view, int ndim, int writable, const char *name) {
+#endif
+#endif
+#ifndef CLONES
+#define CLONES
+#endif
+
+/* Take the buffer of a C-contiguous array of `ndim` dimensions (numpy's) whose items are
+ * `itemsize` bytes of one of the struct codes in `codes` ("f": float32, "H": uint16):
+ * 0, or -1 with the exception set (ValueError from numpy for a strided or read-only one,
+ * TypeError here; `what` names the type in its message). */
+static int typed(PyObject *obj, Py_buffer *view, int ndim, Py_ssize_t itemsize, const char *codes,
+                 int writable, const char *name, const char *what) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
-    if (view->ndim != ndim || view->itemsize != 4 || !view->format || strcmp(view->format, "f")) {
-        PyErr_Format(PyExc_TypeError, "%s must be a %d-D float32 array", name, ndim);
+    const char *f = view->format;
+    if (f && (*f == '<' || *f == '=' || *f == '@')) f++;
+    if (view->ndim != ndim || view->itemsize != itemsize || !f || strlen(f) != 1
+        || !strchr(codes, *f)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %d-D %s array", name, ndim, what);
         PyBuffer_Release(view);
         return -1;
     }
     return 0;
 }
 
-#endif
-#endif
-#ifndef CLONES
-#define CLONES
-#endif
+/* typed() for float32. */
+static int floats(PyObject *obj, Py_buffer *view, int ndim, int writable, const char *name) {
+    return typed(obj, view, ndim, 4, "f", writable, name, "float32");
+}
 
 #endif

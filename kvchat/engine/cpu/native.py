@@ -1,6 +1,6 @@
 """kvchat's optional native kernels: ``rows`` (rows.c, a few rows' products reading the
-weights once) and ``fused`` (fused.c, every row's attention in one call, SwiGLU in one
-pass).
+weights once), ``fused`` (fused.c, every row's attention in one call, SwiGLU in one
+pass) and ``packed`` (packed.c, products with packed and 16-bit weights as stored).
 
 pyproject.toml builds them at install where a C compiler is found; where none was, or
 with ``KVCHAT_NATIVE=0`` (to compare), the numpy step computes the same without them.
@@ -15,7 +15,11 @@ from types import ModuleType
 
 ENV = "KVCHAT_NATIVE"  # "0": kvchat's native kernels off, numpy and its BLAS instead
 # each kernel module, and what it does in the numpy step, for kvchat doctor
-KERNELS = {"rows": "weights read once for 2 to 16 rows", "fused": "fused attention"}
+KERNELS = {
+    "rows": "weights read once for 2 to 16 rows",
+    "fused": "fused attention",
+    "packed": "packed and 16-bit weights widened in registers",
+}
 
 
 @functools.cache

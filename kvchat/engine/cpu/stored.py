@@ -27,6 +27,9 @@ from kvchat.engine.cpu import native
 
 SCALE_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}  # the kernels' codes
 TILE_FLOATS = 1 << 20  # a widened tile of weight rows: 4 MiB, so it stays in cache
+# Up to this many rows the native kernel multiplies (the weights read once, widened in
+# registers); more widen a tile of weight rows at a time for BLAS. See packed.c.
+KERNEL_ROWS = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,7 +69,42 @@ class Stored:
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
         """Weight rows ``ids`` as float32 ``(len(ids), in)`` (an embedding's lookup)."""
-        ids = np.asarray(ids, dtype=np.int64)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        kernels = native.module("packed")
+        if kernels is None or self.form == "float32":
+            return self._gathered(ids)
+        out = np.empty((len(ids), self.in_features), dtype=np.float32)
+        if self.form == "affine":
+            kernels.affine_rows(*self._affine(), ids, out)
+        else:
+            kernels.half_rows(self.data, SCALE_KINDS[self.form], ids, out)
+        return out
+
+    def product(self, x: np.ndarray) -> np.ndarray:
+        """``x @ Wᵀ`` for float32 rows ``x`` ``(n, in)``: ``(n, out)`` float32."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
+        kernels = native.module("packed")
+        if kernels is not None and self.form != "float32" and x.shape[0] <= KERNEL_ROWS:
+            if self.form == "affine":
+                kernels.affine_t(*self._affine(), x, out)
+            else:
+                kernels.half_t(self.data, SCALE_KINDS[self.form], x, out)
+            return out
+        step = max(1, TILE_FLOATS // max(1, self.in_features))
+        for lo in range(0, self.out_features, step):
+            hi = min(lo + step, self.out_features)
+            out[:, lo:hi] = x @ self.widened(lo, hi).T
+        return out
+
+    def _affine(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]:
+        """The packed kernels' first arguments: the matrix and how it is packed."""
+        assert self.scales is not None and self.biases is not None
+        kind = SCALE_KINDS[self.scale_form]
+        return self.data, self.scales, self.biases, kind, self.bits, self.group_size
+
+    def _gathered(self, ids: np.ndarray) -> np.ndarray:
+        """:meth:`gather` in numpy (the kernels' reference, and their fallback)."""
         if self.form == "float32":
             return np.asarray(self.data[ids], dtype=np.float32)
         if self.form != "affine":
@@ -77,16 +115,6 @@ class Stored:
         scales = _widen(self.scales[ids], self.scale_form)[..., None]
         biases = _widen(self.biases[ids], self.scale_form)[..., None]
         out: np.ndarray = (groups * scales + biases).reshape(len(ids), self.in_features)
-        return out
-
-    def product(self, x: np.ndarray) -> np.ndarray:
-        """``x @ Wᵀ`` for float32 rows ``x`` ``(n, in)``: ``(n, out)`` float32."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
-        step = max(1, TILE_FLOATS // max(1, self.in_features))
-        for lo in range(0, self.out_features, step):
-            hi = min(lo + step, self.out_features)
-            out[:, lo:hi] = x @ self.widened(lo, hi).T
         return out
 
 

@@ -1,0 +1,39 @@
+"""Types of the native packed-weight kernels (packed.c, an optional build)."""
+
+import numpy as np
+
+def affine_t(
+    w: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    kind: int,
+    bits: int,
+    group_size: int,
+    x: np.ndarray,
+    out: np.ndarray,
+    /,
+) -> None:
+    """``out = x @ Wᵀ`` for MLX's affine packed ``W``: ``w`` uint32 ``(out, in · bits / 32)``,
+    ``scales``/``biases`` ``(out, in / group_size)`` float32 (``kind`` 0) or the uint16
+    bits of float16 (1) or bfloat16 (2); ``x`` float32 ``(n, in)``, ``out`` float32
+    ``(n, out)``. Each weight is read once for all rows."""
+
+def half_t(w: np.ndarray, kind: int, x: np.ndarray, out: np.ndarray, /) -> None:
+    """``out = x @ Wᵀ`` for ``w`` the uint16 bits ``(out, in)`` of float16 (``kind`` 1) or
+    bfloat16 (2) weights."""
+
+def affine_rows(
+    w: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    kind: int,
+    bits: int,
+    group_size: int,
+    ids: np.ndarray,
+    out: np.ndarray,
+    /,
+) -> None:
+    """``out[i] = W[ids[i]]`` widened to float32: ``ids`` int64 ``(m,)``, ``out`` ``(m, in)``."""
+
+def half_rows(w: np.ndarray, kind: int, ids: np.ndarray, out: np.ndarray, /) -> None:
+    """``out[i] = W[ids[i]]`` widened to float32 for 16-bit ``w``."""

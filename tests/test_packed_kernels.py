@@ -1,0 +1,160 @@
+"""The packed-weight kernels (packed.c) and their numpy fallback against MLX's own
+dequantization, in float64: every bit width, group size and scale type MLX's affine mode
+makes, float16 and bfloat16 weights, row counts from one to a prompt's; a row's result
+the same, bit for bit, alone or among others."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from kvchat.engine.cpu import native, stored
+
+pytestmark = pytest.mark.cpu_only
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUPS = (32, 64, 128)
+SCALES = (mx.float32, mx.float16, mx.bfloat16)
+ROWS = (1, 2, 7, 8, 64)
+OUT = 13  # not a multiple of the kernel's 4 weight rows a tile
+TOLERANCE = 1e-5
+
+
+def kernels():
+    module = native.built("packed")
+    if module is None:
+        pytest.skip("kvchat's native kernels were not built (no C compiler at install)")
+    return module
+
+
+def quantized(bits: int, group: int, scale: mx.Dtype) -> nn.QuantizedLinear:
+    """A layer of ``OUT`` rows of 3 groups (``in`` a multiple of the group, not of 8 groups),
+    its scales and biases in ``scale``."""
+    mx.random.seed(bits * 1000 + group)
+    layer = nn.QuantizedLinear.from_linear(
+        nn.Linear(3 * group, OUT, bias=False), group_size=group, bits=bits
+    )
+    layer.scales = layer.scales.astype(scale)
+    layer.biases = layer.biases.astype(scale)
+    return layer
+
+
+def reference(layer: nn.QuantizedLinear) -> np.ndarray:
+    """The layer's weight in float64, dequantized by MLX from float32 scales and biases
+    (MLX dequantizes a float16-scaled group in float16, which rounds)."""
+    weight = mx.dequantize(
+        layer.weight,
+        layer.scales.astype(mx.float32),
+        layer.biases.astype(mx.float32),
+        group_size=layer.group_size,
+        bits=layer.bits,
+    )
+    return np.array(weight, dtype=np.float64)
+
+
+def error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def rows(n: int, width: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, width)).astype(np.float32)
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=str)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("bits", BITS)
+def test_affine_product(bits, group, scale):
+    """Each row count's product is within 1e-5 of float64's, and each row is the same bit
+    for bit as when it is multiplied alone."""
+    module = kernels()
+    layer = quantized(bits, group, scale)
+    weight, matrix = reference(layer), stored.stored(layer)
+    assert matrix is not None and matrix.form == "affine"
+    x = rows(max(ROWS), 3 * group)
+    alone = np.concatenate([matrix.product(x[i : i + 1]) for i in range(len(x))])
+    for n in ROWS:
+        out = np.empty((n, OUT), dtype=np.float32)
+        module.affine_t(*matrix_args(matrix), x[:n], out)
+        assert error(out, x[:n].astype(np.float64) @ weight.T) <= TOLERANCE
+        assert np.array_equal(out, alone[:n])
+    assert np.array_equal(matrix.product(x[:8]), alone[:8])
+
+
+def matrix_args(matrix: stored.Stored) -> tuple:
+    assert matrix.scales is not None and matrix.biases is not None
+    kind = stored.SCALE_KINDS[matrix.scale_form]
+    return matrix.data, matrix.scales, matrix.biases, kind, matrix.bits, matrix.group_size
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=str)
+@pytest.mark.parametrize("bits", BITS)
+def test_affine_gather(bits, scale):
+    """Rows gathered (an embedding's lookup) are the dequantized rows, in any order, repeated."""
+    kernels()
+    layer = quantized(bits, 64, scale)
+    ids = np.array([12, 0, 5, 12], dtype=np.int64)
+    got = stored.stored(layer).gather(ids)
+    assert error(got, reference(layer)[ids]) <= 1e-6
+
+
+@pytest.mark.parametrize("native_on", ["1", "0"])
+@pytest.mark.parametrize("bits", BITS)
+def test_fallback_agrees(bits, native_on, monkeypatch):
+    """With the kernels switched off (or not built) numpy's tiles give the same figures, for
+    decoding's rows and a prompt's."""
+    monkeypatch.setenv(native.ENV, native_on)
+    for group, scale in zip(GROUPS, SCALES, strict=True):
+        layer = quantized(bits, group, scale)
+        matrix, weight = stored.stored(layer), reference(layer)
+        for n in (1, 3, stored.KERNEL_ROWS + 5):
+            x = rows(n, 3 * group, seed=n)
+            assert error(matrix.product(x), x.astype(np.float64) @ weight.T) <= TOLERANCE
+        assert error(matrix.gather(np.array([3, 1])), weight[[3, 1]]) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("width", [16, 200, 203])
+def test_half_weights(dtype, width):
+    """float16 and bfloat16 weights as stored: products within 1e-5, row by row the same bit
+    for bit, rows gathered exactly; subnormal, infinite and zero float16 values widened."""
+    module = kernels()
+    mx.random.seed(width)
+    layer = nn.Linear(width, OUT, bias=False)
+    weight = layer.weight * 0.02
+    if dtype == mx.float16:
+        weight[0, :3] = mx.array([3e-7, 0.0, -6e-8])  # subnormal in float16
+    layer.weight = weight.astype(dtype)
+    matrix = stored.stored(layer)
+    assert matrix is not None and matrix.form == str(dtype).split(".")[-1]
+    want = np.array(layer.weight.astype(mx.float32), dtype=np.float64)
+    x = rows(max(ROWS), width)
+    alone = np.concatenate([matrix.product(x[i : i + 1]) for i in range(len(x))])
+    for n in ROWS:
+        out = np.empty((n, OUT), dtype=np.float32)
+        module.half_t(matrix.data, stored.SCALE_KINDS[matrix.form], x[:n], out)
+        assert error(out, x[:n].astype(np.float64) @ want.T) <= TOLERANCE
+        assert np.array_equal(out, alone[:n])
+    ids = np.array([0, 12, 0], dtype=np.int64)
+    assert np.array_equal(matrix.gather(ids), want[ids].astype(np.float32))
+    special = np.array([[0x7C00, 0xFC00, 0x0001, 0x8000] * 4], dtype=np.uint16)
+    widened = np.empty((1, 16), dtype=np.float32)
+    module.half_rows(special, 1, np.zeros(1, dtype=np.int64), widened)
+    assert np.array_equal(widened, special.view(np.float16).astype(np.float32))
+
+
+def test_refused():
+    """Shapes and formats the kernels do not read are refused, not misread."""
+    module = kernels()
+    matrix = stored.stored(quantized(4, 64, mx.float32))
+    w, scales, biases, kind, bits, group = matrix_args(matrix)
+    out = np.empty((1, OUT), dtype=np.float32)
+    with pytest.raises(ValueError, match="bits"):
+        module.affine_t(w, scales, biases, kind, 7, group, rows(1, 192), out)
+    with pytest.raises(ValueError, match="shapes"):
+        module.affine_t(w, scales, biases, kind, bits, group, rows(1, 190), out)
+    with pytest.raises(TypeError, match="uint16"):
+        module.affine_t(w, scales, biases, 1, bits, group, rows(1, 192), out)
+    with pytest.raises(IndexError):
+        module.affine_rows(w, scales, biases, kind, bits, group, np.array([OUT]), rows(1, 192))
