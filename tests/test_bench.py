@@ -15,6 +15,8 @@ import sys
 import mlx.nn as nn
 import pytest
 
+from kvchat.engine.cpu.stored import kernels
+
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 KINDS = [
     "standard",
@@ -196,25 +198,21 @@ def test_cpu_fast_path_on_and_off(run, demo_model):
 
 
 @pytest.mark.cpu_only
-def test_quantized_weights_dequantized_and_packed(run):
+def test_quantized_weights_kept_packed(run):
     rows = run["result"]["quantized_weights"]["rows"]
     assert [r["weights"] for r in rows] == [
         "float32",
-        "4-bit, dequantized to float32 for the CPU",
-        "4-bit, kept packed (KVCHAT_KEEP_QUANTIZED)",
+        f"4-bit, groups of 64, kept packed, {kernels()}",
     ]
     for r in rows:
         assert measured(r["prefill_tps"]) and measured(r["decode_tps"]), r
-    # The dequantized copy is compared with float32 runs interleaved with its own.
-    dequantized = rows[1]
-    assert measured(dequantized["prefill_vs_float32"]) and measured(
-        dequantized["decode_vs_float32"]
-    )
-    assert "prefill_vs_float32" not in rows[2]
+    # The packed copy is compared with float32 runs interleaved with its own.
+    packed = rows[1]
+    assert measured(packed["prefill_vs_float32"]) and measured(packed["decode_vs_float32"])
     targets = {t["target"]: t["value"] for t in run["result"]["targets"]}
     assert (
         targets["4-bit weights: decode no slower than float32 (ratio, interleaved runs)"]
-        == dequantized["decode_vs_float32"]
+        == packed["decode_vs_float32"]
     )
     assert "## Quantized weights on the CPU" in run["markdown"]
     assert "## CPU fast path" in run["markdown"]

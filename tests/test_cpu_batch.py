@@ -8,6 +8,7 @@ import importlib
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
@@ -46,7 +47,7 @@ def tiny(model_type: str, **extra):
 @pytest.fixture(scope="module")
 def llama3():
     model, stock = tiny("llama", **LLAMA3)
-    fast = cpu.prepare(model, dequantize=False)
+    fast = cpu.prepare(model)
     assert isinstance(fast, cpu.FastPath) and fast.step is None, fast
     assert type(model.model.layers[0].self_attn.rope).__name__ == "Llama3RoPE"
     return model, stock
@@ -159,7 +160,7 @@ def test_batched_step_declines_and_changes_nothing(llama3):
 )
 def test_models_without_the_numpy_step_say_why(model_type, extra, reason):
     model, stock = tiny(model_type, **extra)
-    fast = cpu.prepare(model, dequantize=False)
+    fast = cpu.prepare(model)
     assert fast.step.startswith(reason), fast.step
     assert fast.describe() == f"on for linear layers only: no numpy decoding step, {fast.step}"
     assert cpu.decode_batch(model, [[1]], [make_cache(model, parse_kind("standard"))]) is None
@@ -168,16 +169,28 @@ def test_models_without_the_numpy_step_say_why(model_type, extra, reason):
 
 
 @pytest.mark.cpu_only
-def test_kept_packed_weights_leave_the_step_out():
-    packed = load_model("demo@q4", keep_quantized=True)
-    assert "kept packed" in packed.fast_path.step
-    assert packed.fast_path_line().startswith("on for linear layers only")
+def test_a_packed_mode_no_kernel_reads_stays_mlxs_and_leaves_the_step_out():
+    """mxfp4 layers keep mlx-lm's own class and kernels; the model decodes through
+    mlx-lm's modules (the same logits as its untouched twin) and says why."""
+    model, stock = tiny("llama")
+    for m in (model, stock):
+        nn.quantize(m, group_size=32, bits=4, mode="mxfp4")
+    fast = cpu.prepare(model)
+    assert fast.kept == ("mxfp4",)
+    assert fast.step == (
+        "its mxfp4 layers run on MLX's own kernels (the CPU fast path does not read this mode)"
+    )
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
+    assert cpu.held(model).startswith("mxfp4: MLX's own kernels")
+    assert cpu.decode_batch(model, [[1]], [make_cache(model, parse_kind("standard"))]) is None
+    tokens = mx.array([[(i * 37) % 500 + 3 for i in range(12)]])
+    assert mx.allclose(model(tokens), stock(tokens), atol=1e-4, rtol=1e-4).item()
 
 
 @pytest.mark.cpu_only
 def test_rotated_caches_are_refused_where_attention_cannot_rotate():
     model, _ = tiny("gemma2", query_pre_attn_scalar=32)
-    cpu.prepare(model, dequantize=False)
+    cpu.prepare(model)
     with pytest.raises(
         CacheKindError,
         match=r"'rotated:4' cannot apply to this model: "

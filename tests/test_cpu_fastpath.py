@@ -1,11 +1,10 @@
 """The CPU fast path: numpy attention, SwiGLU, linear layers and the decoding step match
-mlx's own within float32 tolerance, caching stays exact with it, it can be switched off
-per model, and quantized weights are dequantized at load."""
+mlx's own within float32 tolerance, caching stays exact with it, and it can be switched off
+per model (16-bit and packed weights: tests/test_stored_weights.py)."""
 
 from __future__ import annotations
 
 import gc
-import json
 import os
 import subprocess
 import sys
@@ -23,7 +22,6 @@ from kvchat.engine.cpu import attention, decode, linear, parallel
 from kvchat.engine.cpu import rope as rope_module
 from kvchat.engine.cpu.layers import MLP, Attention, Body
 from kvchat.engine.cpu.linear import CpuEmbedding, CpuLinear, CpuOutput
-from kvchat.engine.models.model import load_model
 
 pytestmark = pytest.mark.cpu_only
 
@@ -314,26 +312,6 @@ def test_cached_replies_equal_uncached_with_the_fast_path(demo_model, fast_path,
             assert done.stats.reused_tokens > 0
 
 
-def test_quantized_weights_are_dequantized_at_load(demo_model, fast_path, monkeypatch):
-    monkeypatch.delenv("KVCHAT_KEEP_QUANTIZED", raising=False)
-    unpacked = load_model("demo@q4")
-    assert unpacked.weights == "4-bit, dequantized to float32 for the CPU"
-    layers = list(unpacked.model.modules())
-    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in layers)
-    assert all(m.weight.dtype == mx.float32 for m in layers if isinstance(m, nn.Linear))
-
-    monkeypatch.setenv("KVCHAT_KEEP_QUANTIZED", "1")
-    packed = load_model("demo@q4")
-    assert packed.weights == "4-bit, kept packed (KVCHAT_KEEP_QUANTIZED)"
-    assert any(isinstance(m, nn.QuantizedLinear) for m in packed.model.modules())
-    tokens = demo_model.tokenizer.encode("Quantized weights, the same arithmetic.")
-    assert mx.allclose(
-        logits_of(unpacked, tokens), logits_of(packed, tokens), atol=1e-3, rtol=1e-3
-    ).item()
-    config = json.loads((unpacked.path / "config.json").read_text())
-    assert config["quantization"]["bits"] == 4
-
-
 @pytest.mark.parametrize("rows", [1, 5, linear.SKINNY_ROWS, linear.SKINNY_ROWS + 1])
 def test_linear_layer_matches_mlx_for_every_row_count(rows, fast_path):
     """One row (gemv), a cached turn's few rows (the weight as the long side) and a
@@ -433,7 +411,7 @@ def test_every_architecture_computes_the_same_with_the_fast_path(architecture, f
     mx.random.seed(0)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(mx.float32)
-    fast = cpu.prepare(model, dequantize=False)
+    fast = cpu.prepare(model)
     assert isinstance(fast, cpu.FastPath)
     assert (fast.step is None) == (architecture == "llama"), fast.step
     tokens = mx.array([[(i * 37) % 500 + 3 for i in range(24)]])
@@ -462,8 +440,13 @@ def test_weight_views_are_kept_beside_the_modules_not_in_them():
     norm.update({"weight": mx.full((8,), 2.0)})
     assert np.array_equal(linear.param_view(norm), np.full(8, 2.0, np.float32))
     half = nn.RMSNorm(8)
-    half.set_dtype(mx.float16)
-    assert linear.param_view(half) is None  # numpy's route takes float32 only
+    half.set_dtype(mx.bfloat16)
+    widened = linear.param_view(half)  # a 16-bit vector: widened once, a float32 copy
+    assert widened.dtype == np.float32 and np.array_equal(widened, np.ones(8, np.float32))
+    assert linear.param_view(half) is widened
+    matrix = nn.Linear(8, 8)
+    matrix.set_dtype(mx.bfloat16)
+    assert linear.param_view(matrix) is None  # a 16-bit matrix is never widened whole
     key = (id(norm), "weight")
     assert key in linear.VIEWS
     del norm

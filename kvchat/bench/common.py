@@ -68,7 +68,6 @@ def bench_plan(quick: bool) -> dict[str, Any]:
         "cpu_decode": 32,
         "cpu_history": 1024 if quick else 4096,
         "cpu_quant_bits": [4] if quick else [4, 8],
-        "cpu_packed_prefill": 32 if quick else 64,
     }
 
 

@@ -4,10 +4,9 @@ Each pair is measured in one process, interleaved (on, off, on, off; the best
 of each is kept), so the ratio holds on a busy machine. The follow-up rows
 reuse one history: it is prefilled once (fast path on) and every measured
 turn runs on a copy of its cache (:meth:`Session.fork_prefix`). Quantized
-weights are the same shape converted by ``mlx_lm.convert -q`` (``@q4``,
-``@q8``), loaded dequantized to float32 (kvchat's default on the CPU), each
-interleaved with the float32 model it is compared with, and kept packed
-(``KVCHAT_KEEP_QUANTIZED=1``).
+weights are the same shape's ``@q4``/``@q8`` copies, kept packed as loaded (the fast
+path reads them as stored), each interleaved with the float32 model it is compared
+with.
 """
 
 from __future__ import annotations
@@ -203,7 +202,8 @@ def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]
 def quantized_weights(
     lm: LoadedModel, plan: dict[str, Any], log: Log, float32: dict[str, float]
 ) -> dict[str, Any]:
-    """Prefill and decode of ``@q4``/``@q8`` copies of the model, dequantized and packed."""
+    """Prefill and decode of ``@q4``/``@q8`` copies of the model (kept packed), each
+    interleaved with the float32 model."""
     from kvchat.engine.models.demo import parse_demo_spec
     from kvchat.engine.models.model import load_model
 
@@ -217,24 +217,22 @@ def quantized_weights(
         return {"skipped": lm.fast_path_line()}
     rows = [{"weights": "float32", **float32}]
     for bits in plan["cpu_quant_bits"]:
-        for keep in (False, True):
-            spec = f"{lm.model_id}@q{bits}"
-            log(f"cpu: {spec}, {'packed' if keep else 'dequantized'}")
-            started = time.perf_counter()
-            quant = load_model(spec, keep_quantized=keep)
-            load_s = time.perf_counter() - started
-            row = {"weights": quant.weights, "load_s": load_s}
-            if keep:  # slow: one run on fewer tokens
-                row |= _prefill_and_decode(quant, plan["cpu_packed_prefill"], plan["cpu_decode"])
-            else:
-                base, figures = _interleaved(
-                    (lm, quant),
-                    lambda m: _prefill_and_decode(m, plan["cpu_prefill"][0], plan["cpu_decode"]),
-                )
-                row |= figures | {
-                    "prefill_vs_float32": ratio(figures["prefill_tps"], base["prefill_tps"]),
-                    "decode_vs_float32": ratio(figures["decode_tps"], base["decode_tps"]),
-                }
-            rows.append(row)
-            del quant
+        spec = f"{lm.model_id}@q{bits}"
+        log(f"cpu: {spec}")
+        started = time.perf_counter()
+        quant = load_model(spec)
+        load_s = time.perf_counter() - started
+        base, figures = _interleaved(
+            (lm, quant),
+            lambda m: _prefill_and_decode(m, plan["cpu_prefill"][0], plan["cpu_decode"]),
+        )
+        rows.append(
+            {"weights": quant.weights, "load_s": load_s}
+            | figures
+            | {
+                "prefill_vs_float32": ratio(figures["prefill_tps"], base["prefill_tps"]),
+                "decode_vs_float32": ratio(figures["decode_tps"], base["decode_tps"]),
+            }
+        )
+        del quant
     return {"rows": rows, "threads": os.cpu_count()}

@@ -340,11 +340,10 @@ def _cpu_tables(result: dict[str, Any]) -> list[Table]:
                     ]
                     for r in q["rows"]
                 ],
-                "The model's @q4/@q8 copies (mlx_lm.convert -q, group size 64). kvchat dequantizes "
-                "them to float32 at load on the CPU; each dequantized copy is measured interleaved "
-                "with the float32 model in one process (best of two each), and the last column "
-                'divides by those float32 runs. "Kept packed" is KVCHAT_KEEP_QUANTIZED=1 '
-                "(mlx's quantized_matmul), measured once on fewer tokens as it is slow.",
+                "The model's @q4/@q8 copies (mlx-lm's affine quantization, group size 64), "
+                "kept packed: the CPU fast path computes with them as stored. Each copy is "
+                "measured interleaved with the float32 model in one process (best of two each), "
+                "and the last column divides by those float32 runs.",
             )
         )
     return out

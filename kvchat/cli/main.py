@@ -156,8 +156,9 @@ def _doctor_report(model: str | None) -> dict[str, Any]:
 
 
 def _model_report(spec: str | None) -> dict[str, str]:
-    """For ``spec`` (the config's model when None): whether it gets the CPU fast path and
-    what it runs through numpy, or why not; and which path decodes its batches, and why."""
+    """For ``spec`` (the config's model when None): how its weights are held, whether it
+    gets the CPU fast path and what it runs through numpy, or why not; and which path
+    decodes its batches, and why."""
     from kvchat.config import ConfigError, load_config
     from kvchat.engine.generation.batch import decoding_path
     from kvchat.engine.models.model import ModelLoadError, load_model
@@ -167,8 +168,9 @@ def _model_report(spec: str | None) -> dict[str, str]:
         lm = load_model(spec)
     except (ConfigError, ModelLoadError) as exc:
         unknown = f"{spec}: unknown, the model could not be loaded ({exc})"
-        return {"cpu_fastpath": unknown, "batch_decoding": unknown}
+        return {"weights": unknown, "cpu_fastpath": unknown, "batch_decoding": unknown}
     return {
+        "weights": f"{spec}: {lm.weights}",
         "cpu_fastpath": f"{spec}: {lm.fast_path_line()}",
         "batch_decoding": f"{spec}: {decoding_path(lm)}",
     }

@@ -2,8 +2,10 @@
 
 On the CPU backend, :func:`prepare` gives a loaded model kvchat's own layers in
 place of mlx-lm's (``update_modules``, as ``mlx.nn.quantize`` does; nothing of
-mlx-lm is patched): numpy-backed linear layers (:mod:`.linear`) for any
-architecture and, for llama-family models (mlx-lm's ``llama`` and ``qwen2``
+mlx-lm is patched): numpy-backed linear and embedding layers (:mod:`.linear`) for
+any architecture, computing with the weights as stored (float32, 16-bit, or MLX's
+affine packed format: :mod:`.stored`; :func:`held` says which, in words) and,
+for llama-family models (mlx-lm's ``llama`` and ``qwen2``
 modules, any of mlx-lm's RoPE variants), an attention, MLP and model body
 (:mod:`.layers`) whose single-token step runs whole in numpy (:mod:`.decode`).
 It returns the model's :class:`FastPath`, which says what the model got and why
@@ -26,14 +28,15 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from kvchat.engine.cpu import decode, linear
+from kvchat.engine.cpu import decode, experts, linear, stored
 from kvchat.engine.cpu.layers import MLP, Attention, Body
 from kvchat.engine.cpu.rope import rope_form
 
-__all__ = ["ENV", "FastPath", "prepare", "step_problem", "decode_batch", "wanted"]
+__all__ = ["ENV", "FastPath", "prepare", "held", "step_problem", "decode_batch", "wanted"]
 
 ENV = "KVCHAT_CPU_FASTPATH"  # "0" turns the fast path off (read when a model is loaded)
 FAMILY = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")  # the blocks layers.py computes
+MLX_MODE = "MLX's own kernels (the CPU fast path does not read this mode)"
 
 
 @dataclass(eq=False)
@@ -46,7 +49,7 @@ class FastPath:
     """
 
     step: str | None = None
-    dequantized: int = 0
+    kept: tuple[str, ...] = ()  # packed modes left to MLX's own kernels (no kernel reads them)
     on: bool = True
 
     @property
@@ -60,7 +63,10 @@ class FastPath:
             return "off (switched off for this model)"
         if self.step is None:
             return "on (numpy decoding step, attention, SwiGLU and linear layers)"
-        return f"on for linear layers only: no numpy decoding step, {self.step}"
+        line = f"on for linear layers only: no numpy decoding step, {self.step}"
+        if self.kept and MLX_MODE not in self.step:
+            line += f"; {'/'.join(self.kept)} layers on {MLX_MODE}"
+        return line
 
 
 def wanted() -> str | None:
@@ -122,13 +128,14 @@ def _layer_problem(layer: nn.Module) -> str | None:
     return None
 
 
-def _linears_problem(body: nn.Module) -> str | None:
-    for layer in body.layers:
-        for m in linear.projections(layer):
-            if type(m) is not linear.CpuLinear:
-                return f"{type(m).__name__} layers (kept packed) are not numpy's"
-    if type(body.embed_tokens) is not linear.CpuEmbedding:
-        return f"its embedding is {type(body.embed_tokens).__name__} (kept packed)"
+def _linears_problem(model: nn.Module) -> str | None:
+    """Why the numpy step cannot read a llama-family model's weights (a packed mode no
+    kernel reads), or None."""
+    body = model.model
+    head = (model["lm_head"],) if "lm_head" in model else ()
+    for m in (body.embed_tokens, *head, *(p for x in body.layers for p in linear.projections(x))):
+        if stored.stored(m) is None:
+            return f"its {getattr(m, 'mode', m.weight.dtype)} layers run on {MLX_MODE}"
     return None
 
 
@@ -142,10 +149,11 @@ def _give_layers(model: nn.Module, fast: FastPath | None) -> None:
         model.update_modules({"model": Body(model.model, fast)})
 
 
-def prepare(model: nn.Module, dequantize: bool) -> FastPath | str:
-    """Give ``model`` the fast path's layers (dequantizing packed ones if asked) and return
-    its :class:`FastPath`; or, where the fast path does not apply, the reason (a
-    llama-family model then still gets kvchat's attention, for rotated caches)."""
+def prepare(model: nn.Module) -> FastPath | str:
+    """Give ``model`` the fast path's layers (its weights as they are: nothing cast or
+    dequantized) and return its :class:`FastPath`; or, where the fast path does not
+    apply, the reason (a llama-family model then still gets kvchat's attention, for
+    rotated caches)."""
     off = wanted()
     shape = step_problem(model)
     if off is not None:
@@ -153,11 +161,33 @@ def prepare(model: nn.Module, dequantize: bool) -> FastPath | str:
             _give_layers(model, None)
         return off
     fast = FastPath()
-    fast.dequantized = linear.replace(model, dequantize, fast)
-    fast.step = shape or _linears_problem(model.model)
+    fast.kept = tuple(linear.replace(model, fast))
+    experts.replace(model, fast)  # mixture-of-experts layers: only chosen experts read
+    fast.step = shape or _linears_problem(model)
     if shape is None:
         _give_layers(model, fast)
     return fast
+
+
+def held(model: nn.Module) -> str:
+    """How a prepared model's linear and embedding weights are held and multiplied, in a
+    phrase for ``kvchat doctor`` and the sidebar: ``float32``, ``bfloat16, kept as stored,
+    native kernels (…)``, ``4-bit, groups of 64, kept packed, native kernels (…)``; the
+    form of most of the bytes first, any other after it."""
+    sizes: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding, *linear.PACKED)):
+            weights = stored.stored(m)
+            mode = getattr(m, "mode", m.weight.dtype)
+            form = weights.describe() if weights is not None else f"{mode}: {MLX_MODE}"
+            size = weights.nbytes if weights is not None else m.weight.nbytes
+            sizes[form] = sizes.get(form, 0) + size
+    if not sizes:
+        return "as stored"
+    forms = sorted(sizes, key=lambda form: -sizes[form])
+    line = forms[0] + (f" (also {'; '.join(forms[1:])})" if forms[1:] else "")
+    read = any(form != "float32" and MLX_MODE not in form for form in forms)
+    return f"{line}, {stored.kernels()}" if read else line
 
 
 def decode_batch(
@@ -179,4 +209,4 @@ def decode_batch(
     h = decode.hidden(body, [[int(t) for t in row] for row in tokens], caches, extra=(head,))
     if h is None:
         return None
-    return mx.array(linear.product(decode.view(head), h))
+    return mx.array(linear.multiply(decode.matrix(head), h))

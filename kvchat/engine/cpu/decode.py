@@ -6,8 +6,10 @@ numpy about a hundred times (every linear layer, attention and SwiGLU
 evaluates its input), and each hand-off costs tens of microseconds of
 synchronisation, which is as much as the arithmetic of a small model. Here
 the whole step (RMSNorm, linear layers, rotary embedding, grouped-query
-attention, SwiGLU) runs in numpy on views of mlx's own parameters and of the
-caches' keys and values; only the cache update stays mlx's: once every layer
+attention, SwiGLU) runs in numpy on mlx's own parameters as stored (the linear
+layers' and the embedding's through :class:`~.stored.Stored`, never widened whole;
+norms' weights and biases as float32 vectors) and on views of the caches' keys and
+values; only the cache update stays mlx's: once every layer
 has read its cache, the new keys and values go to ``cache.update_and_fetch`` in
 one evaluation, so the cache, its ledger, trimming and saving see nothing new. A
 quantized cache is updated first, a layer at a time, and read back dequantized
@@ -39,8 +41,9 @@ from kvchat.engine.caches import rotated
 from kvchat.engine.caches.rotated import RotatedKVCache
 from kvchat.engine.cpu import native
 from kvchat.engine.cpu.attention import swiglu_rows
-from kvchat.engine.cpu.linear import param_view, product, projections, through_kernel
+from kvchat.engine.cpu.linear import multiply, param_view, projections, through_kernel
 from kvchat.engine.cpu.rope import RopeForm, RopeKey, Turn, rotate, rotations
+from kvchat.engine.cpu.stored import Stored, stored
 
 # caches whose single-token mask is None
 CACHES = (KVCache, ConcatenateKVCache, QuantizedKVCache, RotatedKVCache)
@@ -51,11 +54,21 @@ def takes(cache: list[Any]) -> bool:
     return all(type(c) in CACHES for c in cache)
 
 
-def view(module: nn.Module, name: str = "weight") -> np.ndarray:
-    """:func:`param_view` where :func:`numpy_inputs` found one for every parameter read."""
+def matrix(module: nn.Module) -> Stored:
+    """A linear layer's or embedding's weight as stored, where :func:`numpy_inputs` found
+    one for every layer read."""
+    weights = stored(module)
+    if weights is None:
+        raise TypeError(f"{type(module).__name__}'s weight is not one numpy reads")
+    return weights
+
+
+def vector(module: nn.Module, name: str = "weight") -> np.ndarray:
+    """A norm's weight or a bias as float32 (:func:`param_view`), where
+    :func:`numpy_inputs` found one for every vector read."""
     array = param_view(module, name)
     if array is None:
-        raise TypeError(f"{type(module).__name__}.{name} has no float32 numpy view")
+        raise TypeError(f"{type(module).__name__}.{name} has no float32 numpy form")
     return array
 
 
@@ -63,13 +76,13 @@ def _rms(x: np.ndarray, norm: nn.RMSNorm) -> np.ndarray:
     """RMSNorm of each row of ``x`` (rows × features)."""
     mean = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[-1])
     scale = np.float32(1) / np.sqrt(mean + np.float32(norm.eps))
-    out: np.ndarray = (x * scale[:, None]) * view(norm)
+    out: np.ndarray = (x * scale[:, None]) * vector(norm)
     return out
 
 
 def _linear(layer: nn.Module, x: np.ndarray) -> np.ndarray:
-    y = product(view(layer), x)
-    return y + view(layer, "bias") if "bias" in layer else y
+    y = multiply(matrix(layer), x)
+    return y + vector(layer, "bias") if "bias" in layer else y
 
 
 def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
@@ -256,24 +269,20 @@ def _dequantized(
 def numpy_inputs(
     body: nn.Module, caches: list[list[Any]], extra: tuple[nn.Module, ...] = ()
 ) -> bool:
-    """Every parameter the step reads (and those of the ``extra`` modules) has a float32
-    numpy view and the caches hold float32 (checked before the step touches a cache, so a
-    refusal leaves nothing half done)."""
+    """Every weight the step reads (and those of the ``extra`` modules) is one numpy reads
+    as stored, every norm's weight and bias has a float32 form, and the caches hold
+    float32 (checked before the step touches a cache, so a refusal leaves nothing half
+    done)."""
     if any(c.keys is not None and _dtype(c.keys) != mx.float32 for row in caches for c in row):
         return False
-    views = [param_view(body.embed_tokens), param_view(body.norm)]
-    for module in extra:
-        views.append(param_view(module))
+    matrices = [body.embed_tokens, *extra]
+    vectors = [param_view(body.norm)]
     for layer in body.layers:
-        for module in (
-            *projections(layer),
-            layer.input_layernorm,
-            layer.post_attention_layernorm,
-        ):
-            views.append(param_view(module))
-            if "bias" in module:
-                views.append(param_view(module, "bias"))
-    return all(v is not None for v in views)
+        matrices.extend(projections(layer))
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            vectors.append(param_view(norm))
+        vectors.extend(param_view(m, "bias") for m in projections(layer) if "bias" in m)
+    return all(stored(m) is not None for m in matrices) and all(v is not None for v in vectors)
 
 
 def _dtype(stored: mx.array | tuple[mx.array, ...]) -> mx.Dtype:
@@ -306,7 +315,7 @@ def hidden(
         for layer, form, c in zip(layers, forms, cache):
             needed.setdefault((form.key, c.offset, n), (layer.self_attn.rope, form))
     turns = rotations(needed)
-    x = view(body.embed_tokens)[np.asarray([t for row in tokens for t in row], dtype=np.int64)]
+    x = matrix(body.embed_tokens).gather(np.asarray([t for row in tokens for t in row]))
     new: list[list[Turn | None]] = [[None] * len(layers) for _ in tokens]
     fused = native.module("fused")
     # attention over the cores only where the products are the native kernel's too:

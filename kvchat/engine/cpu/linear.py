@@ -1,18 +1,21 @@
-"""Linear layers for the CPU backend: matmuls through numpy's BLAS.
+"""Linear and embedding layers for the CPU backend: products through numpy, weights as
+stored.
 
 mlx's CPU matmul goes through whatever ``cblas_sgemm`` the process resolves
 (Debian's OpenBLAS 0.3.21 here, see :mod:`kvchat.blas`), which is at its best
 for large products but slow for the few rows of a cached turn and for the one
-row of decoding: a matrix-vector product streams the weights at about 14 GB/s
-against about 45 GB/s through numpy's bundled OpenBLAS. These layers take over
-mlx-lm's (:func:`replace`, a tree walk as ``mlx.nn.quantize`` does): they hold
-the same parameters (the same names and arrays, so loading, saving and
-``update`` see nothing new) and compute ``x @ Wᵀ + b`` with numpy on a
-zero-copy view of the weight while their model's :class:`~.FastPath` is on.
-
-Quantized layers can be dequantized to float32 at load, since mlx's CPU
-``quantized_matmul`` runs at about 3 GFLOP/s whatever the row count: a 4-bit
-model then runs at its float32 twin's speed, in its memory.
+row of decoding (a matrix-vector product streams the weights at about 14 GB/s
+against about 45 GB/s through numpy's bundled OpenBLAS), and its
+``quantized_matmul`` runs at about 3 GFLOP/s whatever the row count. These layers
+take over mlx-lm's (:func:`replace`, a tree walk as ``mlx.nn.quantize`` does):
+subclasses of ``nn.Linear``, ``nn.Embedding`` and their quantized twins that hold
+the same parameters (the same names and arrays, so loading, saving and ``update``
+see nothing new) and, while their model's :class:`~.FastPath` is on, compute with
+the weight as stored (:mod:`.stored`): float32 through numpy's BLAS and the native
+few-row kernel, 16-bit and packed weights through :class:`~.stored.Stored`'s
+kernels, which never widen a whole weight. Their outputs are float32, so a 16-bit
+or packed model's activations and KV cache are float32 as a float32 model's are.
+A packed mode no kernel reads (``mxfp4``, ``nvfp4``, ``mxfp8``) keeps mlx-lm's layer.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from mlx.utils import tree_map_with_path
 
 from kvchat.engine.cpu import native
 from kvchat.engine.cpu.attention import as_numpy
+from kvchat.engine.cpu.stored import Stored, stored
 
 if TYPE_CHECKING:
     from kvchat.engine.cpu import FastPath
@@ -43,6 +47,7 @@ SKINNY_ROWS = 256
 # 9, 158–166 against 162–180 ms for 16 (level); one row's gemv, 62–64 ms, stays BLAS's.
 KERNEL_ROWS = 16
 Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+PACKED = (nn.QuantizedLinear, nn.QuantizedEmbedding)  # mlx-lm's own packed layers
 
 
 def kernel() -> Kernel | None:
@@ -52,22 +57,30 @@ def kernel() -> Kernel | None:
     return None if rows is None else cast(Kernel, rows.matmul_t)
 
 
-# (id(module), name) -> (the array, its numpy view): kept beside the modules rather than
-# written into them, since norms and embeddings are mlx-lm's own objects; an entry goes
-# when its module does (weakref.finalize), and holding the array keeps its id unique.
+# (id(module), name) -> (the array, its float32 numpy form): kept beside the modules rather
+# than written into them, since norms are mlx-lm's own objects; an entry goes when its
+# module does (weakref.finalize), and holding the array keeps its id unique.
 VIEWS: dict[tuple[int, str], tuple[mx.array, np.ndarray | None]] = {}
 
 
 def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
-    """A numpy view of ``module``'s parameter ``name``, made once per array."""
+    """``module``'s parameter ``name`` as float32 numpy, made once per array: a view of a
+    float32 array; a widened copy of a 16-bit vector (a norm's weight, a bias: a few KiB,
+    never a matrix); None for anything else."""
     array = module[name]
     key = (id(module), name)
     cached = VIEWS.get(key)
     if cached is None:
         weakref.finalize(module, VIEWS.pop, key, None)
     if cached is None or cached[0] is not array:
-        cached = VIEWS[key] = (array, as_numpy(array))
+        cached = VIEWS[key] = (array, _float32(array))
     return cached[1]
+
+
+def _float32(array: mx.array) -> np.ndarray | None:
+    if array.ndim == 1 and array.dtype in (mx.float16, mx.bfloat16):
+        return np.asarray(array.astype(mx.float32))
+    return as_numpy(array)
 
 
 def _kernel_for(n: int) -> Kernel | None:
@@ -99,19 +112,46 @@ def product(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _matmul_t(x: mx.array, layer: nn.Module) -> mx.array | None:
-    """``x @ layer.weightᵀ`` through numpy, or None when numpy cannot take it."""
-    if not layer.fast.on:
+def multiply(weights: Stored, rows: np.ndarray) -> np.ndarray:
+    """``rows @ Wᵀ`` for float32 rows ``(n, in)``: a float32 weight by :func:`product`'s
+    routes, any other as stored (:meth:`Stored.product`)."""
+    return product(weights.data, rows) if weights.form == "float32" else weights.product(rows)
+
+
+def _product(layer: nn.Module, x: mx.array) -> mx.array | None:
+    """``x @ layer.weightᵀ`` (plus its bias) through numpy, or None where numpy does not
+    take it: the fast path off, an output projection given more than one row (see
+    :class:`CpuOutput`), an input other than float32, a weight no kernel reads."""
+    if not layer.fast.on or (layer.head and _rows(x) != 1):
         return None
-    xn, w = as_numpy(x), param_view(layer)
-    if xn is None or w is None:
+    weights, xn = stored(layer), as_numpy(x)
+    if weights is None or xn is None:
         return None
-    out = product(w, xn.reshape(-1, xn.shape[-1]))
-    return mx.array(out.reshape(*xn.shape[:-1], w.shape[0]))
+    out = multiply(weights, xn.reshape(-1, xn.shape[-1]))
+    y = mx.array(out.reshape(*xn.shape[:-1], weights.out_features))
+    return y + layer["bias"] if "bias" in layer else y
+
+
+def _lookup(layer: nn.Module, ids: mx.array) -> mx.array | None:
+    """An embedding's rows for token ``ids`` as float32, gathered from the weight as stored
+    (only those rows widened); None for a float32 weight (mlx's own lookup copies nothing)
+    or where numpy does not take it."""
+    weights = stored(layer) if layer.fast.on else None
+    if weights is None or weights.form == "float32":
+        return None
+    try:
+        at = np.asarray(ids)
+    except (ValueError, RuntimeError, TypeError):  # a tracer inside mx.compile
+        return None
+    rows = weights.gather(at.reshape(-1))
+    return mx.array(rows.reshape(*at.shape, weights.in_features))
 
 
 class CpuLinear(nn.Linear):
-    """``nn.Linear`` whose product runs through numpy while ``fast`` is on."""
+    """``nn.Linear`` (weights of any float dtype) whose product runs through numpy while
+    ``fast`` is on."""
+
+    head = False  # an output projection (see CpuOutput)
 
     def __init__(self, weight: mx.array, bias: mx.array | None, fast: FastPath):
         nn.Module.__init__(self)
@@ -121,10 +161,8 @@ class CpuLinear(nn.Linear):
         self.fast = fast  # the model's FastPath (a plain attribute: not a child module)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = _matmul_t(x, self)
-        if y is None:
-            return super().__call__(x)
-        return y + self.bias if "bias" in self else y
+        y = _product(self, x)
+        return super().__call__(x) if y is None else y
 
 
 class CpuOutput(CpuLinear):
@@ -135,26 +173,89 @@ class CpuOutput(CpuLinear):
     small model's prefill work). Decoding asks for one row, which numpy runs.
     """
 
+    head = True
+
+
+class CpuQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` (affine mode) whose product reads the packed weight through
+    :class:`~.stored.Stored` while ``fast`` is on; ``layer``'s own arrays and settings."""
+
+    head = False
+
+    def __init__(self, layer: nn.QuantizedLinear, fast: FastPath):
+        nn.Module.__init__(self)
+        _hold_packed(self, layer)
+        if "bias" in layer:
+            self.bias = layer.bias
+        self.fast = fast
+        self.freeze()  # as nn.QuantizedLinear is
+
     def __call__(self, x: mx.array) -> mx.array:
-        if _rows(x) != 1:
-            return nn.Linear.__call__(self, x)
-        return super().__call__(x)
+        y = _product(self, x)
+        # mlx leaves nn.QuantizedLinear.__call__ unannotated
+        out: mx.array = super().__call__(x) if y is None else y  # type: ignore[no-untyped-call]
+        return out
+
+
+class CpuQuantizedOutput(CpuQuantizedLinear):
+    """A packed output projection: through numpy for one row only (see CpuOutput)."""
+
+    head = True
+
+
+def _hold_packed(layer: nn.Module, stock: nn.Module) -> None:
+    """Give ``layer`` ``stock``'s packed weight, scales and biases and its settings."""
+    layer.group_size, layer.bits, layer.mode = stock.group_size, stock.bits, stock.mode
+    layer.weight, layer.scales, layer.biases = stock.weight, stock.scales, stock.biases
 
 
 class CpuEmbedding(nn.Embedding):
-    """``nn.Embedding`` whose tied output projection runs like :class:`CpuOutput`."""
+    """``nn.Embedding`` (weights of any float dtype): 16-bit rows gathered and widened to
+    float32, and its tied output projection, like :class:`CpuOutput`, through numpy."""
+
+    head = True  # as_linear is the output projection
 
     def __init__(self, weight: mx.array, fast: FastPath):
         nn.Module.__init__(self)
         self.weight = weight
         self.fast = fast
 
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = _lookup(self, x)
+        # mlx leaves nn.Embedding.__call__ unannotated
+        out: mx.array = super().__call__(x) if rows is None else rows  # type: ignore[no-untyped-call]
+        return out
+
     def as_linear(self, x: mx.array) -> mx.array:
-        y = _matmul_t(x, self) if _rows(x) == 1 else None
-        if y is not None:
-            return y
+        y = _product(self, x)
         # mlx leaves nn.Embedding.as_linear unannotated
-        out: mx.array = super().as_linear(x)  # type: ignore[no-untyped-call]
+        out: mx.array = super().as_linear(x) if y is None else y  # type: ignore[no-untyped-call]
+        return out
+
+
+class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` (affine mode): the rows of a lookup dequantized from the
+    packed weight to float32 as they are gathered, its tied output projection through
+    :class:`~.stored.Stored` like :class:`CpuQuantizedOutput`."""
+
+    head = True
+
+    def __init__(self, layer: nn.QuantizedEmbedding, fast: FastPath):
+        nn.Module.__init__(self)
+        _hold_packed(self, layer)
+        self.num_embeddings, self.dims = layer.num_embeddings, layer.dims
+        self.fast = fast
+        self.freeze()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = _lookup(self, x)
+        # mlx leaves nn.QuantizedEmbedding's methods unannotated
+        out: mx.array = super().__call__(x) if rows is None else rows  # type: ignore[no-untyped-call]
+        return out
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = _product(self, x)
+        out: mx.array = super().as_linear(x) if y is None else y  # type: ignore[no-untyped-call]
         return out
 
 
@@ -162,51 +263,33 @@ def _rows(x: mx.array) -> int:
     return x.size // x.shape[-1] if x.ndim else 0
 
 
-def _dequantized(layer: nn.Module) -> mx.array:
-    return mx.dequantize(
-        layer.weight,
-        layer.scales,
-        layer.get("biases"),
-        group_size=layer.group_size,
-        bits=layer.bits,
-        mode=getattr(layer, "mode", "affine"),
-    ).astype(mx.float32)
-
-
-def _cpu_layer(path: str, layer: nn.Module, dequantize: bool, fast: FastPath) -> nn.Module:
-    """The CPU layer that takes ``layer``'s place (``layer`` itself when none does)."""
+def _cpu_layer(path: str, layer: nn.Module, fast: FastPath) -> nn.Module:
+    """The CPU layer that takes ``layer``'s place (``layer`` itself when none does: a
+    packed mode no kernel reads stays mlx-lm's)."""
     output = path.rsplit(".", 1)[-1] == "lm_head"
-    linear = CpuOutput if output else CpuLinear
-    bias = layer.get("bias")
     if type(layer) is nn.Linear:
-        return linear(layer.weight, bias, fast)
+        return (CpuOutput if output else CpuLinear)(layer.weight, layer.get("bias"), fast)
     if type(layer) is nn.Embedding:
         return CpuEmbedding(layer.weight, fast)
-    if dequantize and type(layer) is nn.QuantizedLinear:
-        return linear(_dequantized(layer), None if bias is None else bias.astype(mx.float32), fast)
-    if dequantize and type(layer) is nn.QuantizedEmbedding:
-        return CpuEmbedding(_dequantized(layer), fast)
+    if type(layer) is nn.QuantizedLinear and stored(layer) is not None:
+        return (CpuQuantizedOutput if output else CpuQuantizedLinear)(layer, fast)
+    if type(layer) is nn.QuantizedEmbedding and stored(layer) is not None:
+        return CpuQuantizedEmbedding(layer, fast)
     return layer
 
 
-def replace(model: nn.Module, dequantize: bool, fast: FastPath) -> int:
-    """Give ``model`` CPU linear layers (dequantizing packed ones if asked) that compute
-    through numpy while ``fast.on``. Returns how many quantized layers were dequantized."""
-
-    def packed() -> int:
-        return sum(
-            isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in model.modules()
-        )
-
-    before = packed()
+def replace(model: nn.Module, fast: FastPath) -> list[str]:
+    """Give ``model`` CPU linear and embedding layers that compute through numpy while
+    ``fast.on``, each holding the arrays mlx-lm loaded (nothing widened or copied).
+    Returns the packed modes of the layers left to MLX's own kernels (``mxfp4``...)."""
     leaves = tree_map_with_path(
-        lambda path, m: _cpu_layer(path, m, dequantize, fast),
+        lambda path, m: _cpu_layer(path, m, fast),
         model.leaf_modules(),
         is_leaf=nn.Module.is_module,
     )
     model.update_modules(leaves)
-    mx.eval(model.parameters())
-    return before - packed()
+    kept = {m.mode for m in model.modules() if type(m) in PACKED}
+    return sorted(kept)
 
 
 def projections(layer: nn.Module) -> tuple[nn.Module, ...]:

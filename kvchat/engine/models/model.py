@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,7 @@ class LoadedModel:
     path: Path  # the local folder it was loaded from
     fingerprint: str  # changes when the weights' shape or the tokenizer could differ
     context_length: int
-    weights: str = "as stored"  # how the weights are held, e.g. "4-bit, dequantized to float32"
+    weights: str = "as stored"  # how the weights are held, e.g. "4-bit, groups of 64, kept packed"
     # The CPU fast path this model got (a kvchat.engine.cpu.FastPath), or None and why not.
     fast_path: Any = None
     fast_path_off: str = "off (not prepared)"
@@ -70,12 +69,12 @@ class ModelLoadError(Exception):
     """A model could not be loaded; the message is one sentence naming the way out."""
 
 
-def load_model(spec: str, keep_quantized: bool | None = None) -> LoadedModel:
+def load_model(spec: str) -> LoadedModel:
     """Load ``spec``: a demo name, a local mlx-lm model folder or a Hugging Face id.
 
-    Demo models are built on first use. On the CPU backend, float16 and
-    bfloat16 weights are cast to float32, which CPU matmul runs far faster,
-    and the model gets the CPU fast path's layers (see :func:`_cpu_weights`).
+    Demo models are built on first use. The weights stay the arrays ``mlx_lm.load``
+    made (nothing cast or dequantized); on the CPU backend the model gets the CPU fast
+    path's layers, which compute with them as stored (:func:`cpu.prepare`).
     """
     try:
         spec.encode("utf-8")
@@ -95,10 +94,11 @@ def load_model(spec: str, keep_quantized: bool | None = None) -> LoadedModel:
         raise load_error(spec, f"a JSON file in it is damaged ({exc})", source) from exc
     except Exception as exc:  # a broken folder fails in many ways; all mean the same here
         raise load_error(spec, first_line(exc), source) from exc
-    if mx.default_device() == mx.cpu:
-        # Only floating parameters change: quantized weights stay packed integers.
-        model.set_dtype(mx.float32)
-    fast, weights = _cpu_weights(model, keep_quantized)
+    fast = cpu.prepare(model)
+    if isinstance(fast, cpu.FastPath):
+        weights = cpu.held(model)
+    else:
+        weights = "as stored (CPU fast path off)" if mx.default_device() == mx.cpu else "as stored"
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -110,54 +110,6 @@ def load_model(spec: str, keep_quantized: bool | None = None) -> LoadedModel:
         fast_path=fast if isinstance(fast, cpu.FastPath) else None,
         fast_path_off=fast if isinstance(fast, str) else "",
     )
-
-
-def _cpu_weights(model: nn.Module, keep_quantized: bool | None) -> tuple[Any, str]:
-    """Give the model the CPU fast path's layers; dequantize packed weights where they fit.
-
-    mlx's CPU ``quantized_matmul`` is far slower than a float32 BLAS matmul, so a
-    4- or 8-bit model runs dequantized unless ``keep_quantized`` (or
-    ``KVCHAT_KEEP_QUANTIZED=1``) asks otherwise or float32 weights would not fit
-    in half the memory available now. Returns what :func:`cpu.prepare` returned (the
-    model's FastPath, or why it has none) and how the weights are held, in words.
-    """
-    if cpu.wanted() is not None:
-        weights = "as stored (CPU fast path off)" if mx.default_device() == mx.cpu else "as stored"
-        return cpu.prepare(model, dequantize=False), weights
-    if keep_quantized is None:
-        keep_quantized = os.environ.get("KVCHAT_KEEP_QUANTIZED") == "1"
-    packed = [
-        m for m in model.modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    ]
-    if not packed:
-        return cpu.prepare(model, dequantize=False), "float32"
-    bits = sorted({m.bits for m in packed})
-    label = "/".join(map(str, bits)) + "-bit"
-    if keep_quantized:
-        return cpu.prepare(model, dequantize=False), f"{label}, kept packed (KVCHAT_KEEP_QUANTIZED)"
-    need = sum(m.weight.size * 32 // m.bits * 4 for m in packed)
-    free = _available_memory()
-    if free is not None and need > free // 2:
-        return (
-            cpu.prepare(model, dequantize=False),
-            f"{label}, kept packed (float32 would take {need / 2**30:.1f} GiB)",
-        )
-    return cpu.prepare(model, dequantize=True), f"{label}, dequantized to float32 for the CPU"
-
-
-def _available_memory() -> int | None:
-    """Bytes of memory available now (Linux: MemAvailable), or None if unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def fingerprint(model_id: str, path: Path) -> str:
