@@ -38,6 +38,7 @@ class CacheInfo:
 
     name: str
     model_id: str
+    weights: str  # how the model's weights are held (LoadedModel.weights)
     kind: str
     state: str
     cache_tokens: int
@@ -69,6 +70,7 @@ class CacheInfo:
         return cls(
             name=conversation.session_name,
             model_id=session.lm.model_id,
+            weights=session.lm.weights,
             kind=session.kind.name,
             state=(
                 "offloaded to disk"
@@ -160,6 +162,7 @@ class CacheSidebar(Vertical):
         cache = [
             ("session", info.name + ("" if info.saved else " (unsaved)")),
             ("model", info.model_id),
+            ("weights", info.weights),
             ("kind", info.kind),
             ("state", info.state),
             ("tokens", f"{info.cache_tokens:,}"),
