@@ -5,6 +5,7 @@ uncached, resumed from disk = live, a batch of 8 = each alone, token for token."
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 
@@ -15,6 +16,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import convert
 from mlx_lm.models import qwen2
+from mlx_lm.models.cache import make_prompt_cache
 from typer.testing import CliRunner
 
 from kvchat import store
@@ -26,6 +28,7 @@ from kvchat.engine.cpu import decode, linear, stored
 from kvchat.engine.generation import core_for
 from kvchat.engine.models.model import load_model
 from tests.helpers import start_together, turn
+from tests.test_cpu_fastpath import ARCHITECTURES, TINY
 
 pytestmark = pytest.mark.cpu_only
 
@@ -237,3 +240,37 @@ def test_embedding_rows_are_dequantized_as_mlx_does(variants):
         bits=embed.bits,
     )
     assert got.dtype == mx.float32 and mx.allclose(got, want, atol=1e-6).item()
+
+
+@pytest.mark.parametrize("form", ["bf16", "q4"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_every_architecture_computes_in_float32_on_weights_as_stored(architecture, form):
+    """Tiny random models of mlx-lm's own classes with bfloat16 weights, or 4-bit ones
+    with bfloat16 scales: through kvchat's layers (the numpy step where the model has
+    one) a chunked prefill and a decoding step give the logits of a twin holding the same
+    values widened to float32, and leave float32 keys in the cache."""
+    module = importlib.import_module(f"mlx_lm.models.{architecture}")
+    args = module.ModelArgs.from_dict(
+        {**TINY, **ARCHITECTURES[architecture], "model_type": architecture}
+    )
+    mx.random.seed(0)
+    model, twin = module.Model(args), module.Model(args)
+    model.set_dtype(mx.bfloat16)
+    if form == "q4":
+        for m in (model, twin):
+            nn.quantize(m, group_size=32, bits=4)
+    twin.load_weights(tree_flatten(model.parameters()))
+    twin.set_dtype(mx.float32)  # floats widened exactly; packed weights stay packed
+    fast = cpu.prepare(model)
+    assert isinstance(fast, cpu.FastPath) and not fast.kept
+    tokens = mx.array([[(i * 37) % 500 + 3 for i in range(24)]])
+    logits = {}
+    for name, m in (("ours", model), ("twin", twin)):
+        cache = make_prompt_cache(m)
+        parts = [m(tokens[:, :16], cache=cache), m(tokens[:, 16:], cache=cache)]
+        logits[name] = mx.concatenate([*parts, m(mx.array([[7]]), cache=cache)], axis=1)
+        if name == "ours":
+            keys = [c.keys for c in cache if isinstance(getattr(c, "keys", None), mx.array)]
+            assert keys and {k.dtype for k in keys} == {mx.float32}
+    assert logits["ours"].dtype == mx.float32
+    assert mx.allclose(logits["ours"], logits["twin"], atol=5e-5, rtol=5e-5).item()
