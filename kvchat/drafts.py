@@ -1,4 +1,5 @@
-"""The message being sent, kept on disk while it is in flight. Imports no Textual.
+"""Messages not in their session yet, kept on disk: the one being sent, and the one being
+typed. Imports no Textual.
 
 A message is written to ``drafts/<session>.txt`` in the data directory, durably
 (atomic write and fsync, :func:`~kvchat.atomic.write_atomic`), before
@@ -6,8 +7,16 @@ its prefill starts, and removed once its turn has ended in a running app or the
 session was saved with it (``kvchat ask``: once saved). A kill -9 or an
 out-of-memory kill during a long prefill therefore loses no message, whatever
 its size (the prompt history keeps only short ones): the next time the session is
-opened, kvchat offers it back. Drafts are read like the store's files (never
-through a symlink, size-capped); one that cannot be read counts as none.
+opened, kvchat offers it back.
+
+What the message box holds (typed, or sent and held back by a dialog) is kept the
+same way in ``drafts/typed/<session>.txt`` a moment after each change, and removed
+when the box is emptied: quitting, or the app dying, loses none of it, and the box
+gets it back when the session is opened again. :func:`unsent` lists every session
+with either, so the session picker can offer those never saved.
+
+Drafts are read like the store's files (never through a symlink, size-capped); one
+that cannot be read counts as none.
 """
 
 from __future__ import annotations
@@ -27,6 +36,11 @@ def draft_file(name: str) -> Path:
     return locations.drafts_dir() / f"{name}.txt"
 
 
+def typed_file(name: str) -> Path:
+    check_name(name)
+    return locations.drafts_dir() / "typed" / f"{name}.txt"
+
+
 def keep(name: str, text: str) -> None:
     """Write ``text`` as session ``name``'s draft, durably, replacing any older one."""
     write_atomic(draft_file(name), text.encode("utf-8"))
@@ -40,12 +54,58 @@ def clear(name: str) -> None:
 def pending(name: str, messages: list[dict]) -> str | None:
     """Session ``name``'s draft if there is one that ``messages`` (the session as opened)
     do not end with; a draft the session holds already is removed."""
-    try:
-        text = read_regular(draft_file(name), JSON_LIMIT).decode("utf-8")
-    except (FileNotFoundError, StoreError, OSError, UnicodeDecodeError):
+    text = _read(draft_file(name))
+    if text is None:
         return None
     sent = [m.get("content") for m in messages if m.get("role") == "user"]
     if not text.strip() or (sent and sent[-1] == text):
         clear(name)
         return None
     return text
+
+
+def keep_typed(name: str, text: str) -> None:
+    """Keep what session ``name``'s message box holds (nothing to keep: forget it)."""
+    if text.strip():
+        path = typed_file(name)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        write_atomic(path, text.encode("utf-8"))
+    else:
+        typed_file(name).unlink(missing_ok=True)
+
+
+def typed(name: str, messages: list[dict]) -> str | None:
+    """What session ``name``'s message box held when kvchat last stopped, if anything but
+    the message ``messages`` (the session as opened) end with (then it was sent, and the
+    draft is removed)."""
+    text = _read(typed_file(name))
+    if not text or not text.strip():
+        return None
+    sent = [m.get("content") for m in messages if m.get("role") == "user"]
+    if sent and sent[-1] == text:
+        keep_typed(name, "")
+        return None
+    return text
+
+
+def unsent() -> dict[str, str]:
+    """Every session with a message not in it (being sent, or typed), by name: the message
+    (the one being sent first)."""
+    found: dict[str, str] = {}
+    folder = locations.drafts_dir()
+    for path in sorted([*folder.glob("typed/*.txt"), *folder.glob("*.txt")]):
+        try:
+            name = check_name(path.stem)
+        except StoreError:
+            continue
+        text = _read(path)
+        if text and text.strip():
+            found[name] = text
+    return found
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return read_regular(path, JSON_LIMIT).decode("utf-8")
+    except (FileNotFoundError, StoreError, OSError, UnicodeDecodeError):
+        return None

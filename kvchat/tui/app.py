@@ -36,7 +36,7 @@ from .models import ModelLoader
 from .quitting import Quitter
 from .screens.help import HelpScreen
 from .screens.loading import LoadingScreen
-from .screens.picker import SessionPicker
+from .screens.picker import SessionPicker, unsaved_drafts
 from .sharded import ONE_TAB, ShardedRun
 from .tabs import TabController
 from .theming import install_themes, remember_theme
@@ -283,7 +283,10 @@ class KvChatApp(App):
 
     def action_sessions(self) -> None:
         if self.shards is None or not self.shards.refused():
-            self.push_screen(SessionPicker(store.list_sessions()), self.tab_control.picked)
+            self.push_screen(
+                SessionPicker(store.list_sessions(), unsent=unsaved_drafts()),
+                self.tab_control.picked,
+            )
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

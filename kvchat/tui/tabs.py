@@ -22,7 +22,7 @@ from kvchat.settings import apply_overrides, generation_of
 from .conflict import Conflicts
 from .screens.dialogs import CloseDialog, DraftDialog
 from .screens.loading import LoadingScreen
-from .screens.picker import SessionPicker
+from .screens.picker import UNSENT, SessionPicker, unsaved_drafts
 from .widgets.chat import Conversation
 
 if TYPE_CHECKING:
@@ -91,27 +91,35 @@ class TabController:
             self.open_saved(app.resume)
             return
         sessions = store.list_sessions() if app.picker_on_start else []
-        if sessions:
-            app.push_screen(SessionPicker(sessions, cancellable=False), self.picked)
+        unsent = unsaved_drafts() if app.picker_on_start else {}
+        if sessions or unsent:
+            app.push_screen(SessionPicker(sessions, cancellable=False, unsent=unsent), self.picked)
         else:
             app.call_later(self.new_tab)
 
     async def picked(self, name: str | None) -> None:
-        """The session picker's answer: a saved session's name, "" for a new tab, None for
-        nothing."""
+        """The session picker's answer: a saved session's name, "" for a new tab, an
+        unsent draft's key (:data:`~.screens.picker.UNSENT` and a name never saved) for a
+        new tab of that name, whose draft it offers back; None for nothing."""
         if name is None:
             return
         if name == "":
             await self.new_tab()
+        elif name.startswith(UNSENT):
+            name = name.removeprefix(UNSENT)
+            if any(c.session_name == name for c in self.app.conversations()):
+                self.open_saved(name)  # its tab is open: shown
+            else:
+                await self.new_tab(name)
         else:
             self.open_saved(name)
 
-    async def new_tab(self) -> Conversation | None:
+    async def new_tab(self, name: str | None = None) -> Conversation | None:
         """A new tab on the app's model (none before it is loaded, or in a sharded run
-        that has its tab)."""
+        that has its tab), named ``name`` or the next free ``chat-N``."""
         if self.app.lm is None or (self.app.shards is not None and self.app.shards.refused()):
             return None
-        name = self.unique_name()
+        name = name or self.unique_name()
         return await self.add_conversation(self.new_session(name), name)
 
     async def add_conversation(
@@ -146,16 +154,24 @@ class TabController:
         return conversation
 
     def offer_draft(self, conversation: Conversation) -> None:
-        """If a message was being sent in this session when kvchat last stopped, offer it
-        back: Restore puts it in the message box (see :mod:`kvchat.drafts`)."""
+        """Give back what this session's message box held when kvchat last stopped (it goes
+        straight back in the box), and offer the message that was being sent, if any:
+        Restore puts it in the box, before what was typed (see :mod:`kvchat.drafts`)."""
         name = conversation.session_name
+        typed = drafts.typed(name, conversation.session.messages)
+        if typed is not None:
+            conversation.input.text = typed
+            self.app.notify(
+                f"{name}: the message you were writing is back in the box (not sent).",
+                markup=False,
+            )
         text = drafts.pending(name, conversation.session.messages)
-        if text is None:
+        if text is None or text == typed:
             return
 
         def chosen(choice: str | None) -> None:
             if choice == "restore":
-                conversation.input.text = text
+                conversation.input.text = text + (f"\n\n{typed}" if typed else "")
                 conversation.focus_input()
             elif choice == "discard":
                 drafts.clear(name)

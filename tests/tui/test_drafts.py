@@ -1,5 +1,7 @@
-"""The message being sent survives a crash: it is on disk (durably) before its prefill
-starts, and the next time its session is opened kvchat offers it back."""
+"""Nothing typed is lost: the message being sent is on disk (durably) before its prefill
+starts, and what the message box holds a moment after each change (and at quitting);
+the next time its session is opened kvchat gives them back, and the session picker
+lists the sessions never saved that have one."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from textual.widgets import Button
 
 from kvchat import drafts, store
 from kvchat.engine.conversation.session import Prefill, Session
-from kvchat.tui.screens.dialogs import DraftDialog
+from kvchat.tui.screens.dialogs import ConflictDialog, DraftDialog
+from kvchat.tui.screens.picker import SessionPicker
 
 from .conftest import SIZE, send, settle, until, widget_text
 
@@ -137,3 +140,72 @@ async def test_the_tui_keeps_the_message_on_disk_while_its_turn_runs(make_app):
         go_on.set()
         await settle(pilot, conversation)
         assert not drafts.draft_file(conversation.session_name).exists()  # the turn ended
+
+
+async def test_a_message_typed_and_not_sent_comes_back_after_quitting(make_app):
+    """Ctrl+Q a moment after typing (before the box went to disk on its own): the text is
+    kept, the picker lists the never-saved session with it, and opening it puts the text
+    back in the box."""
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        name = conversation.session_name
+        conversation.focus_input()
+        await pilot.press(*"half a thought")
+        await pilot.press("ctrl+q")
+    assert drafts.typed(name, []) == "half a thought"
+    assert not store.exists(name)
+
+    again = make_app(picker=True)
+    async with again.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: isinstance(again.screen, SessionPicker))
+        rows = widget_text(again.screen.query_one("#picker-table"))
+        assert name in rows and "unsent: half a thought" in rows
+        await pilot.press("enter")
+        await until(pilot, lambda: again.active_conversation() is not None)
+        await settle(pilot)
+        shown = again.active_conversation()
+        assert shown.session_name == name and shown.input.text == "half a thought"
+        await send(pilot, shown.input.text)
+        await until(pilot, lambda: drafts.typed(name, []) is None)  # sent: the box is empty
+
+
+async def test_a_message_held_back_by_the_conflict_dialog_survives_ctrl_q(demo_model, home):
+    """Another kvchat saved the session; the message sent into the "changed on disk"
+    dialog stays in the box; Ctrl+Q then keeps it, and reopening gives it back."""
+    session = Session(demo_model)
+    for _ in session.send("Opening line."):
+        pass
+    store.save(session, "k1")
+    from kvchat.config import Config
+    from kvchat.tui.app import KvChatApp
+
+    def resumed() -> KvChatApp:
+        config = Config(model="demo", max_tokens=4, autosave=True)
+        return KvChatApp(config, lm=demo_model, resume="k1", volatile=False)
+
+    app = resumed()
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: any(c.session_name == "k1" for c in app.conversations()), 60)
+        await settle(pilot)
+        tab = app.active_conversation()
+        out = subprocess.run(
+            [*CLI, "ask", "--session", "k1", "--max-tokens", "4", "Asked from the shell."],
+            capture_output=True,
+            timeout=120,
+            env=os.environ.copy(),
+        )
+        assert out.returncode == 0, out.stderr
+        tab.focus_input()
+        await pilot.press(*"Typed in the TUI.")
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, ConflictDialog))
+        await pilot.press("ctrl+q")
+    assert drafts.typed("k1", store.read("k1")["messages"]) == "Typed in the TUI."
+
+    again = resumed()
+    async with again.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: any(c.session_name == "k1" for c in again.conversations()), 60)
+        await settle(pilot)
+        assert again.active_conversation().input.text == "Typed in the TUI."

@@ -1,5 +1,6 @@
-"""The session picker: saved sessions (model, turns, tokens, size, last used) or a new one,
-filtered by name and by the words of their transcripts (the store's search index)."""
+"""The session picker: saved sessions (model, turns, tokens, size, last used), the unsent
+drafts of sessions never saved, or a new one, filtered by name and by the words of their
+transcripts (the store's search index)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,27 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Static
 
-from kvchat.store import SessionSummary, StoreError, matching_sessions
+from kvchat import drafts
+from kvchat.store import SessionSummary, StoreError, exists, matching_sessions
 from kvchat.store.search import REBUILT, sync
 from kvchat.units import human_bytes
 
+UNSENT = "unsent:"  # a row's key for a session never saved, with a message in drafts/
+
+
+def unsaved_drafts() -> dict[str, str]:
+    """The unsent messages (being sent or typed when kvchat stopped) of sessions never
+    saved, by session name: the picker lists them, since opening a saved session is the
+    only other way they come back."""
+    try:
+        return {n: text for n, text in drafts.unsent().items() if not exists(n)}
+    except (StoreError, OSError):
+        return {}
+
 
 class SessionPicker(ModalScreen):
-    """Dismisses with a saved session's name, ``""`` for a new session, or None (cancel)."""
+    """Dismisses with a saved session's name, ``""`` for a new session, :data:`UNSENT` and
+    a name for a session never saved whose draft is to come back, or None (cancel)."""
 
     BINDINGS = [
         Binding("n", "new", "New session", id="picker_new"),
@@ -30,38 +45,60 @@ class SessionPicker(ModalScreen):
     ]
     HINT = "Enter opens the highlighted session; n starts a new one; / filters."
 
-    def __init__(self, sessions: list[SessionSummary], cancellable: bool = True) -> None:
+    def __init__(
+        self,
+        sessions: list[SessionSummary],
+        cancellable: bool = True,
+        unsent: dict[str, str] | None = None,
+    ) -> None:
         super().__init__()
         self.sessions = sessions
         self.cancellable = cancellable
+        self.unsent = unsent or {}
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="picker") as box:
             box.border_title = "Sessions"
-            hint = self.HINT if self.sessions else "No saved sessions yet."
+            hint = self.HINT if self.sessions or self.unsent else "No saved sessions yet."
             yield Static(hint, id="picker-hint", classes="hint", markup=False)
             yield Input(
                 placeholder="filter: a name or words said in the chat",
                 id="picker-filter",
-                disabled=not self.sessions,
+                disabled=not (self.sessions or self.unsent),
             )
             table: DataTable[str | Text] = DataTable(
                 id="picker-table", cursor_type="row", zebra_stripes=True, classes="body"
             )
             table.add_columns("name", "model", "cache", "turns", "tokens", "size", "last used")
-            self._fill(table, self.sessions)
+            self._fill(table, self.sessions, self.unsent)
             yield table
             with Horizontal(classes="row buttons"):
                 yield Button(
-                    "Open", id="picker-open", variant="primary", disabled=not self.sessions
+                    "Open",
+                    id="picker-open",
+                    variant="primary",
+                    disabled=not (self.sessions or self.unsent),
                 )
                 yield Button("New session", id="picker-new", variant="success")
                 if self.cancellable:
                     yield Button("Cancel", id="picker-cancel")
 
     @staticmethod
-    def _fill(table: DataTable, sessions: list[SessionSummary]) -> None:
+    def _fill(table: DataTable, sessions: list[SessionSummary], unsent: dict[str, str]) -> None:
         table.clear()
+        for draft, text in unsent.items():
+            first = " ".join(text.split())
+            said = first if len(first) <= 24 else first[:23] + "…"
+            table.add_row(
+                Text(draft),
+                Text("not saved"),
+                Text(f"unsent: {said}"),
+                "",
+                "",
+                "",
+                "",
+                key=UNSENT + draft,
+            )
         for s in sessions:
             name = Text(s.name + (" (damaged)" if s.note else ""))
             table.add_row(
@@ -77,7 +114,7 @@ class SessionPicker(ModalScreen):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        if self.sessions:
+        if self.sessions or self.unsent:
             table.focus()
             self._sync_index()
         else:
@@ -112,7 +149,7 @@ class SessionPicker(ModalScreen):
         """List the sessions whose name holds every word of the filter, or whose
         transcript matches it in the index."""
         text = self.query_one("#picker-filter", Input).value
-        shown = self.sessions
+        shown, unsent = self.sessions, self.unsent
         hint = self.HINT
         if text.strip():
             words = text.lower().split()
@@ -125,11 +162,16 @@ class SessionPicker(ModalScreen):
                 for s in self.sessions
                 if s.name in said or all(w in s.name.lower() for w in words)
             ]
+            unsent = {
+                n: t
+                for n, t in self.unsent.items()
+                if all(w in n.lower() or w in t.lower() for w in words)
+            }
             if hint == self.HINT:
                 hint = f"{len(shown)} of {len(self.sessions)} sessions match; Enter opens one."
         table = self.query_one(DataTable)
-        self._fill(table, shown)
-        self.query_one("#picker-open", Button).disabled = not shown
+        self._fill(table, shown, unsent)
+        self.query_one("#picker-open", Button).disabled = not (shown or unsent)
         self._show_hint(hint)
 
     def action_filter(self) -> None:

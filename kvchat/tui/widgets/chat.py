@@ -11,7 +11,8 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.reactive import reactive
-from textual.widgets import ProgressBar, Static
+from textual.timer import Timer
+from textual.widgets import ProgressBar, Static, TextArea
 
 from kvchat import drafts, history, store
 from kvchat.engine.conversation.session import Session
@@ -68,6 +69,7 @@ class Conversation(Vertical):
     ]
 
     state: reactive[str] = reactive("idle")
+    TYPED_DRAFT_S = 0.5  # the message box goes to disk this long after its last change
 
     def __init__(self, session: Session, name: str, scheduler: Scheduler, *, id: str) -> None:
         super().__init__(id=id, classes="conversation")
@@ -83,6 +85,9 @@ class Conversation(Vertical):
         self.turns = TurnRunner(self)
         # the running turn's prompt evaluation: tokens done, of how many (for the sidebar)
         self.prefill: tuple[int, int] | None = None
+        self._typed_timer: Timer | None = None  # the message box's next keeping on disk
+        self._typed_as: str | None = None  # the name its text was last kept under
+        self._typed_text = ""  # the message box's text, as of its last change
 
     @property
     def owner(self) -> str:
@@ -249,6 +254,46 @@ class Conversation(Vertical):
             store.save(self.session, self.session_name)
         self.saved = True
         drafts.clear(self.session_name)  # the message it was sending is in the saved copy
+
+    # ------------------------------------------------------- the message box
+
+    @on(TextArea.Changed, ".input")
+    def _box_changed(self, event: TextArea.Changed) -> None:
+        """Keep the message box on disk a moment after it changes (:mod:`kvchat.drafts`):
+        quitting with a message typed, or held back by a dialog, loses nothing."""
+        self._typed_text = event.text_area.text
+        if self._typed_timer is not None:
+            self._typed_timer.stop()
+        self._typed_timer = self.set_timer(self.TYPED_DRAFT_S, self._keep_typed)
+
+    def _keep_typed(self) -> None:
+        self._typed_timer = None
+        text = self._typed_text
+        self.run_worker(
+            lambda: self.keep_typed_now(text),
+            thread=True,
+            group="typed-draft",
+            exclusive=True,
+        )
+
+    def keep_typed_now(self, text: str) -> None:
+        """Write the message box's ``text`` as this session's typed draft (under its current
+        name: a renamed tab's old draft goes)."""
+        name = self.session_name
+        try:
+            if self._typed_as not in (None, name):
+                drafts.keep_typed(self._typed_as, "")
+            drafts.keep_typed(name, text)
+            self._typed_as = name
+        except (store.StoreError, OSError):
+            pass  # the box still holds it; the next change tries again
+
+    def on_unmount(self) -> None:
+        """A change not yet kept (the app quits within :data:`TYPED_DRAFT_S` of a key) is
+        kept now."""
+        if self._typed_timer is not None:
+            self._typed_timer.stop()
+            self.keep_typed_now(self._typed_text)
 
     def save(self, then: Callable[[Any], Any] | None = None) -> bool:
         """Save the session in the tab's worker (in turn with the other tabs), then call
