@@ -24,7 +24,7 @@ from kvchat.cli import app
 from kvchat.engine import cpu
 from kvchat.engine.caches.kinds import make_cache, parse_kind
 from kvchat.engine.conversation.session import GenerationSettings, Session
-from kvchat.engine.cpu import decode, linear, stored
+from kvchat.engine.cpu import decode, linear, native, stored
 from kvchat.engine.generation import core_for
 from kvchat.engine.models.model import load_model
 from tests.helpers import start_together, turn
@@ -225,6 +225,20 @@ def test_doctor_and_the_model_say_how_the_weights_are_held(variants):
     assert report["cpu_fastpath"] == (
         "demo@q4: on (numpy decoding step, attention, SwiGLU and linear layers)"
     )
+
+
+def test_a_decoding_step_never_widens_a_whole_weight(variants, on, monkeypatch):
+    """Where the native kernels are built, a decoding step reads packed weights in place:
+    no weight row is widened in memory (the numpy tiles are the prompt's route)."""
+    if native.module("packed") is None:
+        pytest.skip("kvchat's native packed kernels were not built (or KVCHAT_NATIVE=0)")
+    lm = variants["q4"]
+    cache = make_cache(lm.model, parse_kind("standard"))
+    lm.model(mx.array(lm.tokenizer.encode(PROMPT))[None], cache=cache)
+    widened = []
+    monkeypatch.setattr(stored.Stored, "widened", lambda *a: widened.append(a) or None)
+    logits = lm.model(mx.array([[5]]), cache=cache)
+    assert logits.shape[:2] == (1, 1) and not widened
 
 
 def test_embedding_rows_are_dequantized_as_mlx_does(variants):
