@@ -211,7 +211,10 @@ class TabController:
             else None
         )
         try:
-            model_id = store.summary(name).model_id or app.lm.model_id
+            summary = store.summary(name)
+            if summary.note:  # damaged: its model is unknown, and the file says why
+                raise store.StoreError(summary.note)
+            model_id = summary.model_id or app.lm.model_id
             if screen is not None and app.models.get(model_id) is None:
                 app.call_from_thread(
                     screen.set_message, f"Loading model {model_id} for session {name}…"

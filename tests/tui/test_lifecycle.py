@@ -185,3 +185,24 @@ async def test_the_timer_fires_safely_under_a_dialog(demo_model, home):
         await settle(pilot)
         assert not app.pool.entry(conversation.session_name).in_memory
         assert app.sidebar.info.state == "offloaded to disk"
+
+
+async def test_a_damaged_session_says_so_when_resumed(demo_model, home):
+    """``--resume`` of a session whose session.json is damaged says that, as the CLI does,
+    not that a model '?' could not be loaded; a new tab opens instead."""
+    folder = home / "data" / "sessions" / "broken1"
+    folder.mkdir(parents=True)
+    (folder / "session.json").write_text('{"messages": ')
+    app = KvChatApp(
+        Config(model="demo", max_tokens=4, autosave=False),
+        lm=demo_model,
+        resume="broken1",
+        volatile=False,
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: bool(app.conversations()) and bool(notifications(app)))
+        said = [str(n.message) for n in notifications(app)]
+        assert any("broken1" in m and "session.json is damaged" in m for m in said), said
+        assert not any("Could not load model" in m for m in said), said
+        assert app.active_conversation().session_name != "broken1"
+    assert (folder / "session.json").read_text() == '{"messages": '  # left as it was
