@@ -172,7 +172,7 @@ class TabActions:
             why = "Temperature is 0 (greedy)" if greedy else f"Seed {settings.seed} is set"
             if change is None:  # the same cache and logits: the same reply
                 hint = (
-                    "raise it with --temp or temp in the config file."
+                    "raise it in the tab's settings (F9), or with --temp or temp in the config file."
                     if greedy
                     else "clear it in the tab's settings (F9)."
                 )

@@ -174,10 +174,10 @@ async def test_regenerate_at_temperature_zero_says_it_is_greedy(make_app):
         await settle(pilot, conversation)
         assert conversation.session.messages[-1]["content"] == first
         assert conversation.query_one(AssistantMessage).text == first
-        assert any(
-            n.startswith("Temperature is 0 (greedy): the same reply came again")
-            for n in notices(app)
-        )
+        assert (
+            "Temperature is 0 (greedy): the same reply came again; raise it in the tab's "
+            "settings (F9), or with --temp or temp in the config file."
+        ) in notices(app)
         assert conversation.session.last_stats.evaluated_tokens == 0
 
 
