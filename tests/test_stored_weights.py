@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import convert
 from mlx_lm.models import qwen2
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.switch_layers import SwitchLinear
 from typer.testing import CliRunner
 
 from kvchat import store
@@ -288,3 +289,21 @@ def test_every_architecture_computes_in_float32_on_weights_as_stored(architectur
             assert keys and {k.dtype for k in keys} == {mx.float32}
     assert logits["ours"].dtype == mx.float32
     assert mx.allclose(logits["ours"], logits["twin"], atol=5e-5, rtol=5e-5).item()
+
+
+def test_the_weights_line_counts_every_form_and_the_experts():
+    """A mixture of experts whose experts alone are packed: the line names both forms, the
+    one holding most bytes first."""
+    module = importlib.import_module("mlx_lm.models.qwen3_moe")
+    args = module.ModelArgs.from_dict(
+        {**TINY, **ARCHITECTURES["qwen3_moe"], "model_type": "qwen3_moe"}
+    )
+    model = module.Model(args)
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(
+        model, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, SwitchLinear)
+    )
+    assert isinstance(cpu.prepare(model), cpu.FastPath)
+    assert cpu.held(model) == (
+        f"bfloat16, kept as stored (also 4-bit, groups of 32, kept packed), {stored.kernels()}"
+    )

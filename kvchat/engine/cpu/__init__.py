@@ -27,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import switch_layers
 
 from kvchat.engine.cpu import decode, experts, linear, stored
 from kvchat.engine.cpu.layers import MLP, Attention, Body
@@ -37,6 +38,14 @@ __all__ = ["ENV", "FastPath", "prepare", "held", "step_problem", "decode_batch",
 ENV = "KVCHAT_CPU_FASTPATH"  # "0" turns the fast path off (read when a model is loaded)
 FAMILY = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")  # the blocks layers.py computes
 MLX_MODE = "MLX's own kernels (the CPU fast path does not read this mode)"
+# the layers whose weights held() describes: linear, embedding and stacked experts'
+MATRICES = (
+    nn.Linear,
+    nn.Embedding,
+    *linear.PACKED,
+    switch_layers.SwitchLinear,
+    switch_layers.QuantizedSwitchLinear,
+)
 
 
 @dataclass(eq=False)
@@ -170,13 +179,13 @@ def prepare(model: nn.Module) -> FastPath | str:
 
 
 def held(model: nn.Module) -> str:
-    """How a prepared model's linear and embedding weights are held and multiplied, in a
-    phrase for ``kvchat doctor`` and the sidebar: ``float32``, ``bfloat16, kept as stored,
+    """How a prepared model's linear, expert and embedding weights are held and multiplied,
+    in a phrase for ``kvchat doctor`` and the sidebar: ``float32``, ``bfloat16, kept as stored,
     native kernels (…)``, ``4-bit, groups of 64, kept packed, native kernels (…)``; the
     form of most of the bytes first, any other after it."""
     sizes: dict[str, int] = {}
     for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding, *linear.PACKED)):
+        if isinstance(m, MATRICES):
             weights = stored.stored(m)
             mode = getattr(m, "mode", m.weight.dtype)
             form = weights.describe() if weights is not None else f"{mode}: {MLX_MODE}"
