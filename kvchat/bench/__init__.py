@@ -17,8 +17,8 @@ seconds do not. Sections:
 5. **blas**: prefill speed with the optimised BLAS and without it (one
    subprocess each, since the BLAS is chosen when mlx is first imported).
 6. **cpu**: prefill, decode and a cached follow-up with the CPU fast path on and
-   off, and **quantized weights**: the model's 4- and 8-bit copies, dequantized
-   at load and kept packed (see ``bench/cpu.py``).
+   off, and **quantized weights**: the model's 4- and 8-bit copies, kept packed
+   (see ``bench/cpu.py``).
 7. **fidelity**: each quantized kind's KL divergence against ``standard``, top-1
    agreement and perplexity on a held-out text (:mod:`kvchat.bench.fidelity`).
 

@@ -9,12 +9,11 @@ the whole step (RMSNorm, linear layers, rotary embedding, grouped-query
 attention, SwiGLU) runs in numpy on mlx's own parameters as stored (the linear
 layers' and the embedding's through :class:`~.stored.Stored`, never widened whole;
 norms' weights and biases as float32 vectors) and on views of the caches' keys and
-values; only the cache update stays mlx's: once every layer
-has read its cache, the new keys and values go to ``cache.update_and_fetch`` in
-one evaluation, so the cache, its ledger, trimming and saving see nothing new. A
-quantized cache is updated first, a layer at a time, and read back dequantized
-(one hand-off a layer), so the token attends to its own key as stored, as in
-mlx-lm.
+values; only the cache update stays mlx's: once every layer has read its cache, the
+new keys and values go to ``cache.update_and_fetch`` in one evaluation, so the cache,
+its ledger, trimming and saving see nothing new. A quantized cache is updated first, a
+layer at a time, and read back dequantized (one hand-off a layer), so the token attends
+to its own key as stored, as in mlx-lm.
 
 :func:`hidden` takes B sequences, each with its own per-layer caches (of any
 lengths) and one token or, on a plain ``KVCache``, several (a short prompt
@@ -285,9 +284,9 @@ def numpy_inputs(
     return all(stored(m) is not None for m in matrices) and all(v is not None for v in vectors)
 
 
-def _dtype(stored: mx.array | tuple[mx.array, ...]) -> mx.Dtype:
+def _dtype(keys: mx.array | tuple[mx.array, ...]) -> mx.Dtype:
     """The dtype of a cache's keys: a quantized cache's scales (its values' dtype)."""
-    return stored[1].dtype if isinstance(stored, (tuple, list)) else stored.dtype
+    return keys[1].dtype if isinstance(keys, (tuple, list)) else keys.dtype
 
 
 def hidden(
