@@ -22,7 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
-from kvchat.engine.cpu.attention import as_numpy
+from kvchat.engine.cpu.attention import as_numpy, swiglu_rows
 from kvchat.engine.cpu.stored import Stored, stored
 
 if TYPE_CHECKING:
@@ -80,29 +80,29 @@ class Slices:
     def apply(self, rows: np.ndarray, chosen: np.ndarray) -> np.ndarray:
         """Each row through each expert it chose: ``rows`` ``(n, dim)`` float32 and
         ``chosen`` ``(..., k)`` expert ids, n · k in all; gives ``(n · k, dim)``, the
-        rows' choices in order. Rows are grouped by expert, each expert read once."""
+        rows' choices in order. The choices are sorted by expert (as mlx-lm's
+        ``SwitchGLU`` sorts many), so each chosen expert is read once, for its run of
+        rows, and the activation is one call for all."""
         k = chosen.shape[-1]
-        flat = chosen.reshape(-1)  # slot s is row s // k's (s % k)-th choice
-        out = np.empty((flat.size, rows.shape[1]), dtype=np.float32)
+        flat = chosen.reshape(-1)  # choice c is row c // k's (c % k)-th
         order = np.argsort(flat, kind="stable")
         counts = np.bincount(flat, minlength=self.experts)
-        ends = np.cumsum(counts)
-        for e in np.flatnonzero(counts).tolist():
-            slots = order[ends[e] - counts[e] : ends[e]]
-            h = rows[slots // k]
-            gate = self.expert(0, e).product(h)
-            up = self.expert(1, e).product(h)
-            out[slots] = self.expert(2, e).product(_swiglu(gate, up))
+        ends = np.cumsum(counts).tolist()
+        runs = [(e, ends[e] - int(counts[e]), ends[e]) for e in np.flatnonzero(counts).tolist()]
+        h = rows[order // k]  # the rows in their choices' order
+        hidden = int(self.whole[0].data.shape[1])
+        gate = np.empty((flat.size, hidden), dtype=np.float32)
+        up = np.empty_like(gate)
+        for e, lo, hi in runs:
+            gate[lo:hi] = self.expert(0, e).product(h[lo:hi])
+            up[lo:hi] = self.expert(1, e).product(h[lo:hi])
+        act = swiglu_rows(gate, up)
+        done = np.empty((flat.size, rows.shape[1]), dtype=np.float32)
+        for e, lo, hi in runs:
+            done[lo:hi] = self.expert(2, e).product(act[lo:hi])
+        out = np.empty_like(done)
+        out[order] = done
         return out
-
-
-def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """mlx-lm's ``swiglu``: ``silu(gate) · up`` (``gate`` is overwritten)."""
-    with np.errstate(over="ignore"):  # exp(-gate) may overflow to inf: silu is then 0
-        sigmoid = 1.0 / (1.0 + np.exp(-gate))
-    gate *= sigmoid
-    gate *= up
-    return gate
 
 
 def _stacked(layer: nn.Module) -> Stored | None:
