@@ -83,3 +83,43 @@ async def test_ctrl_b_shows_the_hidden_sidebar_on_a_narrow_screen(make_app):
         await pilot.press("ctrl+b")
         await pilot.pause()
         assert not app.sidebar.display
+
+
+async def test_the_picker_rows_fit_80_columns(make_app, tmp_path):
+    """Every column of the picker, the time last used included, is on screen at 80x24 for
+    a session on a long model id; long names and ids end in an ellipsis."""
+    from datetime import datetime, timedelta
+
+    from kvchat.store import SessionSummary
+    from kvchat.tui.screens.picker import SessionPicker
+    from kvchat.tui.textual_compat import screen_text
+
+    earlier = (datetime.now().astimezone() - timedelta(days=400)).isoformat()
+    today = datetime.now().astimezone().replace(hour=9, minute=41).isoformat()
+    sessions = [
+        SessionSummary(
+            "chat-1", "demo:qwen2.5-0.5b@q4", "standard", 3, 1234, 5 << 20, today, tmp_path
+        ),
+        SessionSummary(
+            "a-session-with-a-very-long-name",
+            "mlx-community/Qwen2.5-3B-Instruct-4bit",
+            "quantized:8",
+            12,
+            56789,
+            300 << 20,
+            earlier,
+            tmp_path,
+        ),
+    ]
+    app = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        app.push_screen(SessionPicker(sessions))
+        await until(pilot, lambda: bool(app.screen.query("#picker-table")))
+        await pilot.pause(0.1)
+        lines = screen_text(app).splitlines()
+    row = next(line for line in lines if "chat-1" in line and "standard" in line)
+    assert "demo:qwen2.5-0.…" in row and row.rstrip(" █").endswith("09:41")
+    long_row = next(line for line in lines if "a-session-with-…" in line)
+    assert "mlx-community/Q…" in long_row
+    assert long_row.rstrip(" █").endswith(earlier[:10])

@@ -1,10 +1,11 @@
-"""The session picker: saved sessions (model, turns, tokens, size, last used), the unsent
+"""The session picker: saved sessions (model, cache kind, turns, tokens, last used), the unsent
 drafts of sessions never saved, or a new one, filtered by name and by the words of their
 transcripts (the store's search index)."""
 
 from __future__ import annotations
 
 import contextlib
+from datetime import datetime
 
 from rich.text import Text
 from textual import on, work
@@ -17,7 +18,30 @@ from textual.widgets import Button, DataTable, Input, Static
 from kvchat import drafts
 from kvchat.store import SessionSummary, StoreError, exists, matching_sessions
 from kvchat.store.search import REBUILT, sync
-from kvchat.units import human_bytes
+
+# the widest name and model shown: with the last-used time as _when gives it, every column
+# fits an 80-column terminal (the filter finds a longer name; `sessions list` shows sizes)
+NAME_WIDTH, MODEL_WIDTH = 16, 16
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _when(stamp: str, now: datetime | None = None) -> str:
+    """A last-used time, short enough for 80 columns: ``14:05`` today, ``Nov 27`` this
+    year, ``2025-11-27`` before (local time); anything unreadable as it is."""
+    try:
+        then = datetime.fromisoformat(stamp).astimezone()
+    except ValueError:
+        return stamp[:16]
+    now = now or datetime.now().astimezone()
+    if then.date() == now.date():
+        return then.strftime("%H:%M")
+    if then.year == now.year:
+        return then.strftime("%b %d")
+    return then.strftime("%Y-%m-%d")
+
 
 UNSENT = "unsent:"  # a row's key for a session never saved, with a message in drafts/
 
@@ -69,7 +93,7 @@ class SessionPicker(ModalScreen):
             table: DataTable[str | Text] = DataTable(
                 id="picker-table", cursor_type="row", zebra_stripes=True, classes="body"
             )
-            table.add_columns("name", "model", "cache", "turns", "tokens", "size", "last used")
+            table.add_columns("name", "model", "cache", "turns", "tokens", "used")
             self._fill(table, self.sessions, self.unsent)
             yield table
             with Horizontal(classes="row buttons"):
@@ -96,19 +120,17 @@ class SessionPicker(ModalScreen):
                 "",
                 "",
                 "",
-                "",
                 key=UNSENT + draft,
             )
         for s in sessions:
-            name = Text(s.name + (" (damaged)" if s.note else ""))
+            name = Text(_cut(s.name, NAME_WIDTH) + (" (damaged)" if s.note else ""))
             table.add_row(
                 name,
-                Text(s.model_id),
+                Text(_cut(s.model_id, MODEL_WIDTH)),
                 Text(s.cache_kind),
                 str(s.turns),
                 f"{s.cache_tokens:,}",
-                human_bytes(s.size_bytes),
-                Text(s.last_used.replace("T", " ")[:16]),
+                Text(_when(s.last_used)),
                 key=s.name,
             )
 
