@@ -326,12 +326,20 @@ def test_linear_layer_matches_mlx_for_every_row_count(rows, fast_path):
     assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item()
 
 
-def test_output_projection_stays_lazy_for_a_prefill(demo_model, fast_path):
-    """A prefill evaluates only the cache: numpy must not compute its logits."""
+def test_output_projection_stays_lazy_for_a_prefill(demo_model, fast_path, monkeypatch):
+    """A prefill evaluates only the cache: numpy must not compute its logits; a decoding
+    step's rows of one token each are numpy's."""
+    calls = []
+    real = linear.multiply
+    monkeypatch.setattr(linear, "multiply", lambda w, x: calls.append(len(x)) or real(w, x))
     embed = demo_model.model.model.embed_tokens
     assert isinstance(embed, CpuEmbedding)
     rows = mx.random.normal((1, 5, embed.weight.shape[1]))
     assert mx.allclose(embed.as_linear(rows), rows @ embed.weight.T, atol=1e-4).item()
+    assert not calls
+    batch = mx.random.normal((3, 1, embed.weight.shape[1]))
+    assert mx.allclose(embed.as_linear(batch), batch @ embed.weight.T, atol=1e-4).item()
+    assert calls == [3]
     stock = nn.Linear(8, 3)
     head = CpuOutput(stock.weight, stock.bias, fast_path)
     one = mx.random.normal((1, 1, 8))

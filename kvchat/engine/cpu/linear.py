@@ -120,9 +120,9 @@ def multiply(weights: Stored, rows: np.ndarray) -> np.ndarray:
 
 def _product(layer: nn.Module, x: mx.array) -> mx.array | None:
     """``x @ layer.weightᵀ`` (plus its bias) through numpy, or None where numpy does not
-    take it: the fast path off, an output projection given more than one row (see
+    take it: the fast path off, an output projection given several tokens a row (see
     :class:`CpuOutput`), an input other than float32, a weight no kernel reads."""
-    if not layer.fast.on or (layer.head and _rows(x) != 1):
+    if not layer.fast.on or (layer.head and _several(x)):
         return None
     weights, xn = stored(layer), as_numpy(x)
     if weights is None or xn is None:
@@ -166,11 +166,12 @@ class CpuLinear(nn.Linear):
 
 
 class CpuOutput(CpuLinear):
-    """The output projection (``lm_head``): through numpy for one row only.
+    """The output projection (``lm_head``): through numpy for one token a row.
 
     A prefill evaluates only the cache, so mlx never computes the logits of its
-    rows as long as they stay lazy; numpy would compute them all (a third of a
-    small model's prefill work). Decoding asks for one row, which numpy runs.
+    tokens as long as they stay lazy; numpy would compute them all (a third of a
+    small model's prefill work). A decoding step asks for one token a row (of one
+    sequence or of a batch), which numpy runs.
     """
 
     head = True
@@ -198,7 +199,7 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
 
 
 class CpuQuantizedOutput(CpuQuantizedLinear):
-    """A packed output projection: through numpy for one row only (see CpuOutput)."""
+    """A packed output projection: through numpy for one token a row (see CpuOutput)."""
 
     head = True
 
@@ -259,8 +260,9 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
         return out
 
 
-def _rows(x: mx.array) -> int:
-    return x.size // x.shape[-1] if x.ndim else 0
+def _several(x: mx.array) -> bool:
+    """Whether ``x`` ``(…, tokens, features)`` holds several tokens a row (a prompt)."""
+    return x.ndim >= 2 and x.shape[-2] > 1
 
 
 def _cpu_layer(path: str, layer: nn.Module, fast: FastPath) -> nn.Module:

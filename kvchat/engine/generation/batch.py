@@ -116,8 +116,11 @@ def decoding_path(lm: Any) -> str:
 
 def separate(model: nn.Module, seqs: list[Sequence], fast_path: Any) -> list[mx.array]:
     """Feed each sequence's pending tokens (:attr:`Sequence.feeding`) into its own cache;
-    each one's logits after its last ``(1, V)``."""
-    if len(seqs) > 1 and separate_batches(fast_path):
+    each one's logits after its last ``(1, V)``: on the CPU fast path through its numpy
+    step, one sequence too (a short prompt folded into the step computes the output
+    projection of its last token only, where the model's forward pass would leave the
+    others' to MLX)."""
+    if separate_batches(fast_path):
         logits = decode_batch(model, [s.feeding for s in seqs], [s.cache for s in seqs])
         if logits is not None:
             return [logits[i : i + 1] for i in range(len(seqs))]
