@@ -110,15 +110,17 @@ def test_a_decoding_step_reads_only_the_experts_its_token_chose(moe):
     assert sorted(fresh.views.made) == sorted((p, e) for e in (3, 6) for p in range(3))
 
 
-def test_experts_packed_as_mlx_community_models_are(tmp_path):
-    """The demo's @q4 writer packs from bfloat16 (bfloat16 scales and biases, as
-    mlx_lm.convert makes them from a bfloat16 checkpoint): the same products as
-    gather_qmm's on float32 rows."""
+@pytest.mark.parametrize("suffix", ["q4", "q8", "bf16"])
+def test_experts_stored_as_mlx_community_models_are(suffix, tmp_path):
+    """The demo's writer packs from bfloat16 (bfloat16 scales and biases, as
+    mlx_lm.convert makes them from a bfloat16 checkpoint), or keeps bfloat16: the same
+    products as gather_qmm's (gather_mm's) on float32 rows."""
     tokenizer = demo.train_tokenizer()
-    demo.write_model(tmp_path, demo.model_config(MOE, tokenizer), tokenizer, "q4")
+    demo.write_model(tmp_path, demo.model_config(MOE, tokenizer), tokenizer, suffix)
     model, _ = mlx_lm.load(str(tmp_path))
     stock = model.model.layers[0].mlp.switch_mlp
-    assert stock.gate_proj.scales.dtype == mx.bfloat16
+    held = stock.gate_proj["scales" if suffix != "bf16" else "weight"]
+    assert held.dtype == mx.bfloat16
     layer = experts.Experts(stock, FastPath())
     x = mx.array(np.random.default_rng(2).standard_normal((1, 5, 128), dtype=np.float32))
     chosen = mx.array([[[0, 1], [2, 3], [4, 5], [6, 7], [7, 0]]])
