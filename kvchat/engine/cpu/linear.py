@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -161,8 +161,7 @@ class CpuLinear(nn.Linear):
         self.fast = fast  # the model's FastPath (a plain attribute: not a child module)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = _product(self, x)
-        return super().__call__(x) if y is None else y
+        return _either(_product(self, x), super().__call__, x)
 
 
 class CpuOutput(CpuLinear):
@@ -192,10 +191,7 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
         self.freeze()  # as nn.QuantizedLinear is
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = _product(self, x)
-        # mlx leaves nn.QuantizedLinear.__call__ unannotated
-        out: mx.array = super().__call__(x) if y is None else y  # type: ignore[no-untyped-call]
-        return out
+        return _either(_product(self, x), super().__call__, x)
 
 
 class CpuQuantizedOutput(CpuQuantizedLinear):
@@ -222,16 +218,10 @@ class CpuEmbedding(nn.Embedding):
         self.fast = fast
 
     def __call__(self, x: mx.array) -> mx.array:
-        rows = _lookup(self, x)
-        # mlx leaves nn.Embedding.__call__ unannotated
-        out: mx.array = super().__call__(x) if rows is None else rows  # type: ignore[no-untyped-call]
-        return out
+        return _either(_lookup(self, x), super().__call__, x)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        y = _product(self, x)
-        # mlx leaves nn.Embedding.as_linear unannotated
-        out: mx.array = super().as_linear(x) if y is None else y  # type: ignore[no-untyped-call]
-        return out
+        return _either(_product(self, x), super().as_linear, x)
 
 
 class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
@@ -249,15 +239,17 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
         self.freeze()
 
     def __call__(self, x: mx.array) -> mx.array:
-        rows = _lookup(self, x)
-        # mlx leaves nn.QuantizedEmbedding's methods unannotated
-        out: mx.array = super().__call__(x) if rows is None else rows  # type: ignore[no-untyped-call]
-        return out
+        return _either(_lookup(self, x), super().__call__, x)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        y = _product(self, x)
-        out: mx.array = super().as_linear(x) if y is None else y  # type: ignore[no-untyped-call]
-        return out
+        return _either(_product(self, x), super().as_linear, x)
+
+
+def _either(ours: mx.array | None, stock: Callable[[mx.array], Any], x: mx.array) -> mx.array:
+    """``ours`` where numpy computed it, else mlx's own ``stock(x)`` (mlx-lm's layer's
+    method: the fast path off, or an input numpy does not take)."""
+    out: mx.array = stock(x) if ours is None else ours
+    return out
 
 
 def _several(x: mx.array) -> bool:
