@@ -31,6 +31,16 @@ def events_of(session: Session, text: str) -> list:
     return list(session.send(text))
 
 
+def test_chunks_count_the_reply_s_tokens_as_they_come(endless):
+    """Each piece says how many tokens the reply has so far (a live count and rate):
+    rising, and the last one the turn's generated tokens."""
+    session = Session(endless, settings=GenerationSettings(max_tokens=20))
+    events = events_of(session, "Count with me.")
+    counts = [e.tokens for e in events if isinstance(e, Chunk)]
+    assert counts == sorted(counts) and counts[0] >= 1
+    assert counts[-1] == events[-1].stats.generated_tokens == 20
+
+
 def test_chunks_carry_the_reply_before_the_turn_ends(demo_model):
     session = Session(demo_model, system=SYSTEM, settings=GenerationSettings(max_tokens=24))
     for text in MESSAGES[:3]:

@@ -14,7 +14,7 @@ from kvchat.pool import SessionPool
 from kvchat.tui.expiry import ExpiryTicker
 from kvchat.tui.screens.transfer import ExportDialog
 from kvchat.tui.transfer import TransferService
-from kvchat.tui.widgets.status import holder_name, state_text
+from kvchat.tui.widgets.status import holder_name, progress_text, state_text, streaming_text
 
 
 class Clock:
@@ -103,3 +103,19 @@ def test_the_status_line_names_the_tab_holding_the_model():
     )
     assert str(state_text("rebuilding", "")) == "Rebuilding…"
     assert state_text("idle", "") == ""
+
+
+def test_the_status_line_says_how_fast_and_how_long_is_left():
+    """A long prompt's evaluation shows its rate and the time left once it has a rate; a
+    reply being written, its tokens so far and their rate."""
+    assert str(progress_text("prefill", 0, 18_903, 0.0)) == (
+        "Prefill: 0 of 18,903 tokens… Esc stops"
+    )
+    assert str(progress_text("prefill", 2_048, 18_903, 5.0)) == (
+        "Prefill: 2,048 of 18,903 tokens · 410 tokens/s · 41 s left… Esc stops"
+    )
+    assert str(progress_text("prefill", 512, 90_000, 4.0)).endswith(
+        " · 11 min 39 s left… Esc stops"
+    )
+    assert str(streaming_text(1, 0.0)) == "Answering: 1 token… Esc stops"
+    assert str(streaming_text(43, 2.0)) == "Answering: 43 tokens · 21.0 tokens/s… Esc stops"

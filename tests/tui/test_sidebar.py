@@ -10,6 +10,7 @@ import pytest
 
 from kvchat import store
 from kvchat.engine.conversation.session import Prefill
+from kvchat.tui.screens.dialogs import ConfirmDialog
 from kvchat.tui.widgets.messages import AssistantMessage
 from kvchat.units import human_bytes
 
@@ -63,10 +64,13 @@ async def test_undo_takes_its_turn_off_the_panel_and_every_view_counts_turns_ali
         assert "over 2 turn(s)" in widget_text(app.screen.query_one("#trim-dialog"))
         await pilot.press("escape")
 
-        for _ in range(2):
+        for last in (False, True):
             await pilot.press("ctrl+l")
             await pilot.pause()
             await pilot.click("#trim-undo")
+            if last:  # undoing the only turn asks first
+                await until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
+                await pilot.click("#confirm-yes")
             await settle(pilot, conversation)
         panel = widget_text(app.sidebar)
         assert row(panel, "turns") == "0" and row(panel, "last change") == "undo"
@@ -94,9 +98,13 @@ async def test_after_a_trim_and_an_undo_the_panel_shows_the_cache_as_it_is(make_
         assert row(panel, "evaluated") == f"{session.last_change.evaluated_tokens:,}"
         assert session.last_change.evaluated_tokens > 0  # the kept turns, evaluated again
 
+        only = sum(m["role"] == "user" for m in session.messages) == 1
         await pilot.press("ctrl+l")
         await pilot.pause()
         await pilot.click("#trim-undo")
+        if only:  # the trim kept one turn: undoing it asks first
+            await until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
+            await pilot.click("#confirm-yes")
         await settle(pilot, conversation)
         panel = widget_text(app.sidebar)
         assert session.cache_tokens < before.cache_tokens
@@ -206,9 +214,19 @@ async def test_while_a_reply_is_written_the_panel_shows_that_turn_not_the_last(m
         )
         panel = widget_text(app.sidebar)
         assert "this turn answering…" in flat(panel) and row(panel, "last turn") is None
-        for label in ("reused", "generated", "gen speed", "TTFT"):
+        for label in ("reused", "TTFT"):
             assert row(panel, label) is None, label  # none of the first turn's figures
         shown = row(panel, "evaluated")
+
+        def generated() -> int:  # this reply's tokens so far, as the panel shows them live
+            return int((row(widget_text(app.sidebar), "generated") or "0").replace(",", ""))
+
+        await until(pilot, lambda: generated() >= 8)  # past the first turn's 6: its own
+        seen = generated()
+        await until(pilot, lambda: generated() > seen)  # growing as it streams
+        assert row(widget_text(app.sidebar), "gen speed").endswith(" tok/s")
+        status = widget_text(conversation.query_one(".status")).strip()
+        assert status.startswith("Answering: ") and " tokens/s… Esc stops" in status
         await pilot.press("escape")
         await settle(pilot, conversation)
         second = session.last_stats

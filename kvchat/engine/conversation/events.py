@@ -46,9 +46,11 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of the streamed reply (untrusted model output)."""
+    """A piece of the streamed reply (untrusted model output); ``tokens``: the reply's
+    tokens sampled so far (for a live count and rate)."""
 
     text: str
+    tokens: int = 0
 
 
 @dataclass(frozen=True)

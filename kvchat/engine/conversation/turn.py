@@ -257,7 +257,7 @@ def run_turn(
                         yield token_logprobs(message, seq.sampled_logprobs[len(tokens) - 1], report)
                     piece = text.add(message)
                     if piece:
-                        yield Chunk(piece)
+                        yield Chunk(piece, len(tokens))
                     # The core may be tokens ahead of this reader: a stop ends the reply
                     # at the token read; the cache may hold a few more (the ledger says
                     # so, and the next turn's prefix match trims them).
@@ -272,7 +272,7 @@ def run_turn(
         stopped = stopped or left.stopped
         piece = text.finish()
         if piece:
-            yield Chunk(piece)
+            yield Chunk(piece, len(tokens))
         reply = text.text
     except GeneratorExit:
         # The consumer walked away mid-reply: keep what was said, as stopped.

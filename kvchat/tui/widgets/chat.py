@@ -85,6 +85,8 @@ class Conversation(Vertical):
         self.turns = TurnRunner(self)
         # the running turn's prompt evaluation: tokens done, of how many (for the sidebar)
         self.prefill: tuple[int, int] | None = None
+        # the running reply's tokens so far and seconds since its first (for the sidebar)
+        self.streamed: tuple[int, float] | None = None
         self._typed_timer: Timer | None = None  # the message box's next keeping on disk
         self._typed_as: str | None = None  # the name its text was last kept under
         self._typed_text = ""  # the message box's text, as of its last change

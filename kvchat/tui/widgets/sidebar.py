@@ -49,6 +49,7 @@ class CacheInfo:
     turns: int
     last: TurnStats | None  # None while a turn runs or after a change: not the cache's figures
     prefill: tuple[int, int] | None  # the running turn's prompt tokens evaluated, of how many
+    streamed: tuple[int, float] | None  # its reply's tokens so far, seconds since the first
     prompt_eval_history: tuple[float, ...]
     rebuilt: str | None
     rebuild_pending: bool
@@ -85,6 +86,7 @@ class CacheInfo:
             turns=figures.user_turns,
             last=last,
             prefill=conversation.prefill if running else None,
+            streamed=conversation.streamed if running else None,
             prompt_eval_history=figures.prompt_eval_history,
             rebuilt=figures.pending_rebuild or (last.rebuilt if last else None),
             rebuild_pending=figures.pending_rebuild is not None,
@@ -220,6 +222,11 @@ class CacheSidebar(Vertical):
             if info.prefill is not None:
                 done, total = info.prefill
                 turn = [("evaluated", f"{total:,}" if done >= total else f"{done:,} of {total:,}")]
+            if info.streamed is not None:
+                tokens, elapsed = info.streamed
+                turn.append(("generated", f"{tokens:,}"))
+                if tokens > 1 and elapsed > 0:
+                    turn.append(("gen speed", f"{(tokens - 1) / elapsed:,.1f} tok/s"))
         note = reevaluated_note(last.reevaluated_reply_tokens) if last else None
         return Group(
             _grid(cache),

@@ -18,6 +18,30 @@ def state_text(state: str, holder: str) -> Text | str:
     return Text(f"{state.capitalize()}…")
 
 
+def progress_text(label: str, done: int, total: int, elapsed: float) -> Text:
+    """A prompt's evaluation (or a cache's loading) so far, with its rate and the time left
+    once there is a rate to go by: ``Prefill: 2,048 of 18,903 tokens · 410 tokens/s · 41 s
+    left``."""
+    text = f"{label.capitalize()}: {done:,} of {total:,} tokens"
+    if done > 0 and elapsed > 0 and done < total:
+        rate = done / elapsed
+        text += f" · {rate:,.0f} tokens/s · {_duration((total - done) / rate)} left"
+    return Text(text + "… Esc stops")
+
+
+def streaming_text(tokens: int, elapsed: float) -> Text:
+    """A reply being written: its tokens so far and their rate (from its first token)."""
+    rate = f" · {(tokens - 1) / elapsed:,.1f} tokens/s" if tokens > 1 and elapsed > 0 else ""
+    return Text(f"Answering: {tokens:,} token{'s' if tokens != 1 else ''}{rate}… Esc stops")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{max(1, round(seconds))} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s"
+
+
 def holder_name(running: str | None, tabs: Mapping[str, str]) -> str:
     """Who holds the model, as the user knows it: ``running`` is the scheduler's owner,
     ``tabs`` each tab's owner and name (a tab's name rather than its widget id)."""

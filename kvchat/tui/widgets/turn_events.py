@@ -40,9 +40,9 @@ class PrefillProgress(TurnEvent):
 
 
 class ReplyChunk(TurnEvent):
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, tokens: int) -> None:
         super().__init__()
-        self.text = text
+        self.text, self.tokens = text, tokens  # the reply's tokens so far
 
 
 class TurnFinished(TurnEvent):

@@ -4,12 +4,12 @@ the prefill's progress, the reply's words, its end) on the UI thread."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
-from rich.text import Text
 from textual.widgets import ProgressBar, Static
 
 from kvchat import drafts, store
@@ -17,6 +17,7 @@ from kvchat.engine.conversation.session import Chunk, Prefill, SessionError, Tur
 from kvchat.engine.generation.scheduler import Cancelled
 
 from .messages import AssistantMessage, BranchBar, UserMessage, Welcome, rebuild_note
+from .status import progress_text, streaming_text
 from .transcript import show_branches_from
 from .turn_events import (
     Changed,
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from ..app import KvChatApp
     from .chat import Conversation
 
+LIVE_S = 0.25  # a streaming reply's count and rate are drawn at most this often
+
 
 class TurnRunner:
     """Runs ``conversation``'s turns: one at a time, its state (``waiting``,
@@ -45,6 +48,8 @@ class TurnRunner:
         self.reply_index = -1  # where the reply being written goes in the transcript
         self.redraw: int | None = None  # an edit or regenerate point: redraw from there
         self.then: Callable[[TurnDone], Any] | None = None  # for the running turn's end
+        self.since: float | None = None  # when the prefill, then the reply, began (monotonic)
+        self.shown = 0.0  # when the live figures were last drawn
 
     # ------------------------------------------------------------- starting
 
@@ -119,7 +124,8 @@ class TurnRunner:
         self.user_widget = None if text is None else UserMessage(text, at)
         self.reply_index = at + (text is not None)
         self.reply = None
-        tab.prefill = None
+        tab.prefill = tab.streamed = None
+        self.since = None
         if self.user_widget is not None:
             await tab.log.query(Welcome).remove()
             await tab.log.mount(self.user_widget)
@@ -163,7 +169,7 @@ class TurnRunner:
                 if isinstance(event, Prefill):
                     post(PrefillProgress(event.done, event.total, "prefill"))
                 elif isinstance(event, Chunk):
-                    post(ReplyChunk(event.text))
+                    post(ReplyChunk(event.text, event.tokens))
                 elif isinstance(event, TurnDone):
                     done = event
             if done is not None and tab.autosave:
@@ -208,10 +214,12 @@ class TurnRunner:
         # a prefill of a few tokens is over before the bar could be read
         bar.display = event.total >= 64 and event.done < event.total
         bar.update(total=max(1, event.total), progress=event.done)
+        if event.done == 0 or self.since is None:
+            self.since = time.monotonic()
         if bar.display:
-            tab.query_one(".status", Static).update(
-                Text(f"{event.label.capitalize()}: {event.done:,} of {event.total:,} tokens")
-            )
+            elapsed = time.monotonic() - self.since
+            status = progress_text(event.label, event.done, event.total, elapsed)
+            tab.query_one(".status", Static).update(status)
         if event.label == "prefill":
             tab.prefill = (event.done, event.total)
             tab.post_message(Changed(tab))
@@ -225,9 +233,16 @@ class TurnRunner:
             tab.prefill = (total, total)
             tab.post_message(Changed(tab))
             self.reply = AssistantMessage(index=self.reply_index)
+            self.since = self.shown = time.monotonic()
             await tab.log.mount(self.reply)
         await self.reply.write(event.text)
         tab.log.scroll_end(animate=False)
+        now = time.monotonic()
+        if now - self.shown >= LIVE_S or event.tokens == 1:  # a few times a second
+            self.shown = now
+            tab.streamed = (event.tokens, now - (self.since or now))
+            tab.query_one(".status", Static).update(streaming_text(*tab.streamed))
+            tab.post_message(Changed(tab))
 
     async def finished(self, event: TurnFinished) -> None:
         tab = self.conversation
