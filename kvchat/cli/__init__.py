@@ -1,14 +1,14 @@
 """The ``kvchat`` command: the TUI by default, and sub-commands added to one Typer ``app``.
 
 ``common`` holds the app and what every command shares; ``main`` the TUI,
-``doctor``, ``replay`` and ``bench``; ``ask``, ``launch``, ``serve`` and ``sessions`` their
-commands.
+``doctor``, ``replay`` and ``bench``; ``ask``, ``launch``, ``models``, ``serve`` and
+``sessions`` their commands.
 Importing this package registers them all.
 """
 
 from __future__ import annotations
 
-from . import ask, launch, serve, sessions  # noqa: F401  (they register their commands on ``app``)
+from . import ask, launch, models, serve, sessions  # noqa: F401  (they register their commands)
 from .ask import stream_reply
 from .common import app
 from .main import main
