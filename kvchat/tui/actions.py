@@ -8,6 +8,7 @@ and its tab controller.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -136,11 +137,25 @@ class TabActions:
         if known is not None:
             show(known)
             return
+        names, stop = list(OFFERED_KINDS), threading.Event()
+
+        def check(progress) -> list[str] | None:
+            """Each kind in turn (its answer kept: a stopped check goes on from there)."""
+            for done, name in enumerate(names):
+                if stop.is_set():
+                    return None
+                progress(done, len(names))
+                applicable_kinds(model, [name])
+            return applicable_kinds(model, names)
+
+        def checked(applicable: list[str] | None) -> None:
+            if applicable is None:
+                self.notify("Stopped checking cache kinds; F4 goes on from where it stopped.")
+            else:
+                show(applicable)
+
         conversation.run_job(
-            "checking cache kinds",
-            lambda progress: applicable_kinds(model, list(OFFERED_KINDS)),
-            show,
-            needs_cache=False,
+            "checking cache kinds", check, checked, needs_cache=False, stop=stop, unit="kinds"
         )
 
     def reset_cache(self) -> None:

@@ -117,5 +117,8 @@ def test_the_status_line_says_how_fast_and_how_long_is_left():
     assert str(progress_text("prefill", 512, 90_000, 4.0)).endswith(
         " · 11 min 39 s left… Esc stops"
     )
+    assert str(progress_text("checking cache kinds", 3, 12, 6.0, "kinds")) == (
+        "Checking cache kinds: 3 of 12 kinds · 18 s left… Esc stops"
+    )
     assert str(streaming_text(1, 0.0)) == "Answering: 1 token… Esc stops"
     assert str(streaming_text(43, 2.0)) == "Answering: 43 tokens · 21.0 tokens/s… Esc stops"

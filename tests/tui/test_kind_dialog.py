@@ -144,3 +144,37 @@ async def test_the_kinds_are_found_once_then_the_dialog_opens_without_a_job(make
         await pilot.pause()
         assert isinstance(app.screen, KindDialog) and app.screen.names == names
         assert jobs == [] and made == []  # shown from the answers kept
+
+
+async def test_esc_stops_checking_the_kinds_and_f4_goes_on_from_there(make_app, monkeypatch):
+    """The check of which kinds a model takes shows its progress in kinds and stops at Esc;
+    the kinds checked keep their answers, so the next F4 checks only the rest."""
+    monkeypatch.setattr(fit, "_FOUND", {})  # nothing found about the model yet
+    made: list[str] = []
+    real_make = kinds.make_cache
+
+    def make(model, kind, keep=0):
+        made.append(kind.name)
+        return real_make(model, kind, keep)
+
+    monkeypatch.setattr(kinds, "make_cache", make)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        made.clear()
+        with app.scheduler.turn("held by the test"):  # the check waits for the model
+            await pilot.press("f4")
+            await until(pilot, lambda: conversation.state == "checking cache kinds")
+            await pilot.press("escape")
+        await settle(pilot, conversation)
+        assert made == [] and not isinstance(app.screen, KindDialog)
+        said = [str(n.message) for n in notifications(app)]
+        assert "Stopped checking cache kinds; F4 goes on from where it stopped." in said
+
+        first = kinds.OFFERED_KINDS[0]
+        kinds.applicable_kinds(app.lm.model, [first])  # one answer known already
+        made.clear()
+        await pilot.press("f4")
+        await until(pilot, lambda: isinstance(app.screen, KindDialog))
+        assert sorted(made) == sorted(k for k in kinds.OFFERED_KINDS if k != first)

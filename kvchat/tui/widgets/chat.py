@@ -3,6 +3,7 @@ collaborators that act on its session (its turns, jobs and message actions)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -311,9 +312,11 @@ class Conversation(Vertical):
         then: Callable[[Any], Any] | None = None,
         *,
         needs_cache: bool = True,
+        stop: threading.Event | None = None,
+        unit: str = "tokens",
     ) -> bool:
         """Run ``job(progress)`` in the tab's worker (see :meth:`JobRunner.run`)."""
-        return self.jobs.run(label, job, then, needs_cache=needs_cache)
+        return self.jobs.run(label, job, then, needs_cache=needs_cache, stop=stop, unit=unit)
 
     @on(JobFinished)
     async def _job_finished(self, event: JobFinished) -> None:

@@ -4,6 +4,7 @@ the UI thread."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ class JobRunner:
 
     def __init__(self, conversation: Conversation) -> None:
         self.conversation = conversation
+        self.stopping: threading.Event | None = None  # the running job's stop, if it takes one
 
     def run(
         self,
@@ -32,28 +34,48 @@ class JobRunner:
         then: Callable[[Any], Any] | None = None,
         *,
         needs_cache: bool = True,
+        stop: threading.Event | None = None,
+        unit: str = "tokens",
     ) -> bool:
         """Run ``job(progress)`` in a worker thread, in turn with the other tabs; call
         ``then(result)`` on the UI thread afterwards. With ``needs_cache`` an offloaded
-        cache is loaded back from disk first. False (and a notice) if the tab is busy."""
+        cache is loaded back from disk first; a job given ``stop`` is stopped by Esc
+        (:meth:`stop` sets it: the job looks at it); its progress counts ``unit``. False
+        (and a notice) if the tab is busy."""
         tab = self.conversation
         if tab.refuse_if_busy():
             return False
         tab.state = label
+        self.stopping = stop
         tab.run_worker(
-            partial(self.work, label, job, then, needs_cache), name="job", group="job", thread=True
+            partial(self.work, label, job, then, needs_cache, unit),
+            name="job",
+            group="job",
+            thread=True,
         )
         return True
 
+    def stop(self) -> bool:
+        """Esc: ask the running job to stop, where it takes a stop. True if asked."""
+        if self.stopping is None or self.stopping.is_set():
+            return False
+        self.stopping.set()
+        return True
+
     def work(
-        self, label: str, job: Callable[[Progress], Any], then: Callable | None, needs_cache: bool
+        self,
+        label: str,
+        job: Callable[[Progress], Any],
+        then: Callable | None,
+        needs_cache: bool,
+        unit: str,
     ) -> None:
         """Worker thread: wait for the model, run the job, report back by a message."""
         tab = self.conversation
         post = tab.post_message
 
         def progress(done: int, total: int, what: str = label) -> None:
-            post(PrefillProgress(done, total, what))
+            post(PrefillProgress(done, total, what, unit if what == label else "tokens"))
 
         try:
             with tab.scheduler.turn(tab.owner):
@@ -72,6 +94,7 @@ class JobRunner:
         tab = self.conversation
         tab.touch_pool()
         tab.state = "idle"
+        self.stopping = None
         if event.refusal:
             tab.notify(event.refusal, severity="warning", markup=False)
         elif event.error:

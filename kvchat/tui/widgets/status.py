@@ -18,14 +18,15 @@ def state_text(state: str, holder: str) -> Text | str:
     return Text(f"{state.capitalize()}…")
 
 
-def progress_text(label: str, done: int, total: int, elapsed: float) -> Text:
-    """A prompt's evaluation (or a cache's loading) so far, with its rate and the time left
-    once there is a rate to go by: ``Prefill: 2,048 of 18,903 tokens · 410 tokens/s · 41 s
-    left``."""
-    text = f"{label.capitalize()}: {done:,} of {total:,} tokens"
+def progress_text(label: str, done: int, total: int, elapsed: float, unit: str = "tokens") -> Text:
+    """A prompt's evaluation (or a cache's loading, or a job's steps in ``unit``) so far,
+    with its rate and the time left once there is a rate to go by: ``Prefill: 2,048 of
+    18,903 tokens · 410 tokens/s · 41 s left``."""
+    text = f"{label.capitalize()}: {done:,} of {total:,} {unit}"
     if done > 0 and elapsed > 0 and done < total:
         rate = done / elapsed
-        text += f" · {rate:,.0f} tokens/s · {_duration((total - done) / rate)} left"
+        speed = f" · {rate:,.0f} {unit}/s" if unit == "tokens" else ""
+        text += f"{speed} · {_duration((total - done) / rate)} left"
     return Text(text + "… Esc stops")
 
 

@@ -34,9 +34,9 @@ class Started(TurnEvent):
 
 
 class PrefillProgress(TurnEvent):
-    def __init__(self, done: int, total: int, label: str) -> None:
+    def __init__(self, done: int, total: int, label: str, unit: str = "tokens") -> None:
         super().__init__()
-        self.done, self.total, self.label = done, total, label
+        self.done, self.total, self.label, self.unit = done, total, label, unit
 
 
 class ReplyChunk(TurnEvent):

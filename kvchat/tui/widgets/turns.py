@@ -133,14 +133,15 @@ class TurnRunner:
         tab.run_worker(partial(self.work, events), name="turn", group="turn", thread=True)
 
     def stop(self) -> bool:
-        """Stop the running reply, or withdraw a queued one. True if there was one."""
+        """Stop the running reply, or withdraw a queued one, or ask a stoppable job to
+        stop. True if there was one."""
         tab = self.conversation
         if tab.state == "waiting" and tab.scheduler.cancel(tab.owner):
             return True
         if tab.state in ("waiting", "answering"):  # waiting, but not queued yet: stop it
             tab.session.stop()  # as soon as it starts
             return True
-        return False
+        return tab.jobs.stop()  # a job that takes a stop (checking cache kinds)
 
     # ------------------------------------------------------- worker thread
 
@@ -212,13 +213,13 @@ class TurnRunner:
         tab = self.conversation
         bar = tab.query_one(".progress", ProgressBar)
         # a prefill of a few tokens is over before the bar could be read
-        bar.display = event.total >= 64 and event.done < event.total
+        bar.display = (event.total >= 64 or event.unit != "tokens") and event.done < event.total
         bar.update(total=max(1, event.total), progress=event.done)
         if event.done == 0 or self.since is None:
             self.since = time.monotonic()
         if bar.display:
             elapsed = time.monotonic() - self.since
-            status = progress_text(event.label, event.done, event.total, elapsed)
+            status = progress_text(event.label, event.done, event.total, elapsed, event.unit)
             tab.query_one(".status", Static).update(status)
         if event.label == "prefill":
             tab.prefill = (event.done, event.total)
