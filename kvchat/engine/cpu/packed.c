@@ -36,35 +36,46 @@
 #include "kernels.h"
 
 enum { F32 = 0, F16 = 1, BF16 = 2 }; /* how scales, biases or 16-bit weights are held */
-#define HALF_F16 16                  /* `fmt` of float16 weights (else: bits of the codes) */
+#define ODD 3 /* `fmt` of 3, 5 and 6-bit codes (one loop, the width read at run time) */
+#define HALF_F16 16 /* of float16 weights (else: bits of the codes, 2, 4 or 8) */
 #define HALF_BF16 17
 #define MB 8 /* rows of x a tile takes (more go in groups of MB) */
+#define TILE 16 /* dot products a tile keeps: weight rows NR_OF(nb) × nb rows of x */
+#define NR_OF(nb) ((nb) <= 4 ? 4 : 2)
 /* A product of fewer weight values × rows than this runs on the calling thread: waking
  * the others costs more than they save. */
 #define PARALLEL_WORK (1 << 18)
 
-typedef uint32_t vu __attribute__((vector_size(VL * 4)));
-typedef uint32_t vuu __attribute__((vector_size(VL * 4), aligned(1)));
-typedef uint64_t v4q __attribute__((vector_size(VL * 4)));
-typedef uint64_t vq __attribute__((vector_size(VL * 8)));
+/* The kernels' vectors: 16 floats, 512 bits (AVX-512's registers; two of AVX2's, four of
+ * SSE's or NEON's where those are what the clone has). With 8 lanes an 8-row tile was
+ * bound by its multiply-adds at 3.8 times a row's time; the same tile in 16 lanes does
+ * half the instructions. */
+#define WL 16
+typedef float wf __attribute__((vector_size(WL * 4)));
+typedef float wfu __attribute__((vector_size(WL * 4), aligned(4)));
+typedef int32_t wi __attribute__((vector_size(WL * 4)));
+typedef uint32_t wu __attribute__((vector_size(WL * 4)));
+typedef uint32_t wuu __attribute__((vector_size(WL * 4), aligned(1)));
+typedef uint64_t wq __attribute__((vector_size(WL * 4)));
+typedef uint64_t wqq __attribute__((vector_size(WL * 8)));
 
-static inline __attribute__((always_inline)) vf ints(vu a) { return __builtin_convertvector((vi)a, vf); }
+static inline __attribute__((always_inline)) wf ints(wu a) { return __builtin_convertvector((wi)a, wf); }
 
 /* float16 bits (the low 16 of each lane), widened: normal, subnormal, infinite and NaN
  * (GCC 12 widens a vector of _Float16 one lane at a time, even where F16C is at hand). */
-static inline __attribute__((always_inline)) vf widen_f16(vu h) {
-    vu e = h & 0x7c00, mag = (h & 0x7fff) << 13;
-    vu normal = mag + (112 << 23);
-    vu tiny = (vu)(ints(h & 0x3ff) * splat(0x1p-24f));
-    vu zero = (vu)(e == 0);
-    vu v = (tiny & zero) | (normal & ~zero);
-    v += (vu)(e == 0x7c00) & (112 << 23);
-    return (vf)(v | ((h & 0x8000) << 16));
+static inline __attribute__((always_inline)) wf widen_f16(wu h) {
+    wu e = h & 0x7c00, mag = (h & 0x7fff) << 13;
+    wu normal = mag + (112 << 23);
+    wu tiny = (wu)(ints(h & 0x3ff) * 0x1p-24f);
+    wu zero = (wu)(e == 0);
+    wu v = (tiny & zero) | (normal & ~zero);
+    v += (wu)(e == 0x7c00) & (112 << 23);
+    return (wf)(v | ((h & 0x8000) << 16));
 }
 
 static inline float scalar16(uint16_t h, int fmt) {
-    vu v = {h};
-    return fmt == HALF_BF16 ? ((vf)(v << 16))[0] : widen_f16(v)[0];
+    wu v = {h};
+    return fmt == HALF_BF16 ? ((wf)(v << 16))[0] : widen_f16(v)[0];
 }
 
 /* Element i of a scale or bias array held as `kind`. */
@@ -73,44 +84,54 @@ static inline float value(const void *p, int kind, Py_ssize_t i) {
     return scalar16(((const uint16_t *)p)[i], kind == F16 ? HALF_F16 : HALF_BF16);
 }
 
-/* A chunk: the values widened at once (8 bytes of 2, 4 or 8-bit codes, 8 codes of 3, 5 or
- * 6 bits, 16 16-bit values), as VECS vectors; lane j of vector s holds the chunk's value
- * POS(fmt, s, j). x is laid out to match (arrange). */
-#define CODES(fmt) ((fmt) == 2 ? 32 : (fmt) == 4 || (fmt) >= HALF_F16 ? 16 : 8)
-#define VECS(fmt) (CODES(fmt) / VL)
+/* A chunk: the values widened at once (8 bytes of 2 or 4-bit codes, 16 bytes of 8-bit
+ * ones, 16 codes of 3, 5 or 6 bits, 32 16-bit values), as VECS vectors; lane j of vector
+ * s holds the chunk's value POS(fmt, s, j). x is laid out to match (arrange). */
+#define CODES(fmt) ((fmt) == 2 || (fmt) >= HALF_F16 ? 32 : 16)
+#define VECS(fmt) (CODES(fmt) / WL)
+#define LANES(fmt) ((fmt) == 8 ? 8 : 16) /* lanes a 64-bit word of codes fills */
 #define POS(fmt, s, j)                                                                     \
-    ((fmt) >= HALF_F16                 ? 2 * (j) + (s)                                     \
-     : 32 % (fmt)                ? (j)                                                     \
-                                 : ((j) & 1) * (32 / (fmt)) + ((j) >> 1) + 4 * (s))
+    ((fmt) >= HALF_F16 ? 2 * (j) + (s)                                                     \
+     : 32 % (fmt)      ? (j)                                                               \
+                       : (j) / LANES(fmt) * (64 / (fmt)) + ((j) & 1) * (32 / (fmt))        \
+                             + ((j) % LANES(fmt) >> 1) + 8 * (s))
 
 /* Chunk c of a row (of packed codes or 16-bit values) as VECS(fmt) vectors of floats. Two,
- * four or eight-bit codes: the chunk's 64 bits in each pair of lanes, each lane shifting
- * out its own code; three, five, six: eight codes of `fmt` bytes; 16-bit values: two in
- * each lane of a 32-byte load. */
+ * four or eight-bit codes: a 64-bit word in each pair of lanes, each lane shifting out its
+ * own code; three, five, six: the 64 bits of eight codes in each of eight lanes; 16-bit
+ * values: two in each lane of a 64-byte load. */
 static inline __attribute__((always_inline)) void chunk(const uint8_t *row, Py_ssize_t c,
-                                                        int fmt, vf *q) {
+                                                        int fmt, int bits, wf *q) {
     if (fmt >= HALF_F16) {
-        vu v = *(const vuu *)(row + 32 * c);
+        wu v = *(const wuu *)(row + 64 * c);
         if (fmt == HALF_BF16) {
-            q[0] = (vf)(v << 16);
-            q[1] = (vf)(v & 0xffff0000u);
+            q[0] = (wf)(v << 16);
+            q[1] = (wf)(v & 0xffff0000u);
         } else {
             q[0] = widen_f16(v & 0xffff);
             q[1] = widen_f16(v >> 16);
         }
     } else if (32 % fmt == 0) {
-        uint64_t word;
-        memcpy(&word, row + 8 * c, 8);
-        vu v = (vu)(v4q){word, word, word, word};
-        const vu shifts = {0, 0, fmt, fmt, 2 * fmt, 2 * fmt, 3 * fmt, 3 * fmt};
+        const uint8_t *p = row + CODES(fmt) * fmt / 8 * c;
+        uint64_t w0, w1;
+        memcpy(&w0, p, 8);
+        wu v = (wu)(wq){w0, w0, w0, w0, w0, w0, w0, w0};
+        if (fmt == 8) { /* lanes 8 … 15: the next word */
+            memcpy(&w1, p + 8, 8);
+            const wq high = {0, 0, 0, 0, ~0ull, ~0ull, ~0ull, ~0ull};
+            v = (wu)(((wq)v & ~high) | ((wq){w1, w1, w1, w1, w1, w1, w1, w1} & high));
+        }
+        const wu step = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+        const wu shifts = fmt == 8 ? (step & 3) * 8 : step * fmt;
         for (int s = 0; s < VECS(fmt); s++)
-            q[s] = ints((v >> (shifts + 4 * fmt * s)) & ((1u << fmt) - 1));
+            q[s] = ints((v >> (shifts + 8 * fmt * s)) & ((1u << fmt) - 1));
     } else {
-        uint64_t word = 0;
-        memcpy(&word, row + fmt * c, fmt);
-        const vq shifts = {0, fmt, 2 * fmt, 3 * fmt, 4 * fmt, 5 * fmt, 6 * fmt, 7 * fmt};
-        vq v = ((vq){word, word, word, word, word, word, word, word} >> shifts) & ((1u << fmt) - 1);
-        q[0] = __builtin_convertvector(__builtin_convertvector(v, vi), vf);
+        uint64_t w0 = 0, w1 = 0;
+        memcpy(&w0, row + 2 * bits * c, bits);
+        memcpy(&w1, row + 2 * bits * c + bits, bits);
+        const wqq shifts = (wqq){0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7} * (uint64_t)bits;
+        wqq v = (wqq){w0, w0, w0, w0, w0, w0, w0, w0, w1, w1, w1, w1, w1, w1, w1, w1};
+        q[0] = __builtin_convertvector(__builtin_convertvector((v >> shifts) & ((1u << bits) - 1), wi), wf);
     }
 }
 
@@ -118,53 +139,59 @@ static inline __attribute__((always_inline)) void chunk(const uint8_t *row, Py_s
 typedef struct {
     const uint8_t *w;
     Py_ssize_t out, in, row_bytes;
-    int fmt;                     /* bits of the codes, or HALF_F16 / HALF_BF16 */
+    int fmt;                     /* 2, ODD, 4, 8, HALF_F16 or HALF_BF16 */
+    int bits;                    /* of the codes (affine only) */
     Py_ssize_t group, groups;    /* affine only */
     const void *scales, *biases; /* (out, groups) */
     int kind;                    /* the scales' and biases' F32 / F16 / BF16 */
 } Matrix;
 
-/* acc[r][b] += chunk c of weight row o + r times the same of row b of x (xs, arranged). */
+/* tot[r · nb + b] += chunk c of weight row o + r (its codes times scale[r], the row's
+ * group's scale) times the same of row b of x (xs, arranged). */
 static inline __attribute__((always_inline)) void products(const Matrix *m, int fmt, int NR,
                                                            int nb, const float *xs,
                                                            Py_ssize_t o, Py_ssize_t c,
-                                                           vf acc[4][MB]) {
-    vf q[4][4];
-    for (int r = 0; r < NR; r++) chunk(m->w + (o + r) * m->row_bytes, c, fmt, q[r]);
+                                                           const float *scale, wf *tot) {
+    wf q[4][2];
+    for (int r = 0; r < NR; r++) {
+        chunk(m->w + (o + r) * m->row_bytes, c, fmt, m->bits, q[r]);
+        if (fmt < HALF_F16)
+            for (int s = 0; s < VECS(fmt); s++) q[r][s] *= scale[r];
+    }
     for (int b = 0; b < nb; b++)
         for (int s = 0; s < VECS(fmt); s++) {
-            vf xb = load(xs + b * m->in + c * CODES(fmt) + s * VL);
-            for (int r = 0; r < NR; r++) acc[r][b] += q[r][s] * xb;
+            wf xb = *(const wfu *)(xs + b * m->in + c * CODES(fmt) + s * WL);
+            for (int r = 0; r < NR; r++) tot[r * nb + b] += q[r][s] * xb;
         }
 }
 
 /* y[b, o + r] for r < NR, b < nb: NR weight rows from o times nb rows of x, arranged in xs
- * (group sums in sx). fmt, NR and nb are constants where it is inlined. */
+ * (group sums in sx, which the biases multiply). fmt, NR and nb are constants where it is
+ * inlined. Scaling the codes once for all rows of x (rather than each group's dot product,
+ * s · Σ q·x) keeps one sum per row pair: an 8-row tile in 16 registers. */
 static inline __attribute__((always_inline)) void tile(const Matrix *m, int fmt, int NR, int nb,
                                                        const float *xs, const float *sx,
                                                        float *y, Py_ssize_t o) {
-    vf tot[4][MB];
-    for (int r = 0; r < NR; r++)
-        for (int b = 0; b < MB; b++) tot[r][b] = (vf){0}; /* unused ones add zeros */
+    wf tot[TILE]; /* tot[r · nb + b]: a flat array, small enough to live in registers */
+    for (int i = 0; i < NR * nb; i++) tot[i] = (wf){0};
     Py_ssize_t chunks = m->in / CODES(fmt);
     if (fmt >= HALF_F16) {
-        for (Py_ssize_t c = 0; c < chunks; c++) products(m, fmt, NR, nb, xs, o, c, tot);
+        for (Py_ssize_t c = 0; c < chunks; c++) products(m, fmt, NR, nb, xs, o, c, NULL, tot);
     } else {
         Py_ssize_t per_group = m->group / CODES(fmt);
         for (Py_ssize_t g = 0; g < m->groups; g++) {
-            vf acc[4][MB];
-            for (int r = 0; r < NR; r++)
-                for (int b = 0; b < nb; b++) acc[r][b] = (vf){0};
+            float scale[4];
+            for (int r = 0; r < NR; r++) scale[r] = value(m->scales, m->kind, (o + r) * m->groups + g);
             for (Py_ssize_t c = g * per_group; c < (g + 1) * per_group; c++)
-                products(m, fmt, NR, nb, xs, o, c, acc);
-            for (int r = 0; r < NR; r++) {
-                vf scale = splat(value(m->scales, m->kind, (o + r) * m->groups + g));
-                for (int b = 0; b < nb; b++) tot[r][b] += scale * acc[r][b];
-            }
+                products(m, fmt, NR, nb, xs, o, c, scale, tot);
         }
     }
     for (int r = 0; r < NR; r++) {
-        vf sums = lane_sums(tot[r]);
+        vf halves[MB] = {{0}}; /* each sum's two halves added, then its eight lanes */
+        for (int b = 0; b < nb; b++)
+            halves[b] = __builtin_shufflevector(tot[r * nb + b], tot[r * nb + b], 0, 1, 2, 3, 4, 5, 6, 7)
+                      + __builtin_shufflevector(tot[r * nb + b], tot[r * nb + b], 8, 9, 10, 11, 12, 13, 14, 15);
+        vf sums = lane_sums(halves);
         const uint8_t *row = m->w + (o + r) * m->row_bytes;
         for (int b = 0; b < nb; b++) {
             float s = sums[SLOT[b]];
@@ -179,41 +206,35 @@ static inline __attribute__((always_inline)) void tile(const Matrix *m, int fmt,
     }
 }
 
-/* Weight rows per tile for nb rows of x: the tile's dot products stay in registers. */
-#define NR_OF(nb) ((nb) <= 2 ? 4 : (nb) <= 4 ? 2 : 1)
 
-#define ONE(nb) 1
-#define TILES(fmt, nr)                                                                     \
-    case 1: tile(m, fmt, nr(1), 1, xs, sx, y, o); break;                                   \
-    case 2: tile(m, fmt, nr(2), 2, xs, sx, y, o); break;                                   \
-    case 3: tile(m, fmt, nr(3), 3, xs, sx, y, o); break;                                   \
-    case 4: tile(m, fmt, nr(4), 4, xs, sx, y, o); break;                                   \
-    case 5: tile(m, fmt, nr(5), 5, xs, sx, y, o); break;                                   \
-    case 6: tile(m, fmt, nr(6), 6, xs, sx, y, o); break;                                   \
-    case 7: tile(m, fmt, nr(7), 7, xs, sx, y, o); break;                                   \
-    default: tile(m, fmt, nr(8), 8, xs, sx, y, o); break;
+#define BAND(fmt)                                                                          \
+    for (Py_ssize_t o = lo; o < hi; o += step) {                                           \
+        switch (single ? 0 : nb) {                                                         \
+        case 0: /* one weight row a tile, each row of x alone: the same arithmetic */      \
+            for (int b = 0; b < nb; b++)                                                   \
+                tile(m, fmt, 1, 1, xs + b * m->in, sx + b * m->groups, y + b * m->out, o); \
+            break;                                                                         \
+        case 1: tile(m, fmt, NR_OF(1), 1, xs, sx, y, o); break;                            \
+        case 2: tile(m, fmt, NR_OF(2), 2, xs, sx, y, o); break;                            \
+        case 3: tile(m, fmt, NR_OF(3), 3, xs, sx, y, o); break;                            \
+        case 4: tile(m, fmt, NR_OF(4), 4, xs, sx, y, o); break;                            \
+        case 5: tile(m, fmt, NR_OF(5), 5, xs, sx, y, o); break;                            \
+        case 6: tile(m, fmt, NR_OF(6), 6, xs, sx, y, o); break;                            \
+        case 7: tile(m, fmt, NR_OF(7), 7, xs, sx, y, o); break;                            \
+        default: tile(m, fmt, NR_OF(8), 8, xs, sx, y, o); break;                           \
+        }                                                                                  \
+    }
 
 /* Weight rows lo … hi − 1 times nb ≤ MB rows of x, in one format: a constant fmt and nb, so
  * that each tile is unrolled; `single`, one weight row a tile (a matrix's last rows when
  * they are not a multiple of 4). */
-#define BAND(fmt)                                                                          \
-    for (Py_ssize_t o = lo; o < hi; o += step) {                                           \
-        if (single) {                                                                      \
-            switch (nb) { TILES(fmt, ONE) }                                                \
-        } else {                                                                           \
-            switch (nb) { TILES(fmt, NR_OF) }                                              \
-        }                                                                                  \
-    }
-
 CLONES static void band(const Matrix *m, const float *xs, const float *sx, float *y, int nb,
                         Py_ssize_t lo, Py_ssize_t hi, int single) {
     Py_ssize_t step = single ? 1 : NR_OF(nb);
     switch (m->fmt) {
     case 2: BAND(2) break;
-    case 3: BAND(3) break;
+    case ODD: BAND(ODD) break;
     case 4: BAND(4) break;
-    case 5: BAND(5) break;
-    case 6: BAND(6) break;
     case 8: BAND(8) break;
     case HALF_F16: BAND(HALF_F16) break;
     default: BAND(HALF_BF16) break;
@@ -251,7 +272,7 @@ static void arrange(const Matrix *m, const float *x, Py_ssize_t n, float *xs, fl
         float *out = xs + b * m->in;
         for (Py_ssize_t c = 0; c < whole; c += n_codes)
             for (int s = 0; s < vecs; s++)
-                for (int j = 0; j < VL; j++) out[c + s * VL + j] = xb[c + POS(fmt, s, j)];
+                for (int j = 0; j < WL; j++) out[c + s * WL + j] = xb[c + POS(fmt, s, j)];
         memcpy(out + whole, xb + whole, sizeof(float) * (m->in - whole));
         for (Py_ssize_t g = 0; g < m->groups; g++) {
             float sum = 0;
@@ -264,9 +285,9 @@ static void arrange(const Matrix *m, const float *x, Py_ssize_t n, float *xs, fl
 /* Chunk c of a row widened, each value where it belongs (POS). */
 #define SCATTER(fmt)                                                                       \
     {                                                                                      \
-        chunk(row, c, fmt, q);                                                             \
+        chunk(row, c, fmt, m->bits, q);                                                    \
         for (int s = 0; s < VECS(fmt); s++)                                                \
-            for (int j = 0; j < VL; j++) o[POS(fmt, s, j)] = q[s][j] * scale + bias;       \
+            for (int j = 0; j < WL; j++) o[POS(fmt, s, j)] = q[s][j] * scale + bias;       \
     }                                                                                      \
     break;
 
@@ -281,13 +302,11 @@ CLONES static void widen_row(const Matrix *m, Py_ssize_t id, float *out) {
             scale = value(m->scales, m->kind, id * m->groups + c / per_group);
             bias = value(m->biases, m->kind, id * m->groups + c / per_group);
         }
-        vf q[4];
+        wf q[2];
         switch (m->fmt) {
         case 2: SCATTER(2)
-        case 3: SCATTER(3)
+        case ODD: SCATTER(ODD)
         case 4: SCATTER(4)
-        case 5: SCATTER(5)
-        case 6: SCATTER(6)
         case 8: SCATTER(8)
         case HALF_F16: SCATTER(HALF_F16)
         default: SCATTER(HALF_BF16)
@@ -326,7 +345,8 @@ static int affine_matrix(PyObject **objs, int kind, int bits, Py_ssize_t group, 
              || memcmp(v[1].shape, v[2].shape, 2 * sizeof(Py_ssize_t)))
         PyErr_SetString(PyExc_ValueError, "scales and biases must be (out, in / group_size)");
     else {
-        *m = (Matrix){v[0].buf, out, in, v[0].shape[1] * 4, bits, group, in / group,
+        int fmt = bits == 3 || bits == 5 || bits == 6 ? ODD : bits;
+        *m = (Matrix){v[0].buf, out, in, v[0].shape[1] * 4, fmt, bits, group, in / group,
                       v[1].buf, v[2].buf, kind};
         return 0;
     }
@@ -343,7 +363,7 @@ static int half_matrix(PyObject *obj, int kind, Py_buffer *v, Matrix *m) {
         return -1;
     }
     *m = (Matrix){v->buf, v->shape[0], v->shape[1], v->shape[1] * 2,
-                  kind == F16 ? HALF_F16 : HALF_BF16, 0, 0, NULL, NULL, 0};
+                  kind == F16 ? HALF_F16 : HALF_BF16, 16, 0, 0, NULL, NULL, 0};
     return 0;
 }
 
