@@ -10,11 +10,15 @@ from textual.binding import Binding
 APP_BINDINGS = [
     # F1 only: "?" is a character the message box needs.
     Binding("f1", "help", "Help", id="help", tooltip="List every key."),
+    # priority: the app opens the tab before it takes the next key, so what is typed right
+    # after Ctrl+T goes into the new tab's box (a key the focused box saw first would run
+    # the action in the box's turn, while the app went on handing keys to the old box)
     Binding(
         "ctrl+t",
         "new_tab",
         "New tab",
         id="new_tab",
+        priority=True,
         tooltip="Start a new conversation in a new tab.",
     ),
     Binding(

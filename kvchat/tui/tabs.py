@@ -148,7 +148,9 @@ class TabController:
         if notice:
             await conversation.add_notice(notice, notice_kind)
         conversation.log.scroll_end(animate=False)
-        conversation.focus_input()
+        # focused now, not at the app's next turn (Widget.focus): keys typed right after
+        # Ctrl+T, already on their way, go to this tab's box rather than the old one's
+        app.main_screen.set_focus(conversation.input)
         app.refresh_sidebar()
         self.offer_draft(conversation)
         return conversation

@@ -217,3 +217,24 @@ async def test_sending_while_another_kvchat_holds_the_history_lock_waits_off_the
         await settle(pilot, conversation)
         assert history.load() == ["while locked"]
         assert not [n for n in _notices(app) if "history" in n]
+
+
+async def test_keys_typed_right_after_ctrl_t_go_into_the_new_tab(make_app):
+    """A fast typist's keys arrive before the app has handled Ctrl+T: they all wait in the
+    app's queue, and the new tab's box gets the ones after it (they landed in the old
+    tab's box)."""
+    from textual import events
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        first = app.active_conversation()
+        first.focus_input()
+        await pilot.pause()
+        for key in ("o", "k", "ctrl+t", "h", "i"):  # queued at once, as typed
+            app.post_message(events.Key(key, None if key == "ctrl+t" else key))
+        await until(pilot, lambda: len(app.conversations()) == 2)
+        await settle(pilot)
+        second = app.active_conversation()
+        assert second is not first
+        assert (first.input.text, second.input.text) == ("ok", "hi")
