@@ -159,7 +159,9 @@ class KvChatApp(App):
         if self.expire_every and self.expire_every > 0:
             self.set_interval(self.expire_every, self.expire_idle, name="expire")
         if self.lm is None:
-            self.push_screen(LoadingScreen(f"Loading model {self.config.model}…"))
+            self.push_screen(
+                LoadingScreen(f"Loading model {self.config.model}…", self.tab_control.hold)
+            )
             self.model_loader.load_default(self.config.model)
         else:
             self.call_later(self.tab_control.open_first)

@@ -78,7 +78,7 @@ class ModelLoader:
         app = self.app
         if app.models.get(spec) is None:
             app.main_screen.set_focus(None)  # see TabController.open_saved
-            app.push_screen(LoadingScreen(f"Loading model {spec}…"))
+            app.push_screen(LoadingScreen(f"Loading model {spec}…", keep=app.tab_control.hold))
         app.run_worker(
             partial(self.load_tab_model, spec), name="load_tab_model", group="load", thread=True
         )

@@ -35,6 +35,11 @@ class TabController:
     def __init__(self, app: KvChatApp) -> None:
         self.app = app
         self.numbers = 0  # tabs made so far: each pane's id is its number
+        self.held = ""  # typed while a loading screen was up: for the next tab's box
+
+    def hold(self, text: str) -> None:
+        """Keep ``text`` (typed behind a loading screen) for the next tab's message box."""
+        self.held += text
 
     def new_session(self, name: str | None = None, lm: LoadedModel | None = None) -> Session:
         """A new session on ``lm`` (default: the app's model), in the pool under ``name``
@@ -151,6 +156,9 @@ class TabController:
         # focused now, not at the app's next turn (Widget.focus): keys typed right after
         # Ctrl+T, already on their way, go to this tab's box rather than the old one's
         app.main_screen.set_focus(conversation.input)
+        if self.held:  # typed while the loading screen was up
+            conversation.input.insert(self.held)
+            self.held = ""
         app.refresh_sidebar()
         self.offer_draft(conversation)
         return conversation
@@ -197,7 +205,7 @@ class TabController:
         # Nothing keeps the focus: when the loading screen goes, Textual would focus the old
         # tab's input again, and a focused pane makes its tab the active one (TabPane.Focused).
         app.main_screen.set_focus(None)
-        app.push_screen(LoadingScreen(f"Opening session {name}…"))
+        app.push_screen(LoadingScreen(f"Opening session {name}…", keep=self.hold))
         app.run_worker(
             partial(self.load_session, name), name="load_session", group="load", thread=True
         )

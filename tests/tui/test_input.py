@@ -238,3 +238,34 @@ async def test_keys_typed_right_after_ctrl_t_go_into_the_new_tab(make_app):
         second = app.active_conversation()
         assert second is not first
         assert (first.input.text, second.input.text) == ("ok", "hi")
+
+
+async def test_keys_typed_while_a_session_loads_wait_for_its_box(demo_model, home):
+    """Behind the loading screen of ``--resume``, what is typed (Backspace too) is kept and
+    put in the session's box when its tab opens."""
+    from kvchat import store
+    from kvchat.config import Config
+    from kvchat.engine.conversation.session import Session
+    from kvchat.tui.app import KvChatApp
+    from kvchat.tui.screens.loading import LoadingScreen
+
+    session = Session(demo_model)
+    for _ in session.send("Opening line."):
+        pass
+    store.save(session, "slow")
+    app = KvChatApp(
+        Config(model="demo", max_tokens=4, autosave=False),
+        lm=demo_model,
+        resume="slow",
+        volatile=False,
+    )
+    held = app.scheduler.request("held by the test")  # the session's load waits for it
+    app.scheduler.wait(held)
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, LoadingScreen))
+        await pilot.press(*"and thenn", "backspace", "?")
+        app.scheduler.done(held)
+        await until(pilot, lambda: bool(app.conversations()))
+        await settle(pilot)
+        shown = app.active_conversation()
+        assert shown.session_name == "slow" and shown.input.text == "and then?"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.screen import Screen
@@ -9,9 +12,30 @@ from textual.widgets import LoadingIndicator, ProgressBar, Static
 
 
 class LoadingScreen(Screen):
-    def __init__(self, message: str) -> None:
+    """A message, a spinner and a progress bar. What is typed meanwhile (printable keys,
+    Backspace) is kept: ``keep(text)`` gets it when the screen goes, for the message box
+    of the tab that opens next."""
+
+    def __init__(self, message: str, keep: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self.message = message
+        self.keep = keep
+        self.typed = ""
+
+    def on_key(self, event: events.Key) -> None:
+        if self.keep is None:
+            return
+        if event.key == "backspace":
+            self.typed = self.typed[:-1]
+        elif event.is_printable and event.character:
+            self.typed += event.character
+        else:
+            return
+        event.stop()
+
+    def on_unmount(self) -> None:
+        if self.keep is not None and self.typed:
+            self.keep(self.typed)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="loading"):
