@@ -283,12 +283,28 @@ static void arrange(const Matrix *m, const float *x, Py_ssize_t n, float *xs, fl
 }
 
 /* Chunk c of a row widened, each value where it belongs (POS). */
-#define SCATTER(fmt)                                                                       \
-    {                                                                                      \
-        chunk(row, c, fmt, m->bits, q);                                                    \
-        for (int s = 0; s < VECS(fmt); s++)                                                \
-            for (int j = 0; j < WL; j++) o[POS(fmt, s, j)] = q[s][j] * scale + bias;       \
-    }                                                                                      \
+/* A chunk widened (q, as chunk() gives it), times scale plus bias, in the row's order. */
+static inline __attribute__((always_inline)) void natural(const wf *q, int fmt, float scale,
+                                                          float bias, float *o) {
+    wf n[2];
+    switch (fmt) {
+    case 2:
+        n[0] = SH(q[0], q[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        n[1] = SH(q[0], q[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        break;
+    case 4: n[0] = SH(q[0], q[0], 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15); break;
+    case 8: n[0] = SH(q[0], q[0], 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15); break;
+    case ODD: n[0] = q[0]; break;
+    default: /* 16-bit */
+        n[0] = SH(q[0], q[1], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        n[1] = SH(q[0], q[1], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    }
+    for (int v = 0; v < VECS(fmt); v++) *(wfu *)(o + v * WL) = n[v] * scale + bias;
+}
+
+#define NATURAL(fmt)                                                                       \
+    chunk(row, c, fmt, m->bits, q);                                                        \
+    natural(q, fmt, scale, bias, o);                                                       \
     break;
 
 /* Weight row `id` widened to float32 in `out` (in floats). */
@@ -304,12 +320,12 @@ CLONES static void widen_row(const Matrix *m, Py_ssize_t id, float *out) {
         }
         wf q[2];
         switch (m->fmt) {
-        case 2: SCATTER(2)
-        case ODD: SCATTER(ODD)
-        case 4: SCATTER(4)
-        case 8: SCATTER(8)
-        case HALF_F16: SCATTER(HALF_F16)
-        default: SCATTER(HALF_BF16)
+        case 2: NATURAL(2)
+        case ODD: NATURAL(ODD)
+        case 4: NATURAL(4)
+        case 8: NATURAL(8)
+        case HALF_F16: NATURAL(HALF_F16)
+        default: NATURAL(HALF_BF16)
         }
     }
     for (Py_ssize_t k = chunks * n_codes; k < m->in; k++)
