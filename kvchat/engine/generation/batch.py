@@ -217,14 +217,18 @@ def merge(layers: list[Any]) -> Any:
 
 def _lend(batch: list[Any], seqs: list[Sequence]) -> None:
     """The batch holds the sequences' keys and values now: let go of their own copies
-    (they come back at :func:`give_back`), so a batch does not hold every cache twice."""
+    (they come back at :func:`give_back`), so a batch does not hold every cache twice.
+    A lent cache holds nothing, and says so (offset 0): one that kept its offset
+    without its keys was copied by a new session forked from it as if it held the
+    prefix (issue 37)."""
     mx.eval([c.state for c in batch])
     for seq in seqs:
         for mine in seq.cache:
             if isinstance(mine, ArraysCache):
                 mine.cache = [None] * len(mine.cache)
             else:
-                mine.keys = mine.values = None
+                mine.offset = 0  # first: a reader on another thread never sees the
+                mine.keys = mine.values = None  # offset without the keys it counts
 
 
 def give_back(batch: list[Any], row: int, own: list[Any]) -> None:
