@@ -1,0 +1,220 @@
+"""Batched = alone: conversations decoded together through one generation core, each
+reply and each ledger compared with the same conversation run alone.
+
+A reply in a batch must be the reply alone, token for token, whoever decodes
+beside it: a token of another conversation in a reply is wrong and leaks. A round
+starts its conversations as a server does: each a new session of one pool
+(:meth:`~kvchat.pool.SessionPool.new_session`), started from a copy of another live
+session's cache cut to the shared system prompt where there is one; then sends
+them at once or one after another while the others decode (joins), some stopped
+by their reader, some with penalties, a seed or log probabilities. Alone, each runs
+in a fresh session of its own. ``kvchat doctor --batch`` runs it on the user's model;
+the suite and ``tests/batch_stress.py`` run it on many families, under load and with
+scheduling delays (a ``pause`` hook called between the events a reader reads).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from kvchat.engine.conversation.events import (
+    Chunk,
+    GenerationSettings,
+    TokenLogprobs,
+    TurnDone,
+)
+from kvchat.engine.conversation.session import Session
+from kvchat.engine.models import demo
+from kvchat.pool import SessionPool
+
+if TYPE_CHECKING:
+    from kvchat.engine.models.model import LoadedModel
+
+SYSTEM = "You answer questions about the text the user gives, briefly and plainly."
+LOGPROB_TOLERANCE = 1e-3  # a batch's products may round differently from one row's
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One conversation of a round: its message, how it samples, and how it is read."""
+
+    text: str
+    settings: GenerationSettings
+    delay: float = 0.0  # seconds after the round starts before it is sent (a join)
+    stop_after: int | None = None  # reply pieces read before its reader stops it
+    logprobs: int | None = None  # alternatives each token's log probabilities carry
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a conversation's turn left: its tokens, its session's ledger and cache."""
+
+    tokens: tuple[int, ...]
+    prompt: int  # tokens of the prompt, the first of the ledger
+    ledger: tuple[int, ...]
+    held: int  # tokens its cache holds after the turn
+    stopped: bool
+    logprobs: tuple[float, ...] = ()  # each token's, where reported
+    batch_size: int = 1  # the most rows of a forward pass that decoded it
+    not_batched: str | None = None
+
+
+def words(n: int, rng: random.Random) -> str:
+    """``n`` words of the demo corpus from a random place (any model's tokenizer takes them)."""
+    corpus = demo.corpus_parts()[0].split()
+    start = rng.randrange(max(1, len(corpus) - n))
+    return " ".join(corpus[start : start + n])
+
+
+def conversations(
+    rng: random.Random, count: int, max_tokens: int, long_words: int = 300
+) -> list[Conversation]:
+    """A round's mix: the first long (about 390 tokens), the rest short; greedy, with
+    penalties, seeded draws and log probabilities among them; some sent while the
+    others decode, some stopped by their reader."""
+    chosen = []
+    for i in range(count):
+        text = words(long_words if i == 0 else rng.randint(3, 30), rng)
+        settings = GenerationSettings(max_tokens=max_tokens, temp=0.0, ignore_eos=True)
+        kind = rng.choice(["greedy", "greedy", "penalty", "seeded", "logprobs"])
+        if kind == "penalty":
+            settings = replace(settings, repetition_penalty=1.3, presence_penalty=0.5)
+        elif kind == "seeded":
+            settings = replace(settings, temp=0.8, top_p=0.9, seed=rng.randrange(1 << 30))
+        chosen.append(
+            Conversation(
+                text,
+                settings,
+                delay=0.0 if i < 2 or rng.random() < 0.5 else rng.uniform(0.0, 0.2),
+                stop_after=rng.randint(1, max_tokens) if rng.random() < 0.2 else None,
+                logprobs=rng.choice([0, 3]) if kind == "logprobs" else None,
+            )
+        )
+    return chosen
+
+
+def _read(session: Session, conv: Conversation, pause: Callable[[], None]) -> Reply:
+    """Run ``conv``'s turn in ``session``, reading its events as a client does."""
+    session.report_logprobs = conv.logprobs
+    pieces, logprobs = 0, []
+    done = None
+    for event in session.send(conv.text):
+        pause()
+        if isinstance(event, TokenLogprobs):
+            logprobs.append(event.logprob)
+        elif isinstance(event, Chunk):
+            pieces += 1
+            if conv.stop_after is not None and pieces >= conv.stop_after:
+                session.stop()
+        elif isinstance(event, TurnDone):
+            done = event
+    assert done is not None
+    return Reply(
+        done.tokens,
+        done.stats.prompt_tokens,
+        tuple(session.ledger),
+        session.cache_tokens,
+        done.stopped,
+        tuple(logprobs),
+        done.stats.batch_size,
+        done.stats.not_batched,
+    )
+
+
+def alone(lm: LoadedModel, conv: Conversation, system: str = SYSTEM) -> Reply:
+    """``conv`` in a fresh session of its own, read to its end (never stopped)."""
+    session = Session(lm, system=system, settings=conv.settings)
+    return _read(session, replace(conv, stop_after=None), lambda: None)
+
+
+def together(
+    lm: LoadedModel,
+    convs: list[Conversation],
+    pool: SessionPool,
+    pause: Callable[[], None] = lambda: None,
+    system: str = SYSTEM,
+) -> list[Reply]:
+    """Run ``convs`` at once, each on its own thread in a new session of ``pool`` (which
+    starts from another live session's cache where one shares the system prompt, as a
+    server's does), sent after its ``delay``; their replies in order."""
+    lock = threading.Lock()  # the pool is called by one thread at a time (a server's ticket)
+    out: dict[int, Reply | BaseException] = {}
+    names = [f"batch-check-{time.monotonic_ns()}-{i}" for i in range(len(convs))]
+
+    def run(i: int, conv: Conversation) -> None:
+        try:
+            time.sleep(conv.delay)
+            with lock:
+                session = pool.new_session(lm, "standard", system, conv.settings, name=names[i])
+            out[i] = _read(session, conv, pause)
+        except BaseException as error:  # noqa: BLE001  raised again on the caller's thread
+            out[i] = error
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(convs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for name in pool.names():  # the next round starts from these, as a server's would
+        if name not in names:
+            pool.drop(name, keep_hold=True)
+    replies = [out[i] for i in range(len(convs))]
+    for reply in replies:
+        if isinstance(reply, BaseException):
+            raise reply
+    return [r for r in replies if isinstance(r, Reply)]
+
+
+def differences(conv: Conversation, got: Reply, want: Reply) -> list[str]:
+    """How a reply in a batch differs from the reply alone (nothing when it does not):
+    the tokens (a stopped one's are a prefix), the ledger, the cache, log probabilities."""
+    n = len(got.tokens)
+    problems = []
+    if got.tokens != want.tokens[:n] or (not got.stopped and n != len(want.tokens)):
+        first = next((i for i, t in enumerate(got.tokens) if t != want.tokens[i]), n)
+        problems.append(f"tokens differ from token {first} of {n}")
+    # the prompt, then the reply but its last token (which some caches take in too; a
+    # stopped reply's recurrent state may hold tokens sampled after the stop was asked)
+    prompt = want.prompt
+    full = (*want.ledger[:prompt], *want.tokens)
+    fed = len(got.ledger) - prompt
+    if got.ledger != full[: len(got.ledger)] or fed < n - 1 or (fed > n and not got.stopped):
+        at = next((i for i, (x, y) in enumerate(zip(got.ledger, full)) if x != y), None)
+        problems.append(
+            f"the ledger differs ({len(got.ledger)} tokens for a prompt of {prompt} and "
+            f"{n} sampled{'' if at is None else f'; from token {at}'})"
+        )
+    if got.held != len(got.ledger):
+        problems.append(f"the cache holds {got.held} tokens, the ledger {len(got.ledger)}")
+    off = [abs(a - b) for a, b in zip(got.logprobs, want.logprobs)]
+    if conv.logprobs is not None and (len(got.logprobs) != n or max(off, default=0) > 1e-3):
+        problems.append(f"log probabilities differ (by {max(off, default=0):.2g})")
+    return problems
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A round's conversation: what it was, what came back, and how it differed."""
+
+    conv: Conversation
+    got: Reply
+    problems: tuple[str, ...]
+
+
+def check_round(
+    lm: LoadedModel,
+    convs: list[Conversation],
+    pool: SessionPool,
+    pause: Callable[[], None] = lambda: None,
+) -> list[Outcome]:
+    """One round: ``convs`` together, then each alone, compared."""
+    got = together(lm, convs, pool, pause)
+    return [
+        Outcome(conv, reply, tuple(differences(conv, reply, alone(lm, conv))))
+        for conv, reply in zip(convs, got, strict=True)
+    ]
