@@ -153,8 +153,11 @@ def feed_ahead(
     graph where the device signals a graph's outputs when it completes)."""
     row = {seq: i for i, seq in enumerate(order)}
     if merged and merged.seqs:
-        # the core lists a step's rows with the batch's together, in the batch's order
+        # the core lists a step's rows with the batch's together, in the batch's order:
+        # checked, by identity, before the batch's tokens are cut from them
         first = row[merged.seqs[0]]
+        if order[first : first + len(merged.seqs)] != merged.seqs:
+            raise RuntimeError("A step's rows are not its merged batch's, in its order.")
         logits = merged.step(model, tokens[first : first + len(merged.seqs)][:, None])
         for i, seq in enumerate(merged.seqs):
             seq.ahead = logits[i : i + 1]
