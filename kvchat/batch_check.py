@@ -49,6 +49,17 @@ class Conversation:
     stop_after: int | None = None  # reply pieces read before its reader stops it
     logprobs: int | None = None  # alternatives each token's log probabilities carry
 
+    def label(self) -> str:
+        """A short description: its length and what is special about it."""
+        s = self.settings
+        traits = [f"{len(self.text.split())} words"]
+        traits += ["seeded draws"] if s.seed is not None else []
+        traits += ["penalties"] if s.repetition_penalty != 1.0 or s.presence_penalty else []
+        traits += ["log probabilities"] if self.logprobs is not None else []
+        traits += [f"joined after {self.delay * 1000:.0f} ms"] if self.delay else []
+        traits += [f"stopped after {self.stop_after} pieces"] if self.stop_after else []
+        return ", ".join(traits)
+
 
 @dataclass(frozen=True)
 class Reply:
@@ -218,3 +229,57 @@ def check_round(
         Outcome(conv, reply, tuple(differences(conv, reply, alone(lm, conv))))
         for conv, reply in zip(convs, got, strict=True)
     ]
+
+
+@dataclass(frozen=True)
+class PathCheck:
+    """The rounds run on one decoding path of a model, and how they came out."""
+
+    path: str  # how its batches decode (kvchat.engine.generation.batch.decoding_path)
+    outcomes: tuple[Outcome, ...]
+
+    @property
+    def differed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.problems]
+
+    def lines(self) -> list[str]:
+        """What a user reads: the path, the replies that matched, the widest batch, the
+        conversations that decoded alone and why, and each difference."""
+        widest = max((o.got.batch_size for o in self.outcomes), default=1)
+        matched = len(self.outcomes) - len(self.differed)
+        verdict = "all matched" if not self.differed else f"{len(self.differed)} DIFFERED"
+        lines = [
+            self.path,
+            f"  {len(self.outcomes)} replies in batches of up to {widest} rows, each compared "
+            f"with the reply alone: {matched} matched, {verdict}",
+        ]
+        alone_why = sorted({o.got.not_batched for o in self.outcomes if o.got.not_batched})
+        lines += [f"  decoded beside the batch, not in it: {why}" for why in alone_why]
+        lines += [f"  {o.conv.label()}: {'; '.join(o.problems)}" for o in self.differed]
+        return lines
+
+
+def check_paths(
+    lm: LoadedModel, rounds: int = 2, count: int = 4, max_tokens: int = 24, seed: int = 0
+) -> list[PathCheck]:
+    """``rounds`` rounds of ``count`` conversations on each path ``lm``'s batches can take
+    here: the CPU fast path's numpy rows, where it decodes, and MLX's own (merged into
+    mlx-lm's batch caches, or a forward pass a row where the model cannot merge)."""
+    from kvchat.engine.generation.batch import decoding_path, separate_batches
+
+    fast = lm.fast_path
+    switches: list[bool | None] = [True, False] if separate_batches(fast) else [None]
+    checks = []
+    for on in switches:
+        if on is not None:
+            fast.on = on
+        try:
+            rng, pool, outcomes = random.Random(seed), SessionPool(None, None), []
+            for _ in range(rounds):
+                convs = conversations(rng, count, max_tokens)
+                outcomes += check_round(lm, convs, pool)
+            checks.append(PathCheck(decoding_path(lm), tuple(outcomes)))
+        finally:
+            if on is not None:
+                fast.on = True
+    return checks

@@ -15,8 +15,10 @@ import threading
 
 import pytest
 from helpers import wait_until
+from typer.testing import CliRunner
 
 from kvchat import batch_check
+from kvchat.cli import app
 from kvchat.engine.caches.kinds import held_tokens
 from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
@@ -87,3 +89,13 @@ def test_batched_replies_are_the_replies_alone(name, arch, demo_model, monkeypat
         outcomes = stress(lm, rounds=2, seed=random.Random(name).randrange(1000), long_words=120)
         assert all(o.got.tokens for o in outcomes)
         assert [o.problems for o in outcomes if o.problems] == []
+
+
+def test_doctor_batch_checks_each_path_of_the_users_model(demo_model):
+    out = CliRunner().invoke(app, ["doctor", "--batch", "--model", "demo", "--rounds", "1"])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0].startswith("CPU fast path: its batched numpy step")
+    assert lines[2].startswith("MLX: rows merged into mlx-lm's batch caches")
+    for line in (lines[1], lines[3]):
+        assert line.endswith(": 4 matched, all matched") and "batches of up to 4 rows" in line

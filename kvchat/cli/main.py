@@ -99,9 +99,21 @@ def doctor(
             "--model", "-m", help="The model whose CPU fast path to show (default: the config's)."
         ),
     ] = None,
+    batch: Annotated[
+        bool,
+        typer.Option(
+            "--batch",
+            help="Instead: decode conversations together on the model and check that each "
+            "reply is the reply alone, on each path its batches can take.",
+        ),
+    ] = False,
+    rounds: Annotated[int, typer.Option(help="With --batch: rounds of 4 conversations.")] = 2,
 ) -> None:
     """Show versions, the MLX device, the BLAS, the CPU fast path a model gets, the path that
     decodes its batches, and kvchat's directories."""
+    if batch:
+        _doctor_batch(model, rounds, as_json)
+        return
     report = _doctor_report(model)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
@@ -130,6 +142,39 @@ def _doctor_report(model: str | None) -> dict[str, Any]:
         "config_dir": str(locations.config_dir()),
         "cache_dir": str(locations.cache_dir()),
     }
+
+
+def _doctor_batch(spec: str | None, rounds: int, as_json: bool) -> None:
+    """``doctor --batch``: batched = alone on the model (kvchat/batch_check.py); exit 1 if
+    a reply differed."""
+    from kvchat.batch_check import check_paths
+    from kvchat.config import load_config
+
+    if rounds < 1:
+        raise fail("--rounds must be at least 1.", 2)
+    lm = load_or_exit(spec or load_config().model)
+    checks = check_paths(lm, rounds=rounds)
+    if as_json:
+        typer.echo(
+            dumps_json(
+                [
+                    {
+                        "path": c.path,
+                        "replies": len(c.outcomes),
+                        "differed": [
+                            {"conversation": o.conv.label(), "problems": list(o.problems)}
+                            for o in c.differed
+                        ],
+                    }
+                    for c in checks
+                ]
+            )
+        )
+    else:
+        for check in checks:
+            typer.echo("\n".join(check.lines()))
+    if any(c.differed for c in checks):
+        raise typer.Exit(1)
 
 
 def _model_report(spec: str | None) -> dict[str, str]:
