@@ -83,7 +83,7 @@ def words(n: int, rng: random.Random) -> str:
 
 
 def conversations(
-    rng: random.Random, count: int, max_tokens: int, long_words: int = 300
+    rng: random.Random, count: int, max_tokens: int, long_words: int = 260
 ) -> list[Conversation]:
     """A round's mix: the first long (about 390 tokens), the rest short; greedy, with
     penalties, seeded draws and log probabilities among them; some sent while the

@@ -88,7 +88,7 @@ def busy_processes(count: int) -> Iterator[None]:
 
 
 def stress(
-    lm, rounds: int, seed: int, count: int = 4, max_tokens: int = 16, long_words: int = 300
+    lm, rounds: int, seed: int, count: int = 4, max_tokens: int = 16, long_words: int = 260
 ) -> list[batch_check.Outcome]:
     """``rounds`` rounds of ``count`` conversations on ``lm`` (one pool, as a server's),
     under :class:`Jitter`; every conversation's outcome."""
