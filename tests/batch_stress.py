@@ -88,19 +88,28 @@ def busy_processes(count: int) -> Iterator[None]:
 
 
 def stress(
-    lm, rounds: int, seed: int, count: int = 4, max_tokens: int = 16, long_words: int = 260
+    lm,
+    rounds: int,
+    seed: int,
+    count: int = 4,
+    max_tokens: int = 16,
+    long_words: int = 260,
+    every: int = 0,
 ) -> list[batch_check.Outcome]:
     """``rounds`` rounds of ``count`` conversations on ``lm`` (one pool, as a server's),
-    under :class:`Jitter`; every conversation's outcome."""
+    under :class:`Jitter`; every conversation's outcome (a line on stderr every ``every``
+    rounds, if set)."""
     rng = random.Random(seed)
     jitter = Jitter(random.Random(seed + 1))
     pool = SessionPool(ttl_s=None, memory_budget_bytes=None)
-    lm.tokenizer.eos_token_ids = set()  # the trained demo ends early: replies run their length
     outcomes = []
     with jitter.stalling():
         for _ in range(rounds):
             convs = batch_check.conversations(rng, count, max_tokens, long_words)
             outcomes += batch_check.check_round(lm, convs, pool, jitter.pause)
+            if every and len(outcomes) // count % every == 0:
+                bad = sum(bool(o.problems) for o in outcomes)
+                print(f"  {len(outcomes) // count} rounds: {bad} differ", file=sys.stderr)
     return outcomes
 
 
@@ -126,7 +135,7 @@ def main() -> None:
         for name in args.families.split(","):
             lm = load_model("demo") if name == "demo" else build(root / name, name)
             started = time.perf_counter()
-            outcomes = stress(lm, rounds, args.seed, max_tokens=args.tokens)
+            outcomes = stress(lm, rounds, args.seed, max_tokens=args.tokens, every=25)
             bad = [o for o in outcomes if o.problems]
             rounds_bad = len({i // 4 for i, o in enumerate(outcomes) if o.problems})
             print(
