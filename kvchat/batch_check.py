@@ -124,7 +124,8 @@ def _read(session: Session, conv: Conversation, pause: Callable[[], None]) -> Re
                 session.stop()
         elif isinstance(event, TurnDone):
             done = event
-    assert done is not None
+    if done is None:
+        raise RuntimeError("A turn ended without its TurnDone.")
     return Reply(
         done.tokens,
         done.stats.prompt_tokens,
@@ -173,7 +174,7 @@ def together(
         thread.join()
     for name in pool.names():  # the next round starts from these, as a server's would
         if name not in names:
-            pool.drop(name, keep_hold=True)
+            pool.drop(name)
     replies = [out[i] for i in range(len(convs))]
     for reply in replies:
         if isinstance(reply, BaseException):
