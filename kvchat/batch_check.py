@@ -22,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+
+from kvchat.engine.caches.kinds import make_cache, parse_kind
 from kvchat.engine.conversation.events import (
     Chunk,
     GenerationSettings,
@@ -29,6 +32,9 @@ from kvchat.engine.conversation.events import (
     TurnDone,
 )
 from kvchat.engine.conversation.session import Session
+from kvchat.engine.generation import GATE
+from kvchat.engine.generation.sampling import Draw, for_settings
+from kvchat.engine.generation.sequence import log_probs
 from kvchat.engine.models import demo
 from kvchat.pool import SessionPool
 
@@ -36,7 +42,8 @@ if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
 
 SYSTEM = "You answer questions about the text the user gives, briefly and plainly."
-LOGPROB_TOLERANCE = 1e-3  # a batch's products may round differently from one row's
+NEAR = 1e-4  # how far a batch's log probabilities may move from one row's (rounding)
+TRIES = 48  # draws with the log probabilities moved that far or less, to find a near tie
 
 
 @dataclass(frozen=True)
@@ -209,13 +216,57 @@ def differences(conv: Conversation, got: Reply, want: Reply) -> list[str]:
     return problems
 
 
+def near_tie(lm: LoadedModel, conv: Conversation, want: Reply, k: int, token: int) -> bool:
+    """Whether ``token``, drawn in a batch at reply position ``k`` where the reply alone
+    drew another from the same context, is what the conversation's own sampler (its
+    penalties, its seeded key at that token) draws alone once the log probabilities
+    move by rounding (up to :data:`NEAR`; :data:`TRIES` tries): a flip at a near tie, which a batch's
+    products (other shapes, other sums) can cause, not another conversation's token."""
+    context = [*want.ledger[: want.prompt], *want.tokens[:k]]
+    with GATE.exclusive():
+        logits = lm.model(mx.array([context]), cache=make_cache(lm.model, parse_kind("standard")))
+        logits = logits[:, -1, :]
+        sampler, processors = for_settings(conv.settings)
+        for processor in processors:
+            logits = processor(mx.array(context), logits)
+        logprobs = log_probs(logits)
+        for _ in range(k):  # a seeded draw splits its key once a token
+            sampler(logprobs)
+        key = sampler.key if isinstance(sampler, Draw) else None
+        for trial in range(TRIES):  # moved by NEAR, and by a tenth and a hundredth of it
+            if isinstance(sampler, Draw):
+                sampler.key = key
+            scale = NEAR / 10 ** (trial % 3)
+            noise = scale * mx.random.normal(logprobs.shape, key=mx.random.key(trial))
+            if sampler(logprobs + noise).item() == token:
+                return True
+    return False
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """A round's conversation: what it was, what came back, and how it differed."""
+    """A round's conversation: what it was, what came back, and how it differed (or
+    ``flip``: where it parted from the reply alone at a near tie, all equal before)."""
 
     conv: Conversation
     got: Reply
     problems: tuple[str, ...]
+    flip: str | None = None
+
+
+def outcome(lm: LoadedModel, conv: Conversation, got: Reply) -> Outcome:
+    """``got`` against ``conv`` run alone."""
+    want = alone(lm, conv)
+    problems = differences(conv, got, want)
+    k = next((i for i, (a, b) in enumerate(zip(got.tokens, want.tokens)) if a != b), None)
+    if not problems or k is None:
+        return Outcome(conv, got, tuple(problems))
+    before = replace(got, tokens=got.tokens[:k], ledger=got.ledger[: got.prompt + k - 1])
+    before = replace(before, held=len(before.ledger), logprobs=got.logprobs[:k], stopped=True)
+    agreed = not differences(conv, before, want) and got.held == len(got.ledger)
+    if agreed and near_tie(lm, conv, want, k, got.tokens[k]):
+        return Outcome(conv, got, (), flip=f"token {k} of {len(got.tokens)}, a near tie")
+    return Outcome(conv, got, tuple(problems))
 
 
 def check_round(
@@ -226,10 +277,7 @@ def check_round(
 ) -> list[Outcome]:
     """One round: ``convs`` together, then each alone, compared."""
     got = together(lm, convs, pool, pause)
-    return [
-        Outcome(conv, reply, tuple(differences(conv, reply, alone(lm, conv))))
-        for conv, reply in zip(convs, got, strict=True)
-    ]
+    return [outcome(lm, conv, reply) for conv, reply in zip(convs, got, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -257,6 +305,13 @@ class PathCheck:
         alone_why = sorted({o.got.not_batched for o in self.outcomes if o.got.not_batched})
         lines += [f"  decoded beside the batch, not in it: {why}" for why in alone_why]
         lines += [f"  {o.conv.label()}: {'; '.join(o.problems)}" for o in self.differed]
+        flips = [o for o in self.outcomes if o.flip]
+        if flips:
+            lines.append(
+                f"  {len(flips)} of the matched parted from the reply alone at a near tie "
+                "(rounding: every token before was the same, and alone, log probabilities "
+                f"moved by {NEAR:g} draw the batch's token)"
+            )
         return lines
 
 

@@ -136,15 +136,17 @@ def main() -> None:
             lm = load_model("demo") if name == "demo" else build(root / name, name)
             started = time.perf_counter()
             outcomes = stress(lm, rounds, args.seed, max_tokens=args.tokens, every=25)
-            bad = [o for o in outcomes if o.problems]
-            rounds_bad = len({i // 4 for i, o in enumerate(outcomes) if o.problems})
+            bad = [(i // 4, o) for i, o in enumerate(outcomes) if o.problems]
+            flips = [(i // 4, o) for i, o in enumerate(outcomes) if o.flip]
             print(
                 f"{name:<12} {rounds} rounds, {len(outcomes)} replies: {len(bad)} differ "
-                f"({rounds_bad} rounds), {time.perf_counter() - started:.0f} s",
+                f"({len({r for r, _ in bad})} rounds), {len(flips)} flipped at a near tie, "
+                f"{time.perf_counter() - started:.0f} s",
                 flush=True,
             )
-            for outcome in bad[:5]:
-                print("   ", "; ".join(outcome.problems), flush=True)
+            for r, outcome in bad[:5] + flips[:5]:
+                why = "; ".join(outcome.problems) or outcome.flip
+                print(f"    round {r}, {outcome.conv.label()}: {why}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,14 @@ from __future__ import annotations
 import random
 import threading
 
+import mlx.core as mx
 import pytest
 from helpers import wait_until
 from typer.testing import CliRunner
 
 from kvchat import batch_check
 from kvchat.cli import app
-from kvchat.engine.caches.kinds import held_tokens
+from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
 from kvchat.engine.generation import GATE, core_for
@@ -99,3 +100,15 @@ def test_doctor_batch_checks_each_path_of_the_users_model(demo_model):
     assert lines[2].startswith("MLX: rows merged into mlx-lm's batch caches")
     for line in (lines[1], lines[3]):
         assert line.endswith(": 4 matched, all matched") and "batches of up to 4 rows" in line
+
+
+def test_a_near_tie_is_told_from_a_token_of_another_reply(demo_model):
+    """The harness forgives a token only where rounding could have drawn it: the reply
+    alone's own token is one; the least likely token there is not."""
+    conv = batch_check.Conversation(batch_check.words(20, random.Random(3)), SETTINGS)
+    want = batch_check.alone(demo_model, conv)
+    assert batch_check.near_tie(demo_model, conv, want, 5, want.tokens[5])
+    context = [*want.ledger[: want.prompt], *want.tokens[:5]]
+    cache = make_cache(demo_model.model, parse_kind("standard"))
+    unlikely = int(mx.argmin(demo_model.model(mx.array([context]), cache=cache)[0, -1]).item())
+    assert not batch_check.near_tie(demo_model, conv, want, 5, unlikely)
