@@ -138,10 +138,15 @@ def main() -> None:
             outcomes = stress(lm, rounds, args.seed, max_tokens=args.tokens, every=25)
             bad = [(i // 4, o) for i, o in enumerate(outcomes) if o.problems]
             flips = [(i // 4, o) for i, o in enumerate(outcomes) if o.flip]
+            widest = max(o.got.batch_size for o in outcomes)
+            batched = sum(o.got.batch_size > 1 for o in outcomes)
+            stopped = sum(o.got.stopped for o in outcomes)
+            joined = sum(o.conv.delay > 0 for o in outcomes)
             print(
                 f"{name:<12} {rounds} rounds, {len(outcomes)} replies: {len(bad)} differ "
                 f"({len({r for r, _ in bad})} rounds), {len(flips)} flipped at a near tie, "
-                f"{time.perf_counter() - started:.0f} s",
+                f"{time.perf_counter() - started:.0f} s; {batched} decoded in batches (up to "
+                f"{widest} rows), {joined} sent late, {stopped} stopped",
                 flush=True,
             )
             for r, outcome in bad[:5] + flips[:5]:
