@@ -177,12 +177,16 @@ class SessionPool:
         system: str | None = None,
         settings: GenerationSettings | None = None,
         name: str | None = None,
+        busy: Callable[[str], bool] = lambda name: False,
     ) -> Session:
         """A new, empty conversation; shares a live session's cached prefix when it can.
 
         A live session with the same model fingerprint, cache kind and system
         prompt gives its cache, cut to the system prompt, so the first turn
         evaluates only the new message. Added to the pool when ``name`` is given.
+        Never one that is answering, nor one ``busy(name)`` says another request
+        holds: the generation core owns a running turn's cache (a merged batch holds
+        its keys and values), so a copy of it is not the conversation's prefix.
         """
         from kvchat.engine.conversation.session import Session
 
@@ -192,6 +196,8 @@ class SessionPool:
             other = entry.session
             if (
                 entry.in_memory
+                and not other.answering
+                and not busy(entry.name)
                 and other.ledger
                 and other.lm.fingerprint == lm.fingerprint
                 and other.kind == kind

@@ -69,9 +69,38 @@ SHAPES = {
 }
 
 
+# Families whose batches the stress harness (tests/batch_harness.py) checks besides
+# SHAPES': the two that once changed a reply in a batch (issue 37) and the two the
+# CPU fast path decodes in numpy (on MLX's path too when it is switched off).
+BATCHED = {
+    "gpt_neox": {
+        "model_type": "gpt_neox",
+        "num_attention_heads": 2,
+        "layer_norm_eps": 1e-5,
+        "rotary_emb_base": 10000,
+        "rotary_pct": 0.25,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        **ATTENTION,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 32,
+        "rope_theta": 1000000.0,
+        "norm_topk_prob": True,
+    },
+    "llama": {"model_type": "llama", **ATTENTION},
+    "qwen2": {"model_type": "qwen2", **ATTENTION, "rope_theta": 1000000.0},
+}
+
+
 def build(folder: Path, name: str) -> LoadedModel:
-    """Write the tiny model of family ``name`` into ``folder`` and load it."""
+    """Write the tiny model of family ``name`` (in SHAPES or BATCHED) into ``folder`` and
+    load it."""
     tokenizer = demo.train_tokenizer()
     folder.mkdir(parents=True)
-    demo.write_model(folder, demo.model_config({**TINY, **SHAPES[name]}, tokenizer), tokenizer)
+    shape = {**TINY, **(SHAPES.get(name) or BATCHED[name])}
+    demo.write_model(folder, demo.model_config(shape, tokenizer), tokenizer)
     return load_model(str(folder))

@@ -15,6 +15,9 @@ import pytest
 # one row's in full float32; tests/test_batch_probe.py covers that mode. Set before MLX
 # is imported, and inherited by every subprocess.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+# The generation core checks after each step that every sequence's cache holds its ledger
+# (kvchat/engine/generation/invariant.py): a break fails the turn instead of going on.
+os.environ.setdefault("KVCHAT_DEBUG_BATCH", "1")
 
 from kvchat import blas  # noqa: E402
 

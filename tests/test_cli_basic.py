@@ -45,9 +45,16 @@ def test_doctor_json(kvchat_dirs):
 
 
 def test_doctor_text():
+    """Printed as each line is known: the model's lines after the quick ones, the matmul
+    probe last (``--no-probe`` skips it)."""
     result = runner.invoke(app, ["doctor"])
     assert result.exit_code == 0
-    assert "matmul_gflops" in result.output
+    keys = [line.split()[0] for line in result.output.splitlines()]
+    assert keys[0] == "python" and keys[-1] == "matmul_gflops"
+    assert keys.index("cache_dir") < keys.index("weights") < keys.index("batch_decoding")
+    quick = runner.invoke(app, ["doctor", "--no-probe"])
+    assert quick.exit_code == 0 and "matmul_gflops" not in quick.output
+    assert [line.split()[0] for line in quick.output.splitlines()] == keys[:-1]
 
 
 def test_bad_model_is_one_line_and_exit_2(tmp_path):

@@ -1,4 +1,4 @@
-"""The ``kvchat`` command itself: the TUI, ``--version``, ``doctor``, ``replay`` and ``bench``."""
+"""The ``kvchat`` command itself: the TUI, ``--version``, ``replay``, ``bench`` and ``eval-cache``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 import kvchat
-from kvchat import blas, locations
+from kvchat import blas
 from kvchat.safety import dumps_json
 
 if TYPE_CHECKING:
@@ -111,107 +111,6 @@ def root(
     status = run_tui(model=model, cache=cache, system=system, resume=resume, flags=flags)
     if status:
         raise typer.Exit(status)
-
-
-@app.command()
-def doctor(
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model", "-m", help="The model whose CPU fast path to show (default: the config's)."
-        ),
-    ] = None,
-) -> None:
-    """Show versions, the MLX device, the BLAS, the CPU fast path a model gets, the path that
-    decodes its batches, and kvchat's directories."""
-    report = _doctor_report(model)
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-        return
-    width = max(map(len, report))
-    for key, value in report.items():
-        typer.echo(f"{key:<{width}}  {value}")
-
-
-def _doctor_report(model: str | None) -> dict[str, Any]:
-    import mlx.core as mx
-
-    return {
-        "python": f"{platform.python_version()} ({sys.executable})",
-        "platform": platform.platform(),
-        "kvchat": kvchat.__version__,
-        "mlx": mx.__version__,  # type: ignore[attr-defined]  # mlx.core's stubs leave it out
-        "mlx-lm": package_version("mlx-lm"),
-        "textual": package_version("textual"),
-        **_device_report(),
-        "blas": blas.describe(),
-        "blas_status": blas.info.status,
-        **_model_report(model),
-        "matmul_gflops": round(_matmul_gflops(), 1),
-        "data_dir": str(locations.data_dir()),
-        "config_dir": str(locations.config_dir()),
-        "cache_dir": str(locations.cache_dir()),
-    }
-
-
-def _model_report(spec: str | None) -> dict[str, str]:
-    """For ``spec`` (the config's model when None): how its weights are held, whether it
-    gets the CPU fast path and what it runs through numpy, or why not; and which path
-    decodes its batches, and why."""
-    from kvchat.config import ConfigError, load_config
-    from kvchat.engine.generation.batch import decoding_path
-    from kvchat.engine.models.model import ModelLoadError, load_model
-
-    try:
-        spec = spec or load_config().model
-        lm = load_model(spec)
-    except (ConfigError, ModelLoadError) as exc:
-        unknown = f"{spec}: unknown, the model could not be loaded ({exc})"
-        return {"weights": unknown, "cpu_fastpath": unknown, "batch_decoding": unknown}
-    return {
-        "weights": f"{spec}: {lm.weights}",
-        "cpu_fastpath": f"{spec}: {lm.fast_path_line()}",
-        "batch_decoding": f"{spec}: {decoding_path(lm)}",
-    }
-
-
-def _device_report() -> dict[str, Any]:
-    """The default device, the backend that runs on it, and what that backend says of it."""
-    import mlx.core as mx
-
-    from kvchat.engine.caches import fit
-
-    info = mx.device_info()
-    memory = info.get("total_memory", info.get("memory_size"))
-    return {
-        "device": _device_name(),
-        "backend": fit.backend(),
-        "backends": ", ".join(
-            f"{name} {'yes' if up else 'no'}"
-            for name, up in (("metal", mx.metal.is_available()), ("cuda", mx.cuda.is_available()))
-        ),
-        "device_name": str(info.get("device_name", "not reported")),
-        "device_memory": f"{memory / 2**30:.1f} GiB" if isinstance(memory, int) else "not reported",
-    }
-
-
-def _device_name() -> str:
-    import mlx.core as mx
-
-    return "gpu" if mx.default_device() == mx.gpu else "cpu"
-
-
-def _matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
-    """Measured float32 matmul speed on the default device, n×n by n×n."""
-    import mlx.core as mx
-
-    a = mx.random.normal((n, n))
-    mx.eval(a @ a)  # warm up
-    start = time.perf_counter()
-    for _ in range(repeats):
-        mx.eval(a @ a)
-    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
 
 
 @app.command()

@@ -150,7 +150,9 @@ class Matcher:
             self.pool.add(name, child)
             return Match(name, child, "forked", source.resumed_from_disk, source.notice)
         system = history[0]["content"] if history and history[0]["role"] == "system" else None
-        session = self.pool.new_session(self.lm, self.kind, system=system, name=name)
+        session = self.pool.new_session(
+            self.lm, self.kind, system=system, name=name, busy=self.busy
+        )
         session.replace_history(history)
         return Match(name, session, "new")
 
@@ -159,7 +161,9 @@ class Matcher:
             match = self._open(name, "named")
         else:
             system = history[0]["content"] if history and history[0]["role"] == "system" else None
-            session = self.pool.new_session(self.lm, self.kind, system=system, name=name)
+            session = self.pool.new_session(
+                self.lm, self.kind, system=system, name=name, busy=self.busy
+            )
             match = Match(name, session, "named")
         kept = match.session.messages
         if talk(history):  # the conversation as the client has it (a branch if it differs)

@@ -239,8 +239,8 @@ def trim_to(cache: list[Any], n: int) -> bool:
     the caller must then rebuild, since the cache may be partly trimmed.
     """
     offset = cache_offset(cache)
-    if offset is None:
-        return False
+    if offset is None or offset < n:  # it cannot hold tokens it never had (mlx-lm's
+        return False  # trim of a negative count would move the offset up to ``n``)
     if offset == n:
         return True
     if any(not c.is_trimmable() for c in cache):

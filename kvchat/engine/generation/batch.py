@@ -156,8 +156,11 @@ def feed_ahead(
     graph where the device signals a graph's outputs when it completes)."""
     row = {seq: i for i, seq in enumerate(order)}
     if merged and merged.seqs:
-        # the core lists a step's rows with the batch's together, in the batch's order
+        # the core lists a step's rows with the batch's together, in the batch's order:
+        # checked, by identity, before the batch's tokens are cut from them
         first = row[merged.seqs[0]]
+        if order[first : first + len(merged.seqs)] != merged.seqs:
+            raise RuntimeError("A step's rows are not its merged batch's, in its order.")
         logits = merged.step(model, tokens[first : first + len(merged.seqs)][:, None])
         for i, seq in enumerate(merged.seqs):
             seq.ahead = logits[i : i + 1]
@@ -220,14 +223,18 @@ def merge(layers: list[Any]) -> Any:
 
 def _lend(batch: list[Any], seqs: list[Sequence]) -> None:
     """The batch holds the sequences' keys and values now: let go of their own copies
-    (they come back at :func:`give_back`), so a batch does not hold every cache twice."""
+    (they come back at :func:`give_back`), so a batch does not hold every cache twice.
+    A lent cache holds nothing, and says so (offset 0): one that kept its offset
+    without its keys was copied by a new session forked from it as if it held the
+    prefix (issue 37)."""
     mx.eval([c.state for c in batch])
     for seq in seqs:
         for mine in seq.cache:
             if isinstance(mine, ArraysCache):
                 mine.cache = [None] * len(mine.cache)
             else:
-                mine.keys = mine.values = None
+                mine.offset = 0  # first: a reader on another thread never sees the
+                mine.keys = mine.values = None  # offset without the keys it counts
 
 
 def give_back(batch: list[Any], row: int, own: list[Any]) -> None:

@@ -42,7 +42,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, trim_prompt_cache
 
 from kvchat.engine.conversation.events import Prefill
-from kvchat.engine.generation import prefill
+from kvchat.engine.generation import invariant, prefill
 from kvchat.engine.generation.batch import (
     Merged,
     blocker,
@@ -74,6 +74,7 @@ class GenerationCore:
         self._thread: threading.Thread | None = None
         self._expected: list[float] = []  # announced turns' deadlines (monotonic), see expect
         self.pace = Pace()  # a step's prompt tokens while others decode
+        self.debug = invariant.debugging()  # check every sequence's cache after each step
 
     @property
     def model(self) -> nn.Module | None:
@@ -208,6 +209,8 @@ class GenerationCore:
                     decoding = [*self._alone, *self._merged_seqs()]
                 ahead = self.threaded and not joining and feeds_ahead(self.fast_path, decoding)
                 self._leave(self._decode(decoding, ahead))
+                if self.debug:
+                    invariant.check(list(self._joining), self._alone, self._merged)
         except Exception as error:  # noqa: BLE001  every sequence learns why, and leaves
             self._fail(error)
 
@@ -256,7 +259,7 @@ class GenerationCore:
                 ready.append(seq)
                 continue
             if seq.fed < len(seq.prompt):
-                self._feed_last(seq)
+                prefill.feed_last(self._forward, seq)
             elif not seq.prompt and seq.on_prompt is not None and seq.logprobs is not None:
                 seq.on_prompt(seq.logprobs)  # the logits kept from an earlier turn
             if seq.logprobs is None:  # the prompt is all in: its end's logits are kept
@@ -274,25 +277,12 @@ class GenerationCore:
         step, which feeds several tokens a row (threaded cores only)."""
         return self.threaded and separate_batches(self.fast_path)
 
-    def _feed_last(self, seq: Sequence) -> None:
-        """Evaluate the prompt's last token alone, keeping its log probabilities."""
-        if seq.fed == 0:
-            seq.post(Prefill(0, len(seq.prompt)))
-        last = seq.prompt[-1]
-        logits = self._forward(mx.array([[last]]), cache=seq.cache)[:, -1, :]
-        logprobs = (logits - mx.logsumexp(logits, keepdims=True)).squeeze(0)
-        mx.eval(logprobs, [c.state for c in seq.cache])
-        seq.ledger.append(last)
-        seq.fed += 1
-        seq.logprobs = logprobs
-        if seq.on_prompt is not None:
-            seq.on_prompt(logprobs)
-
     def _decode(self, decoding: list[Sequence], ahead: bool) -> list[Sequence]:
         """One decode step for every decoding sequence (fed ahead by the step before, or
         fed here); those that ended. With ``ahead``, it feeds the tokens it samples too."""
         if not decoding:
             return []
+        batch = list(self._merged_seqs())  # the rows of the batch cache, checked at the end
         rows: list[tuple[Sequence, mx.array]] = []
         if decoding[0].ahead is not None:  # all of them: a step is fed ahead for all or none
             rows = [(s, cast(mx.array, s.ahead)) for s in decoding]
@@ -329,8 +319,10 @@ class GenerationCore:
         for seq, row in rows:
             if seq in opening:
                 seq.opened(row)
+        if self._merged_seqs() != batch:
+            raise RuntimeError("The rows of a merged batch changed while its step ran.")
         ended = []
-        for (seq, _), token in zip(rows, cast(list[int], sampled.tolist())):  # token ids
+        for (seq, _), token in zip(rows, cast(list[int], sampled.tolist()), strict=True):
             seq.tokens.append(token)
             seq.post(token)
             if seq.ended():

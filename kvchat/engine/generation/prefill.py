@@ -136,3 +136,19 @@ def _forward_together(model: nn.Module, chunks: list[Chunk]) -> None:
     mx.eval([layer.state for layer in batch])
     for i, (seq, _) in enumerate(chunks):
         give_back(batch, i, seq.cache)
+
+
+def feed_last(model: nn.Module, seq: Sequence) -> None:
+    """Evaluate the prompt's last token alone, keeping its log probabilities (a sharded
+    core's prefill, which samples the first token itself)."""
+    if seq.fed == 0:
+        seq.post(Prefill(0, len(seq.prompt)))
+    last = seq.prompt[-1]
+    logits = model(mx.array([[last]]), cache=seq.cache)[:, -1, :]
+    logprobs = (logits - mx.logsumexp(logits, keepdims=True)).squeeze(0)
+    mx.eval(logprobs, [c.state for c in seq.cache])
+    seq.ledger.append(last)
+    seq.fed += 1
+    seq.logprobs = logprobs
+    if seq.on_prompt is not None:
+        seq.on_prompt(logprobs)
