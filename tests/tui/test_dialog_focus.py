@@ -39,20 +39,30 @@ async def test_each_dialog_opens_with_its_primary_action_focused(make_app, key, 
         await until(pilot, lambda: len(app.screen_stack) == 1)
 
 
+def users(messages) -> list[str]:
+    return [m["content"] for m in messages if m["role"] == "user"]
+
+
+async def two_turns_then_ctrl_l(pilot):
+    """A tab that said "first" and "second", its trim dialog open: its conversation."""
+    app = pilot.app
+    await settle(pilot)
+    conversation = app.active_conversation()
+    for text in ("first", "second"):
+        await send(pilot, text)
+    await pilot.press("ctrl+l")
+    await until(pilot, lambda: isinstance(app.screen, TrimDialog))
+    return conversation
+
+
 async def test_enter_undoes_the_last_turn_and_asks_before_the_only_one(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot)
-        conversation = app.active_conversation()
+        conversation = await two_turns_then_ctrl_l(pilot)
         session = conversation.session
-        for text in ("first", "second"):
-            await send(pilot, text)
-        await pilot.press("ctrl+l")
-        await until(pilot, lambda: isinstance(app.screen, TrimDialog))
         await pilot.press("enter")  # the focused "Undo last turn"
         await settle(pilot, conversation)
-        assert [m["content"] for m in session.messages if m["role"] == "user"] == ["first"]
-        assert [m["content"] for m in session.archived if m["role"] == "user"] == ["second"]
+        assert users(session.messages) == ["first"] and users(session.archived) == ["second"]
 
         await pilot.press("ctrl+l")
         await until(pilot, lambda: isinstance(app.screen, TrimDialog))
@@ -60,7 +70,7 @@ async def test_enter_undoes_the_last_turn_and_asks_before_the_only_one(make_app)
         await until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
         await pilot.press("escape")
         await settle(pilot, conversation)
-        assert [m["content"] for m in session.messages if m["role"] == "user"] == ["first"]
+        assert users(session.messages) == ["first"]
 
         await pilot.press("ctrl+l")
         await until(pilot, lambda: isinstance(app.screen, TrimDialog))
@@ -68,33 +78,20 @@ async def test_enter_undoes_the_last_turn_and_asks_before_the_only_one(make_app)
         await until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
         await pilot.press("enter")  # "Drop them"
         await settle(pilot, conversation)
-        assert not [m for m in session.messages if m["role"] == "user"]
-        assert [m["content"] for m in session.archived if m["role"] == "user"] == [
-            "second",
-            "first",
-        ]
+        assert users(session.messages) == [] and users(session.archived) == ["second", "first"]
 
 
 async def test_a_trim_to_too_few_tokens_asks_first(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
-        await settle(pilot)
-        conversation = app.active_conversation()
+        conversation = await two_turns_then_ctrl_l(pilot)
         session = conversation.session
-        for text in ("first", "second"):
-            await send(pilot, text)
-        await pilot.press("ctrl+l")
-        await until(pilot, lambda: isinstance(app.screen, TrimDialog))
         app.screen.query_one("#trim-tokens", Input).value = "3"
         await pilot.click("#trim-to")
         await until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
         await pilot.click("#confirm-cancel")
         await settle(pilot, conversation)
-        assert [m["content"] for m in session.messages if m["role"] == "user"] == [
-            "first",
-            "second",
-        ]
-        assert session.archived == []
+        assert users(session.messages) == ["first", "second"] and session.archived == []
 
 
 async def test_a_dialog_that_opens_on_its_own_takes_no_keys_typed_before(make_app):
