@@ -35,7 +35,6 @@ from .keys import BindingGroups, binding_groups, install_keymap, system_commands
 from .models import ModelLoader
 from .quitting import Quitter
 from .screens.help import HelpScreen
-from .screens.loading import LoadingScreen
 from .screens.picker import SessionPicker, unsaved_drafts
 from .sharded import ONE_TAB, ShardedRun
 from .tabs import TabController
@@ -159,9 +158,7 @@ class KvChatApp(App):
         if self.expire_every and self.expire_every > 0:
             self.set_interval(self.expire_every, self.expire_idle, name="expire")
         if self.lm is None:
-            self.push_screen(
-                LoadingScreen(f"Loading model {self.config.model}…", self.tab_control.hold)
-            )
+            self.push_screen(self.tab_control.loading_screen(f"Loading model {self.config.model}…"))
             self.model_loader.load_default(self.config.model)
         else:
             self.call_later(self.tab_control.open_first)

@@ -41,6 +41,13 @@ class TabController:
         """Keep ``text`` (typed behind a loading screen) for the next tab's message box."""
         self.held += text
 
+    def loading_screen(self, message: str, name: str | None = None) -> LoadingScreen:
+        """A loading screen saying ``message`` that keeps what is typed behind it, showing
+        at once the saved transcript of session ``name`` (default: the one ``--resume``
+        names), read from its file: no model needed."""
+        name = name or self.app.resume
+        return LoadingScreen(message, keep=self.hold, transcript=saved_transcript(name))
+
     def new_session(self, name: str | None = None, lm: LoadedModel | None = None) -> Session:
         """A new session on ``lm`` (default: the app's model), in the pool under ``name``
         when given.
@@ -205,7 +212,7 @@ class TabController:
         # Nothing keeps the focus: when the loading screen goes, Textual would focus the old
         # tab's input again, and a focused pane makes its tab the active one (TabPane.Focused).
         app.main_screen.set_focus(None)
-        app.push_screen(LoadingScreen(f"Opening session {name}…", keep=self.hold))
+        app.push_screen(self.loading_screen(f"Opening session {name}…", name))
         app.run_worker(
             partial(self.load_session, name), name="load_session", group="load", thread=True
         )
@@ -351,3 +358,17 @@ class TabController:
             if conversation.session_name in offloaded:
                 conversation.saved = True
         self.app.refresh_sidebar()
+
+
+def saved_transcript(name: str | None, last: int = 40) -> list[tuple[str, str]]:
+    """The last ``last`` messages of saved session ``name`` as (role, text), as its file
+    holds them; none for no name, a session not saved or a damaged one (its loading says
+    why)."""
+    if not name:
+        return []
+    try:
+        messages = store.read(name).get("messages", [])
+    except (store.StoreError, OSError):
+        return []
+    shown = [m for m in messages if m.get("role") in ("system", "user", "assistant")]
+    return [(m["role"], str(m.get("content") or "")) for m in shown[-last:]]

@@ -15,7 +15,7 @@ from kvchat.tui.screens.dialogs import FileDialog
 from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import UserMessage
 
-from .conftest import SIZE, send, settle, until
+from .conftest import SIZE, send, settle, until, widget_text
 
 pytestmark = pytest.mark.anyio
 
@@ -241,8 +241,8 @@ async def test_keys_typed_right_after_ctrl_t_go_into_the_new_tab(make_app):
 
 
 async def test_keys_typed_while_a_session_loads_wait_for_its_box(demo_model, home):
-    """Behind the loading screen of ``--resume``, what is typed (Backspace too) is kept and
-    put in the session's box when its tab opens."""
+    """The loading screen of ``--resume`` shows the saved transcript at once; what is typed
+    behind it (Backspace too) is kept and put in the session's box when its tab opens."""
     from kvchat import store
     from kvchat.config import Config
     from kvchat.engine.conversation.session import Session
@@ -263,6 +263,9 @@ async def test_keys_typed_while_a_session_loads_wait_for_its_box(demo_model, hom
     app.scheduler.wait(held)
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: isinstance(app.screen, LoadingScreen))
+        shown = widget_text(app.screen.query_one("#loading-transcript"))  # at once, as saved
+        assert "user: Opening line." in shown
+        assert f"assistant: {session.messages[-1]['content'][:20]}" in shown
         await pilot.press(*"and thenn", "backspace", "?")
         app.scheduler.done(held)
         await until(pilot, lambda: bool(app.conversations()))

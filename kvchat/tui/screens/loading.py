@@ -6,20 +6,29 @@ from collections.abc import Callable
 
 from textual import events
 from textual.app import ComposeResult
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import LoadingIndicator, ProgressBar, Static
 
+from kvchat.safety import printable
+
 
 class LoadingScreen(Screen):
-    """A message, a spinner and a progress bar. What is typed meanwhile (printable keys,
-    Backspace) is kept: ``keep(text)`` gets it when the screen goes, for the message box
-    of the tab that opens next."""
+    """A message, a spinner and a progress bar; below them the ``transcript`` of the session
+    being opened (role and text of its last messages, as saved), to read at once. What is
+    typed meanwhile (printable keys, Backspace) is kept: ``keep(text)`` gets it when the
+    screen goes, for the message box of the tab that opens next."""
 
-    def __init__(self, message: str, keep: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        keep: Callable[[str], None] | None = None,
+        transcript: list[tuple[str, str]] | None = None,
+    ) -> None:
         super().__init__()
         self.message = message
         self.keep = keep
+        self.transcript = transcript or []
         self.typed = ""
 
     def on_key(self, event: events.Key) -> None:
@@ -42,9 +51,15 @@ class LoadingScreen(Screen):
             yield Static(self.message, id="loading-message", markup=False)
             yield LoadingIndicator()
             yield ProgressBar(id="loading-progress", show_eta=False)
+        if self.transcript:
+            with VerticalScroll(id="loading-transcript"):
+                for role, text in self.transcript:  # as saved: untrusted text, never markup
+                    yield Static(f"{role}: {printable(text)}", markup=False, classes=role)
 
     def on_mount(self) -> None:
         self.query_one(ProgressBar).display = False
+        if self.transcript:
+            self.query_one("#loading-transcript").scroll_end(animate=False)
 
     def set_message(self, message: str) -> None:
         self.query_one("#loading-message", Static).update(message)
