@@ -152,7 +152,7 @@ def _child(model: str, prefill: int, decode: int, sessions: int) -> dict[str, An
     argv += ["--prefill", str(prefill), "--decode", str(decode), "--sessions", str(sessions)]
     out = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ))
     if out.returncode != 0:
-        raise RuntimeError(f"{model}: {out.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"{model}: exit {out.returncode}: {out.stderr.strip()[-2000:]}")
     row: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return row
 
