@@ -27,6 +27,7 @@ def measured(x) -> bool:
 def result(kvchat_dirs):
     argv = [sys.executable, "-m", "kvchat.bench.weights", "--shape", "demo"]
     argv += ["--variants", "float32,q4", "--prefill", "64", "--decode", "8", "--sessions", "2"]
+    argv += ["--rounds", "2"]
     out = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
@@ -40,6 +41,11 @@ def test_each_variant_is_measured_in_its_own_process(result):
         for key in ("load_s", "resident_bytes", "prefill_tps", "decode_1_tps", "decode_2_tps"):
             assert measured(r[key]), (key, r)
         assert r["prefill_tokens"] >= 64
+        # the variants took turns twice: each figure is the best of its two runs
+        assert len(r["runs"]) == 2 and {run["model"] for run in r["runs"]} == {r["model"]}
+        assert r["decode_1_tps"] == max(run["decode_1_tps"] for run in r["runs"])
+        assert r["load_s"] == min(run["load_s"] for run in r["runs"])
+        assert r["decode_2_vs_1"] == rounded_ratio(r["decode_2_tps"], r["decode_1_tps"])
     bandwidth = result["bandwidth"]
     assert bandwidth["before"]["array_bytes"] == 512 << 20
     assert bandwidth["gb_s"] == max(bandwidth["before"]["gb_s"], bandwidth["after"]["gb_s"]) > 0
