@@ -80,6 +80,8 @@ def test_affine_product(bits, group, scale):
         assert error(out, x[:n].astype(np.float64) @ weight.T) <= TOLERANCE
         assert np.array_equal(out, alone[:n])
     assert np.array_equal(matrix.product(x[:8]), alone[:8])
+    assert matrix.product(x[:0]).shape == (0, OUT)
+    assert matrix.gather(np.zeros(0, dtype=np.int64)).shape == (0, 3 * group)
 
 
 def matrix_args(matrix: stored.Stored) -> tuple:

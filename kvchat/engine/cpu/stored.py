@@ -90,7 +90,7 @@ class Stored:
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
         kernels = native.module("packed")
-        if kernels is not None and self.form != "float32" and x.shape[0] <= KERNEL_ROWS:
+        if kernels is not None and self.form != "float32" and 0 < x.shape[0] <= KERNEL_ROWS:
             if self.form == "affine":
                 kernels.affine_t(*self._affine(), x, out)
             else:
