@@ -190,11 +190,12 @@ def test_a_cache_is_read_in_place_only_where_its_buffers_allow():
 def test_the_route_says_which_kernels_are_used(monkeypatch):
     assert native.module("fused") is fused
     assert native.route() == (
-        "kvchat's native kernels: weights read once for 2 to 16 rows, fused attention"
+        "kvchat's native kernels: weights read once for 2 to 16 rows, fused attention, "
+        "packed and 16-bit weights widened in registers"
     )
     built = native.built
     with monkeypatch.context() as patched:  # only rows.c built: the phrase names it alone
-        patched.setattr(native, "built", lambda name: None if name == "fused" else built(name))
+        patched.setattr(native, "built", lambda name: built(name) if name == "rows" else None)
         assert native.route() == "kvchat's native kernels: weights read once for 2 to 16 rows"
     monkeypatch.setenv("KVCHAT_NATIVE", "0")
     assert native.module("fused") is None and native.module("rows") is None
