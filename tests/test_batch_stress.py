@@ -11,6 +11,7 @@ zeros, and the new conversation's reply was another one. The stress harness
 from __future__ import annotations
 
 import random
+import re
 import threading
 
 import mlx.core as mx
@@ -98,8 +99,9 @@ def test_doctor_batch_checks_each_path_of_the_users_model(demo_model):
     lines = out.output.splitlines()
     assert lines[0].startswith("CPU fast path: its batched numpy step")
     assert lines[2].startswith("MLX: rows merged into mlx-lm's batch caches")
-    for line in (lines[1], lines[3]):
-        assert line.endswith(": 4 matched, all matched") and "batches of up to 4 rows" in line
+    for line in (lines[1], lines[3]):  # how many joined one step depends on the timing
+        assert line.endswith(": 4 matched, all matched")
+        assert re.search(r"4 replies in batches of up to [234] rows", line), line
 
 
 def test_a_near_tie_is_told_from_a_token_of_another_reply(demo_model):

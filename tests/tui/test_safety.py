@@ -28,8 +28,8 @@ async def _reply(pilot, text: str, pieces: int = 7) -> AssistantMessage:
     conversation = pilot.app.active_conversation()
     conversation.state = "answering"
     step = max(1, len(text) // pieces)
-    for i in range(0, len(text), step):
-        conversation.post_message(ReplyChunk(text[i : i + step]))
+    for n, i in enumerate(range(0, len(text), step), 1):  # a piece a token
+        conversation.post_message(ReplyChunk(text[i : i + step], n))
     conversation.post_message(TurnFinished(TurnDone(text, _stats(), stopped=False), None))
     await settle(pilot, conversation)
     return conversation.query(AssistantMessage).last()

@@ -29,8 +29,8 @@ def thought_text(message: AssistantMessage) -> str:
 async def stream(pilot, pieces: list[str]) -> AssistantMessage:
     conversation = pilot.app.active_conversation()
     conversation.state = "answering"
-    for piece in pieces:
-        conversation.post_message(ReplyChunk(piece))
+    for n, piece in enumerate(pieces, 1):  # a piece a token
+        conversation.post_message(ReplyChunk(piece, n))
     await until(
         pilot,
         lambda: (
@@ -57,8 +57,8 @@ async def test_thoughts_stream_into_a_collapsed_block_and_toggle(make_app):
         assert message.markdown.source == ""
 
         rest = REPLY[len("<think>\nThe user asks for [bold]the") :]
-        for piece in (rest[:30], rest[30:]):
-            conversation.post_message(ReplyChunk(piece))
+        for n, piece in enumerate((rest[:30], rest[30:]), 100):
+            conversation.post_message(ReplyChunk(piece, n))
         conversation.post_message(TurnFinished(TurnDone(REPLY, _stats(), stopped=False), None))
         await settle(pilot, conversation)
         assert message.text == REPLY  # copy and the transcript keep the whole reply
