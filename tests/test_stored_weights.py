@@ -219,6 +219,12 @@ def test_doctor_and_the_model_say_how_the_weights_are_held(variants):
     assert variants["q4"].weights == f"4-bit, groups of 64, kept packed, {kernels}"
     assert variants["q8"].weights == f"8-bit, groups of 64, kept packed, {kernels}"
     assert variants["bf16"].weights == f"bfloat16, kept as stored, {kernels}"
+    # the sidebar's few words (80 columns)
+    assert [variants[v].weights_brief for v in ("q4", "q8", "bf16")] == [
+        "4-bit packed",
+        "8-bit packed",
+        "bfloat16",
+    ]
     result = CliRunner().invoke(app, ["doctor", "--json", "--model", "demo@q4"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)

@@ -178,22 +178,28 @@ def prepare(model: nn.Module) -> FastPath | str:
     return fast
 
 
-def held(model: nn.Module) -> str:
+def held(model: nn.Module, brief: bool = False) -> str:
     """How a prepared model's linear, expert and embedding weights are held and multiplied,
-    in a phrase for ``kvchat doctor`` and the sidebar: ``float32``, ``bfloat16, kept as stored,
-    native kernels (…)``, ``4-bit, groups of 64, kept packed, native kernels (…)``; the
-    form of most of the bytes first, any other after it."""
+    in a phrase for ``kvchat doctor``: ``float32``, ``bfloat16, kept as stored, native
+    kernels (…)``, ``4-bit, groups of 64, kept packed, native kernels (…)``; the form of
+    most of the bytes first, any other after it. ``brief``: that first form alone, in a
+    few words, for the sidebar (``4-bit packed``)."""
     sizes: dict[str, int] = {}
     for m in model.modules():
         if isinstance(m, MATRICES):
             weights = stored.stored(m)
             mode = getattr(m, "mode", m.weight.dtype)
-            form = weights.describe() if weights is not None else f"{mode}: {MLX_MODE}"
+            if weights is not None:
+                form = weights.describe(brief)
+            else:
+                form = f"{mode}" if brief else f"{mode}: {MLX_MODE}"
             size = weights.nbytes if weights is not None else m.weight.nbytes
             sizes[form] = sizes.get(form, 0) + size
     if not sizes:
         return "as stored"
     forms = sorted(sizes, key=lambda form: -sizes[form])
+    if brief:
+        return forms[0]
     line = forms[0] + (f" (also {'; '.join(forms[1:])})" if forms[1:] else "")
     read = any(form != "float32" and MLX_MODE not in form for form in forms)
     return f"{line}, {stored.kernels()}" if read else line

@@ -62,11 +62,14 @@ class Stored:
         extra = sum(a.nbytes for a in (self.scales, self.biases) if a is not None)
         return int(self.data.nbytes) + extra
 
-    def describe(self) -> str:
-        """How it is held, in a phrase: ``4-bit, groups of 64, kept packed``."""
+    def describe(self, brief: bool = False) -> str:
+        """How it is held, in a phrase: ``4-bit, groups of 64, kept packed``; ``brief``, in
+        a narrow panel's words: ``4-bit packed``, ``bfloat16``."""
         if self.form == "affine":
+            if brief:
+                return f"{self.bits}-bit packed"
             return f"{self.bits}-bit, groups of {self.group_size}, kept packed"
-        return self.form if self.form == "float32" else f"{self.form}, kept as stored"
+        return self.form if self.form == "float32" or brief else f"{self.form}, kept as stored"
 
     def widened(self, lo: int, hi: int) -> np.ndarray:
         """Weight rows ``lo … hi − 1`` as float32 ``(hi − lo, in)``, in a new array."""

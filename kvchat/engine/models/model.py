@@ -56,6 +56,7 @@ class LoadedModel:
     fingerprint: str  # changes when the weights' shape or the tokenizer could differ
     context_length: int
     weights: str = "as stored"  # how the weights are held, e.g. "4-bit, groups of 64, kept packed"
+    weights_brief: str = "as stored"  # the same in a few words, e.g. "4-bit packed"
     # The CPU fast path this model got (a kvchat.engine.cpu.FastPath), or None and why not.
     fast_path: Any = None
     fast_path_off: str = "off (not prepared)"
@@ -96,9 +97,10 @@ def load_model(spec: str) -> LoadedModel:
         raise load_error(spec, first_line(exc), source) from exc
     fast = cpu.prepare(model)
     if isinstance(fast, cpu.FastPath):
-        weights = cpu.held(model)
+        weights, brief = cpu.held(model), cpu.held(model, brief=True)
     else:
-        weights = "as stored (CPU fast path off)" if mx.default_device() == mx.cpu else "as stored"
+        brief = "as stored"
+        weights = "as stored (CPU fast path off)" if mx.default_device() == mx.cpu else brief
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -107,6 +109,7 @@ def load_model(spec: str) -> LoadedModel:
         fingerprint=fingerprint(spec, path),
         context_length=context_length(config),
         weights=weights,
+        weights_brief=brief,
         fast_path=fast if isinstance(fast, cpu.FastPath) else None,
         fast_path_off=fast if isinstance(fast, str) else "",
     )

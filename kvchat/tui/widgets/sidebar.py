@@ -38,7 +38,7 @@ class CacheInfo:
 
     name: str
     model_id: str
-    weights: str  # how the model's weights are held (LoadedModel.weights)
+    weights: str  # how the model's weights are held, in brief (LoadedModel.weights_brief)
     kind: str
     state: str
     cache_tokens: int
@@ -71,7 +71,7 @@ class CacheInfo:
         return cls(
             name=conversation.session_name,
             model_id=session.lm.model_id,
-            weights=session.lm.weights,
+            weights=session.lm.weights_brief,
             kind=session.kind.name,
             state=(
                 "offloaded to disk"
