@@ -64,11 +64,9 @@ def assert_openai_error(status: int, body: dict, expected: int, param: str | Non
             "'audio' is not supported by kvchat serve",
         ),
         (
-            json.dumps(
-                {**GOOD, "messages": [{"role": "user", "content": "hi", "name": "bo"}]}
-            ).encode(),
-            "messages[0].name",
-            "'messages[0].name' is not supported",
+            json.dumps({**GOOD, "modalities": ["text", "audio"]}).encode(),
+            "modalities[1]",
+            "'modalities[1]': Input should be 'text'",
         ),
         (
             json.dumps(

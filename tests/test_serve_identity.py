@@ -13,6 +13,7 @@ from serve_helpers import Server, chat
 from kvchat import store
 from kvchat.engine.conversation.template import render
 from kvchat.serve import anonymous
+from kvchat.serve.schema import cache_key_session
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -207,3 +208,44 @@ def test_the_kvchat_object_rides_on_the_last_chunk(demo_model, home):
                 assert (
                     last.model_extra["kvchat"]["generated_tokens"] == last.usage.completion_tokens
                 )
+
+
+def test_fields_clients_send_on_their_own_are_accepted(demo_model, home):
+    """The openai SDK with the fields clients (langchain, agents) send unasked: the reply
+    comes (200); a participant's ``name`` is taken; ``prompt_cache_key`` names the
+    conversation's session as X-Session-Id does (a key that is no session name, by its
+    hash), and the next turn with the same key continues it."""
+    with Server(demo_model) as server:
+        extra = {
+            "store": True,
+            "metadata": {"team": "docs"},
+            "service_tier": "auto",
+            "safety_identifier": "user-1234",
+            "verbosity": "low",
+            "reasoning_effort": "low",
+            "prediction": {"type": "content", "content": "Rivers"},
+            "modalities": ["text"],
+        }
+        first = [{"role": "user", "content": "Name three rivers.", "name": "alice"}]
+        reply, body, _ = chat(
+            server.client, first, max_tokens=6, prompt_cache_key="conv-7", **extra
+        )
+        assert body["kvchat"]["session"] == "conv-7"
+        assert [m["content"] for m in store.read("conv-7")["messages"]] == [
+            "Name three rivers.",
+            reply,
+        ]
+        follow = [
+            *first,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And lakes?"},
+        ]
+        _, again, _ = chat(server.client, follow, max_tokens=6, prompt_cache_key="conv-7")
+        assert again["kvchat"]["session"] == "conv-7"
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+        _, keyed, _ = chat(
+            server.client, first, max_tokens=6, prompt_cache_key="user@example.com/7"
+        )
+        assert keyed["kvchat"]["session"].startswith("key-")
+        assert keyed["kvchat"]["session"] == cache_key_session("user@example.com/7")

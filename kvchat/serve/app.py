@@ -28,7 +28,13 @@ from . import tools
 from .constrain import schema_grammar
 from .errors import ApiError
 from .jobs import Finished, Job, Piece, Started
-from .schema import ChatRequest, CompletionRequest, parse_request, session_name
+from .schema import (
+    ChatRequest,
+    CompletionRequest,
+    cache_key_session,
+    parse_request,
+    session_name,
+)
 from .shapes import ChatShape, CompletionShape
 from .worker import Engine
 
@@ -63,6 +69,8 @@ def create_app(
         _authorize(request, api_key)
         req = parse_request(await _body(request, max_body_bytes), ChatRequest)
         name = session_name(request.headers.get("x-session-id"))
+        if name is None and req.prompt_cache_key is not None:
+            name = cache_key_session(req.prompt_cache_key)
         req.history()  # refuse a conversation that does not end with the user or a tool now
         if req.tool_specs() is not None:
             tools.check_offered(engine.lm)

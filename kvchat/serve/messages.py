@@ -80,6 +80,7 @@ class Message(Strict):
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    name: str | None = Field(None, max_length=256)  # a participant's name: accepted, ignored
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

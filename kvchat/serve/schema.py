@@ -1,15 +1,17 @@
 """What ``POST /v1/chat/completions`` accepts, checked with pydantic before anything runs.
 
 Strict types (``"0.5"`` is not a temperature, ``true`` is not a token count).
-A field kvchat does not honour is refused with a 400 that names it, never
-accepted and ignored; a field sent as ``null`` is taken as not sent (clients
-echo back ``"tool_calls": null`` and the like). Every problem becomes
+A field that would change the reply and that kvchat does not honour is refused with a
+400 that names it; the fields clients send on their own that do not change the reply
+(``store``, ``metadata``, ``service_tier``, …) are accepted and ignored; a field sent
+as ``null`` is taken as not sent (clients echo back ``"tool_calls": null`` and the like). Every problem becomes
 :class:`~kvchat.serve.errors.ApiError`, which the app turns into OpenAI's error shape.
 The messages and tools a request carries are checked by :mod:`kvchat.serve.messages`.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import (
@@ -81,6 +83,12 @@ class _Generation(_Sampling):
     stop: str | list[str] | None = Field(None, validate_default=True)
     n: int = Field(1, ge=1, le=1)
     user: str | None = None  # the end user's id: any string; it names no session
+    # sent by clients on their own; they do not change the reply: accepted and ignored
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    service_tier: str | None = Field(None, max_length=64)
+    safety_identifier: str | None = Field(None, max_length=256)
+    cache_prompt: bool | None = None  # llama.cpp's; kvchat always reuses the cached prefix
     logit_bias: dict[str, float] | None = Field(None, max_length=1024)
 
     @field_validator("logit_bias")
@@ -141,6 +149,13 @@ class ChatRequest(_Generation):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool = True  # false: a reply's first call is its only one
+    # names the conversation's cache, as X-Session-Id does (see cache_key_session)
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)
+    # accepted and ignored (none changes the reply of the models kvchat templates for)
+    verbosity: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    prediction: dict | None = None
+    modalities: list[Literal["text"]] | None = None
 
     def _split(self) -> int:
         """Where the new messages start: the last one if it is the user's, else the run
@@ -266,6 +281,15 @@ def _field_path(loc: tuple) -> tuple:
 
 
 _TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def cache_key_session(key: str) -> str:
+    """The session a ``prompt_cache_key`` names: the key itself where it is a valid session
+    name, else ``key-`` and a hash of it (any string is a key; a name is not)."""
+    try:
+        return store.check_name(key)
+    except store.StoreError:
+        return "key-" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
 def session_name(header: str | None) -> str | None:
