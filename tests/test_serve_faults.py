@@ -228,3 +228,15 @@ def test_kvchat_serve_runs_as_a_command_and_stops_cleanly(demo_model, home, tmp_
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it (status -15)
     assert server.proc.returncode in (0, -15) and "Traceback" not in log, log
     assert store.read(first["kvchat"]["session"])["messages"][-1]["content"] == first["reply"]
+
+
+def test_an_over_long_session_id_is_not_echoed_whole(demo_model, home):
+    """A 20 kB ``X-Session-Id`` gets its 400 with the id cut to 100 characters: an error
+    body stays small whatever the client sent."""
+    with Server(demo_model) as server:
+        long_id = "x" * 20_000 + "/"
+        status, _, reply = server.raw(
+            "/v1/chat/completions", json.dumps(GOOD).encode(), {"X-Session-Id": long_id}
+        )
+        message = assert_openai_error(status, reply, 400, "X-Session-Id")
+        assert f"'{'x' * 100}'…" in message and len(json.dumps(reply)) < 1000

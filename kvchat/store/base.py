@@ -77,8 +77,13 @@ class Loaded:
 def check_name(name: str) -> str:
     """Return ``name`` if it is a valid session name, else raise :class:`StoreError`."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        shown = (
+            repr(name[:100]) + ("…" if len(name) > 100 else "")
+            if isinstance(name, str)
+            else repr(name)
+        )
         raise StoreError(
-            f"Invalid session name {name!r}: use up to 100 letters, digits, '-', '_' or '.', "
+            f"Invalid session name {shown}: use up to 100 letters, digits, '-', '_' or '.', "
             "starting with a letter or digit."
         )
     return name
