@@ -30,7 +30,7 @@ class Server:
         lm,
         *,
         api_key: str | None = None,
-        max_queue: int = 16,
+        max_queue: int | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY,
         pool: SessionPool | None = None,
         kind: str = "standard",

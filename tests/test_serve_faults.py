@@ -240,3 +240,28 @@ def test_an_over_long_session_id_is_not_echoed_whole(demo_model, home):
         )
         message = assert_openai_error(status, reply, 400, "X-Session-Id")
         assert f"'{'x' * 100}'…" in message and len(json.dumps(reply)) < 1000
+
+
+def test_a_burst_of_32_clients_queues_with_the_default_flags(demo_model, home):
+    """32 clients at once, none retrying: every one is answered (the default queue holds
+    twice the decode concurrency; it held 16, and half of such a burst got 429)."""
+    import concurrent.futures
+
+    import openai
+
+    with Server(demo_model) as server:
+        client = openai.OpenAI(base_url=server.client.base_url, api_key="x", max_retries=0)
+        assert server.engine.max_queue == 2 * server.engine.decode_concurrency
+
+        def one(i: int) -> str:
+            reply = client.chat.completions.create(
+                model="demo",
+                messages=[{"role": "user", "content": f"Client {i} says hello."}],
+                max_tokens=2,
+                temperature=0,
+            )
+            return reply.choices[0].finish_reason
+
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            reasons = list(pool.map(one, range(32)))
+    assert len(reasons) == 32 and set(reasons) <= {"stop", "length"}

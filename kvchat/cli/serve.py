@@ -54,8 +54,13 @@ def serve(
         ),
     ] = None,
     max_queue: Annotated[
-        int, typer.Option(help="Requests that may wait for the model; more get 429.", min=0)
-    ] = 16,
+        int | None,
+        typer.Option(
+            help="Requests that may wait for the model; more get 429 (default: twice "
+            "--decode-concurrency).",
+            min=0,
+        ),
+    ] = None,
     decode_concurrency: Annotated[
         int, typer.Option(help="Requests that reply at once, decoding in one batch.", min=1)
     ] = 32,

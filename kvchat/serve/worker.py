@@ -56,7 +56,8 @@ class Engine:
     """One loaded model behind the HTTP API: its pool, scheduler, matcher and threads.
 
     ``decode_concurrency`` requests reply at once (``prompt_concurrency`` of them
-    evaluating their prompts); ``max_queue`` more may wait; more are refused.
+    evaluating their prompts); ``max_queue`` more may wait (by default twice the decode
+    concurrency, so a burst as large as a batch queues); more are refused.
     ``keep_anonymous`` is how many of the sessions it names itself stay saved
     (:mod:`kvchat.serve.anonymous`; 0: all).
     """
@@ -68,7 +69,7 @@ class Engine:
         *,
         kind: str = "standard",
         settings: GenerationSettings | None = None,
-        max_queue: int = 16,
+        max_queue: int | None = None,
         scheduler: Scheduler | None = None,
         keep_anonymous: int = anonymous.DEFAULT_BUDGET,
         decode_concurrency: int = 32,
@@ -81,8 +82,9 @@ class Engine:
         # the sampling of a request that gives none (the config's), whatever a session kept
         given = settings or GenerationSettings()
         self.sampling = {s.name: getattr(given, s.name) for s in GENERATION}
-        self.max_queue = max_queue
         self.decode_concurrency = max(1, decode_concurrency)
+        # a burst as large as a batch queues rather than fails: twice it may wait by default
+        self.max_queue = 2 * self.decode_concurrency if max_queue is None else max_queue
         self._thread = ThreadPoolExecutor(
             max_workers=self.decode_concurrency, thread_name_prefix="kvchat-request"
         )
