@@ -123,3 +123,55 @@ def test_a_bad_response_format_is_refused_before_anything_runs(demo_model, home,
         status, _, reply = server.raw("/v1/chat/completions", body)
         assert status == 400 and reply["error"]["param"] == param, reply
         assert server.pool.names() == []
+
+
+def test_closed_bounds_what_a_schema_leaves_open():
+    from kvchat.serve.constrain import INTEGER_BOUND, STRING_MAX, closed
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer"},
+            "name": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {}}}},
+            "kind": {"type": "string", "enum": ["a", "b"]},
+            "open": {"type": "object", "additionalProperties": True, "properties": {}},
+        },
+    }
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["age"] == {
+        "type": "integer",
+        "minimum": -INTEGER_BOUND,
+        "maximum": INTEGER_BOUND,
+    }
+    assert out["properties"]["name"]["maxLength"] == STRING_MAX
+    assert out["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert "maxLength" not in out["properties"]["kind"]
+    assert out["properties"]["open"]["additionalProperties"] is True
+    assert closed({"type": "object"}) == {"type": "object"}  # json_object: any object
+    assert "additionalProperties" not in schema  # a new schema; the request's is untouched
+
+
+def test_a_schema_that_says_nothing_of_extra_keys_still_ends(demo_model, home):
+    """A schema as langchain's @tool and `llm --schema` send it (no additionalProperties,
+    an unbounded integer), sampled with 20 seeds: every reply ends (finish "stop") and
+    is an object of the listed keys, its integer within the documented bound."""
+    from kvchat.serve.constrain import INTEGER_BOUND
+
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
+    ask = [{"role": "user", "content": "A person, as JSON."}]
+    with Server(demo_model) as server:
+        for seed in range(20):
+            reply, body, _ = chat(
+                server.client, ask, max_tokens=60, temperature=1.0, seed=seed, response_format=fmt
+            )
+            assert body["choices"][0]["finish_reason"] == "stop", (seed, reply)
+            value = json.loads(reply)
+            assert set(value) == {"name", "age"} and len(value["name"]) <= 8
+            assert isinstance(value["age"], int) and abs(value["age"]) <= INTEGER_BOUND

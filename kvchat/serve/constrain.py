@@ -27,11 +27,39 @@ if TYPE_CHECKING:
 _tokenizers: dict[tuple, Any] = {}  # (model fingerprint, end tokens) -> llguidance's tokenizer
 
 
+# Where a schema is silent, constrained output still ends: an integer has at most 15 digits
+# and a string at most STRING_MAX characters (a model that never closes one stops there).
+INTEGER_BOUND = 10**15 - 1
+STRING_MAX = 4096
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with what lets constrained output run on forever bounded, as OpenAI's
+    strict mode has it: an object that lists its properties takes only those unless it
+    says ``additionalProperties`` itself; an integer without bounds gets ±:data:`INTEGER_BOUND`,
+    a string without ``maxLength`` :data:`STRING_MAX`. Sub-schemas alike; a new schema."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed(value) for key, value in schema.items()}
+    kinds = out.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "properties" in out and "additionalProperties" not in out:  # {"type": "object"}: any
+        out["additionalProperties"] = False
+    if "integer" in kinds:
+        out.setdefault("minimum", -INTEGER_BOUND)
+        out.setdefault("maximum", INTEGER_BOUND)
+    if "string" in kinds and "enum" not in out and "const" not in out:
+        out.setdefault("maxLength", STRING_MAX)
+    return out
+
+
 def schema_grammar(schema: dict, param: str) -> str:
-    """The llguidance grammar of JSON that validates against ``schema``."""
+    """The llguidance grammar of JSON that validates against ``schema`` (:func:`closed`)."""
     try:
         text = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults={"whitespace_flexible": False}
+            json.dumps(closed(schema)), defaults={"whitespace_flexible": False}
         )
     except ValueError as exc:
         raise ApiError(

@@ -16,7 +16,7 @@ import json
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from .constrain import lark_grammar
+from .constrain import closed, lark_grammar
 from .errors import ApiError
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def forced_grammar(lm: LoadedModel, tools: list[Tool]) -> str:
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": _sorted(t.function.parameters or {"type": "object"}),
+                "arguments": closed(_sorted(t.function.parameters or {"type": "object"})),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
