@@ -204,6 +204,24 @@ def test_a_forced_call_validates_then_its_result_is_answered_from_the_cache(tool
         assert store.read(session)["messages"][-1]["content"] == reply
 
 
+def test_a_forced_call_cut_by_the_length_limit_leaves_no_markup_in_the_content(tool_model, home):
+    """The limit falls inside the call: finish_reason "length", no call, and the content
+    is not the template's unfinished <tool_call> text."""
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    with Server(tool_model) as server:
+        _, body, _ = chat(
+            server.client,
+            ask,
+            max_tokens=6,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert not choice["message"].get("tool_calls")
+    assert not choice["message"]["content"]  # it held '<tool_call' (the tag cut short)
+
+
 def test_required_picks_one_of_the_tools_and_streams_the_call_as_a_delta(tool_model, home):
     with Server(tool_model) as server:
         stream = server.client.chat.completions.create(

@@ -270,10 +270,13 @@ class Engine:
                 job, session, events, stops, self._prompts, marker
             )
             calls: list[dict[str, Any]]
-            content, calls = reply, []
+            content, calls, shown = reply, [], reply
             if calls_wanted and tools is not None:  # only a chat request offers tools
                 content, calls = split(self.lm, reply, tools)
                 calls = calls if req.parallel_tool_calls else calls[:1]
+                # a forced call cut short: the reply was all its unfinished markup, which
+                # the client never gets as content
+                shown = content if calls else ("" if req.forced_tools() else reply)
             # the transcript keeps what the client got (rendered with this request's
             # tools), and the cache follows it
             with self.scheduler.turn(job.owner):
@@ -305,7 +308,7 @@ class Engine:
             with self._state:
                 held = set(self._in_use)  # this request's session and the others'
             anonymous.keep_within(self.pool, self.keep_anonymous, keep=held)
-        summary = finished(match, done, content if calls else reply, hit_stop, saved, notice)
+        summary = finished(match, done, shown, hit_stop, saved, notice)
         wanted = req.logprobs_wanted() is not None
         return replace(
             summary,
