@@ -121,3 +121,16 @@ def test_context_length():
     assert context_length({"max_position_embeddings": 8192}) == 8192
     assert context_length({"text_config": {"max_position_embeddings": 1024}}) == 1024
     assert context_length({}) == DEFAULT_CONTEXT_LENGTH
+
+
+def test_a_load_says_how_many_layers_it_has_read(demo_model):
+    """The weights are read a layer at a time, each layer's count given as it is done (the
+    loading screen's progress); the model is as an eager load makes it."""
+    seen: list[tuple[int, int]] = []
+    lm = load_model("demo", lambda done, total: seen.append((done, total)))
+    layers = len(lm.model.layers)
+    assert seen == [(n, layers) for n in range(1, layers + 1)]
+    ours = dict(tree_flatten(lm.model.parameters()))
+    theirs = dict(tree_flatten(demo_model.model.parameters()))
+    assert ours.keys() == theirs.keys()
+    assert all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)

@@ -8,6 +8,7 @@ controller and its loading screen.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -41,12 +42,20 @@ class ModelLoader:
         """Worker: load the app's model at start; one that cannot load ends the app."""
         app = self.app
         try:
-            lm = app.models.acquire(spec)
+            lm = app.models.acquire(spec, self.progress_on(app.screen))
         except ModelLoadError as error:
             app.call_from_thread(app.exit, return_code=2, message=f"kvchat: {error}")
             return
         self.probe_kinds(lm)
         app.call_from_thread(self.model_ready, lm)
+
+    def progress_on(self, screen: object) -> Callable[[int, int], None] | None:
+        """A model load's progress (layers read, of how many) for ``screen``, if it is a
+        loading screen; called on the loading thread."""
+        if not isinstance(screen, LoadingScreen):
+            return None
+        app = self.app
+        return lambda done, total: app.call_from_thread(screen.set_progress, done, total, "layers")
 
     def probe_kinds(self, lm: LoadedModel) -> None:
         """Find out whether ``lm`` can take the configured cache kind (it is tried on it

@@ -237,7 +237,7 @@ class TabController:
                     screen.set_message, f"Loading model {model_id} for session {name}…"
                 )
             with app.scheduler.turn(f"load:{name}"):
-                lm = app.models.acquire(model_id)
+                lm = app.models.acquire(model_id, app.model_loader.progress_on(screen))
                 try:
                     loaded = app.pool.open(name, lm, progress)
                 finally:

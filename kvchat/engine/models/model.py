@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,12 +71,13 @@ class ModelLoadError(Exception):
     """A model could not be loaded; the message is one sentence naming the way out."""
 
 
-def load_model(spec: str) -> LoadedModel:
+def load_model(spec: str, progress: Callable[[int, int], None] | None = None) -> LoadedModel:
     """Load ``spec``: a demo name, a local mlx-lm model folder or a Hugging Face id.
 
     Demo models are built on first use. The weights stay the arrays ``mlx_lm.load``
     made (nothing cast or dequantized); on the CPU backend the model gets the CPU fast
-    path's layers, which compute with them as stored (:func:`cpu.prepare`).
+    path's layers, which compute with them as stored (:func:`cpu.prepare`). The weights
+    are read a layer at a time, ``progress(layers read, layers)`` after each.
     """
     try:
         spec.encode("utf-8")
@@ -90,7 +92,8 @@ def load_model(spec: str) -> LoadedModel:
         raise load_error(spec, "the folder has no config.json", source)
     try:
         # mlx-lm annotates load as a pair or a triple; return_config=True gives the triple.
-        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)  # type: ignore[misc]
+        model, tokenizer, config = mlx_lm.load(str(path), lazy=True, return_config=True)  # type: ignore[misc]
+        _read_weights(model, progress)
     except json.JSONDecodeError as exc:
         raise load_error(spec, f"a JSON file in it is damaged ({exc})", source) from exc
     except Exception as exc:  # a broken folder fails in many ways; all mean the same here
@@ -113,6 +116,17 @@ def load_model(spec: str) -> LoadedModel:
         fast_path=fast if isinstance(fast, cpu.FastPath) else None,
         fast_path_off=fast if isinstance(fast, str) else "",
     )
+
+
+def _read_weights(model: nn.Module, progress: Callable[[int, int], None] | None) -> None:
+    """Evaluate the lazily loaded weights (what ``mlx_lm.load`` does unless lazy) a layer at
+    a time, so that a long read says how far it is; the rest (embeddings, norm, head) last."""
+    layers = list(getattr(model, "layers", []))
+    for done, layer in enumerate(layers, 1):
+        mx.eval(layer.parameters())
+        if progress is not None:
+            progress(done, len(layers))
+    mx.eval(model.parameters())
 
 
 def fingerprint(model_id: str, path: Path) -> str:

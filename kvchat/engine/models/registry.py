@@ -21,6 +21,8 @@ import mlx.core as mx
 from kvchat.engine.caches.trees import flatten
 from kvchat.engine.models.model import LoadedModel, load_model
 
+Progress = Callable[[int, int], None]  # (layers read, layers) while a model loads
+
 
 @dataclass
 class _Held:
@@ -42,21 +44,22 @@ class ModelRegistry:
     Loads run one at a time, so two requests for one id load it once.
     """
 
-    def __init__(self, loader: Callable[[str], LoadedModel] = load_model) -> None:
+    def __init__(self, loader: Callable[[str, Progress | None], LoadedModel] = load_model) -> None:
         self._loader = loader
         self._lock = threading.Lock()  # the table; never held through a load
         self._loading = threading.Lock()  # one load at a time
         self._models: dict[str, _Held] = {}
 
-    def acquire(self, model_id: str) -> LoadedModel:
-        """The model ``model_id``, loaded now if no one holds it; the caller holds it."""
+    def acquire(self, model_id: str, progress: Progress | None = None) -> LoadedModel:
+        """The model ``model_id``, loaded now if no one holds it (``progress(layers read,
+        layers)`` as it loads); the caller holds it."""
         with self._loading:
             with self._lock:
                 held = self._models.get(model_id)
                 if held is not None:
                     held.holders += 1
                     return held.lm
-            lm = self._loader(model_id)
+            lm = self._loader(model_id, progress)
             with self._lock:
                 self._models[model_id] = _Held(lm, 1, weight_bytes(lm))
             return lm

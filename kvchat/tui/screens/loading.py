@@ -62,9 +62,13 @@ class LoadingScreen(Screen):
             self.query_one("#loading-transcript").scroll_end(animate=False)
 
     def set_message(self, message: str) -> None:
+        self.message = message
         self.query_one("#loading-message", Static).update(message)
 
-    def set_progress(self, done: int, total: int) -> None:
+    def set_progress(self, done: int, total: int, unit: str = "tokens") -> None:
         bar = self.query_one(ProgressBar)
         bar.display = True
         bar.update(total=max(1, total), progress=done)
+        self.query_one("#loading-message", Static).update(
+            f"{self.message} {done:,} of {total:,} {unit}"
+        )
