@@ -5,6 +5,7 @@ a dialog that opens on its own takes no keys typed before it appeared."""
 from __future__ import annotations
 
 import pytest
+from textual import events
 from textual.widgets import Button, Input
 
 from kvchat.tui.screens.dialogs import ConfirmDialog, DraftDialog, TrimDialog
@@ -101,10 +102,15 @@ async def test_a_dialog_that_opens_on_its_own_takes_no_keys_typed_before(make_ap
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         chosen: list[str | None] = []
-        app.push_screen(DraftDialog("chat-1", "an old message"), chosen.append)
-        await pilot.press("x", "enter")  # typed for the message box, as the dialog opened
+        conversation = app.active_conversation()
+        conversation.focus_input()
+        await pilot.pause()
+        for key in ("x", "enter"):  # typed for the message box, still in the app's queue
+            app.post_message(events.Key(key, "x" if key == "x" else None))
+        app.push_screen(DraftDialog("chat-1", "an old message"), chosen.append)  # meanwhile
+        await until(pilot, lambda: isinstance(app.focused, Button))  # its grace is over
         assert chosen == [] and isinstance(app.screen, DraftDialog)
-        await until(pilot, lambda: isinstance(app.focused, Button))
+        assert conversation.input.text == ""  # nor did they reach the box behind it
         assert app.focused.id == "draft-restore"
         await pilot.press("enter")
         await until(pilot, lambda: chosen == ["restore"])
