@@ -20,7 +20,6 @@ A packed mode no kernel reads (``mxfp4``, ``nvfp4``, ``mxfp8``) keeps mlx-lm's l
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -31,7 +30,7 @@ from mlx.utils import tree_map_with_path
 
 from kvchat.engine.cpu import native
 from kvchat.engine.cpu.attention import as_numpy
-from kvchat.engine.cpu.stored import Stored, stored
+from kvchat.engine.cpu.stored import Stored, per_array, stored
 
 if TYPE_CHECKING:
     from kvchat.engine.cpu import FastPath
@@ -68,13 +67,7 @@ def param_view(module: nn.Module, name: str = "weight") -> np.ndarray | None:
     float32 array; a widened copy of a 16-bit vector (a norm's weight, a bias: a few KiB,
     never a matrix); None for anything else."""
     array = module[name]
-    key = (id(module), name)
-    cached = VIEWS.get(key)
-    if cached is None:
-        weakref.finalize(module, VIEWS.pop, key, None)
-    if cached is None or cached[0] is not array:
-        cached = VIEWS[key] = (array, _float32(array))
-    return cached[1]
+    return per_array(VIEWS, module, (id(module), name), array, lambda: _float32(array))
 
 
 def _float32(array: mx.array) -> np.ndarray | None:

@@ -17,7 +17,9 @@ row count: correct, and slower (``kvchat doctor`` says so).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -170,8 +172,8 @@ def _numpy(array: mx.array) -> tuple[np.ndarray, str] | None:
     return None
 
 
-# id(module) -> (the weight array it was made from, the Stored): one per array, as
-# linear.VIEWS; an entry goes when its module does.
+# id(module) -> (the weight array it was made from, the Stored), kept by per_array as
+# linear.VIEWS is.
 _MADE: dict[int, tuple[mx.array, Stored | None]] = {}
 
 
@@ -179,13 +181,28 @@ def stored(module: nn.Module) -> Stored | None:
     """``module``'s weight (an ``nn.Linear``'s, an ``nn.Embedding``'s, or their quantized
     twins', affine mode) as :class:`Stored`, made once per array; None for a format no
     kernel reads (``mxfp4``, ``nvfp4``, ``mxfp8``, another dtype)."""
-    weight = module["weight"]
-    key = id(module)
-    made = _MADE.get(key)
+    return per_array(_MADE, module, id(module), module["weight"], lambda: _make(module))
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+def per_array(
+    table: dict[K, tuple[mx.array, V]],
+    module: nn.Module,
+    key: K,
+    array: mx.array,
+    make: Callable[[], V],
+) -> V:
+    """``make()``, kept in ``table`` under ``key`` for the ``array`` that ``module`` holds:
+    made again when the module holds another array, the entry dropped when the module
+    goes (kept beside the modules, not written into them: some are mlx-lm's own)."""
+    made = table.get(key)
     if made is None:
-        weakref.finalize(module, _MADE.pop, key, None)
-    if made is None or made[0] is not weight:
-        made = _MADE[key] = (weight, _make(module))
+        weakref.finalize(module, table.pop, key, None)
+    if made is None or made[0] is not array:
+        made = table[key] = (array, make())
     return made[1]
 
 
