@@ -35,6 +35,7 @@ from kvchat.engine.conversation.session import Session
 from kvchat.engine.generation import GATE
 from kvchat.engine.generation.sampling import Draw, for_settings
 from kvchat.engine.generation.sequence import log_probs
+from kvchat.engine.generation.threads import clear_mlx_at_thread_end
 from kvchat.engine.models import demo
 from kvchat.pool import SessionPool
 
@@ -166,6 +167,7 @@ def together(
     names = [f"batch-check-{time.monotonic_ns()}-{i}" for i in range(len(convs))]
 
     def run(i: int, conv: Conversation) -> None:
+        clear_mlx_at_thread_end()  # its session's turn uses MLX on this thread
         try:
             time.sleep(conv.delay)
             with lock:

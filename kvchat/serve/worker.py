@@ -21,7 +21,6 @@ import math
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from itertools import count
 from typing import TYPE_CHECKING, Any, cast
@@ -35,6 +34,7 @@ from kvchat.engine.conversation.events import (
 )
 from kvchat.engine.conversation.template import encode_plain
 from kvchat.engine.generation.scheduler import Scheduler
+from kvchat.engine.generation.threads import MlxThreadPool
 from kvchat.settings import GENERATION, apply_overrides
 
 from . import anonymous
@@ -85,9 +85,7 @@ class Engine:
         self.decode_concurrency = max(1, decode_concurrency)
         # a burst as large as a batch queues rather than fails: twice it may wait by default
         self.max_queue = 2 * self.decode_concurrency if max_queue is None else max_queue
-        self._thread = ThreadPoolExecutor(
-            max_workers=self.decode_concurrency, thread_name_prefix="kvchat-request"
-        )
+        self._thread = MlxThreadPool(self.decode_concurrency, name="kvchat-request")
         self._prompts = threading.BoundedSemaphore(max(1, prompt_concurrency))
         self._owners = count(1)
         self._durations: deque[float] = deque(maxlen=20)

@@ -55,6 +55,7 @@ from kvchat.engine.generation.batch import (
 from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.pace import Pace
 from kvchat.engine.generation.sequence import Left, Sequence, sample_rows
+from kvchat.engine.generation.threads import clear_mlx_at_thread_end
 
 GATHER_S = 0.005  # from idle, a step waits while turns keep arriving this close together
 GATHER_MAX_S = 0.1  # or while announced turns (expect) are on their way, no longer than this
@@ -158,6 +159,7 @@ class GenerationCore:
             self._thread.start()
 
     def _loop(self) -> None:
+        clear_mlx_at_thread_end()
         while True:
             with self._cond:
                 if not self._cond.wait_for(self._busy, timeout=30.0):

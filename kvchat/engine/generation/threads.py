@@ -6,7 +6,9 @@ destroyed by C++ thread-local destructors after Python let go of the thread, and
 when that happens while the interpreter shuts down the process aborts
 ("terminate called without an active exception"; ml-explore/mlx#3126). MLX's
 answer is to call ``mx.clear_streams()`` at the end of every thread that used it:
-:class:`MlxThreadPool` does so in each of its threads, as the thread ends.
+:class:`MlxThreadPool` does so in each of its threads, as the thread ends, and
+:func:`clear_mlx_at_thread_end` in any other thread (the generation core's, which ends
+after 30 s idle: at the end of a test run, that can be as the interpreter shuts down).
 """
 
 from __future__ import annotations
@@ -30,16 +32,19 @@ class _ClearOnThreadEnd:
         mx.clear_streams()
 
 
-def _arm() -> None:
+def clear_mlx_at_thread_end() -> None:
+    """Have the calling thread clear its MLX state as it ends (call it first thing in a
+    thread that uses MLX: the generation core's, a server's request threads)."""
     _ending.guard = _ClearOnThreadEnd()
 
 
 class MlxThreadPool(ThreadPoolExecutor):
     """A thread pool (for an event loop's default executor: Textual's thread workers run
-    there) whose threads clear their MLX state when they end, at ``shutdown``."""
+    there; a server's request threads) whose threads clear their MLX state when they end,
+    at ``shutdown``."""
 
-    def __init__(self, max_workers: int | None = None) -> None:
-        super().__init__(max_workers, thread_name_prefix="kvchat-worker", initializer=_arm)
+    def __init__(self, max_workers: int | None = None, name: str = "kvchat-worker") -> None:
+        super().__init__(max_workers, thread_name_prefix=name, initializer=clear_mlx_at_thread_end)
 
 
 @contextmanager
