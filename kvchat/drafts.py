@@ -57,8 +57,7 @@ def pending(name: str, messages: list[dict]) -> str | None:
     text = _read(draft_file(name))
     if text is None:
         return None
-    sent = [m.get("content") for m in messages if m.get("role") == "user"]
-    if not text.strip() or (sent and sent[-1] == text):
+    if not text.strip() or _sent(text, messages):
         clear(name)
         return None
     return text
@@ -81,8 +80,7 @@ def typed(name: str, messages: list[dict]) -> str | None:
     text = _read(typed_file(name))
     if not text or not text.strip():
         return None
-    sent = [m.get("content") for m in messages if m.get("role") == "user"]
-    if sent and sent[-1] == text:
+    if _sent(text, messages):
         keep_typed(name, "")
         return None
     return text
@@ -102,6 +100,12 @@ def unsent() -> dict[str, str]:
         if text and text.strip():
             found[name] = text
     return found
+
+
+def _sent(text: str, messages: list[dict]) -> bool:
+    """Whether ``text`` is the last user message of ``messages``: it reached the session."""
+    sent = [m.get("content") for m in messages if m.get("role") == "user"]
+    return bool(sent) and sent[-1] == text
 
 
 def _read(path: Path) -> str | None:
