@@ -38,6 +38,11 @@
 #include "kernels.h"
 #include "packed.h"
 
+/* Bytes ahead of a packed tile's rows that it asks the cache for: each row is a stream of
+ * its own, more than the hardware's prefetchers follow well. qwen2.5-0.5b@q4's 24 layers,
+ * one row of x, alternating, best of 6: 24.2-37.6 against 27.9-45.3 ms (1 thread: its 24
+ * gate projections 6.96 against 9.07 ms); 8 rows level; a weight in cache level. */
+#define PREFETCH 1024
 #define MB 8 /* rows of x a tile takes (more go in groups of MB) */
 #define TILE 16 /* dot products a tile keeps: weight rows NR_OF(nb) × nb rows of x */
 #define NR_OF(nb) ((nb) <= 4 ? 4 : 2)
@@ -101,6 +106,9 @@ static inline __attribute__((always_inline)) void tile(const Matrix *m, int fmt,
                     table[r] = product + value(m->biases, m->kind, (o + r) * m->groups + g);
                 }
             }
+            for (int r = 0; r < NR; r++)
+                __builtin_prefetch(m->w + (o + r) * m->row_bytes + g * m->group * m->bits / 8
+                                       + PREFETCH, 0, 0);
             for (Py_ssize_t c = g * per_group; c < (g + 1) * per_group; c++)
                 products(m, fmt, NR, nb, xs, o, c, scale, table, tot);
         }
