@@ -250,3 +250,22 @@ def test_a_sessions_turn_announces_itself_before_it_is_submitted(demo_model, mon
     assert events == ["expect", "run"]
     with core._cond:
         assert not core._awaited()  # the announcement was consumed by the submission
+
+
+def test_warm_up_runs_the_merge_probe_so_that_the_first_turn_does_not(kvchat_dirs, monkeypatch):
+    """Whether rows merge is found out once per model by a probe of a few forward passes;
+    ``warm_up`` (the TUI's loading worker, serve's start) runs it, and the first turn
+    after it runs none. Without it, the first turn pays for it."""
+    from kvchat.engine.generation import batch, warm_up
+    from kvchat.engine.models.model import load_model
+
+    probed = []
+    probe = batch._probe
+    monkeypatch.setattr(batch, "_probe", lambda model: probed.append(model) or probe(model))
+    warmed, cold = load_model("demo"), load_model("demo")  # fresh models: none probed yet
+    warm_up(warmed)
+    assert probed == [warmed.model]
+    assert _reply(Session(warmed), "What is a cache?").stats.evaluated_tokens > 1
+    assert probed == [warmed.model]
+    assert _reply(Session(cold), "What is a cache?").stats.evaluated_tokens > 1
+    assert probed == [warmed.model, cold.model]

@@ -88,6 +88,7 @@ def serve(
 
     from kvchat.config import ConfigError, load_config, parse_size
     from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
+    from kvchat.engine.generation import warm_up
     from kvchat.serve import Engine, create_app
     from kvchat.settings import generation_of
 
@@ -110,6 +111,7 @@ def serve(
         make_cache(lm.model, parse_kind(kind))  # a kind this model cannot use: say so now
     except CacheKindError as exc:
         raise fail(str(exc), 2) from None
+    warm_up(lm)  # the first request finds the model's once-only costs paid
     engine = Engine(
         lm,
         serve_pool(lm, config),

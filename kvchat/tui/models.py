@@ -13,6 +13,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from kvchat.engine.caches.kinds import applicable_kinds
+from kvchat.engine.generation import warm_up
 from kvchat.engine.models.model import LoadedModel, ModelLoadError
 
 from .screens.loading import LoadingScreen
@@ -46,7 +47,7 @@ class ModelLoader:
         except ModelLoadError as error:
             app.call_from_thread(app.exit, return_code=2, message=f"kvchat: {error}")
             return
-        self.probe_kinds(lm)
+        self.ready_ahead(lm)
         app.call_from_thread(self.model_ready, lm)
 
     def progress_on(self, screen: object) -> Callable[[int, int], None] | None:
@@ -57,13 +58,16 @@ class ModelLoader:
         app = self.app
         return lambda done, total: app.call_from_thread(screen.set_progress, done, total, "layers")
 
-    def probe_kinds(self, lm: LoadedModel) -> None:
-        """Find out whether ``lm`` can take the configured cache kind (it is tried on it
-        once, see :mod:`kvchat.engine.caches.fit`) in the loading worker, so that new tabs find
-        the answer ready instead of running the model on the UI thread. The other kinds
-        are tried when the kind dialog is first opened: each try is two forward passes,
-        seconds on a big model on the CPU."""
+    def ready_ahead(self, lm: LoadedModel) -> None:
+        """In the loading worker, what ``lm``'s first tab and first turn would otherwise
+        pay: whether it can take the configured cache kind (tried on it once, see
+        :mod:`kvchat.engine.caches.fit`), so that new tabs find the answer ready instead of
+        running the model on the UI thread, and the first turn's once-only costs
+        (:func:`~kvchat.engine.generation.warm_up`). The other kinds are tried when the kind
+        dialog is first opened: each try is two forward passes, seconds on a big model on
+        the CPU."""
         applicable_kinds(lm.model, [self.app.config.cache])
+        warm_up(lm)
 
     def model_ready(self, lm: LoadedModel) -> None:
         app = self.app
@@ -98,7 +102,7 @@ class ModelLoader:
         try:
             with app.scheduler.turn(f"load:{spec}"):
                 lm = app.models.acquire(spec)
-                self.probe_kinds(lm)
+                self.ready_ahead(lm)
                 offloaded = app.pool.enforce_budget()  # the new weights count too
         except ModelLoadError as error:
             app.call_from_thread(app.tab_control.load_failed, str(error))  # type: ignore[arg-type]  # Textual infers Never for an async callback
