@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import cpu as cpu_bench
@@ -40,10 +41,13 @@ from .experiments import Bench
 from .report import print_tables, to_markdown
 from .targets import targets
 
-__all__ = ["DEFAULT_MODEL", "make_text", "print_tables", "run_bench", "to_markdown"]
+__all__ = ["DEFAULT_MODEL", "PHASES", "make_text", "print_tables", "run_bench", "to_markdown"]
 
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
+
+
+PHASES = ("classic", "sweep", "kinds", "blas", "cpu", "quantized weights", "fidelity")
 
 
 def run_bench(
@@ -52,10 +56,14 @@ def run_bench(
     log: Log | None = None,
     lm: LoadedModel | None = None,
     load_s: float | None = None,
+    on_phase: Callable[[int, str], None] | None = None,
 ) -> dict[str, Any]:
     """Run every section on model ``spec``; return all figures as a plain dict.
 
     Pass ``lm`` (and the seconds it took to load, ``load_s``) to reuse a loaded model.
+    ``on_phase(i, name)`` is told as phase ``i`` of :data:`PHASES` starts. Ctrl-C ends the
+    run at once with the sections measured so far (``interrupted`` names the phase it
+    stopped in; there are no targets then).
     """
     from kvchat.bench.fidelity import DEFAULT_KINDS, evaluate
     from kvchat.engine.caches.kinds import applicable_kinds
@@ -83,32 +91,59 @@ def run_bench(
         "quick": quick,
         "plan": bench.plan,
     }
-    result["classic"] = bench.classic()
-    sweep, persistence = bench.sweep()
-    result["sweep"] = sweep
-    result["persistence"] = persistence
-    result["kinds"] = bench.kinds()
-    bench.sessions.clear()
-    result["blas"] = blas_comparison(lm, bench.plan, say)
-    say("cpu: the fast path on and off")
-    result["cpu"] = cpu_bench.fast_path(lm, bench.plan, say)
-    float32 = {}
-    if "rows" in result["cpu"]:
-        first = result["cpu"]["rows"]
-        float32 = {
-            "prefill_tokens": bench.plan["cpu_prefill"][0],
-            "prefill_tps": first[0]["on"],
-            "decode_tps": first[1]["on"],
+
+    def sweep() -> None:
+        points, result["persistence"] = bench.sweep()
+        result["sweep"] = points
+        last = points["points"][-1]
+        result["profile"] = last["profile"] | {
+            "history_tokens": last["history_tokens"],
+            "session_ttft_s": last["cached_ttft_s"],
         }
-    result["quantized_weights"] = cpu_bench.quantized_weights(lm, bench.plan, say, float32)
-    say("fidelity: KL divergence of each kind against standard")
-    runnable = applicable_kinds(lm.model, list(DEFAULT_KINDS))  # the rest: result["kinds"]
-    result["fidelity"] = [f.as_dict() for f in evaluate(lm, runnable)]
-    result["profile"] = sweep["points"][-1]["profile"] | {
-        "history_tokens": sweep["points"][-1]["history_tokens"],
-        "session_ttft_s": sweep["points"][-1]["cached_ttft_s"],
-    }
-    result["targets"] = targets(result)
+
+    def kinds() -> None:
+        result["kinds"] = bench.kinds()
+        bench.sessions.clear()
+
+    def cpu() -> None:
+        say("cpu: the fast path on and off")
+        result["cpu"] = cpu_bench.fast_path(lm, bench.plan, say)
+
+    def quantized() -> None:
+        float32 = {}
+        if "rows" in result.get("cpu", {}):
+            first = result["cpu"]["rows"]
+            float32 = {
+                "prefill_tokens": bench.plan["cpu_prefill"][0],
+                "prefill_tps": first[0]["on"],
+                "decode_tps": first[1]["on"],
+            }
+        result["quantized_weights"] = cpu_bench.quantized_weights(lm, bench.plan, say, float32)
+
+    def fidelity() -> None:
+        say("fidelity: KL divergence of each kind against standard")
+        runnable = applicable_kinds(lm.model, list(DEFAULT_KINDS))  # the rest: result["kinds"]
+        result["fidelity"] = [f.as_dict() for f in evaluate(lm, runnable)]
+
+    steps: list[Callable[[], None]] = [
+        lambda: result.update(classic=bench.classic()),
+        sweep,
+        kinds,
+        lambda: result.update(blas=blas_comparison(lm, bench.plan, say)),
+        cpu,
+        quantized,
+        fidelity,
+    ]
+    phase = PHASES[0]
+    try:
+        for i, (phase, step) in enumerate(zip(PHASES, steps)):
+            if on_phase is not None:
+                on_phase(i, phase)
+            step()
+    except KeyboardInterrupt:
+        result["interrupted"] = phase
+    else:
+        result["targets"] = targets(result)
     result["total_s"] = time.perf_counter() - started
     with contextlib.suppress(OSError, AttributeError):
         head["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]

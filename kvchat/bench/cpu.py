@@ -147,6 +147,7 @@ def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]
             lambda t=tokens: _prefill_and_decode(lm, t, plan["cpu_decode"]),
             log,
             f"prefill {tokens}",
+            plan["cpu_repeats"],
         )
         rows.append(
             {
@@ -170,7 +171,9 @@ def fast_path(lm: LoadedModel, plan: dict[str, Any], log: Log) -> dict[str, Any]
     )
     log(f"cpu: prefilling a {plan['cpu_history']}-token history")
     _turn(history, make_text(lm.tokenizer, plan["cpu_history"], seed=12))
-    pair = _pair(lm, lambda: _follow_up(history, plan["cpu_decode"]), log, "follow-up")
+    pair = _pair(
+        lm, lambda: _follow_up(history, plan["cpu_decode"]), log, "follow-up", plan["cpu_repeats"]
+    )
     n = pair["on"]["history_tokens"]
     rows.append(
         {

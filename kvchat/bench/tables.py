@@ -3,6 +3,7 @@ source of its Markdown report and its Rich tables, and the figures formatted for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .common import PROFILE_PARTS, SUMMARY_PROMPT
@@ -64,7 +65,29 @@ Table = tuple[str, list[str], list[list[str]], str | None]  # title, headers, ro
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
-    """(title, headers, rows, note) for every section: one source for Markdown and rich."""
+    """(title, headers, rows, note) for every section measured: one source for Markdown
+    and rich."""
+    out = [t for key, make in SECTIONS if key in result for t in make(result)]
+    out += _cpu_tables(result)
+    if result.get("fidelity"):
+        out.append(fidelity_table(result["fidelity"]))
+    if "targets" not in result:  # an interrupted run
+        return out
+    out.append(
+        (
+            "Targets",
+            ["target", "measured", "limit", "met"],
+            [
+                [t["target"], _f(t["value"]), f"{t['op']} {t['limit']}", _f(t["met"])]
+                for t in result["targets"]
+            ],
+            None,
+        )
+    )
+    return out
+
+
+def _classic(result: dict[str, Any]) -> list[Table]:
     out: list[Table] = []
     c = result["classic"]
     out.append(
@@ -95,15 +118,16 @@ def tables(result: dict[str, Any]) -> list[Table]:
                 ]
                 for t in c["turns"]
             ],
-            "Turn 1 starts from an empty cache either way, so its two columns are the same work ("
-            + (
-                "measured twice"
-                if result["plan"]["classic_turn1_twice"]
-                else "measured once, shown in both"
-            )
-            + '). "No cache" is the same transcript after `reset()`: a full prefill.',
+            "Turn 1 starts from an empty cache either way, so its two columns are the same work "
+            '(measured once, shown in both). "No cache" is the same transcript after `reset()`: '
+            "a full prefill.",
         )
     )
+    return out
+
+
+def _sweep(result: dict[str, Any]) -> list[Table]:
+    out: list[Table] = []
     pts = result["sweep"]["points"]
     out.append(
         (
@@ -140,6 +164,11 @@ def tables(result: dict[str, Any]) -> list[Table]:
             "\"Same 1st token\": the cached turn's first token equals the fresh prefill's (greedy).",
         )
     )
+    return out
+
+
+def _kinds(result: dict[str, Any]) -> list[Table]:
+    out: list[Table] = []
     k = result["kinds"]
     out.append(
         (
@@ -181,6 +210,11 @@ def tables(result: dict[str, Any]) -> list[Table]:
             + "".join(f" {why}" for why in k["unavailable"].values()),
         )
     )
+    return out
+
+
+def _persistence(result: dict[str, Any]) -> list[Table]:
+    out: list[Table] = []
     ps = result["persistence"]["points"]
     if ps:
         out.append(
@@ -215,6 +249,11 @@ def tables(result: dict[str, Any]) -> list[Table]:
                 'into memory; "incl. load" compares load + first turn with the re-prefill.',
             )
         )
+    return out
+
+
+def _profile(result: dict[str, Any]) -> list[Table]:
+    out: list[Table] = []
     p = result["profile"]
     out.append(
         (
@@ -230,6 +269,11 @@ def tables(result: dict[str, Any]) -> list[Table]:
             f"{result['plan']['profile_repeats']} runs, timed outside the Session with its own helpers.",
         )
     )
+    return out
+
+
+def _blas(result: dict[str, Any]) -> list[Table]:
+    out: list[Table] = []
     b = result["blas"]
     if "skipped" not in b:
         rows = []
@@ -256,21 +300,18 @@ def tables(result: dict[str, Any]) -> list[Table]:
                 "one subprocess each (KVCHAT_NO_BLAS=1 for the reference BLAS).",
             )
         )
-    out += _cpu_tables(result)
-    if result.get("fidelity"):
-        out.append(fidelity_table(result["fidelity"]))
-    out.append(
-        (
-            "Targets",
-            ["target", "measured", "limit", "met"],
-            [
-                [t["target"], _f(t["value"]), f"{t['op']} {t['limit']}", _f(t["met"])]
-                for t in result["targets"]
-            ],
-            None,
-        )
-    )
     return out
+
+
+# each section's table(s), in the report's order (an interrupted run has the first few)
+SECTIONS: tuple[tuple[str, Callable[[dict[str, Any]], list[Table]]], ...] = (
+    ("classic", _classic),
+    ("sweep", _sweep),
+    ("kinds", _kinds),
+    ("persistence", _persistence),
+    ("profile", _profile),
+    ("blas", _blas),
+)
 
 
 def _cpu_tables(result: dict[str, Any]) -> list[Table]:

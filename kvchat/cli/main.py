@@ -6,7 +6,6 @@ import json
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -153,48 +152,6 @@ def replay(
         typer.echo(dumps_json(result, indent=2))  # replies are model output
     else:
         Console().print(result_table(result))
-
-
-@app.command()
-def bench(
-    model: Annotated[
-        str,
-        typer.Option(
-            "--model", "-m", help="Model to measure (default: a shape-true Qwen2.5-0.5B)."
-        ),
-    ] = "demo:qwen2.5-0.5b",
-    quick: Annotated[
-        bool,
-        typer.Option(
-            "--quick", help="A short run: history sweep up to 2k tokens, smaller article."
-        ),
-    ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print every figure as JSON.")] = False,
-    out: Annotated[
-        Path | None, typer.Option("--out", help="Also write a Markdown report to this file.")
-    ] = None,
-) -> None:
-    """Measure the prompt cache: turns with and without it, history sweep, cache kinds, save/load, BLAS."""
-    from kvchat.bench import print_tables, run_bench, to_markdown
-
-    started = time.perf_counter()
-    lm = load_or_exit(model)
-    result = run_bench(
-        model,
-        quick=quick,
-        lm=lm,
-        load_s=time.perf_counter() - started,
-        log=lambda msg: typer.echo(msg, err=True),
-    )
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        from kvchat.atomic import write_atomic
-
-        write_atomic(out, to_markdown(result).encode("utf-8"))
-    if as_json:
-        typer.echo(json.dumps(result, indent=2, ensure_ascii=False))
-    else:
-        print_tables(result)
 
 
 @app.command("eval-cache")
