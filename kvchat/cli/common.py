@@ -12,6 +12,8 @@ import typer
 from kvchat.safety import printable
 from kvchat.settings import FLAGS
 
+from .typed import Typer
+
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
 
@@ -23,7 +25,7 @@ SHARDED_ONLY = (
 )
 RANK0_FAILED = "kvchat (rank 0): the run failed: "  # kvchat launch drops it if a follower died
 
-app = typer.Typer(
+app = Typer(
     name="kvchat",
     help="A terminal chat for local LLMs on MLX with a live KV cache per conversation.",
     add_completion=False,
