@@ -11,8 +11,10 @@ import pytest
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.generation import GenerationCore, Left, Sequence, core_for
+from kvchat.engine.generation.core import GenerationCore
+from kvchat.engine.generation.cores import core_for
 from kvchat.engine.generation.sampling import for_settings
+from kvchat.engine.generation.sequence import Left, Sequence
 from tests.helpers import run_all, start_together
 
 QUESTIONS = [

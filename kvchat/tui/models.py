@@ -12,13 +12,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
-from kvchat.engine.caches.kinds import applicable_kinds
-from kvchat.engine.models.model import LoadedModel, ModelLoadError
-
 from .screens.loading import LoadingScreen
 from .screens.settings import ModelDialog
 
 if TYPE_CHECKING:
+    from kvchat.engine.models.model import LoadedModel
+
     from .app import KvChatApp
 
 
@@ -39,14 +38,19 @@ class ModelLoader:
         )
 
     def load_model(self, spec: str) -> None:
-        """Worker: load the app's model at start; one that cannot load ends the app."""
+        """Worker: load the app's model at start, in its turn as the other loads; one that
+        cannot load ends the app. The engine's model code is imported here, behind the
+        loading screen: it brings mlx-lm and transformers, seconds on a busy machine."""
+        from kvchat.engine.models.model import ModelLoadError
+
         app = self.app
         try:
-            lm = app.models.acquire(spec, self.progress_on(app.screen))
+            with app.scheduler.turn(f"load:{spec}"):
+                lm = app.models.acquire(spec, self.progress_on(app.screen))
+                self.probe_kinds(lm)
         except ModelLoadError as error:
             app.call_from_thread(app.exit, return_code=2, message=f"kvchat: {error}")
             return
-        self.probe_kinds(lm)
         app.call_from_thread(self.model_ready, lm)
 
     def progress_on(self, screen: object) -> Callable[[int, int], None] | None:
@@ -63,6 +67,8 @@ class ModelLoader:
         the answer ready instead of running the model on the UI thread. The other kinds
         are tried when the kind dialog is first opened: each try is two forward passes,
         seconds on a big model on the CPU."""
+        from kvchat.engine.caches.kinds import applicable_kinds
+
         applicable_kinds(lm.model, [self.app.config.cache])
 
     def model_ready(self, lm: LoadedModel) -> None:
@@ -94,6 +100,8 @@ class ModelLoader:
 
     def load_tab_model(self, spec: str) -> None:
         """Worker: load model ``spec`` for a new tab, making room for it in the pool."""
+        from kvchat.engine.models.model import ModelLoadError
+
         app = self.app
         try:
             with app.scheduler.turn(f"load:{spec}"):

@@ -15,13 +15,24 @@ import gc
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from kvchat.engine.caches.trees import flatten
-from kvchat.engine.models.model import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from kvchat.engine.models.model import LoadedModel
 
 Progress = Callable[[int, int], None]  # (layers read, layers) while a model loads
+
+
+def load_model(model_id: str, progress: Progress | None = None) -> LoadedModel:
+    """:func:`kvchat.engine.models.model.load_model`, imported on the first load: it brings
+    mlx-lm and transformers, which a front end need not wait for before it shows itself."""
+    from kvchat.engine.models.model import load_model
+
+    return load_model(model_id, progress)
 
 
 @dataclass
