@@ -53,13 +53,16 @@ class ModelLoader:
             return
         app.call_from_thread(self.model_ready, lm)
 
-    def progress_on(self, screen: object) -> Callable[[int, int], None] | None:
-        """A model load's progress (layers read, of how many) for ``screen``, if it is a
-        loading screen; called on the loading thread."""
+    def progress_on(self, screen: object) -> Callable[[int, int, str], None] | None:
+        """A model's build and load progress (layers written or read, of how many: a demo
+        model's build first says the bytes it takes) for ``screen``, if it is a loading
+        screen; called on the loading thread."""
         if not isinstance(screen, LoadingScreen):
             return None
         app = self.app
-        return lambda done, total: app.call_from_thread(screen.set_progress, done, total, "layers")
+        return lambda done, total, what: app.call_from_thread(
+            screen.set_progress, done, total, what
+        )
 
     def probe_kinds(self, lm: LoadedModel) -> None:
         """Find out whether ``lm`` can take the configured cache kind (it is tried on it
