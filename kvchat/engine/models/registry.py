@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 def load_model(model_id: str, progress: Progress | None = None) -> LoadedModel:
     """:func:`kvchat.engine.models.model.load_model`, imported on the first load: it brings
     mlx-lm and transformers, which a front end need not wait for before it shows itself."""
-    from kvchat.engine.models.model import load_model
+    from kvchat.engine.models import model
 
-    return load_model(model_id, progress)
+    return model.load_model(model_id, progress)
 
 
 @dataclass
