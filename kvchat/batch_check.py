@@ -32,7 +32,7 @@ from kvchat.engine.conversation.events import (
     TurnDone,
 )
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.generation import GATE
+from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.sampling import Draw, for_settings
 from kvchat.engine.generation.sequence import log_probs
 from kvchat.engine.generation.threads import clear_mlx_at_thread_end

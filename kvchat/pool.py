@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from kvchat import store
-from kvchat.engine.caches.kinds import parse_kind
 
 if TYPE_CHECKING:
     from kvchat.config import Config
@@ -188,6 +187,7 @@ class SessionPool:
         holds: the generation core owns a running turn's cache (a merged batch holds
         its keys and values), so a copy of it is not the conversation's prefix.
         """
+        from kvchat.engine.caches.kinds import parse_kind
         from kvchat.engine.conversation.session import Session
 
         kind = parse_kind(kind)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat import batch_check
-from kvchat.engine.generation import GATE
+from kvchat.engine.generation.gate import GATE
 from kvchat.pool import SessionPool
 
 # the families of tests/arch_models.py the harness runs (those of SHAPES and BATCHED)

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from kvchat.cli import app
 from kvchat.engine.conversation.session import Session, TurnDone
-from kvchat.engine.generation import GATE, Left
+from kvchat.engine.generation.gate import GATE
+from kvchat.engine.generation.sequence import Left
 
 # What each rank of a test's sharded run may run in place of kvchat's entry
 # (kvchat/cli/ring.py's ENTRY): rank 1 kills itself at the third token of each turn.

@@ -193,3 +193,28 @@ def test_every_generation_setting_is_a_flag_checked_and_saved(home):
     assert (saved["top_k"], saved["seed"], saved["min_p"]) == (5, 9, 0.1)
     out = inproc("ask", "--top-k", "-1", "Hi.")
     assert out.returncode == 2 and "--top-k = -1: must be at least 0." in out.stderr
+
+
+def test_a_demo_built_on_first_use_says_the_disk_it_takes_and_how_far_it_is(
+    home, tmp_path, monkeypatch
+):
+    """The first ask on a demo not built yet says so, with the bytes its weights take
+    before the first layer is written, then the build's and the load's last counts (stderr
+    is not a terminal: no count in place; mlx-lm's quantizer adds its own line); the next
+    ask says nothing."""
+    from kvchat.engine.models.demo import demo_path
+
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    first = inproc("ask", "--model", "demo@q4", "--max-tokens", "2", "Hello.")
+    assert first.returncode == 0, first.output
+    lines = [line for line in first.stderr.splitlines() if line.startswith("kvchat: ")]
+    size = lines[1].rpartition(" of ")[2]
+    assert lines == [
+        f"kvchat: building demo@q4 on its first use, into {demo_path('demo@q4')}",
+        f"kvchat: demo@q4: 0 of 2 layers written, 0 B of {size}",
+        f"kvchat: demo@q4: 2 of 2 layers written, {size} of {size}",
+        "kvchat: demo@q4: 2 of 2 layers read",
+    ]
+    assert size.endswith(" KiB") and float(size.split()[0]) > 0
+    again = inproc("ask", "--model", "demo@q4", "--max-tokens", "2", "Hello.")
+    assert again.returncode == 0 and again.stderr == ""

@@ -10,10 +10,12 @@ import mlx.core as mx
 import pytest
 
 from kvchat.engine.caches.kinds import make_cache, parse_kind
-from kvchat.engine.generation import GATE, Left, Sequence, core_for
 from kvchat.engine.generation.batch import Merged, feed_ahead
+from kvchat.engine.generation.cores import core_for
+from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.invariant import debugging
 from kvchat.engine.generation.sampling import greedy_sampler
+from kvchat.engine.generation.sequence import Left, Sequence
 
 
 def _sequence(lm, prompt: list[int], max_tokens: int = 12) -> Sequence:

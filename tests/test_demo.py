@@ -172,6 +172,38 @@ def test_a_variant_holds_the_seeded_weights_as_mlx_stores_them(suffix, tmp_path)
     assert quantization == ({"group_size": 64, "bits": bits, "mode": "affine"} if bits else None)
 
 
+@pytest.mark.parametrize("suffix", ["", "q4"])
+def test_a_build_says_first_the_bytes_it_writes_then_how_far_it_is(suffix, tmp_path):
+    """Before it computes a layer, a build says how many bytes its weights take (from the
+    lazy model: the shape and the variant); that is what the files hold, within 3% (their
+    headers); then it counts the layers written."""
+    from kvchat.engine.models.demo_build import stored
+    from kvchat.units import human_bytes
+
+    tokenizer = demo.train_tokenizer()
+    config = {**demo.model_config("qwen2.5-0.5b", tokenizer), **TINY}
+    calls: list[tuple[int, int, str, int]] = []  # and the weight files there were then
+
+    def progress(done: int, total: int, what: str) -> None:
+        calls.append((done, total, what, len(list(tmp_path.glob("*.safetensors")))))
+
+    demo.write_model(tmp_path, config, tokenizer, suffix, progress)
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    mx.random.seed(0)
+    weights, _ = stored(
+        qwen2.Model(qwen2.ModelArgs.from_dict(config)), config, demo.VARIANTS[suffix]
+    )
+    announced = sum(value.nbytes for value in weights.values())
+    assert announced <= on_disk < 1.03 * announced, (announced, on_disk)
+    size = human_bytes(announced)
+    assert calls == [
+        (0, 2, f"layers written, 0 B of {size}", 0),
+        (1, 2, calls[1][2], 0),
+        (2, 2, f"layers written, {size} of {size}", 1),
+    ]
+    assert calls[1][2].startswith("layers written, ") and calls[1][2].endswith(f" of {size}")
+
+
 BUILD = """
 import sys, resource
 from pathlib import Path

@@ -11,8 +11,10 @@ import pytest
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.generation import GenerationCore, Left, Sequence, core_for
+from kvchat.engine.generation.core import GenerationCore
+from kvchat.engine.generation.cores import core_for
 from kvchat.engine.generation.sampling import for_settings
+from kvchat.engine.generation.sequence import Left, Sequence
 from tests.helpers import run_all, start_together
 
 QUESTIONS = [
@@ -256,7 +258,8 @@ def test_warm_up_runs_the_merge_probe_so_that_the_first_turn_does_not(kvchat_dir
     """Whether rows merge is found out once per model by a probe of a few forward passes;
     ``warm_up`` (the TUI's loading worker, serve's start) runs it, and the first turn
     after it runs none. Without it, the first turn pays for it."""
-    from kvchat.engine.generation import batch, warm_up
+    from kvchat.engine.generation import batch
+    from kvchat.engine.generation.cores import warm_up
     from kvchat.engine.models.model import load_model
 
     probed = []

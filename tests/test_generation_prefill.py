@@ -11,10 +11,12 @@ import pytest
 
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, Prefill
-from kvchat.engine.generation import GenerationCore, Left, Sequence, batch, prefill
+from kvchat.engine.generation import batch, prefill
+from kvchat.engine.generation.core import GenerationCore
 from kvchat.engine.generation.pace import FLOOR, Pace
 from kvchat.engine.generation.prefill import feed, plan
 from kvchat.engine.generation.sampling import for_settings
+from kvchat.engine.generation.sequence import Left, Sequence
 from tests.helpers import run_all
 
 

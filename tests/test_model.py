@@ -126,10 +126,10 @@ def test_context_length():
 def test_a_load_says_how_many_layers_it_has_read(demo_model):
     """The weights are read a layer at a time, each layer's count given as it is done (the
     loading screen's progress); the model is as an eager load makes it."""
-    seen: list[tuple[int, int]] = []
-    lm = load_model("demo", lambda done, total: seen.append((done, total)))
+    seen: list[tuple[int, int, str]] = []
+    lm = load_model("demo", lambda done, total, what: seen.append((done, total, what)))
     layers = len(lm.model.layers)
-    assert seen == [(n, layers) for n in range(1, layers + 1)]
+    assert seen == [(n, layers, "layers read") for n in range(1, layers + 1)]
     ours = dict(tree_flatten(lm.model.parameters()))
     theirs = dict(tree_flatten(demo_model.model.parameters()))
     assert ours.keys() == theirs.keys()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -11,6 +12,8 @@ import typer
 
 from kvchat.safety import printable
 from kvchat.settings import FLAGS
+
+from .typed import Typer
 
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
@@ -23,7 +26,7 @@ SHARDED_ONLY = (
 )
 RANK0_FAILED = "kvchat (rank 0): the run failed: "  # kvchat launch drops it if a follower died
 
-app = typer.Typer(
+app = Typer(
     name="kvchat",
     help="A terminal chat for local LLMs on MLX with a live KV cache per conversation.",
     add_completion=False,
@@ -58,15 +61,40 @@ def setting_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def load_or_exit(spec: str) -> LoadedModel:
-    """Load a model, or print the one-line reason to stderr and exit with status 2."""
+    """Load a model, or print the one-line reason to stderr and exit with status 2. A demo
+    model built on its first use says so on stderr, with the disk it takes and how far
+    its build and load are (:func:`build_progress`)."""
     from kvchat.engine.distributed import driver, link
     from kvchat.engine.models.model import ModelLoadError, load_model
 
     try:
-        return driver.load_model(spec) if link.current() else load_model(spec)
+        return driver.load_model(spec) if link.current() else load_model(spec, build_progress(spec))
     except ModelLoadError as exc:
         typer.echo(f"kvchat: {printable(str(exc))}", err=True)
         raise typer.Exit(2) from None
+
+
+def build_progress(spec: str) -> Callable[[int, int, str], None] | None:
+    """For a demo model whose first use builds its weights (else None): say so on stderr,
+    and return the printer of its build's and load's progress there, whose first line
+    says the bytes the weights take. On a terminal the count goes up in place; elsewhere
+    each stage prints its first and last count."""
+    from kvchat.engine.models.demo import builds_weights, demo_path, parse_demo_spec
+
+    if not builds_weights(spec):
+        return None
+    folder = demo_path(parse_demo_spec(spec) or spec)
+    typer.echo(f"kvchat: building {spec} on its first use, into {folder}", err=True)
+    terminal = sys.stderr.isatty()
+
+    def show(done: int, total: int, what: str) -> None:
+        line = f"kvchat: {spec}: {done:,} of {total:,} {what}"
+        if terminal:  # over the last count, the line's rest cleared
+            typer.echo(f"\r{line}\x1b[K", err=True, nl=done == total)
+        elif done in (0, total):
+            typer.echo(line, err=True)
+
+    return show
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:

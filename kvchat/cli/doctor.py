@@ -18,7 +18,7 @@ import kvchat
 from kvchat import blas, locations
 from kvchat.safety import dumps_json
 
-from .common import app, fail, load_or_exit
+from .common import app, build_progress, fail, load_or_exit
 
 
 @app.command()
@@ -124,7 +124,7 @@ def _model_report(spec: str | None) -> dict[str, str]:
 
     try:
         spec = spec or load_config().model
-        lm = load_model(spec)
+        lm = load_model(spec, build_progress(spec))  # a first use's build says so
     except (ConfigError, ModelLoadError) as exc:
         unknown = f"{spec}: unknown, the model could not be loaded ({exc})"
         return {"weights": unknown, "cpu_fastpath": unknown, "batch_decoding": unknown}

@@ -17,8 +17,9 @@ from kvchat.safety import dumps_json, printable
 from kvchat.units import human_bytes
 
 from .common import app, fail
+from .typed import Typer
 
-models_app = typer.Typer(
+models_app = Typer(
     help="List the demo models kvchat built and the downloaded ones, and remove one.",
     no_args_is_help=True,
 )

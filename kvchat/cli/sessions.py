@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     pass
 
 from .common import app, fail
+from .typed import Typer
 
-sessions_app = typer.Typer(
+sessions_app = Typer(
     help="List, show, search, export and remove saved sessions.", no_args_is_help=True
 )
 app.add_typer(sessions_app, name="sessions")

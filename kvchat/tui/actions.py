@@ -13,11 +13,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvchat import store
-from kvchat.engine.caches.kinds import OFFERED_KINDS, applicable_kinds, known_applicable_kinds
 from kvchat.engine.conversation.events import TurnDone
 
 from .screens.dialogs import ConfirmDialog, DropDialog, RenameDialog, TrimChoice, TrimDialog
-from .screens.kind import KindDialog
 from .screens.settings import SettingsDialog, TabSettings
 from .widgets.sidebar import user_turns
 
@@ -109,6 +107,15 @@ class TabActions:
         self.push_screen(TrimDialog(session.cache_tokens, user_turns(session)), chosen)
 
     def cache_kind(self) -> None:
+        # here: the cache kinds come with mlx-lm, which the app's first frame does without
+        from kvchat.engine.caches.kinds import (
+            OFFERED_KINDS,
+            applicable_kinds,
+            known_applicable_kinds,
+        )
+
+        from .screens.kind import KindDialog
+
         conversation = self.app.idle_conversation()
         if conversation is None:
             return

@@ -12,14 +12,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
-from kvchat.engine.caches.kinds import applicable_kinds
-from kvchat.engine.generation import warm_up
-from kvchat.engine.models.model import LoadedModel, ModelLoadError
-
 from .screens.loading import LoadingScreen
 from .screens.settings import ModelDialog
 
 if TYPE_CHECKING:
+    from kvchat.engine.models.model import LoadedModel
+
     from .app import KvChatApp
 
 
@@ -40,32 +38,43 @@ class ModelLoader:
         )
 
     def load_model(self, spec: str) -> None:
-        """Worker: load the app's model at start; one that cannot load ends the app."""
+        """Worker: load the app's model at start, in its turn as the other loads; one that
+        cannot load ends the app. The engine's model code is imported here, behind the
+        loading screen: it brings mlx-lm and transformers, seconds on a busy machine."""
+        from kvchat.engine.models.model import ModelLoadError
+
         app = self.app
         try:
-            lm = app.models.acquire(spec, self.progress_on(app.screen))
+            with app.scheduler.turn(f"load:{spec}"):
+                lm = app.models.acquire(spec, self.progress_on(app.screen))
+                self.ready_ahead(lm)
         except ModelLoadError as error:
             app.call_from_thread(app.exit, return_code=2, message=f"kvchat: {error}")
             return
-        self.ready_ahead(lm)
         app.call_from_thread(self.model_ready, lm)
 
-    def progress_on(self, screen: object) -> Callable[[int, int], None] | None:
-        """A model load's progress (layers read, of how many) for ``screen``, if it is a
-        loading screen; called on the loading thread."""
+    def progress_on(self, screen: object) -> Callable[[int, int, str], None] | None:
+        """A model's build and load progress (layers written or read, of how many: a demo
+        model's build first says the bytes it takes) for ``screen``, if it is a loading
+        screen; called on the loading thread."""
         if not isinstance(screen, LoadingScreen):
             return None
         app = self.app
-        return lambda done, total: app.call_from_thread(screen.set_progress, done, total, "layers")
+        return lambda done, total, what: app.call_from_thread(
+            screen.set_progress, done, total, what
+        )
 
     def ready_ahead(self, lm: LoadedModel) -> None:
         """In the loading worker, what ``lm``'s first tab and first turn would otherwise
         pay: whether it can take the configured cache kind (tried on it once, see
         :mod:`kvchat.engine.caches.fit`), so that new tabs find the answer ready instead of
         running the model on the UI thread, and the first turn's once-only costs
-        (:func:`~kvchat.engine.generation.warm_up`). The other kinds are tried when the kind
+        (:func:`~kvchat.engine.generation.cores.warm_up`). The other kinds are tried when the kind
         dialog is first opened: each try is two forward passes, seconds on a big model on
         the CPU."""
+        from kvchat.engine.caches.kinds import applicable_kinds
+        from kvchat.engine.generation.cores import warm_up
+
         applicable_kinds(lm.model, [self.app.config.cache])
         warm_up(lm)
 
@@ -98,6 +107,8 @@ class ModelLoader:
 
     def load_tab_model(self, spec: str) -> None:
         """Worker: load model ``spec`` for a new tab, making room for it in the pool."""
+        from kvchat.engine.models.model import ModelLoadError
+
         app = self.app
         try:
             with app.scheduler.turn(f"load:{spec}"):

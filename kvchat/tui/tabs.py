@@ -14,9 +14,6 @@ from typing import TYPE_CHECKING
 from textual.widgets import TabPane
 
 from kvchat import drafts, store
-from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
-from kvchat.engine.conversation.session import Session
-from kvchat.engine.models.model import LoadedModel, ModelLoadError
 from kvchat.settings import apply_overrides, generation_of
 
 from .conflict import Conflicts
@@ -26,6 +23,9 @@ from .screens.picker import UNSENT, SessionPicker, unsaved_drafts
 from .widgets.chat import Conversation
 
 if TYPE_CHECKING:
+    from kvchat.engine.conversation.session import Session
+    from kvchat.engine.models.model import LoadedModel
+
     from .app import KvChatApp
 
 
@@ -57,6 +57,8 @@ class TabController:
         (:meth:`SessionPool.new_session`); while another tab uses the model it
         starts empty rather than wait or copy a cache being written.
         """
+        from kvchat.engine.conversation.session import Session
+
         app = self.app
         if app.shards is not None:
             return app.shards.new_session(name)
@@ -80,6 +82,8 @@ class TabController:
 
     def fitting_kind(self, lm: LoadedModel) -> str:
         """The configured cache kind, or 'standard' (saying why) when ``lm`` cannot take it."""
+        from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
+
         try:
             make_cache(lm.model, parse_kind(self.app.config.cache))
         except CacheKindError as error:
@@ -219,6 +223,8 @@ class TabController:
 
     def load_session(self, name: str) -> None:
         """Worker: load the session's own model if no tab has it, then the session."""
+        from kvchat.engine.models.model import ModelLoadError
+
         app = self.app
         shown = app.screen
         screen = shown if isinstance(shown, LoadingScreen) else None  # the loading screen

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvchat import store
-from kvchat.engine.conversation.session import Session
 from kvchat.safety import printable
 
 from .screens.transfer import ExportDialog, ImportDialog
+
+if TYPE_CHECKING:
+    from kvchat.engine.conversation.session import Session
 
 
 class TransferService:

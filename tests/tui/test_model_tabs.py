@@ -132,12 +132,24 @@ async def test_a_model_that_cannot_load_says_so_and_loses_no_tab(make_app, tmp_p
         assert app.models.holders() == {"demo": 2}
 
 
-async def test_the_app_loads_its_model_into_the_registry_at_start(home, kvchat_dirs):
+async def test_the_first_frame_comes_before_the_model_which_loads_into_the_registry(
+    home, kvchat_dirs
+):
+    """The app's first frame is the loading screen, composed while its model's load waits
+    (here for the scheduler, which the test holds); then the model loads into the registry
+    and the first tab opens on it."""
     from kvchat.config import Config
     from kvchat.tui.app import KvChatApp
 
     app = KvChatApp(Config(model="demo", max_tokens=4, autosave=False), volatile=False)
+    held = app.scheduler.request("held by the test")  # the model's load waits for it
+    app.scheduler.wait(held)
     async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.scheduler.waiting() == ["load:demo"])
+        assert isinstance(app.screen, LoadingScreen)
+        assert widget_text(app.screen.query_one("#loading-message")) == "Loading model demo…"
+        assert app.lm is None and app.models.holders() == {} and not app.conversations()
+        app.scheduler.done(held)
         await until(pilot, lambda: app.lm is not None, timeout=30)
         await settle(pilot)
         assert app.models.get("demo") is app.lm

@@ -3,7 +3,7 @@ probabilities at the end of the last prompt.
 
 The ledger is exactly the token ids whose keys and values the cache holds, in order;
 every method here leaves it so, and the only other writer is the generation core,
-which appends what it feeds through the :class:`~kvchat.engine.generation.Sequence`
+which appends what it feeds through the :class:`~kvchat.engine.generation.sequence.Sequence`
 that :meth:`CacheKeeper.sequence` makes. The keeper knows nothing of messages or
 templates: the :class:`~kvchat.engine.conversation.session.Session` says which tokens
 the cache should hold.
@@ -33,8 +33,8 @@ from kvchat.engine.caches.kinds import (
 )
 from kvchat.engine.conversation.events import Prefill
 from kvchat.engine.conversation.stats import CacheChange
-from kvchat.engine.generation import Sequence
 from kvchat.engine.generation.sampling import LogitsProcessor, Sampler
+from kvchat.engine.generation.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvchat.engine.generation.sequence import StopFlag

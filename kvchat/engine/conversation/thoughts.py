@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from os.path import commonprefix
 from typing import Any
 
-from kvchat.engine.conversation.maintenance import common_prefix
-
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -86,6 +84,9 @@ def reevaluated_reply(
     one counts: templates drop it too), the template keeps it, or the cache did not
     reach the reply anyway (an edit before it).
     """
+    # here, not at the top: the module comes without mlx-lm (the TUI draws thoughts at once)
+    from kvchat.engine.conversation.maintenance import common_prefix
+
     at = next(
         (i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None
     )

@@ -32,13 +32,14 @@ from kvchat.engine.conversation.stats import TurnStats, memory
 from kvchat.engine.conversation.template import encode, encode_plain, template_text
 from kvchat.engine.conversation.text import ReplyText
 from kvchat.engine.conversation.thoughts import reevaluated_reply
-from kvchat.engine.generation import Left, Sequence, core_for
+from kvchat.engine.generation.cores import core_for
 from kvchat.engine.generation.sampling import (
     LogitsProcessor,
     Sampler,
     for_settings,
     token_logprobs,
 )
+from kvchat.engine.generation.sequence import Left, Sequence
 
 if TYPE_CHECKING:
     from kvchat.engine.conversation.events import GenerationSettings

@@ -1,9 +1,8 @@
-"""The one decoding loop: a core per loaded model runs every session's prefill and decode
-steps, batching the sequences that decode at the same time into one forward pass a step."""
+"""The one decoding loop: a core per loaded model (``core``; ``cores.core_for`` finds or
+makes it, ``cores.warm_up`` pays its first turn's once-only costs ahead) runs every
+session's prefill and decode steps, batching the sequences that decode at the same time
+into one forward pass a step; ``gate`` is the device gate its steps and exclusive work
+take turns through, ``scheduler`` the order of that work.
 
-from kvchat.engine.generation.core import GenerationCore
-from kvchat.engine.generation.cores import core_for, warm_up
-from kvchat.engine.generation.gate import GATE
-from kvchat.engine.generation.sequence import Left, Sequence
-
-__all__ = ["GATE", "GenerationCore", "Left", "Sequence", "core_for", "warm_up"]
+The package imports nothing itself, so that its light modules (the gate, the scheduler)
+come without mlx-lm: the TUI makes its scheduler before its first frame."""

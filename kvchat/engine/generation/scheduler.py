@@ -4,7 +4,7 @@ Replies do not come here: they run together in their model's generation core
 (:mod:`kvchat.engine.generation`). What must run alone does: a model load or
 unload, a session's rebuild, trim or kind switch, a save, the pool's offloads.
 A caller asks with :meth:`Scheduler.turn`; while its ticket runs it holds the
-device gate (:data:`~kvchat.engine.generation.GATE`) exclusively, so the
+device gate (:data:`~kvchat.engine.generation.gate.GATE`) exclusively, so the
 cores pause between two steps and resume after. A reply started while the
 gate is held by the same thread (a sharded run's, a test's) runs there, alone.
 The scheduler knows nothing about terminals: the TUI's worker threads call it
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
 
-from kvchat.engine.generation import GATE
+from kvchat.engine.generation.gate import GATE
 
 
 class Cancelled(Exception):

@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from kvchat.engine.models.demo_build import VARIANTS, write_json, write_weights
+from kvchat.engine.models.demo_build import VARIANTS, Progress, write_json, write_weights
 from kvchat.locations import models_dir
 
 BUILD_VERSION = "v3"  # bump when a build changes, so old folders are not reused
@@ -204,7 +204,17 @@ def demo_path(name: str) -> Path:
     return models_dir() / f"{name.replace('@', '-')}-{BUILD_VERSION}"
 
 
-def build_demo(name: str) -> Path:
+def builds_weights(spec: str) -> bool:
+    """Whether loading ``spec`` first computes and writes a demo model's weights: a demo
+    not built yet, except the trained demo as shipped (its files are copied at once)."""
+    try:
+        name = parse_demo_spec(spec)
+    except ValueError:
+        return False
+    return name is not None and name != PREFIX and not demo_path(name).is_dir()
+
+
+def build_demo(name: str, progress: Progress | None = None) -> Path:
     """Build shape ``name`` once and return its folder; later calls reuse it.
 
     The folder appears atomically: it is built beside the target and renamed
@@ -212,7 +222,8 @@ def build_demo(name: str) -> Path:
     race the loser throws its copy away. ``<shape>@q4`` holds the same weights as
     ``<shape>`` cast to bfloat16 and quantized by mlx-lm to 4 bits (group size 64),
     as mlx-community models are; it is written a layer at a time, without a
-    float32 copy (:mod:`kvchat.engine.models.demo_build`).
+    float32 copy (:mod:`kvchat.engine.models.demo_build`), ``progress(layers written,
+    layers, what)`` saying first the bytes it will take and then how far it is.
     """
     shape, _, suffix = name.partition("@")
     if shape not in SHAPES or suffix not in VARIANTS:
@@ -224,10 +235,10 @@ def build_demo(name: str) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         if shape == PREFIX:
-            _copy_trained(scratch, suffix)
+            _copy_trained(scratch, suffix, progress)
         else:
             tokenizer = train_tokenizer()
-            write_model(scratch, model_config(shape, tokenizer), tokenizer, suffix)
+            write_model(scratch, model_config(shape, tokenizer), tokenizer, suffix, progress)
         try:
             os.rename(scratch, target)
         except OSError:
@@ -238,7 +249,7 @@ def build_demo(name: str) -> Path:
     return target
 
 
-def _copy_trained(folder: Path, suffix: str) -> None:
+def _copy_trained(folder: Path, suffix: str, progress: Progress | None) -> None:
     """Write the trained demo: its shipped weights (as variant ``suffix``), config and
     tokenizer, plus the tokenizer files every demo has."""
     config = json.loads((TRAINED / "config.json").read_text(encoding="utf-8"))
@@ -254,7 +265,8 @@ def _copy_trained(folder: Path, suffix: str) -> None:
     from mlx_lm.utils import load_model
 
     model, _ = load_model(TRAINED, lazy=True)
-    write_json(folder / "config.json", write_weights(folder, model, config, VARIANTS[suffix]))
+    config = write_weights(folder, model, config, VARIANTS[suffix], progress)
+    write_json(folder / "config.json", config)
 
 
 def train_tokenizer() -> Tokenizer:
@@ -300,15 +312,21 @@ def model_config(shape: str | dict[str, Any], tokenizer: Tokenizer) -> dict[str,
 
 
 def write_model(
-    folder: Path, config: dict[str, Any], tokenizer: Tokenizer, suffix: str = ""
+    folder: Path,
+    config: dict[str, Any],
+    tokenizer: Tokenizer,
+    suffix: str = "",
+    progress: Progress | None = None,
 ) -> None:
     """Write an mlx-lm model folder: tokenizer files, config.json, seeded random
-    weights (mlx-lm's own initialisation, seed 0) stored as variant ``suffix``."""
+    weights (mlx-lm's own initialisation, seed 0) stored as variant ``suffix``, with
+    ``progress`` as :func:`~kvchat.engine.models.demo_build.write_weights` gives it."""
     _write_tokenizer(folder, tokenizer, config["max_position_embeddings"])
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(0)
     model = arch.Model(arch.ModelArgs.from_dict(config))  # lazy: nothing computed yet
-    write_json(folder / "config.json", write_weights(folder, model, config, VARIANTS[suffix]))
+    config = write_weights(folder, model, config, VARIANTS[suffix], progress)
+    write_json(folder / "config.json", config)
 
 
 def _write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> None:

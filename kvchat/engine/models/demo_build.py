@@ -6,7 +6,8 @@ with ``lazy=True``): they are cast and quantized with mlx-lm's own functions
 (as ``mlx_lm.convert`` does), then evaluated and written one layer at a time.
 So a 4-bit variant of a model that would take 11 GB in float32 is built while
 holding about one layer in float32 and one shard of its output, and no float32
-copy ever reaches the disk.
+copy ever reaches the disk. The bytes it will write are known before the first layer is
+computed (each lazy array's size is), so a build says first how much disk it takes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
+from kvchat.units import human_bytes
+
 SHARD_BYTES = 1 << 30  # big models are written in shards of about this size
 GROUP_SIZE = 64  # mlx_lm.convert's default for the affine mode
+# progress(done, total, what they count): a model's build and load so far, e.g.
+# (3, 24, "layers written, 40.1 MiB of 310.2 MiB") or (3, 24, "layers read")
+Progress = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
@@ -51,16 +58,12 @@ VARIANTS = {
 }
 
 
-def write_weights(
-    folder: Path, model: nn.Module, config: dict[str, Any], variant: Variant
-) -> dict[str, Any]:
-    """Write ``model``'s parameters as ``variant`` into ``folder``; return the config
-    to save beside them (with mlx_lm.convert's ``quantization`` block when packed).
-
-    ``model``'s parameters should be lazy: each layer is computed only when it is
-    written. The model is emptied (as mlx-lm's ``save_model`` donates it), so that
-    no layer stays in memory once written.
-    """
+def stored(
+    model: nn.Module, config: dict[str, Any], variant: Variant
+) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """``model``'s parameters by name as ``variant`` stores them (still lazy when they
+    were), and the config to save beside them (with mlx_lm.convert's ``quantization``
+    block when packed). Their ``nbytes`` are the bytes a build writes."""
     dtype = getattr(mx, variant.dtype)
     keep = getattr(model, "cast_predicate", lambda _: True)
 
@@ -74,8 +77,39 @@ def write_weights(
 
         with contextlib.redirect_stdout(sys.stderr):  # its progress line is not a reply
             model, config = quantize_model(model, config, GROUP_SIZE, variant.bits)
-    weights = dict(tree_flatten(model.parameters()))
+    return dict(tree_flatten(model.parameters())), config
+
+
+def write_weights(
+    folder: Path,
+    model: nn.Module,
+    config: dict[str, Any],
+    variant: Variant,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Write ``model``'s parameters as ``variant`` into ``folder``; return the config
+    to save beside them (see :func:`stored`).
+
+    ``model``'s parameters should be lazy: each layer is computed only when it is
+    written. The model is emptied (as mlx-lm's ``save_model`` donates it), so that
+    no layer stays in memory once written. ``progress(layers written, layers, what)`` is
+    called before the first (``what`` saying the bytes the weights will take), after each
+    but the last, and once every file is written.
+    """
+    weights, config = stored(model, config, variant)
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))
+    size = sum(value.nbytes for value in weights.values())
+    layers = len({_layer_of(key) for key in weights} - {None})
+    written = 0
+    done: set[str] = set()  # the layers computed
+
+    def report(count: int) -> None:
+        if progress is not None:
+            progress(
+                count, layers, f"layers written, {human_bytes(written)} of {human_bytes(size)}"
+            )
+
+    report(0)
     shards = _split(weights)
     names = (
         ["model.safetensors"]
@@ -85,16 +119,23 @@ def write_weights(
     index = {}
     for name, keys in zip(names, shards, strict=True):
         shard = {}
-        for layer in _layers(keys):
-            arrays = {key: weights.pop(key) for key in layer}
+        for run in _layers(keys):
+            arrays = {key: weights.pop(key) for key in run}
             mx.eval(arrays)
             shard.update(arrays)
+            written += sum(value.nbytes for value in arrays.values())
             del arrays
+            layer = _layer_of(run[0])
+            if layer is not None and layer not in done:
+                done.add(layer)
+                if len(done) < layers:  # the last once its file is written
+                    report(len(done))
         mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
         index.update(dict.fromkeys(keys, name))
         del shard
     if len(shards) > 1:
         write_json(folder / "model.safetensors.index.json", {"metadata": {}, "weight_map": index})
+    report(layers)
     return config
 
 
@@ -103,13 +144,18 @@ def _layers(keys: list[str]) -> list[list[str]]:
     runs: list[list[str]] = []
     last = None
     for key in keys:
-        found = re.search(r"layers\.\d+\.", key)
-        layer = found.group(0) if found else key
+        layer = _layer_of(key) or key
         if layer != last:
             runs.append([])
             last = layer
         runs[-1].append(key)
     return runs
+
+
+def _layer_of(key: str) -> str | None:
+    """The ``layers.<i>.`` a parameter's name is in, or None (embeddings, the last norm)."""
+    found = re.search(r"layers\.\d+\.", key)
+    return found.group(0) if found else None
 
 
 def _split(weights: dict[str, mx.array]) -> list[list[str]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvchat.engine import cpu
 from kvchat.engine.models.demo import build_demo, parse_demo_spec
+from kvchat.engine.models.demo_build import Progress
 
 DEFAULT_CONTEXT_LENGTH = 4096
 # What mlx_lm.load downloads for a Hugging Face id (its DEFAULT_ALLOW_PATTERNS).
@@ -71,13 +71,15 @@ class ModelLoadError(Exception):
     """A model could not be loaded; the message is one sentence naming the way out."""
 
 
-def load_model(spec: str, progress: Callable[[int, int], None] | None = None) -> LoadedModel:
+def load_model(spec: str, progress: Progress | None = None) -> LoadedModel:
     """Load ``spec``: a demo name, a local mlx-lm model folder or a Hugging Face id.
 
-    Demo models are built on first use. The weights stay the arrays ``mlx_lm.load``
-    made (nothing cast or dequantized); on the CPU backend the model gets the CPU fast
-    path's layers, which compute with them as stored (:func:`cpu.prepare`). The weights
-    are read a layer at a time, ``progress(layers read, layers)`` after each.
+    Demo models are built on first use (``progress(layers written, layers, what)``, see
+    :func:`~kvchat.engine.models.demo_build.write_weights`). The weights stay the arrays
+    ``mlx_lm.load`` made (nothing cast or dequantized); on the CPU backend the model gets
+    the CPU fast path's layers, which compute with them as stored (:func:`cpu.prepare`).
+    The weights are read a layer at a time, ``progress(layers read, layers, "layers
+    read")`` after each.
     """
     try:
         spec.encode("utf-8")
@@ -86,7 +88,7 @@ def load_model(spec: str, progress: Callable[[int, int], None] | None = None) ->
             f"Could not load model {spec.encode('utf-8', 'replace').decode()!r}: its name is "
             f"not valid UTF-8. Rename the folder, or {WAY_OUT[0].lower()}{WAY_OUT[1:]}"
         ) from None
-    path = resolve_folder(spec)
+    path = resolve_folder(spec, progress)
     source = None if Path(spec).expanduser() == path else path
     if not (path / "config.json").is_file():
         raise load_error(spec, "the folder has no config.json", source)
@@ -118,14 +120,14 @@ def load_model(spec: str, progress: Callable[[int, int], None] | None = None) ->
     )
 
 
-def _read_weights(model: nn.Module, progress: Callable[[int, int], None] | None) -> None:
+def _read_weights(model: nn.Module, progress: Progress | None) -> None:
     """Evaluate the lazily loaded weights (what ``mlx_lm.load`` does unless lazy) a layer at
     a time, so that a long read says how far it is; the rest (embeddings, norm, head) last."""
     layers = list(getattr(model, "layers", []))
     for done, layer in enumerate(layers, 1):
         mx.eval(layer.parameters())
         if progress is not None:
-            progress(done, len(layers))
+            progress(done, len(layers), "layers read")
     mx.eval(model.parameters())
 
 
@@ -150,15 +152,16 @@ def context_length(config: dict[str, Any]) -> int:
     return DEFAULT_CONTEXT_LENGTH
 
 
-def resolve_folder(spec: str) -> Path:
-    """The local folder for ``spec``, building a demo or downloading as needed."""
+def resolve_folder(spec: str, progress: Progress | None = None) -> Path:
+    """The local folder for ``spec``, building a demo (``progress`` as it builds) or
+    downloading as needed."""
     try:
         demo = parse_demo_spec(spec)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
     if demo is not None:
         try:
-            return build_demo(demo)
+            return build_demo(demo, progress)
         except OSError as exc:
             raise ModelLoadError(
                 f"Could not build the demo model '{spec}': {first_line(exc)}. "

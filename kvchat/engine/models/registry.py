@@ -15,13 +15,23 @@ import gc
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from kvchat.engine.caches.trees import flatten
-from kvchat.engine.models.model import LoadedModel, load_model
+from kvchat.engine.models.demo_build import Progress
 
-Progress = Callable[[int, int], None]  # (layers read, layers) while a model loads
+if TYPE_CHECKING:
+    from kvchat.engine.models.model import LoadedModel
+
+
+def load_model(model_id: str, progress: Progress | None = None) -> LoadedModel:
+    """:func:`kvchat.engine.models.model.load_model`, imported on the first load: it brings
+    mlx-lm and transformers, which a front end need not wait for before it shows itself."""
+    from kvchat.engine.models import model
+
+    return model.load_model(model_id, progress)
 
 
 @dataclass
@@ -51,8 +61,9 @@ class ModelRegistry:
         self._models: dict[str, _Held] = {}
 
     def acquire(self, model_id: str, progress: Progress | None = None) -> LoadedModel:
-        """The model ``model_id``, loaded now if no one holds it (``progress(layers read,
-        layers)`` as it loads); the caller holds it."""
+        """The model ``model_id``, loaded now if no one holds it (``progress(done, total,
+        what)`` as it builds and loads, see :func:`~kvchat.engine.models.model.load_model`);
+        the caller holds it."""
         with self._loading:
             with self._lock:
                 held = self._models.get(model_id)

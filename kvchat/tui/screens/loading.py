@@ -65,10 +65,12 @@ class LoadingScreen(Screen):
         self.message = message
         self.query_one("#loading-message", Static).update(message)
 
-    def set_progress(self, done: int, total: int, unit: str = "tokens") -> None:
+    def set_progress(self, done: int, total: int, what: str = "tokens") -> None:
+        """Show ``done`` of ``total`` on the bar and after the message, followed by ``what``
+        they count ("tokens", "layers read", "layers written, 40 MiB of 310 MiB")."""
         bar = self.query_one(ProgressBar)
         bar.display = True
         bar.update(total=max(1, total), progress=done)
         self.query_one("#loading-message", Static).update(
-            f"{self.message} {done:,} of {total:,} {unit}"
+            f"{self.message} {done:,} of {total:,} {what}"
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvchat.clipboard import code_blocks, keep_copy
-from kvchat.engine.conversation.session import SessionError
+from kvchat.engine.conversation.events import SessionError
 
 from ..screens.message_dialogs import DeletePairDialog, EditDialog
 from .messages import MessageAction

@@ -16,7 +16,6 @@ from textual.timer import Timer
 from textual.widgets import ProgressBar, Static, TextArea
 
 from kvchat import drafts, history, store
-from kvchat.engine.conversation.session import Session
 from kvchat.engine.conversation.stats import CacheFigures
 
 from .branching import BranchNavigator
@@ -42,6 +41,7 @@ from .turn_events import (
 from .turns import TurnRunner
 
 if TYPE_CHECKING:
+    from kvchat.engine.conversation.session import Session
     from kvchat.engine.generation.scheduler import Scheduler
     from kvchat.pool import SessionPool
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvchat.engine.conversation.session import SessionError
+from kvchat.engine.conversation.events import SessionError
 
 from .turn_events import Changed, JobFinished, PrefillProgress
 

@@ -4,9 +4,9 @@ the note of its turn's rebuild."""
 
 from __future__ import annotations
 
-from textual.containers import VerticalScroll
+from typing import TYPE_CHECKING
 
-from kvchat.engine.conversation.session import Session
+from textual.containers import VerticalScroll
 
 from .messages import (
     AssistantMessage,
@@ -17,6 +17,9 @@ from .messages import (
     Welcome,
     rebuild_note,
 )
+
+if TYPE_CHECKING:
+    from kvchat.engine.conversation.session import Session
 
 
 def transcript_widgets(session: Session) -> list:

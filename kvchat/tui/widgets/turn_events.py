@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from textual.message import Message
 
-from kvchat.engine.conversation.session import TurnDone
+from kvchat.engine.conversation.events import TurnDone
 from kvchat.engine.conversation.stats import CacheFigures
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 from textual.widgets import ProgressBar, Static
 
 from kvchat import drafts, store
-from kvchat.engine.conversation.session import Chunk, Prefill, SessionError, TurnDone
+from kvchat.engine.conversation.events import Chunk, Prefill, SessionError, TurnDone
 from kvchat.engine.generation.scheduler import Cancelled
 
 from .messages import AssistantMessage, BranchBar, UserMessage, Welcome, rebuild_note
