@@ -30,7 +30,7 @@ from kvchat.cli.launch import _run
 from kvchat.engine.caches.cache_check import Reference
 from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.engine.conversation.session import Session, SessionError, TurnDone
-from kvchat.engine.distributed.driver import DistributedSession, bind
+from kvchat.engine.distributed.driver import LOCAL, UNSHARED, DistributedSession, bind
 from kvchat.engine.distributed.link import Link, OpError, decode_op, encode_op
 from kvchat.engine.distributed.sharding import choose_mode, layout, layout_problem
 from kvchat.engine.models import demo
@@ -429,3 +429,19 @@ def test_a_dropped_shard_takes_its_folder_only_where_nothing_else_is_in_it(
     with pytest.raises(store.StoreError, match="is a symbolic link, not a session folder"):
         delete_shard("link", 1)
     assert (elsewhere / "cache.rank1.safetensors").read_bytes() == b"kept"
+
+
+def test_every_public_name_of_a_session_is_sent_to_every_rank_read_locally_or_refused(
+    demo_model,
+):
+    """A sharded run's session sends the operations it defines to every rank, reads the
+    LOCAL names from rank 0's session and refuses the UNSHARED ones: every public method,
+    property and attribute of a Session is one of the three, so that a new one cannot
+    run on rank 0 alone unnoticed (``complete`` and ``answer`` once did)."""
+    names = {n for n in dir(Session(demo_model)) if not n.startswith("_")}
+    sent = {n for n in vars(DistributedSession) if not n.startswith("_")} - {"count_bytes"}
+    assert {"send", "edit", "regenerate", "undo", "reset", "settings"} <= sent
+    assert not (sent & LOCAL) and not (sent & UNSHARED) and not (LOCAL & UNSHARED)
+    assert names - sent - LOCAL - UNSHARED == set(), "say how a sharded run does these"
+    assert (LOCAL | UNSHARED) - names == set(), "names a Session no longer has"
+    assert {"complete", "answer"} <= UNSHARED

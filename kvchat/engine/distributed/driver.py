@@ -52,19 +52,62 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 T = TypeVar("T")
 
-# Session methods that change the cache and are not sent to the followers (the TUI's).
-UNSHARED = frozenset(
+# How a sharded run does each public name of a Session, besides the operations that
+# DistributedSession sends to every rank (its own methods). A name in neither set is
+# refused with AttributeError (tests/test_distributed.py fails on one): a new method
+# that changes the cache or the transcript must not run on rank 0 alone unnoticed.
+LOCAL = frozenset(  # read from rank 0's session: figures, the transcript, flags
     {
-        "switch_branch",
+        "allocated_bytes",
+        "answering",
+        "archived",
+        "branch_position",
+        "branch_positions",
+        "branch_record",
+        "branches",
+        "cache",
+        "cache_bytes",
+        "cache_tokens",
+        "checkpoints",
+        "figures",
+        "history",
+        "keeper",
+        "kind",
+        "last_change",
+        "last_stats",
+        "ledger",
+        "lm",
+        "logits_processors",
+        "messages",
+        "pending_rebuild",
+        "prompt_logprobs",
+        "render",
+        "report_logprobs",
+        "runner",
+        "stop",  # the stop flag is every rank's (SharedStop)
+        "system",
+        "talk",
+        "tools",
+        "turn_ends",
+        "turns",
+    }
+)
+UNSHARED = frozenset(  # they change the cache or the transcript; not sent to the followers
+    {
+        "answer",
+        "attach",
+        "close",
+        "complete",
         "delete_pair",
         "fork_prefix",
+        "keep_in_step",
         "rebuild",
-        "attach",
+        "replace_history",
+        "restore",
+        "revise_reply",
+        "switch_branch",
         "sync",
         "unload",
-        "close",
-        "replace_history",
-        "revise_reply",
     }
 )
 
@@ -149,12 +192,14 @@ class DistributedSession:
         return self
 
     def __getattr__(self, name: str) -> Any:
+        if name in LOCAL:
+            return getattr(self.local, name)
         if name in UNSHARED:
             raise SessionError(
                 f"A sharded run cannot {name.replace('_', ' ')} yet; run "
                 "this session on one machine for that."
             )
-        return getattr(self.local, name)
+        raise AttributeError(f"a sharded session does not say how every rank does {name!r}")
 
     def _send(self, op: str, **fields: Any) -> None:
         self._link.broadcast({"op": op, **fields})
