@@ -48,19 +48,43 @@ def _override(self: Config, **values: Any) -> Config:
     return apply_overrides(self, values)
 
 
+class Fields:
+    """The settings' names and types as Config holds them, so that a type checker sees a
+    misspelled one (``config.xtc_probabilty``); tests/test_config.py checks them against
+    :data:`~kvchat.settings.SETTINGS`, where each is declared."""
+
+    model: str
+    cache: str
+    system: str
+    max_tokens: int
+    temp: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    repetition_context_size: int
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int | None
+    theme: str
+    autosave: bool
+    ttl: int
+    memory_budget: int
+    keymap: tuple[tuple[str, str], ...]  # the [keymap] table's (binding id, keys) pairs
+
+
 if TYPE_CHECKING:  # a dataclass made at run time from SETTINGS: what a type checker can see
 
-    class Config:
+    class Config(Fields):
         """Everything kvchat can be told before it starts (see kvchat.settings)."""
 
         def __init__(self, **values: Any) -> None: ...
-        def __getattr__(self, name: str) -> Any: ...
         def override(self, **values: Any) -> Config: ...
 
 else:
     Config = make_dataclass(
         "Config",
-        [(s.name, Any, field(default=s.default)) for s in SETTINGS],
+        [(s.name, Fields.__annotations__[s.name], field(default=s.default)) for s in SETTINGS],
         frozen=True,
         namespace={
             "override": _override,

@@ -180,3 +180,41 @@ def test_a_file_cut_short_says_end_of_file(tmp_path):
         "config.toml has an error at line 2 (Unexpected end of file); your change applies "
         "to this run only and the file was left alone."
     )
+
+
+def test_config_fields_are_the_settings_with_their_types():
+    """Config's typed fields (what mypy sees) are exactly the declared settings."""
+    import typing
+
+    from kvchat.config import Fields
+    from kvchat.settings import SETTINGS
+
+    hints = typing.get_type_hints(Fields)
+    assert list(hints) == [s.name for s in SETTINGS]
+    for s in SETTINGS:
+        if s.type is dict:  # a table, held as (key, value) pairs
+            assert typing.get_origin(hints[s.name]) is tuple, s.name
+        else:
+            assert hints[s.name] == (s.type | None if s.optional else s.type), s.name
+    assert typing.get_type_hints(Config) == hints
+
+
+def test_mypy_sees_a_misspelled_setting(tmp_path):
+    """A setting read under a wrong name is a type error, not a run-time surprise."""
+    from mypy import api
+
+    use = tmp_path / "use.py"
+    use.write_text(
+        "from kvchat.config import load_config\n"
+        "config = load_config()\n"
+        "ok: float = config.temp\n"
+        "bad = config.xtc_probabilty\n"
+        "wrong: str = config.max_tokens\n",
+        encoding="utf-8",
+    )
+    out, _, status = api.run([str(use), "--no-error-summary", "--cache-dir", str(tmp_path)])
+    assert status == 1
+    errors = [line for line in out.splitlines() if ": error:" in line]
+    assert len(errors) == 2, out
+    assert 'use.py:4: error: "Config" has no attribute "xtc_probabilty"' in errors[0]
+    assert "use.py:5: error: Incompatible types in assignment" in errors[1]
