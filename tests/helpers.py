@@ -29,13 +29,22 @@ main(on_token=die if os.environ.get("MLX_RANK") == "1" else None)
 """
 
 
-def wait_until(condition, timeout: float = 10.0, every: float = 0.01) -> None:
-    """Poll ``condition()`` until it holds; AssertionError after ``timeout`` seconds (how a
-    test waits on another thread or process, never a fixed sleep; TUI tests use
-    tests/tui/conftest.py's ``until``)."""
+def wait_until(
+    condition,
+    timeout: float = 10.0,
+    every: float = 0.01,
+    *,
+    alive=None,
+    message: str = "the condition never held",
+) -> None:
+    """Poll ``condition()`` until it holds; AssertionError saying ``message`` after
+    ``timeout`` seconds, or as soon as ``alive()`` (what it waits on: a process still
+    running, say) no longer holds. How a test waits on another thread or process, never a
+    fixed sleep; TUI tests use tests/tui/conftest.py's ``until``."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
+        assert alive is None or alive(), f"{message}: what it waited on has ended"
+        assert time.monotonic() < deadline, message
         time.sleep(every)
 
 

@@ -17,6 +17,7 @@ from kvchat.prompt_tools import (
     file_request,
     read_text_file,
 )
+from tests.helpers import wait_until
 
 
 def test_history_is_newest_first_once_each_capped_and_private(home):
@@ -122,7 +123,6 @@ for n in range(60):
 
 def test_two_kvchats_sending_at_once_lose_no_prompt(home, tmp_path):
     import subprocess
-    import time
 
     go = tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -130,10 +130,12 @@ def test_two_kvchats_sending_at_once_lose_no_prompt(home, tmp_path):
         subprocess.Popen([sys.executable, "-c", _WRITER, tag, str(go)], env=env)
         for tag in ("a", "b")
     ]
-    deadline = time.monotonic() + 60
-    while not all((tmp_path / f"ready-{t}").exists() for t in "ab"):
-        assert time.monotonic() < deadline and all(w.poll() is None for w in writers)
-        time.sleep(0.01)
+    wait_until(
+        lambda: all((tmp_path / f"ready-{t}").exists() for t in "ab"),
+        60,
+        alive=lambda: all(w.poll() is None for w in writers),
+        message="the writers never got ready",
+    )
     go.touch()
     assert [w.wait(timeout=60) for w in writers] == [0, 0]
     saved = history.load()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from kvchat.engine.generation.scheduler import Cancelled, Scheduler
+from tests.helpers import wait_until
 
 
 def test_one_at_a_time_in_arrival_order():
@@ -26,8 +26,7 @@ def test_one_at_a_time_in_arrival_order():
         thread = threading.Thread(target=worker, args=(name,))
         thread.start()
         threads.append(thread)
-        while name not in scheduler.waiting():
-            time.sleep(0.001)
+        wait_until(lambda name=name: name in scheduler.waiting(), every=0.001)
     assert scheduler.waiting() == ["b", "c"]
     assert scheduler.position("c") == 2
     assert order == []
@@ -54,8 +53,7 @@ def test_on_wait_reports_how_many_are_ahead_and_cancel_withdraws():
 
     thread = threading.Thread(target=worker)
     thread.start()
-    while "b" not in scheduler.waiting():
-        time.sleep(0.001)
+    wait_until(lambda: "b" in scheduler.waiting(), every=0.001)
     assert scheduler.cancel("b") is True
     thread.join(5)
     assert seen == [1] and outcome == ["cancelled"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import openai
 import pytest
@@ -17,6 +16,7 @@ from kvchat.engine import cpu
 from kvchat.engine.conversation.maintenance import common_prefix
 from kvchat.engine.conversation.template import render
 from kvchat.pool import SessionPool
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -166,10 +166,8 @@ def test_a_client_that_disconnects_mid_stream_stops_its_reply(demo_model, home):
         name = stream.response.headers["x-kvchat-session"]
         stream.close()
         server.wait_idle()
-        deadline = time.monotonic() + 10
-        while store.read(name)["messages"][-1]["role"] != "assistant":  # saved after the stop
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        # saved after the stop
+        wait_until(lambda: store.read(name)["messages"][-1]["role"] == "assistant", every=0.05)
         session = server.pool.entry(name).session
         kept = session.messages[-1]
         assert kept.get("stopped") is True and kept["content"].startswith(seen)

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from helpers import ask_from_shell, turn
@@ -16,6 +15,7 @@ from serve_helpers import Server, chat
 
 from kvchat import store
 from kvchat.engine.conversation.session import GenerationSettings, Session
+from tests.helpers import wait_until
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 
@@ -190,10 +190,13 @@ def test_an_ask_and_an_ask_racing_keep_both(demo_model, home):
     )
     assert held.stderr.readline() == "about-to-save\n"
     second = kvchat_ask("--session", "k2", "Ask B.")
-    deadline = time.monotonic() + 60
-    while not waits_on_lock(second.pid, "k2"):
-        assert time.monotonic() < deadline and second.poll() is None, "B never waited"
-        time.sleep(0.02)
+    wait_until(
+        lambda: waits_on_lock(second.pid, "k2"),
+        60,
+        0.02,
+        alive=lambda: second.poll() is None,
+        message="B never waited",
+    )
     held.stdin.write("go\n")
     held.stdin.flush()
     (a, _), (b, _) = finished(held), finished(second)

@@ -22,13 +22,13 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from kvchat import store
 from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
+from tests.helpers import wait_until
 
 FORK_SERVER = r"""
 import json, os, sys
@@ -180,10 +180,12 @@ def _round(launcher: Launcher, base: Session, names: list[str], home: Path, figu
                     f"{who} of {name}",
                 )
             pids[f"rm of {name}"] = launcher.start(f"rm of {name}", "sessions", "rm", name)
-        deadline = time.monotonic() + 60
-        while not all(waiting_on(pid, who.split(" of ")[1]) for who, pid in pids.items()):
-            assert time.monotonic() < deadline, "the commands never waited for the lock"
-            time.sleep(0.02)
+        wait_until(
+            lambda: all(waiting_on(pid, who.split(" of ")[1]) for who, pid in pids.items()),
+            60,
+            0.02,
+            message="the commands never waited for the lock",
+        )
     # The locks are released: each session's three commands now run in lock order.
     outs = launcher.wait()
     figures["tracebacks"] += sum("Traceback" in err for _, _, err in outs.values())
@@ -236,10 +238,10 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(home):
     with store.session_lock("x"):
         a = threading.Thread(target=waiter)
         a.start()
-        deadline = time.monotonic() + 30
-        while _open_count(os.getpid(), "x") < 2:  # ours, and A's as it waits
-            assert time.monotonic() < deadline, "A never opened the lock file"
-            time.sleep(0.01)
+        # ours, and A's as it waits
+        wait_until(
+            lambda: _open_count(os.getpid(), "x") >= 2, 30, message="A never opened the lock file"
+        )
         store.delete("x")  # re-entrant: removes the folder, then the lock file
         c = threading.Thread(target=newcomer)
         c.start()
