@@ -52,6 +52,19 @@ def test_which_rows_sample_alike():
     assert _sequence(SETTINGS[0], report=True).alike() is None
 
 
+def test_draws_that_differ_in_any_setting_do_not_sample_alike():
+    """The key is every field of a draw but its random key: a field added later counts."""
+    from dataclasses import fields, replace
+
+    from kvchat.engine.generation.sampling import Draw, alike
+
+    draw = Draw(top_p=0.9, min_p=0.05, top_k=40, temp=0.7)
+    assert alike(draw) == alike(replace(draw)) == (0.9, 0.05, 40, 0.7)
+    for f in fields(Draw):
+        if f.name != "key":
+            assert alike(replace(draw, **{f.name: getattr(draw, f.name) * 2})) != alike(draw)
+
+
 def test_rows_sampled_together_are_each_rows_own_draw(demo_model):
     prompts = [demo_model.tokenizer.encode(f"Row {i} says") for i in range(len(SETTINGS))]
     logits = [demo_model.model(mx.array([p]))[:, -1, :] for p in prompts]

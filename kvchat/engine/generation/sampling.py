@@ -21,7 +21,7 @@ shares its sampler.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import mlx.core as mx
 import numpy as np
@@ -86,8 +86,8 @@ def alike(sampler: Sampler) -> Hashable | None:
     that its reply does not depend on who else is in the batch), or one made elsewhere."""
     if sampler is greedy_sampler:
         return "greedy"
-    if isinstance(sampler, Draw) and sampler.key is None:
-        return (sampler.top_p, sampler.min_p, sampler.top_k, sampler.temp)
+    if isinstance(sampler, Draw) and sampler.key is None:  # every setting a draw has
+        return tuple(getattr(sampler, f.name) for f in fields(Draw) if f.name != "key")
     return None
 
 
