@@ -261,3 +261,20 @@ def test_archived_exchanges_come_back_whole_at_the_end():
     for index in (0, -1):
         with pytest.raises(SessionError, match="no archived exchange"):
             History([msg("user", "a")]).restore_archived(index)
+
+
+def test_a_restored_exchange_brings_its_other_replies_back_as_branches():
+    """An exchange archived with a regenerated reply comes back as one exchange whose
+    reply has two versions, the later one shown: not as two replies in a row."""
+    history = History([msg("system", "S"), msg("user", "a"), msg("assistant", "A")])
+    history.begin(history.regenerating(None))
+    history.add_reply("A2", stopped=False)
+    history.undo(1)
+    assert archived_exchanges(history.archived) == [
+        [msg("user", "a"), msg("assistant", "A"), msg("assistant", "A2")]
+    ]
+    history.restore_archived(0)
+    assert history.messages == [msg("system", "S"), msg("user", "a"), msg("assistant", "A2")]
+    assert history.positions() == [(1, 1), (1, 1), (2, 2)] and history.archived == []
+    history.switch(2, -1)
+    assert history.talk() == [msg("user", "a"), msg("assistant", "A")]

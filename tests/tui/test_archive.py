@@ -90,6 +90,13 @@ async def test_the_list_shows_model_text_as_text_newest_first(make_app):
         [{"role": "user", "content": "\n[bold]hi[/bold]\x1b[31m"}, {"role": "assistant"}]
     )
     assert isinstance(label, Text) and label.plain == "[bold]hi[/bold]\\x1b[31m\n  ↳ (no reply)"
+    label = exchange_label(
+        [
+            {"role": "user", "content": "q"},
+            *[{"role": "assistant", "content": c} for c in ("A1", "A2")],
+        ]
+    )
+    assert label.plain == "q\n  ↳ A2 (+1 more)"  # the version a restore shows
     older = [{"role": "user", "content": "old"}, {"role": "assistant", "content": "A"}]
     newer = [{"role": "user", "content": "new"}, {"role": "assistant", "content": "B"}]
     chosen: list[int | None] = []

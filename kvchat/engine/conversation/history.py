@@ -229,13 +229,23 @@ class History:
 
     def restore_archived(self, index: int) -> None:
         """Put archived exchange ``index`` (of :func:`archived_exchanges`) back at the end of
-        the transcript and the tree's path, as it was archived; it leaves ``archived`` once
-        it is in the transcript. Its replies come back without stats (none were kept)."""
+        the transcript and the tree's path; it leaves ``archived`` once it is in the
+        transcript. A reply right after a reply there is another version of it (a
+        regenerate's): it comes back as a branch, the later one on the path. The replies
+        come back without stats (none were kept)."""
         spans = exchange_spans(self._archived)
         if not 0 <= index < len(spans):
             raise SessionError(f"There is no archived exchange {index}.")
         start, end = spans[index]
-        self._messages.extend(dict(m) for m in self._archived[start:end])
+        kept = len(self.talk())
+        path = self.talk()
+        for message in self._archived[start:end]:
+            if len(path) > kept and message["role"] == path[-1]["role"] == "assistant":
+                self._branches.record(path)  # the earlier version stays as a branch
+                path[-1] = dict(message)
+            else:
+                path.append(dict(message))
+        self._messages = self._messages[: self.offset] + path
         self.record()
         del self._archived[start:end]
 

@@ -29,12 +29,12 @@ def preview(text: str) -> str:
 
 
 def exchange_label(exchange: list[dict[str, Any]]) -> Text:
-    """One exchange as the list shows it: its user message, then its reply (as Text: never
-    read as markup)."""
+    """One exchange as the list shows it: its user message, then its last reply (the one a
+    restore shows), as Text: never read as markup."""
     user = next((m for m in exchange if m["role"] == "user"), exchange[0])
     replies = [m for m in exchange if m["role"] == "assistant"]
     said = preview(str(user.get("content") or "")) or "(empty message)"
-    answer = preview(str(replies[0].get("content") or "")) if replies else ""
+    answer = preview(str(replies[-1].get("content") or "")) if replies else ""
     more = f" (+{len(replies) - 1} more)" if len(replies) > 1 else ""
     return Text.assemble((said, "bold"), "\n", ("  ↳ " + (answer or "(no reply)") + more, "dim"))
 
