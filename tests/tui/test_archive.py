@@ -1,5 +1,5 @@
 """The archive dialog (Shift+F5, or "Archive" in the palette): the exchanges undo and trim
-dropped, newest first; Enter brings the highlighted one back to the end of the
+dropped, the last archived first; Enter brings the highlighted one back to the end of the
 conversation, Escape changes nothing, and an empty archive says so."""
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ async def test_an_empty_archive_says_so_instead_of_opening(make_app):
         ]
 
 
-async def test_the_list_shows_model_text_as_text_newest_first(make_app):
-    """Markup and escapes in a message stay letters; the newest exchange is highlighted."""
+async def test_the_list_shows_model_text_as_text_last_archived_first(make_app):
+    """Markup and escapes in a message stay letters; the last archived is highlighted."""
     label = exchange_label(
         [{"role": "user", "content": "\n[bold]hi[/bold]\x1b[31m"}, {"role": "assistant"}]
     )

@@ -1,6 +1,6 @@
-"""The archive dialog: the exchanges undo and trim dropped from the tab's session, newest
-first, each as its user message's first line and a preview of the reply; Enter brings the
-highlighted one back to the end of the conversation."""
+"""The archive dialog: the exchanges undo and trim dropped from the tab's session, the
+last archived first, each as its user message's first line and a preview of the reply;
+Enter brings the highlighted one back to the end of the conversation."""
 
 from __future__ import annotations
 
@@ -43,14 +43,14 @@ class ArchiveDialog(Dialog):
     """Pick an archived exchange (``exchanges`` as
     :func:`~kvchat.engine.conversation.history.archived_exchanges` gives them, oldest
     first) to bring back; dismisses with its index, or None. The list has the focus, on
-    the newest one: Enter restores the highlighted exchange, Escape cancels."""
+    the last archived: Enter restores the highlighted exchange, Escape cancels."""
 
     AUTO_FOCUS = "#archive-options"
 
     def __init__(self, exchanges: list[list[dict[str, Any]]]) -> None:
         super().__init__()
         self.exchanges = exchanges
-        self.order = list(reversed(range(len(exchanges))))  # the list's rows: newest first
+        self.order = list(reversed(range(len(exchanges))))  # the list's rows: last archived first
 
     def compose(self) -> ComposeResult:
         count = len(self.exchanges)
