@@ -30,7 +30,7 @@ from kvchat.cli.launch import _run
 from kvchat.engine.caches.cache_check import Reference
 from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.engine.conversation.session import Session, SessionError, TurnDone
-from kvchat.engine.distributed.driver import LOCAL, UNSHARED, DistributedSession, bind
+from kvchat.engine.distributed.driver import LOCAL, UNSHARED, DistributedSession, bind, perform
 from kvchat.engine.distributed.link import Link, OpError, decode_op, encode_op
 from kvchat.engine.distributed.sharding import choose_mode, layout, layout_problem
 from kvchat.engine.models import demo
@@ -341,6 +341,25 @@ def test_a_distributed_session_shares_its_stop_and_refuses_what_it_cannot_send(d
     abandoned.close()  # rank 0 left a turn the followers are still in: nothing more is sent
     with pytest.raises(SessionError, match="out of step"):
         chat.reset()
+
+
+def test_a_restore_from_the_archive_is_an_op_every_rank_performs(demo_model):
+    """Rank 0 sends it (the followers' caches follow theirs), and a follower performs it."""
+    link = Link(mx.distributed.init())
+    settings = GenerationSettings(max_tokens=4)
+    chat = DistributedSession(link, bind(Session(demo_model, settings=settings), link))
+    follower = Session(demo_model, settings=settings)
+    for session in (chat, follower):
+        for text in ("one", "two"):
+            list(session.send(text))
+        session.undo()
+    undone = chat.archived
+    assert [m["content"] for m in undone if m["role"] == "user"] == ["two"]
+    chat.restore_archived(0)
+    perform(follower, decode_op(encode_op({"op": "restore", "index": 0})), link)
+    for session in (chat, follower):
+        assert session.messages[-2:] == undone and session.archived == []
+    assert chat.ledger == follower.ledger
 
 
 LOST = (  # what mlx.launch relays when rank 1 is killed mid-turn (a line of rank 0's cut)

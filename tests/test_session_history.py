@@ -151,3 +151,35 @@ def test_the_transcript_and_the_ledger_change_only_through_the_session(demo_mode
         session.messages = []  # type: ignore[misc]
     with pytest.raises(AttributeError):
         session.ledger = []  # type: ignore[misc]
+
+
+def test_an_undone_exchange_comes_back_from_the_archive(demo_model):
+    """Undo archives the exchange; restoring it puts exactly it back at the end, the next
+    turn's reply is the uncached one, and a save keeps both lists as they are."""
+    from kvchat import store
+    from kvchat.engine.conversation.history import archived_exchanges
+
+    session = talked(demo_model)
+    undone = session.messages[-2:]
+    session.undo()
+    assert archived_exchanges(session.archived) == [undone]
+    session.restore_archived(0)
+    assert session.messages[-2:] == undone and len(session.messages) == 7
+    assert session.archived == []
+    assert_ledger_is_the_cache(session)
+    held = session.ledger  # the cache is not faked: it holds what it held before
+    with pytest.raises(SessionError, match="no archived exchange 0"):
+        session.restore_archived(0)
+    # the next turn sees it: the same reply as from an empty cache, only the rest evaluated
+    done = turn(session, "And a checkpoint?")
+    assert done.reply == fresh_reply(demo_model, session.messages[:-2], "And a checkpoint?")
+    assert done.stats.reused_tokens == len(held) > 0
+    assert done.stats.evaluated_tokens == done.stats.prompt_tokens - len(held)
+    # one exchange archived, one restored: a save and a resume keep both lists
+    session.undo()
+    kept = session.messages
+    store.save(session, "restored")
+    loaded = store.load("restored", demo_model).session
+    assert loaded.messages == kept and loaded.archived == session.archived
+    assert [m["content"] for m in loaded.archived if m["role"] == "user"] == ["And a checkpoint?"]
+    assert loaded.messages[-2:] == undone

@@ -11,7 +11,7 @@ import pytest
 
 from kvchat.engine.caches.kinds import cache_offset, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, SessionError
-from kvchat.engine.conversation.history import History
+from kvchat.engine.conversation.history import History, archived_exchanges
 from kvchat.engine.conversation.maintenance import CacheKeeper, common_prefix
 from kvchat.engine.conversation.stats import Refilled, TurnStats
 from kvchat.engine.conversation.template import encode, render
@@ -236,3 +236,45 @@ def test_a_refill_makes_the_cache_hold_what_the_history_renders_to(demo_model):
     upkeep.undo(1)
     assert kept.ledger == first[: len(kept.ledger)] and cache_offset(kept.cache) == len(kept.ledger)
     assert kept.last_change is not None and kept.last_change.action == "undo"
+
+
+def test_archived_exchanges_come_back_whole_at_the_end():
+    """The archive is split at its user messages; a restore takes one exchange out of it
+    and onto the end of the transcript and the tree's path; the stats stay with theirs."""
+    talk = [msg("user", "a"), msg("assistant", "A"), msg("user", "b"), msg("assistant", "B")]
+    history = History([msg("system", "S"), *talk], turns=[stats(1), stats(2)])
+    history.trim(lambda messages: len(messages) > 3, 3)
+    history.undo(1)
+    assert archived_exchanges(history.archived) == [talk[:2], talk[2:]]
+    assert archived_exchanges([]) == [] and history.turns == []
+    history.restore_archived(1)
+    assert history.messages == [msg("system", "S"), *talk[2:]] and history.archived == talk[:2]
+    assert history.branches.holds(history.talk()) and history.turns == []
+    history.begin(history.asking("c"))
+    history.add_reply("C", stopped=False)
+    history.add_turn(stats(3))
+    history.restore_archived(0)
+    assert history.talk() == [*talk[2:], msg("user", "c"), msg("assistant", "C"), *talk[:2]]
+    assert history.archived == [] and history.turns == [stats(3)]
+    history.undo(2)  # the restored reply has no stats: the undone one takes its own
+    assert history.talk() == talk[2:] and history.turns == []
+    for index in (0, -1):
+        with pytest.raises(SessionError, match="no archived exchange"):
+            History([msg("user", "a")]).restore_archived(index)
+
+
+def test_a_restored_exchange_brings_its_other_replies_back_as_branches():
+    """An exchange archived with a regenerated reply comes back as one exchange whose
+    reply has two versions, the later one shown: not as two replies in a row."""
+    history = History([msg("system", "S"), msg("user", "a"), msg("assistant", "A")])
+    history.begin(history.regenerating(None))
+    history.add_reply("A2", stopped=False)
+    history.undo(1)
+    assert archived_exchanges(history.archived) == [
+        [msg("user", "a"), msg("assistant", "A"), msg("assistant", "A2")]
+    ]
+    history.restore_archived(0)
+    assert history.messages == [msg("system", "S"), msg("user", "a"), msg("assistant", "A2")]
+    assert history.positions() == [(1, 1), (1, 1), (2, 2)] and history.archived == []
+    history.switch(2, -1)
+    assert history.talk() == [msg("user", "a"), msg("assistant", "A")]

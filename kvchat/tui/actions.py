@@ -1,5 +1,5 @@
 """The actions on the active tab that open a dialog or run one engine call in its worker:
-save, trim or undo, cache kind, reset, regenerate, drop, rename, settings.
+save, trim or undo, the archive, cache kind, reset, regenerate, drop, rename, settings.
 
 The app holds a :class:`TabActions` (``app.tab_actions``); its ``action_*`` methods call
 it. Each acts on the app's idle active conversation, through its dialogs, its notices
@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 from kvchat import store
 from kvchat.engine.conversation.events import TurnDone
+from kvchat.engine.conversation.history import archived_exchanges
 
+from .screens.archive import ArchiveDialog
 from .screens.dialogs import ConfirmDialog, DropDialog, RenameDialog, TrimChoice, TrimDialog
 from .screens.settings import SettingsDialog, TabSettings
 from .widgets.sidebar import user_turns
@@ -105,6 +107,31 @@ class TabActions:
                 )
 
         self.push_screen(TrimDialog(session.cache_tokens, user_turns(session)), chosen)
+
+    def archive(self) -> None:
+        """The exchanges undo and trim archived: bring the one picked back to the end."""
+        conversation = self.app.idle_conversation()
+        if conversation is None:
+            return
+        session = conversation.session
+        exchanges = archived_exchanges(session.archived)
+        if not exchanges:
+            self.notify("Nothing archived yet: undo and trim keep here what they drop.")
+            return
+
+        def chosen(index: int | None) -> None:
+            if index is None:
+                return
+
+            def restored(_):
+                self.notify("Restored the exchange at the end; the next turn evaluates it.")
+                return conversation.reload()
+
+            conversation.run_job(
+                "restoring", lambda progress: session.restore_archived(index), restored
+            )
+
+        self.push_screen(ArchiveDialog(exchanges), chosen)
 
     def cache_kind(self) -> None:
         # here: the cache kinds come with mlx-lm, which the app's first frame does without

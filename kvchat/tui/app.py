@@ -339,6 +339,9 @@ class KvChatApp(App):
     def action_trim(self) -> None:
         self.tab_actions.trim()
 
+    def action_archive(self) -> None:
+        self.tab_actions.archive()
+
     def action_cache_kind(self) -> None:
         self.tab_actions.cache_kind()
 

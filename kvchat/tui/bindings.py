@@ -41,6 +41,15 @@ APP_BINDINGS = [
     Binding(
         "ctrl+l", "trim", "Undo/trim", id="trim", tooltip="Undo the last turn or trim the history."
     ),
+    # shift+F5: F5 brings a new reply, shift+F5 an archived exchange (F6, F7: the message box's)
+    Binding(
+        "shift+f5",
+        "archive",
+        "Archive…",
+        id="archive",
+        show=False,
+        tooltip="See the exchanges undo and trim archived, and bring one back.",
+    ),
     Binding(
         "f4",
         "cache_kind",
@@ -136,6 +145,7 @@ TAB_ACTIONS = {
     "rename",
     "save",
     "trim",
+    "archive",
     "cache_kind",
     "reset_cache",
     "drop",

@@ -44,12 +44,13 @@ def users(messages) -> list[str]:
     return [m["content"] for m in messages if m["role"] == "user"]
 
 
-async def two_turns_then_ctrl_l(pilot):
-    """A tab that said "first" and "second", its trim dialog open: its conversation."""
+async def two_turns_then_ctrl_l(pilot, texts=("first", "second")):
+    """A tab that said ``texts`` ("first" and "second"), its trim dialog open: its
+    conversation."""
     app = pilot.app
     await settle(pilot)
     conversation = app.active_conversation()
-    for text in ("first", "second"):
+    for text in texts:
         await send(pilot, text)
     await pilot.press("ctrl+l")
     await until(pilot, lambda: isinstance(app.screen, TrimDialog))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 from kvchat.engine.conversation.branches import Branches, talk
@@ -22,7 +23,8 @@ Message = dict[str, Any]
 class History:
     """The messages (the system prompt first, if there is one), ``branches`` (every path,
     with the current one), ``turns`` (one :class:`TurnStats` per reply, oldest first, as
-    far back as they are known) and ``archived`` (exchanges :meth:`trim` dropped).
+    far back as they are known) and ``archived`` (exchanges :meth:`trim` and :meth:`undo`
+    dropped, which :meth:`restore_archived` brings back).
 
     ``messages`` may run ahead of ``branches``: a transcript :meth:`replace` set is
     recorded as a path at the next :meth:`record` (a turn's start), so a request that
@@ -194,11 +196,12 @@ class History:
         if not removed:
             raise SessionError("Nothing to undo: there is no user message yet.")
         self._messages = messages
-        self._keep_turns()
         # what goes is archived, as a trim's is: the undone exchanges and every branch
         # that started after what is left (an edited version of an undone message)
         self._archived.extend(self._branches.after(len(self.talk())))
         self._branches.truncate(len(self.talk()))
+        # an undone reply takes its stats with it (a restored reply has none to give back)
+        self._turns = self._branches.path_turns()
 
     def trim(self, too_long: Callable[[list[Message]], bool], limit: int) -> int:
         """Drop the oldest exchanges, keeping the system prompt, while ``too_long(messages)``;
@@ -220,9 +223,31 @@ class History:
         if dropped:
             self._archived.extend(dropped)
             self._messages = messages
-            del self._turns[: sum(m["role"] == "assistant" for m in dropped)]
             self._branches.drop_first(len(dropped))
+            self._turns = self._branches.path_turns()
         return len(dropped)
+
+    def restore_archived(self, index: int) -> None:
+        """Put archived exchange ``index`` (of :func:`archived_exchanges`) back at the end of
+        the transcript and the tree's path; it leaves ``archived`` once it is in the
+        transcript. A reply right after a reply there is another version of it (a
+        regenerate's): it comes back as a branch, the later one on the path. The replies
+        come back without stats (none were kept)."""
+        spans = exchange_spans(self._archived)
+        if not 0 <= index < len(spans):
+            raise SessionError(f"There is no archived exchange {index}.")
+        start, end = spans[index]
+        kept = len(self.talk())
+        path = self.talk()
+        for message in self._archived[start:end]:
+            if len(path) > kept and message["role"] == path[-1]["role"] == "assistant":
+                self._branches.record(path)  # the earlier version stays as a branch
+                path[-1] = dict(message)
+            else:
+                path.append(dict(message))
+        self._messages = self._messages[: self.offset] + path
+        self.record()
+        del self._archived[start:end]
 
     def switch(self, index: int, step: int) -> None:
         """Make the version ``step`` away from the message at ``index`` the current path
@@ -247,7 +272,16 @@ class History:
         self._messages = self._messages[: self.offset] + self._branches.messages()
         self._turns = self._branches.path_turns()
 
-    def _keep_turns(self) -> None:
-        """One stats entry per reply in the messages: an undone or replaced reply takes its
-        turn's stats with it."""
-        del self._turns[sum(m["role"] == "assistant" for m in self._messages) :]
+
+def exchange_spans(archived: Sequence[Message]) -> list[tuple[int, int]]:
+    """(start, end) in ``archived`` of each exchange: a user message and what followed it
+    there, up to the next user message (messages before the first one are one too)."""
+    starts = [i for i, m in enumerate(archived) if i == 0 or m["role"] == "user"]
+    return list(pairwise([*starts, len(archived)]))
+
+
+def archived_exchanges(archived: Sequence[Message]) -> list[list[Message]]:
+    """``archived`` (a session's, as :attr:`History.archived` keeps it: a flat list of
+    messages, oldest first) as exchanges, each a user message and its replies: what
+    :meth:`History.restore_archived` takes by index."""
+    return [[dict(m) for m in archived[a:b]] for a, b in exchange_spans(archived)]

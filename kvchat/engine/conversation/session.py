@@ -166,7 +166,8 @@ class Session:
 
     @property
     def archived(self) -> list[Message]:
-        """Exchanges :meth:`trim_history` dropped, kept for the record (a copy)."""
+        """Exchanges :meth:`trim_history` and :meth:`undo` dropped, kept for the record and
+        for :meth:`restore_archived` (a copy)."""
         return list(self.history.archived)
 
     @property
@@ -226,16 +227,7 @@ class Session:
 
     def figures(self) -> CacheFigures:
         """What the views show of this session, as of now (call it between turns)."""
-        turns = self.history.turns
-        return CacheFigures(
-            cache_tokens=self.cache_tokens,
-            cache_bytes=self.cache_bytes,
-            checkpoints=(len(self.checkpoints), self.checkpoints.nbytes),
-            user_turns=sum(1 for m in self.history.messages if m["role"] == "user"),
-            last=self.last_stats,
-            prompt_eval_history=tuple(t.prompt_eval_s for t in turns),
-            pending_rebuild=self.pending_rebuild,
-        )
+        return CacheFigures.of(self.keeper, self.history)
 
     def render(self, messages: list[Message], generation_prompt: bool) -> list[int]:
         """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
@@ -341,6 +333,12 @@ class Session:
     def undo(self, turns: int = 1) -> None:
         """Remove the last ``turns`` exchanges (user message and reply) and trim the cache exactly."""
         self._upkeep.undo(turns)
+
+    def restore_archived(self, index: int) -> None:
+        """Put archived exchange ``index`` (of ``archived``, as
+        :func:`~kvchat.engine.conversation.history.archived_exchanges` splits it) back at
+        the end of the transcript; the next turn evaluates what the cache lacks."""
+        self._upkeep.restore_archived(index)
 
     def trim_history(self, max_tokens: int, progress: Progress | None = None) -> int:
         """Drop the oldest exchanges (to ``archived``) until the transcript fits ``max_tokens``,

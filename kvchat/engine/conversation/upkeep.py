@@ -99,6 +99,13 @@ class Upkeep:
         self.sync()
         self.keeper.changed("undo")
 
+    def restore_archived(self, index: int) -> None:
+        """Put archived exchange ``index`` back at the end of the transcript; the cache
+        keeps what still matches, and the next turn's prefix match evaluates the rest."""
+        self.history.restore_archived(index)
+        self.sync()
+        self.keeper.changed("restore")
+
     def trim(self, max_tokens: int, progress: Progress | None) -> int:
         """Drop the oldest exchanges until the transcript fits ``max_tokens``, then refill."""
         dropped = self.history.trim(

@@ -3,9 +3,9 @@ whose every change of the cache goes to every rank first.
 
 Rank 0 runs the command (``ask``, ``replay``, the TUI); every other rank runs
 :func:`~kvchat.sharded.follower.follow`. Each engine operation that changes a cache
-(load the model, new session, load, send, regenerate, edit, undo, reset, cache
-kind, trim, system prompt, save, drop) goes to every rank over the link
-(kvchat/engine/distributed/link.py), and rank 0 then performs it on its own
+(load the model, new session, load, send, regenerate, edit, undo, a restore from
+the archive, reset, cache kind, trim, system prompt, save, drop) goes to every rank
+over the link (kvchat/engine/distributed/link.py), and rank 0 then performs it on its own
 :class:`Session`; each follower performs it on its own, in the same order. Every rank
 thus runs the same forward passes on the same tokens, so the collectives inside the
 sharded model meet, every rank's cache shard holds the one ledger, and greedy
@@ -232,6 +232,9 @@ class DistributedSession:
     def undo(self, turns: int = 1) -> None:
         self._then_count("undo", lambda: self.local.undo(turns), turns=turns)
 
+    def restore_archived(self, index: int) -> None:
+        self._then_count("restore", lambda: self.local.restore_archived(index), index=index)
+
     def reset(self) -> bool:
         return self._then_count("reset", self.local.reset)
 
@@ -271,6 +274,8 @@ def perform(session: Session, op: Op, link: Link) -> Any:
         return _watched(events, link)
     if name == "undo":
         return session.undo(op["turns"])
+    if name == "restore":
+        return session.restore_archived(op["index"])
     if name == "reset":
         return session.reset()
     if name == "kind":

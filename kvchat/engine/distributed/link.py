@@ -33,6 +33,7 @@ OPS = frozenset(
         "regenerate",
         "edit",
         "undo",
+        "restore",
         "reset",
         "kind",
         "trim",
