@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from kvchat.config import Config
+from kvchat.engine.generation.threads import MlxThreadPool
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.textual_compat import screen_text
 
@@ -55,10 +56,19 @@ async def send(pilot, text: str) -> None:
     await settle(pilot, conversation)
 
 
+def _mlx_loop() -> asyncio.AbstractEventLoop:
+    """An event loop whose thread workers clear their MLX state as they end, as the app's
+    own (kvchat/tui/run.py): one that ends with it in place can abort the test process as
+    it exits, after every test passed (ml-explore/mlx#3126)."""
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(MlxThreadPool())
+    return loop
+
+
 @pytest.fixture
 def anyio_backend():
-    """Pilot tests run on asyncio (through anyio's pytest plugin)."""
-    return "asyncio"
+    """Pilot tests run on asyncio (through anyio's pytest plugin), on :func:`_mlx_loop`."""
+    return ("asyncio", {"loop_factory": _mlx_loop})
 
 
 async def until(pilot, condition, timeout: float = 30.0) -> None:
