@@ -14,6 +14,7 @@ from test_serve_tools import WEATHER, tool_model, valid_weather  # noqa: F401 (a
 
 from kvchat import store
 from kvchat.engine.conversation.template import render
+from kvchat.serve.anthropic import MessagesRequest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,6 +50,64 @@ def events(server: Server, body: dict) -> list[tuple[str, dict]]:
         name, data = event.split("\n")
         out.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
     return out
+
+
+def test_a_messages_request_is_the_chat_request_of_the_same_conversation():
+    asked = MessagesRequest.model_validate_json(
+        json.dumps(
+            {
+                "model": "claude-x",
+                "max_tokens": 7,
+                "system": [
+                    {"type": "text", "text": "Be brief."},
+                    {"type": "text", "text": "Sure."},
+                ],
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "text", "text": "Looking."},
+                            {"type": "tool_use", "id": "t1", "name": "w", "input": {"c": "Oslo"}},
+                        ],
+                    },
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "t1",
+                                "content": [{"type": "text", "text": "Sunny"}],
+                                "cache_control": {"type": "ephemeral"},
+                            },
+                            {"type": "text", "text": "And tomorrow?"},
+                        ],
+                    },
+                ],
+                "tools": [{"name": "w", "input_schema": {"type": "object"}}],
+                "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+                "stop_sequences": ["\n\n"],
+                "top_k": 5,
+                "metadata": {"user_id": "someone"},
+            }
+        )
+    )
+    req = asked.chat()
+    call = {"id": "t1", "type": "function", "function": {"name": "w", "arguments": {"c": "Oslo"}}}
+    assert req.history() == [
+        {"role": "system", "content": "Be brief.\nSure."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Looking.", "tool_calls": [call]},
+        {"role": "tool", "content": "Sunny", "tool_call_id": "t1"},
+    ]
+    assert req.new_messages() == [{"role": "user", "content": "And tomorrow?"}]
+    assert req.tool_specs() == [
+        {"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}
+    ]
+    assert req.tool_choice == "required" and req.parallel_tool_calls is False
+    assert [t.function.name for t in req.forced_tools()] == ["w"]
+    assert req.stop == ["\n\n"] and req.token_limit() == 7
+    assert req.top_k == 5 and req.temperature is None and req.sampling()["top_k"] == 5
 
 
 def test_a_reply_counts_its_prompt_as_the_chat_route_does_and_shares_its_session(demo_model, home):
@@ -163,6 +222,25 @@ def test_a_stop_sequence_ends_the_reply_and_is_named_in_every_event(demo_model, 
         assert delta["usage"]["output_tokens"] == cut.usage.output_tokens
 
 
+def test_output_config_holds_the_reply_to_a_json_schema(demo_model, home):
+    schema = {
+        "type": "object",
+        "properties": {"river": {"type": "string", "maxLength": 10}, "km": {"type": "integer"}},
+        "required": ["river", "km"],
+    }
+    with Server(demo_model) as server:
+        message = client(server).messages.create(
+            **GREEDY,
+            max_tokens=60,
+            messages=ASK,
+            output_config={"format": {"type": "json_schema", "schema": schema}},
+        )
+    assert message.stop_reason == "end_turn", message
+    reply = json.loads(text_of(message))
+    assert set(reply) == {"river", "km"} and isinstance(reply["km"], int)
+    assert isinstance(reply["river"], str) and len(reply["river"]) <= 10
+
+
 @pytest.mark.parametrize(
     ("body", "said"),
     [
@@ -178,6 +256,14 @@ def test_a_stop_sequence_ends_the_reply_and_is_named_in_every_event(demo_model, 
             "'image'",
         ),
         ({"max_tokens": 5, "messages": ASK, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+        (
+            {
+                "max_tokens": 5,
+                "messages": ASK,
+                "tools": [{"type": "bash_20250124", "name": "bash"}],
+            },
+            "server tools",
+        ),
     ],
 )
 def test_bad_requests_get_anthropics_error_shape(demo_model, home, body, said):
@@ -268,12 +354,12 @@ def test_a_forced_tool_call_streams_as_tool_use_and_its_result_is_answered(
                 ],
             },
         ]
-        raw = client(server).messages.with_raw_response.create(
+        with client(server).messages.stream(
             model="demo", max_tokens=8, messages=follow, tools=[WEATHER_TOOL]
-        )
-        answer = raw.parse()
-        assert raw.headers["x-kvchat-session"] == name
-        assert raw.headers["x-kvchat-match"] == "continued"
+        ) as stream:
+            answer = stream.get_final_message()
+            assert stream.response.headers["x-kvchat-session"] == name
+            assert stream.response.headers["x-kvchat-match"] == "continued"
         assert answer.stop_reason in ("end_turn", "max_tokens")
         assert [b.type for b in answer.content] in (["text"], [])
         # the first prompt and the call's head come from the cache (its arguments' text may

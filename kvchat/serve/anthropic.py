@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, create_model
+from pydantic import Discriminator, Field, Tag, create_model, field_validator
 
 from kvchat.engine.conversation.template import render
 from kvchat.settings import API, model_fields
@@ -115,11 +115,20 @@ class AnthropicTool(Strict):
     """A client tool; Anthropic's server tools (``web_search_…``, ``bash_…``) are not
     taken: kvchat cannot run them."""
 
-    type: Literal["custom"] | None = None
+    type: str | None = None
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict
     cache_control: dict | None = None  # accepted and ignored
+
+    @field_validator("type")
+    @classmethod
+    def _client_tool(cls, kind: str | None) -> str | None:
+        if kind not in (None, "custom"):
+            raise ValueError(
+                f"{kind!r} is one of Anthropic's server tools, which kvchat cannot run"
+            )
+        return kind
 
     def openai(self) -> dict:
         spec = {"name": self.name, "parameters": self.input_schema}
