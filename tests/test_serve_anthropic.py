@@ -67,6 +67,7 @@ def test_a_messages_request_is_the_chat_request_of_the_same_conversation():
                     {
                         "role": "assistant",
                         "content": [
+                            {"type": "thinking", "thinking": "Hm.", "signature": "x"},
                             {"type": "text", "text": "Looking."},
                             {"type": "tool_use", "id": "t1", "name": "w", "input": {"c": "Oslo"}},
                         ],

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, create_model, field_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, create_model, field_validator
 
 from kvchat.engine.conversation.template import render
 from kvchat.settings import API, model_fields
@@ -47,6 +47,15 @@ class ToolUseBlock(_Block):
     id: str = Field(min_length=1, max_length=256)
     name: str = Field(min_length=1, max_length=256)
     input: dict
+    caller: dict | None = None  # who made the call (Anthropic's code execution): ignored
+
+
+class ThinkingBlock(_Block):
+    """An earlier reply's thinking, sent back by clients of models that think: left out of
+    the prompt (as Anthropic leaves earlier turns' thinking out)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    type: Literal["thinking", "redacted_thinking"]
 
 
 class ToolResultBlock(_Block):
@@ -67,6 +76,8 @@ def _kind(block: Any) -> str:
     """A block's type where kvchat takes it, else ``other``: an image or a document is a
     :class:`~kvchat.serve.messages.ContentPart`, refused by name as the chat route refuses it."""
     kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    if kind in ("thinking", "redacted_thinking"):
+        return "thinking"
     return kind if kind in ("text", "tool_use", "tool_result") else "other"
 
 
@@ -74,6 +85,7 @@ Block = Annotated[
     Annotated[TextBlock, Tag("text")]
     | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")]
+    | Annotated[ThinkingBlock, Tag("thinking")]
     | Annotated[ContentPart, Tag("other")],
     Discriminator(_kind),
 ]
