@@ -291,6 +291,15 @@ def test_the_client_hears_a_refusal_and_unknown_paths_are_anthropics_too(demo_mo
         assert status == 404 and elsewhere["error"]["code"] == "404"
 
 
+def test_a_body_over_the_limit_is_anthropics_request_too_large(demo_model, home):
+    big = {"max_tokens": 5, "messages": [{"role": "user", "content": "x" * 4000}]}
+    with Server(demo_model, max_body_bytes=1000) as server:
+        status, _, reply = server.raw("/v1/messages", json.dumps(big).encode())
+    assert status == 413 and reply["type"] == "error"
+    assert reply["error"]["type"] == "request_too_large"
+    assert "1,000 bytes" in reply["error"]["message"]
+
+
 def test_x_api_key_is_the_key_where_one_is_required(demo_model, home):
     with Server(demo_model, api_key="sekrit") as server:
         answered = client(server, "sekrit").messages.create(**GREEDY, max_tokens=2, messages=ASK)

@@ -23,16 +23,12 @@ from .errors import ApiError
 from .jobs import Finished, Piece
 from .shapes import Report
 
-# Anthropic's error types by HTTP status (one kvchat's ApiError does not name itself)
+# Anthropic's error types by the HTTP statuses kvchat answers with
 _ERROR_TYPES = {
-    400: "invalid_request_error",
     401: "authentication_error",
-    403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
 }
 
 
