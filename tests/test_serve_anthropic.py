@@ -246,7 +246,7 @@ def test_output_config_holds_the_reply_to_a_json_schema(demo_model, home):
     ("body", "said"),
     [
         ({"messages": ASK}, "'max_tokens'"),
-        ({"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}, "role"),
+        ({"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}, "messages[0].role"),
         ({"max_tokens": 5, "messages": ASK, "top_p": 0}, "'top_p'"),
         ({"max_tokens": 5, "messages": ASK, "n": 2}, "'n' is not supported"),
         (
