@@ -1,4 +1,5 @@
-"""``kvchat serve``: an OpenAI-compatible HTTP server on the same engine, pool and store.
+"""``kvchat serve``: an OpenAI-compatible HTTP server (and Anthropic's Messages API, translated
+to the same chat requests by ``anthropic``) on the same engine, pool and store.
 
 ``schema`` validates requests, ``matching`` finds the session a request
 continues (by name or by the longest shared token prefix), ``worker`` runs

@@ -1,7 +1,10 @@
-"""The HTTP routes: OpenAI's chat and plain completions (streamed or not), models, health.
+"""The HTTP routes: OpenAI's chat and plain completions and Anthropic's messages (streamed
+or not), models, health.
 
 Starlette on uvicorn. Every refusal is OpenAI's error shape,
-``{"error": {"message", "type", "param", "code"}}``. The model work happens in
+``{"error": {"message", "type", "param", "code"}}``, or Anthropic's on its routes. Both
+chat APIs answer through :func:`_answer`: an Anthropic request is translated to the chat
+request OpenAI's route takes (:mod:`kvchat.serve.anthropic`). The model work happens in
 :class:`~kvchat.serve.worker.Engine`'s thread; a handler only validates,
 queues, and forwards what the job reports. A client that goes away (its
 connection closes) withdraws its queued request or stops its reply after the
@@ -13,9 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
-import time
-import uuid
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
@@ -25,9 +25,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import tools
+from .anthropic import CountRequest, MessagesRequest, input_tokens
+from .anthropic_reply import AnthropicReply, anthropic_error
 from .constrain import schema_grammar
 from .errors import ApiError
-from .jobs import Finished, Job, Piece, Started
+from .jobs import Finished, Job, Started
 from .schema import (
     ChatRequest,
     CompletionRequest,
@@ -35,10 +37,8 @@ from .schema import (
     parse_request,
     session_name,
 )
-from .shapes import ChatShape, CompletionShape
+from .shapes import ChatShape, CompletionShape, OpenAIReply, Reply, Report
 from .worker import Engine
-
-Shape = ChatShape | CompletionShape
 
 DEFAULT_MAX_BODY = 8 << 20
 DRAIN_FACTOR = 4  # an oversized body is read (and dropped) up to this many times the limit
@@ -49,7 +49,8 @@ def create_app(
     engine: Engine, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY
 ) -> Starlette:
     """The ASGI app serving ``engine``'s model; ``api_key`` (if set) is required as a
-    bearer token on every route but ``/health``."""
+    bearer token or an ``x-api-key`` header on every route but ``/health``."""
+    model = engine.lm.model_id
 
     async def health(request: Request) -> Response:
         return JSONResponse(
@@ -68,21 +69,20 @@ def create_app(
     async def chat(request: Request) -> Response:
         _authorize(request, api_key)
         req = parse_request(await _body(request, max_body_bytes), ChatRequest)
-        name = session_name(request.headers.get("x-session-id"))
-        if name is None and req.prompt_cache_key is not None:
-            name = cache_key_session(req.prompt_cache_key)
-        req.history()  # refuse a conversation that does not end with the user or a tool now
+        shape = ChatShape(req.logprobs_wanted() is not None)
+        return await _answer(engine, request, req, OpenAIReply(shape, model, req.include_usage()))
+
+    async def messages(request: Request) -> Response:
+        _authorize(request, api_key)
+        asked = parse_request(await _body(request, max_body_bytes), MessagesRequest)
+        return await _answer(engine, request, asked.chat(), AnthropicReply(model))
+
+    async def count_tokens(request: Request) -> Response:
+        _authorize(request, api_key)
+        req = parse_request(await _body(request, max_body_bytes), CountRequest).chat_request()
         if req.tool_specs() is not None:
             tools.check_offered(engine.lm)
-        shape = ChatShape(req.logprobs_wanted() is not None)
-        schema = req.response_format.required_schema() if req.response_format else None
-        if forced := req.forced_tools():
-            grammar = tools.forced_grammar(engine.lm, forced)
-        elif schema is not None:
-            grammar = schema_grammar(schema, "response_format.json_schema.schema")
-        else:
-            grammar = None
-        return await _reply(engine, request, req, name, shape, grammar)
+        return JSONResponse({"input_tokens": await asyncio.to_thread(input_tokens, engine.lm, req)})
 
     async def completions(request: Request) -> Response:
         _authorize(request, api_key)
@@ -96,11 +96,12 @@ def create_app(
             )
         req.text()  # refuse a prompt kvchat cannot take now
         shape = CompletionShape(req.logprobs_wanted() is not None)
-        return await _reply(engine, request, req, None, shape)
+        reply = OpenAIReply(shape, model, req.include_usage())
+        return await _reply(engine, request, req, None, reply)
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(_error_body(request, exc), status_code=exc.status, headers=exc.headers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -109,7 +110,7 @@ def create_app(
             f"{exc.detail}: {request.method} {request.url.path}.",
             code=str(exc.status_code),
         )
-        return JSONResponse(error.body(), status_code=exc.status_code)
+        return JSONResponse(_error_body(request, error), status_code=exc.status_code)
 
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         expiry = asyncio.ensure_future(_expire_regularly(engine))
@@ -123,6 +124,8 @@ def create_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     ]
     return Starlette(
         routes=routes,
@@ -135,16 +138,36 @@ class _ClientGone(Exception):
     """The client closed its connection."""
 
 
+async def _answer(engine: Engine, request: Request, req: ChatRequest, reply: Reply) -> Response:
+    """Answer a chat request in ``reply``'s format: the session it names (``X-Session-Id``
+    or ``prompt_cache_key``; else the one prefix matching finds), its tools, the grammar
+    its forced tool call or ``response_format`` holds it to. Every chat route's way in."""
+    name = session_name(request.headers.get("x-session-id"))
+    if name is None and req.prompt_cache_key is not None:
+        name = cache_key_session(req.prompt_cache_key)
+    req.history()  # refuse a conversation that does not end with the user or a tool now
+    if req.tool_specs() is not None:
+        tools.check_offered(engine.lm)
+    schema = req.response_format.required_schema() if req.response_format else None
+    if forced := req.forced_tools():
+        grammar = tools.forced_grammar(engine.lm, forced)
+    elif schema is not None:
+        grammar = schema_grammar(schema, "response_format.json_schema.schema")
+    else:
+        grammar = None
+    return await _reply(engine, request, req, name, reply, grammar)
+
+
 async def _reply(
     engine: Engine,
     request: Request,
     req: ChatRequest | CompletionRequest,
     name: str | None,
-    shape: Shape,
+    reply: Reply,
     grammar: str | None = None,
 ) -> Response:
-    """Queue ``req`` and answer with its reply in ``shape``, whole or streamed (held to
-    ``grammar`` if given)."""
+    """Queue ``req`` and answer with its reply in ``reply``'s format, whole or streamed
+    (held to ``grammar`` if given)."""
     job = engine.submit(req, name, grammar)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -156,11 +179,11 @@ async def _reply(
         gone.cancel()
         raise first
     headers = _headers(first)
-    reply_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
     if req.stream:
-        body = _sse(engine, job, gone, reply_id, shape, req.include_usage())
         return StreamingResponse(
-            body, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
+            _sse(engine, job, gone, reply),
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache"},
         )
     try:
         while not isinstance(item := await _next(job, gone), (Finished, ApiError)):
@@ -172,48 +195,24 @@ async def _reply(
         gone.cancel()
     if isinstance(item, ApiError):
         raise item
-    reply = {
-        **_envelope(engine, reply_id, shape.object),
-        "choices": [shape.whole(item)],
-        "usage": item.usage,
-        "kvchat": item.kvchat,
-    }
-    return JSONResponse(reply, headers={**headers, **_stat_headers(item)})
+    return JSONResponse(reply.whole(item), headers={**headers, **_stat_headers(item)})
 
 
-async def _sse(
-    engine: Engine, job: Job, gone: asyncio.Future, reply_id: str, shape: Shape, include_usage: bool
-) -> AsyncIterator[str]:
-    """The reply as server-sent events, OpenAI's chunk shapes, ``[DONE]`` last."""
-    base = _envelope(engine, reply_id, shape.chunk_object)
-
-    def event(choices: list, **extra) -> str:
-        return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
-
+async def _sse(engine: Engine, job: Job, gone: asyncio.Future, reply: Reply) -> AsyncIterator[str]:
+    """The job's reports as ``reply``'s server-sent events; the job is cancelled if the
+    client leaves before its end."""
     finished = False
-    try:
-        if (opening := shape.opening()) is not None:
-            yield event([opening])
-        while True:
+
+    async def reports() -> AsyncIterator[Report]:
+        nonlocal finished
+        while not finished:
             item = await _next(job, gone)
-            if isinstance(item, Piece):
-                yield event([shape.piece(item)])
-            elif isinstance(item, ApiError):
-                finished = True
-                yield f"data: {json.dumps(item.body())}\n\n"
-                break
-            elif isinstance(item, Finished):
-                finished = True
-                if (calls := shape.calls(item)) is not None:
-                    yield event([calls])
-                # kvchat's object rides on the last chunk: the usage chunk when there is one
-                if include_usage:
-                    yield event([shape.closing(item)])
-                    yield event([], usage=item.usage, kvchat=item.kvchat)
-                else:
-                    yield event([shape.closing(item)], kvchat=item.kvchat)
-                break
-        yield "data: [DONE]\n\n"
+            finished = isinstance(item, (Finished, ApiError))
+            yield item
+
+    try:
+        async for event in reply.stream(reports()):
+            yield event
     except _ClientGone:
         pass
     finally:
@@ -267,30 +266,30 @@ async def _body(request: Request, limit: int) -> bytes:
 
 
 def _authorize(request: Request, api_key: str | None) -> None:
+    """Refuse a request without ``api_key``, as a bearer token (OpenAI's clients send it
+    so) or an ``x-api-key`` header (Anthropic's)."""
     if api_key is None:
         return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        token = request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(token.encode(), api_key.encode()):
         raise ApiError(
             401,
-            "Missing or wrong API key: send 'Authorization: Bearer <key>'.",
+            "Missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
             type="authentication_error",
             code="invalid_api_key",
         )
 
 
+def _error_body(request: Request, error: ApiError) -> dict:
+    """``error`` in the shape of the API the request's route is (Anthropic's or OpenAI's)."""
+    anthropic = request.url.path.startswith("/v1/messages")
+    return anthropic_error(error) if anthropic else error.body()
+
+
 def _model_card(engine: Engine) -> dict:
     return {"id": engine.lm.model_id, "object": "model", "created": 0, "owned_by": "kvchat"}
-
-
-def _envelope(engine: Engine, reply_id: str, kind: str) -> dict:
-    return {
-        "id": reply_id,
-        "object": kind,
-        "created": int(time.time()),
-        "model": engine.lm.model_id,
-    }
 
 
 def _headers(started: Started) -> dict[str, str]:

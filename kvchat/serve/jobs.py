@@ -47,6 +47,7 @@ class Finished:
     kvchat: dict
     logprobs: list[dict] | None = None
     tool_calls: list[dict] | None = None  # OpenAI's shape: arguments a JSON string
+    stop_sequence: str | None = None  # the stop string that ended the reply
 
 
 @dataclass(eq=False)
@@ -73,14 +74,15 @@ def stream_reply(
     stops: list[str],
     prompts: threading.Semaphore,
     marker: str | None = None,
-) -> tuple[TurnDone, str, bool, list[dict[str, Any]]]:
+) -> tuple[TurnDone, str, str | None, list[dict[str, Any]]]:
     """Forward the reply's text to the client, holding back what could begin a stop
-    string; stop the turn when one appears or the client leaves. Text from ``marker``
+    string; stop the turn when one appears (it is returned) or the client leaves. Text from ``marker``
     (a tool call's start) on is not sent: the calls are, once parsed. A piece carries
     the log probabilities of the tokens generated since the last piece. At most
     as many requests as ``prompts`` lets in are evaluating their prompts at a time."""
     hold = max((len(s) for s in [*stops, *([marker] if marker else [])]), default=1) - 1
-    reply, sent, hit_stop = "", 0, False
+    reply, sent = "", 0
+    hit_stop: str | None = None
     done: TurnDone | None = None
     entries: list[dict[str, Any]] = []
     reported = 0  # entries already sent with a piece
@@ -102,12 +104,10 @@ def stream_reply(
                 if entries:  # the text a token adds is the chunk that follows it
                     text_of(entries[-1], event.text)
                 reply += event.text
-                cut = min(
-                    (i for i in (reply.find(s, max(0, sent - hold)) for s in stops) if i >= 0),
-                    default=-1,
-                )
-                if cut >= 0:
-                    reply, hit_stop = reply[:cut], True
+                found = [(i, s) for s in stops if (i := reply.find(s, max(0, sent - hold))) >= 0]
+                if found:
+                    cut, hit_stop = min(found)
+                    reply = reply[:cut]
                     session.stop()
                 upto = len(reply) if hit_stop else max(sent, len(reply) - hold)
                 if marker is not None and (at := reply.find(marker)) >= 0:
@@ -137,13 +137,13 @@ def finished(
     match: Match,
     done: TurnDone,
     reply: str,
-    hit_stop: bool,
+    hit_stop: str | None,
     saved: bool,
     notice: str | None,
 ) -> Finished:
     s = done.stats
     eos = bool(done.tokens) and done.tokens[-1] in match.session.lm.tokenizer.eos_token_ids
-    reason = "stop" if hit_stop or eos or done.stopped else "length"
+    reason = "stop" if hit_stop is not None or eos or done.stopped else "length"
     usage = {
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": s.generated_tokens,
@@ -159,4 +159,4 @@ def finished(
         **s.to_dict(),
         "ledger_tokens": len(match.session.ledger),
     }
-    return Finished(reply, reason, usage, stats)
+    return Finished(reply, reason, usage, stats, stop_sequence=hit_stop)

@@ -27,7 +27,7 @@ from kvchat.settings import API, model_fields
 from kvchat.store.schema import error_location
 
 from .errors import ApiError
-from .messages import Message, NamedChoice, Strict, Tool
+from .messages import ContentPart, Message, NamedChoice, Strict, Tool
 
 
 class StreamOptions(Strict):
@@ -253,7 +253,8 @@ def parse_request(raw: bytes, model: type[RequestT]) -> RequestT:
     else:
         for i, message in enumerate(getattr(request, "messages", ())):
             for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-                part.check(f"messages[{i}].content[{j}]")
+                if isinstance(part, ContentPart):  # (the others: Anthropic's typed blocks)
+                    part.check(f"messages[{i}].content[{j}]")
         return request
     first = errors[0]
     if first["type"] == "json_invalid":
