@@ -42,7 +42,7 @@ def test_phi3_head_size_96_quantizes_in_groups_of_32(arch):
 
 
 UNROTATED = [k for k in OFFERED_KINDS if not k.startswith("rotated")]
-FITTING = {  # the README's table: rotated:N needs kvchat's attention (llama-family models)
+FITTING = {  # docs/architecture.md's table: rotated:N needs kvchat's attention (llama models)
     "gemma2": ["standard", "rotating:4096", "concatenate"],
     "mamba": ["standard"],
     "falcon_h1": ["standard"],
@@ -54,7 +54,7 @@ FITTING = {  # the README's table: rotated:N needs kvchat's attention (llama-fam
 
 @pytest.mark.quantized_attention
 @pytest.mark.parametrize("name", sorted(SHAPES))
-def test_each_family_takes_the_kinds_the_readme_lists(arch, name):
+def test_each_family_takes_the_kinds_the_docs_list(arch, name):
     lm = arch(name)
     fitting = applicable_kinds(lm.model, list(OFFERED_KINDS))
     assert fitting == FITTING.get(name, list(OFFERED_KINDS))

@@ -100,7 +100,7 @@ def _short(text: str) -> str:
 
 def keymap_table(groups: Iterable[tuple[str, Iterable[Binding]]]) -> str:
     """The Markdown table of every id, where it works, its default keys and what it does
-    (the README's copy is checked against this)."""
+    (docs/configuration.md's copy is checked against this)."""
     lines = ["| id | where | default keys | action |", "|---|---|---|---|"]
     for where, bindings in groups:
         for binding in bindings:

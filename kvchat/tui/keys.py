@@ -30,7 +30,7 @@ def declared(bindings: Iterable[BindingType]) -> list[Binding]:
 
 def binding_groups(app_bindings: list[Binding], system_bindings: list[Binding]) -> BindingGroups:
     """Where each key works, and the BINDINGS list that defines it: every binding
-    of the TUI (the help screen, the keymap and the README's table read this)."""
+    of the TUI (the help screen, the keymap and docs/configuration.md's table read this)."""
     return [
         ("anywhere", app_bindings),
         ("message box", declared(ChatInput.BINDINGS)),

@@ -17,7 +17,7 @@ from kvchat.tui.textual_compat import notifications
 from .conftest import SIZE, settle, widget_text
 
 pytestmark = pytest.mark.anyio
-README = Path(__file__).resolve().parents[2] / "README.md"
+KEYMAP_DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def _app(demo_model, *keymap: tuple[str, str]) -> KvChatApp:
@@ -39,10 +39,10 @@ def test_every_binding_has_a_unique_id():
     assert "send" in ids and "quit" in ids and "dialog_cancel" in ids
 
 
-def test_readme_lists_every_id_with_its_default_keys():
+def test_the_docs_list_every_id_with_its_default_keys():
     table = keymap_table(KvChatApp.binding_groups())
-    assert table in README.read_text(encoding="utf-8"), (
-        "README's [keymap] table is out of date; paste this:\n" + table
+    assert table in KEYMAP_DOC.read_text(encoding="utf-8"), (
+        "docs/configuration.md's [keymap] table is out of date; paste this:\n" + table
     )
     assert "| `new_tab` | anywhere | `ctrl+t` | New tab |" in table
 
@@ -157,8 +157,8 @@ async def test_a_key_taken_from_another_binding_says_so_once(demo_model, home):
         ]
 
 
-async def test_the_readme_example_applies_cleanly_and_swaps_enter(demo_model, home):
-    text = README.read_text(encoding="utf-8")
+async def test_the_docs_example_applies_cleanly_and_swaps_enter(demo_model, home):
+    text = KEYMAP_DOC.read_text(encoding="utf-8")
     example = text[text.index("```toml\n[keymap]") + 8 :]
     config = parse_config(example[: example.index("```")])
     app = KvChatApp(config.override(max_tokens=8), lm=demo_model, volatile=False)
