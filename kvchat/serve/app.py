@@ -74,7 +74,7 @@ def create_app(
         req.history()  # refuse a conversation that does not end with the user or a tool now
         if req.tool_specs() is not None:
             tools.check_offered(engine.lm)
-        shape = ChatShape(req.logprobs_wanted() is not None)
+        shape = ChatShape(req.logprobs_wanted() is not None, req.legacy)
         schema = req.response_format.required_schema() if req.response_format else None
         if forced := req.forced_tools():
             grammar = tools.forced_grammar(engine.lm, forced)

@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
     create_model,
     field_validator,
+    model_validator,
 )
 
 from kvchat import store
@@ -27,7 +28,7 @@ from kvchat.settings import API, model_fields
 from kvchat.store.schema import error_location
 
 from .errors import ApiError
-from .messages import Message, NamedChoice, Strict, Tool
+from .messages import FunctionSpec, Message, NamedChoice, NamedFunction, Strict, Tool
 
 
 class StreamOptions(Strict):
@@ -149,6 +150,9 @@ class ChatRequest(_Generation):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool = True  # false: a reply's first call is its only one
+    # OpenAI's legacy names for tools and tool_choice (see _legacy_functions)
+    functions: list[FunctionSpec] | None = Field(None, max_length=128)
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
     # names the conversation's cache, as X-Session-Id does (see cache_key_session)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)
     # accepted and ignored (none changes the reply of the models kvchat templates for)
@@ -157,6 +161,39 @@ class ChatRequest(_Generation):
     prediction: dict | None = None
     modalities: list[Literal["text"]] | None = None
 
+    @model_validator(mode="after")
+    def _legacy_functions(self) -> ChatRequest:
+        """``functions`` and ``function_call`` as the ``tools`` and ``tool_choice`` they
+        stand for (one call a reply, as legacy replies carry one); the reply says its call
+        in the legacy shape (:attr:`legacy`)."""
+        if self.functions is None and self.function_call is None:
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            given = self.model_fields_set
+            new = " and ".join(f"'{f}'" for f in ("tools", "tool_choice") if f in given)
+            old = [f for f in ("functions", "function_call") if f in given]
+            raise ApiError(
+                400,
+                f"Both {new} and the legacy {' and '.join(map(repr, old))} are set: send one "
+                "or the other ('functions' is the older name for 'tools', 'function_call' "
+                "for 'tool_choice').",
+                param=old[0],
+            )
+        if self.functions:
+            self.tools = [Tool(type="function", function=f) for f in self.functions]
+        if isinstance(self.function_call, NamedFunction):
+            self.tool_choice = NamedChoice(type="function", function=self.function_call)
+        else:
+            self.tool_choice = self.function_call
+        self.parallel_tool_calls = False
+        return self
+
+    @property
+    def legacy(self) -> bool:
+        """Whether the request offers its tools as legacy ``functions`` (the reply's call
+        is then ``message.function_call``, finish reason ``function_call``)."""
+        return self.functions is not None or self.function_call is not None
+
     def _split(self) -> int:
         """Where the new messages start: the last one if it is the user's, else the run
         of tool results that ends the conversation."""
@@ -164,7 +201,7 @@ class ChatRequest(_Generation):
         if self.messages[-1].role == "user":
             return n - 1
         at = n
-        while at > 0 and self.messages[at - 1].role == "tool":
+        while at > 0 and self.messages[at - 1].answers_a_call:
             at -= 1
         if at == n:
             raise ApiError(

@@ -14,12 +14,21 @@ from .logprobs import completion_shape
 
 
 class ChatShape:
-    """``/v1/chat/completions``: a message, or deltas."""
+    """``/v1/chat/completions``: a message, or deltas; a ``legacy`` request's (it offered
+    ``functions``) call is ``function_call``, its finish reason ``function_call``."""
 
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, logprobs: bool):
-        self.logprobs = logprobs
+    def __init__(self, logprobs: bool, legacy: bool = False):
+        self.logprobs, self.legacy = logprobs, legacy
+
+    def _said(self, done: Finished) -> tuple[dict, str]:
+        """The reply's calls as its message (or delta) carries them, and its finish reason."""
+        if not done.tool_calls:
+            return {}, done.finish_reason
+        if self.legacy:
+            return {"function_call": done.tool_calls[0]["function"]}, "function_call"
+        return {"tool_calls": done.tool_calls}, done.finish_reason
 
     def opening(self) -> dict | None:
         return {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -34,22 +43,24 @@ class ChatShape:
         """The reply's tool calls as one delta (each whole, with its index), if any."""
         if not done.tool_calls:
             return None
-        calls = [{"index": i, **call} for i, call in enumerate(done.tool_calls)]
-        return {"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}
+        delta, _ = self._said(done)
+        if "tool_calls" in delta:
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(done.tool_calls)]}
+        return {"index": 0, "delta": delta, "finish_reason": None}
 
     def closing(self, done: Finished) -> dict:
-        return {"index": 0, "delta": {}, "finish_reason": done.finish_reason}
+        return {"index": 0, "delta": {}, "finish_reason": self._said(done)[1]}
 
     def whole(self, done: Finished) -> dict:
+        said, reason = self._said(done)
         message: dict[str, Any] = {
             "role": "assistant",
             "content": done.text or None if done.tool_calls else done.text,
+            **said,
         }
-        if done.tool_calls:
-            message["tool_calls"] = done.tool_calls
         return {
             "index": 0,
-            "finish_reason": done.finish_reason,
+            "finish_reason": reason,
             "message": message,
             "logprobs": {"content": done.logprobs} if self.logprobs else None,
         }

@@ -272,6 +272,8 @@ class Engine:
             if calls_wanted and tools is not None:  # only a chat request offers tools
                 content, calls = split(self.lm, reply, tools)
                 calls = calls if req.parallel_tool_calls else calls[:1]
+                if req.legacy:  # a legacy result names its call by the function's name
+                    calls = [{**c, "id": c["function"]["name"]} for c in calls]
                 # a forced call cut short: the reply was all its unfinished markup, which
                 # the client never gets as content
                 shown = content if calls else ("" if req.forced_tools() else reply)
