@@ -71,7 +71,7 @@ def create_app(
         name = session_name(request.headers.get("x-session-id"))
         if name is None and req.prompt_cache_key is not None:
             name = cache_key_session(req.prompt_cache_key)
-        req.history()  # refuse a conversation that does not end with the user or a tool now
+        req.history()  # refuse a conversation kvchat cannot answer now
         if req.tool_specs() is not None:
             tools.check_offered(engine.lm)
         shape = ChatShape(req.logprobs_wanted() is not None, req.legacy)
@@ -82,6 +82,13 @@ def create_app(
             grammar = schema_grammar(schema, "response_format.json_schema.schema")
         else:
             grammar = None
+        if grammar is not None and req.start():
+            raise ApiError(
+                400,
+                "A trailing assistant message cannot be continued under a forced "
+                "'tool_choice' or a 'response_format': the constrained reply starts afresh.",
+                param="messages",
+            )
         return await _reply(engine, request, req, name, shape, grammar)
 
     async def completions(request: Request) -> Response:

@@ -194,30 +194,48 @@ class ChatRequest(_Generation):
         is then ``message.function_call``, finish reason ``function_call``)."""
         return self.functions is not None or self.function_call is not None
 
-    def _split(self) -> int:
-        """Where the new messages start: the last one if it is the user's, else the run
-        of tool results that ends the conversation."""
-        n = len(self.messages)
-        if self.messages[-1].role == "user":
-            return n - 1
-        at = n
+    def _split(self) -> tuple[int, int]:
+        """Where the new messages start and end: the last one if it is the user's, else the
+        run of tool results that ends the conversation; a trailing assistant message (the
+        reply's given start, :meth:`start`) comes after them."""
+        end = len(self.messages)
+        last = self.messages[-1]
+        if last.role == "assistant":
+            if last.tool_calls or last.function_call:
+                raise ApiError(
+                    400,
+                    "The last message is the assistant's tool call: send the tools' "
+                    "results after it.",
+                    param="messages",
+                )
+            end -= 1
+        if end and self.messages[end - 1].role == "user":
+            return end - 1, end
+        at = end
         while at > 0 and self.messages[at - 1].answers_a_call:
             at -= 1
-        if at == n:
+        if at == end:
             raise ApiError(
                 400,
-                "The last message must be the user's or a tool's result: kvchat answers it.",
+                "The last message must be the user's or a tool's result (or the start of "
+                "the assistant's reply to them, which kvchat continues): kvchat answers it.",
                 param="messages",
             )
-        return at
+        return at, end
 
     def history(self) -> list[dict]:
         """The messages before the new ones, as the session keeps them."""
-        return [m.plain() for m in self.messages[: self._split()]]
+        return [m.plain() for m in self.messages[: self._split()[0]]]
 
     def new_messages(self) -> list[dict]:
         """What this request adds: the user's message, or the tools' results."""
-        return [m.plain() for m in self.messages[self._split() :]]
+        at, end = self._split()
+        return [m.plain() for m in self.messages[at:end]]
+
+    def start(self) -> str:
+        """The reply's given start (a trailing assistant message's text, which the reply
+        continues); empty when the conversation ends with the user or a tool."""
+        return self.messages[-1].text() if self._split()[1] < len(self.messages) else ""
 
     def tool_specs(self) -> list[dict] | None:
         """The tools offered to the model (OpenAI's function specs), checked against

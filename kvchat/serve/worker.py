@@ -230,6 +230,7 @@ class Engine:
     def _reply(self, job: Job, match: Match) -> Finished:
         req = job.request
         tools = req.tool_specs() if isinstance(req, ChatRequest) else None
+        start = req.start() if isinstance(req, ChatRequest) else ""  # the reply continues it
         biases = req.biases(self._vocab())
         session = match.session
         kept_settings = session.settings
@@ -246,9 +247,9 @@ class Engine:
             if isinstance(req, CompletionRequest):
                 events = session.complete(req.text())
             elif new[-1]["role"] == "user":
-                events = session.send(new[-1]["content"])
+                events = session.send(new[-1]["content"], start)
             else:  # tools' results: the model answers them
-                events = session.answer(new)
+                events = session.answer(new, start)
         except SessionError as exc:  # nothing ran: the session is as it was
             self._unset(session, kept_settings)
             if match.previous is not None:
@@ -277,15 +278,19 @@ class Engine:
                 # a forced call cut short: the reply was all its unfinished markup, which
                 # the client never gets as content
                 shown = content if calls else ("" if req.forced_tools() else reply)
-            # the transcript keeps what the client got (rendered with this request's
-            # tools), and the cache follows it
+            # the transcript keeps what the client got after the start it gave (rendered
+            # with this request's tools), and the cache follows it
             with self.scheduler.turn(job.owner):
                 if calls:
                     session.revise_reply(
-                        {"role": "assistant", "content": content, "tool_calls": plain(calls)}
+                        {
+                            "role": "assistant",
+                            "content": start + content,
+                            "tool_calls": plain(calls),
+                        }
                     )
                 elif hit_stop:
-                    session.revise_reply({"role": "assistant", "content": reply})
+                    session.revise_reply({"role": "assistant", "content": start + reply})
         finally:
             job.session = None
             self._unset(session, kept_settings)
