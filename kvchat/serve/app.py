@@ -165,7 +165,7 @@ async def _reply(
     headers = _headers(first)
     reply_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
     if req.stream:
-        body = _sse(engine, job, gone, reply_id, shape, req.include_usage())
+        body = _sse(engine, job, gone, reply_id, shape, req.include_usage(), req.n)
         return StreamingResponse(
             body, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
         )
@@ -181,7 +181,7 @@ async def _reply(
         raise item
     reply = {
         **_envelope(engine, reply_id, shape.object),
-        "choices": [shape.whole(item)],
+        "choices": [shape.whole(reply) for reply in item.replies],
         "usage": item.usage,
         "kvchat": item.kvchat,
     }
@@ -189,9 +189,16 @@ async def _reply(
 
 
 async def _sse(
-    engine: Engine, job: Job, gone: asyncio.Future, reply_id: str, shape: Shape, include_usage: bool
+    engine: Engine,
+    job: Job,
+    gone: asyncio.Future,
+    reply_id: str,
+    shape: Shape,
+    include_usage: bool,
+    n: int,
 ) -> AsyncIterator[str]:
-    """The reply as server-sent events, OpenAI's chunk shapes, ``[DONE]`` last."""
+    """The ``n`` replies as server-sent events, OpenAI's chunk shapes (each with its
+    reply's index), ``[DONE]`` last."""
     base = _envelope(engine, reply_id, shape.chunk_object)
 
     def event(choices: list, **extra) -> str:
@@ -199,8 +206,9 @@ async def _sse(
 
     finished = False
     try:
-        if (opening := shape.opening()) is not None:
-            yield event([opening])
+        for index in range(n):
+            if (opening := shape.opening(index)) is not None:
+                yield event([opening])
         while True:
             item = await _next(job, gone)
             if isinstance(item, Piece):
@@ -211,14 +219,18 @@ async def _sse(
                 break
             elif isinstance(item, Finished):
                 finished = True
-                if (calls := shape.calls(item)) is not None:
-                    yield event([calls])
+                for reply in item.replies:
+                    if (calls := shape.calls(reply)) is not None:
+                        yield event([calls])
+                *before, last = [shape.closing(reply) for reply in item.replies]
+                for closing in before:
+                    yield event([closing])
                 # kvchat's object rides on the last chunk: the usage chunk when there is one
                 if include_usage:
-                    yield event([shape.closing(item)])
+                    yield event([last])
                     yield event([], usage=item.usage, kvchat=item.kvchat)
                 else:
-                    yield event([shape.closing(item)], kvchat=item.kvchat)
+                    yield event([last], kvchat=item.kvchat)
                 break
         yield "data: [DONE]\n\n"
     except _ClientGone:

@@ -30,6 +30,8 @@ from kvchat.store.schema import error_location
 from .errors import ApiError
 from .messages import FunctionSpec, Message, NamedChoice, NamedFunction, Strict, Tool
 
+MAX_REPLIES = 16  # a chat request's ``n``: each reply holds a copy of the prompt's cache
+
 
 class StreamOptions(Strict):
     include_usage: bool = False
@@ -82,7 +84,7 @@ class _Generation(_Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=1)  # a chat request may ask for more
     user: str | None = None  # the end user's id: any string; it names no session
     # sent by clients on their own; they do not change the reply: accepted and ignored
     store: bool | None = None
@@ -143,6 +145,7 @@ class ChatRequest(_Generation):
     """The fields of a chat completion request that kvchat honours."""
 
     messages: list[Message] = Field(min_length=1, max_length=100_000)
+    n: int = Field(1, ge=1, le=MAX_REPLIES)  # replies to one prompt (kvchat/serve/choices.py)
     max_completion_tokens: int | None = Field(None, ge=1, lt=1 << 31)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

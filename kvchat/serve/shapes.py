@@ -2,7 +2,8 @@
 
 A shape is made per request (a plain completion's streamed log probabilities
 count text offsets across chunks). ``whole`` is a non-streamed reply's choice;
-``opening`` (if any), ``piece`` and ``closing`` are a streamed reply's.
+``opening`` (if any), ``piece`` and ``closing`` are a streamed reply's; each
+carries its reply's index (``n`` > 1: several replies).
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ class ChatShape:
             return {"function_call": done.tool_calls[0]["function"]}, "function_call"
         return {"tool_calls": done.tool_calls}, done.finish_reason
 
-    def opening(self) -> dict | None:
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    def opening(self, index: int) -> dict | None:
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "finish_reason": None,
+        }
 
     def piece(self, piece: Piece) -> dict:
-        choice = {"index": 0, "delta": {"content": piece.text}, "finish_reason": None}
+        choice = {"index": piece.index, "delta": {"content": piece.text}, "finish_reason": None}
         if self.logprobs:
             choice["logprobs"] = {"content": list(piece.logprobs)}
         return choice
@@ -46,10 +51,10 @@ class ChatShape:
         delta, _ = self._said(done)
         if "tool_calls" in delta:
             delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(done.tool_calls)]}
-        return {"index": 0, "delta": delta, "finish_reason": None}
+        return {"index": done.index, "delta": delta, "finish_reason": None}
 
     def closing(self, done: Finished) -> dict:
-        return {"index": 0, "delta": {}, "finish_reason": self._said(done)[1]}
+        return {"index": done.index, "delta": {}, "finish_reason": self._said(done)[1]}
 
     def whole(self, done: Finished) -> dict:
         said, reason = self._said(done)
@@ -59,7 +64,7 @@ class ChatShape:
             **said,
         }
         return {
-            "index": 0,
+            "index": done.index,
             "finish_reason": reason,
             "message": message,
             "logprobs": {"content": done.logprobs} if self.logprobs else None,
@@ -74,7 +79,7 @@ class CompletionShape:
     def __init__(self, logprobs: bool):
         self.logprobs, self._offset = logprobs, 0
 
-    def opening(self) -> dict | None:
+    def opening(self, index: int) -> dict | None:
         return None
 
     def piece(self, piece: Piece) -> dict:

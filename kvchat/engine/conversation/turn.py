@@ -18,6 +18,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx_lm.sample_utils import greedy_sampler
 
 from kvchat.engine.conversation.events import (
     Chunk,
@@ -340,6 +341,34 @@ def run_turn(
     if not stopped:
         keeper.keep_checkpoint()
     yield TurnDone(reply=reply, stats=stats, stopped=stopped, tokens=tuple(tokens))
+
+
+def prime(lm: LoadedModel, keeper: CacheKeeper, tokens: list[int], step: int) -> tuple[int, int]:
+    """Have the cache hold ``tokens`` but the last: what the ledger shares with them is
+    kept, the rest evaluated in the generation core beside the replies it decodes (its one
+    sampled token is dropped, never fed). Forks of the session made then each evaluate only
+    that last token, for its logits, before they sample: one prompt, several replies.
+    Returns (tokens kept, tokens evaluated)."""
+    kept, _ = keeper.rewind(min(common_prefix(keeper.ledger, tokens), len(tokens) - 1))
+    rest = tokens[kept:-1]
+    if rest:
+        seq = keeper.sequence(
+            rest,
+            sampler=greedy_sampler,
+            processors=[],
+            max_tokens=1,
+            stop=threading.Event(),
+            prefill_step=max(1, step),
+        )
+        stream = core_for(lm).run(seq)
+        try:
+            left = next((m for m in stream if isinstance(m, Left)), None) or _last_left(seq)
+        finally:
+            stream.close()
+        if left.error is not None:
+            keeper.discard("a prompt's evaluation failed")
+            raise left.error
+    return kept, len(keeper.ledger) - kept
 
 
 def _finish(keeper: CacheKeeper, history: History, reply: str, stopped: bool) -> None:
