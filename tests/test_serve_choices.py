@@ -112,3 +112,17 @@ def test_too_many_replies_and_several_plain_completions_are_refused(demo_model, 
         with pytest.raises(openai.BadRequestError) as refused:
             server.client.completions.create(model="demo", prompt="Once", n=2)
         assert refused.value.body["param"] == "n"
+
+
+@pytest.mark.parametrize("kind", ["concatenate", "quantized:8", "rotating:1024", "chunked:1024"])
+def test_every_cache_kind_forks_its_prompt(demo_model, home, kind):
+    with Server(demo_model, kind=kind) as server:
+        _, body, _ = chat(server.client, ASK, max_tokens=8, n=2)
+        first, second = texts(body)
+        assert first == second and first
+        prompt = body["usage"]["prompt_tokens"]
+        assert body["kvchat"]["evaluated_tokens"] == prompt - 1 + 2
+        assert body["kvchat"]["cache_kind"] == kind
+        server.wait_idle()
+        turn = store.read(body["kvchat"]["session"])["turns"][-1]
+        assert (turn["reused_tokens"], turn["evaluated_tokens"]) == (prompt - 1, 1)
