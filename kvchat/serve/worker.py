@@ -235,7 +235,6 @@ class Engine:
 
     def _reply(self, job: Job, match: Match) -> Finished:
         req = job.request
-        chat = isinstance(req, ChatRequest)
         tools = req.tool_specs() if isinstance(req, ChatRequest) else None
         start = req.start() if isinstance(req, ChatRequest) else ""  # the reply continues it
         session = match.session
@@ -266,7 +265,7 @@ class Engine:
             if not store.exists(match.name):  # created for this request
                 self.pool.drop(match.name)
             code = "context_length_exceeded" if "context" in str(exc) else None
-            param = "messages" if chat else "prompt"
+            param = "prompt" if isinstance(req, CompletionRequest) else "messages"
             raise ApiError(400, str(exc), param=param, code=code) from None
         job.sessions = sessions
         job.emit(Started(match))
@@ -301,18 +300,18 @@ class Engine:
                 fork.close()
         saved, notice = self._save(job, match)
         wanted = req.logprobs_wanted() is not None
-        summaries = [
-            replace(
-                finished(match, a.done, a.shown, a.hit_stop, saved, notice),
-                logprobs=a.logprobs if wanted else None,
-                tool_calls=a.calls or None,
-                index=i,
+        summaries = []
+        for i, a in enumerate(answers):
+            summary = finished(match, a.done, a.shown, a.hit_stop, saved, notice)
+            summaries.append(
+                replace(
+                    summary,
+                    logprobs=a.logprobs if wanted else None,
+                    tool_calls=a.calls or None,
+                    finish_reason="tool_calls" if a.calls else summary.finish_reason,
+                    index=i,
+                )
             )
-            for i, a in enumerate(answers)
-        ]
-        summaries = [
-            replace(s, finish_reason="tool_calls") if s.tool_calls else s for s in summaries
-        ]
         return together(summaries, primed)
 
     def _turn_of(self, session: Session, req: Request, new: list[dict], start: str) -> Turn:
