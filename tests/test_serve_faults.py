@@ -50,13 +50,13 @@ def assert_openai_error(status: int, body: dict, expected: int, param: str | Non
                 {
                     **GOOD,
                     "messages": [
-                        {"role": "user", "content": "hi"},
+                        {"role": "system", "content": "hi"},
                         {"role": "assistant", "content": "yo"},
                     ],
                 }
             ).encode(),
             "messages",
-            "last message must be the user's",
+            "last message must be the user's or a tool's result (or the start",
         ),
         (
             json.dumps({**GOOD, "audio": {"voice": "alloy"}}).encode(),

@@ -69,8 +69,9 @@ def create_app(
     async def chat(request: Request) -> Response:
         _authorize(request, api_key)
         req = parse_request(await _body(request, max_body_bytes), ChatRequest)
-        shape = ChatShape(req.logprobs_wanted() is not None)
-        return await _answer(engine, request, req, OpenAIReply(shape, model, req.include_usage()))
+        shape = ChatShape(req.logprobs_wanted() is not None, req.legacy)
+        reply = OpenAIReply(shape, model, req.include_usage(), req.n)
+        return await _answer(engine, request, req, reply)
 
     async def messages(request: Request) -> Response:
         _authorize(request, api_key)
@@ -145,7 +146,7 @@ async def _answer(engine: Engine, request: Request, req: ChatRequest, reply: Rep
     name = session_name(request.headers.get("x-session-id"))
     if name is None and req.prompt_cache_key is not None:
         name = cache_key_session(req.prompt_cache_key)
-    req.history()  # refuse a conversation that does not end with the user or a tool now
+    req.history()  # refuse a conversation kvchat cannot answer now
     if req.tool_specs() is not None:
         tools.check_offered(engine.lm)
     schema = req.response_format.required_schema() if req.response_format else None
@@ -155,6 +156,13 @@ async def _answer(engine: Engine, request: Request, req: ChatRequest, reply: Rep
         grammar = schema_grammar(schema, "response_format.json_schema.schema")
     else:
         grammar = None
+    if grammar is not None and req.start():
+        raise ApiError(
+            400,
+            "A trailing assistant message cannot be continued under a forced "
+            "'tool_choice' or a 'response_format': the constrained reply starts afresh.",
+            param="messages",
+        )
     return await _reply(engine, request, req, name, reply, grammar)
 
 

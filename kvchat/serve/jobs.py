@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvchat.engine.conversation.events import Chunk, Event, Prefill, TokenLogprobs, TurnDone
@@ -34,12 +34,15 @@ class Piece:
 
     text: str
     logprobs: tuple[dict, ...] = ()
+    index: int = 0  # the reply's (``n`` > 1: which of them)
 
 
 @dataclass(frozen=True)
 class Finished:
     """The reply as the client gets it, why it ended, and the turn's figures;
-    ``logprobs`` holds every token's entry when they were asked for, else None."""
+    ``logprobs`` holds every token's entry when they were asked for, else None. With
+    ``n`` > 1 this is reply 0, the request's usage and figures, and ``others`` the
+    other replies."""
 
     text: str
     finish_reason: str
@@ -48,6 +51,28 @@ class Finished:
     logprobs: list[dict] | None = None
     tool_calls: list[dict] | None = None  # OpenAI's shape: arguments a JSON string
     stop_sequence: str | None = None  # the stop string that ended the reply
+    index: int = 0
+    others: tuple[Finished, ...] = ()
+
+    @property
+    def replies(self) -> tuple[Finished, ...]:
+        """Every reply, by index."""
+        return (self, *self.others)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One reply as streamed (its turn's summary, text, the stop string that cut it, its
+    tokens' log probabilities), and as read: ``content`` outside tool calls, ``shown``
+    to the client, ``calls`` in OpenAI's shape."""
+
+    done: TurnDone
+    reply: str
+    hit_stop: str | None
+    logprobs: list[dict[str, Any]]
+    content: str
+    shown: str
+    calls: list[dict[str, Any]]
 
 
 @dataclass(eq=False)
@@ -61,7 +86,7 @@ class Job:
     grammar: str | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    session: Session | None = None
+    sessions: list[Session] = field(default_factory=list)  # replying now: stopped on cancel
 
     def emit(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -74,12 +99,14 @@ def stream_reply(
     stops: list[str],
     prompts: threading.Semaphore,
     marker: str | None = None,
+    index: int = 0,
 ) -> tuple[TurnDone, str, str | None, list[dict[str, Any]]]:
     """Forward the reply's text to the client, holding back what could begin a stop
     string; stop the turn when one appears (it is returned) or the client leaves. Text from ``marker``
     (a tool call's start) on is not sent: the calls are, once parsed. A piece carries
     the log probabilities of the tokens generated since the last piece. At most
-    as many requests as ``prompts`` lets in are evaluating their prompts at a time."""
+    as many requests as ``prompts`` lets in are evaluating their prompts at a time. The
+    pieces carry the reply's ``index``."""
     hold = max((len(s) for s in [*stops, *([marker] if marker else [])]), default=1) - 1
     reply, sent = "", 0
     hit_stop: str | None = None
@@ -89,7 +116,7 @@ def stream_reply(
 
     def emit(text: str) -> None:
         nonlocal reported
-        job.emit(Piece(text, tuple(entries[reported:])))
+        job.emit(Piece(text, tuple(entries[reported:]), index))
         reported = len(entries)
 
     prompting = prompts.acquire()
@@ -98,9 +125,9 @@ def stream_reply(
             if prompting and not isinstance(event, Prefill):
                 prompts.release()
                 prompting = False
-            if isinstance(event, TokenLogprobs) and not hit_stop:
+            if isinstance(event, TokenLogprobs) and hit_stop is None:
                 entries.append(chat_entry(session.lm.tokenizer, event))
-            elif isinstance(event, Chunk) and not hit_stop:
+            elif isinstance(event, Chunk) and hit_stop is None:
                 if entries:  # the text a token adds is the chunk that follows it
                     text_of(entries[-1], event.text)
                 reply += event.text
@@ -109,7 +136,7 @@ def stream_reply(
                     cut, hit_stop = min(found)
                     reply = reply[:cut]
                     session.stop()
-                upto = len(reply) if hit_stop else max(sent, len(reply) - hold)
+                upto = len(reply) if hit_stop is not None else max(sent, len(reply) - hold)
                 if marker is not None and (at := reply.find(marker)) >= 0:
                     upto = min(upto, at)
                 if upto > sent:
@@ -160,3 +187,30 @@ def finished(
         "ledger_tokens": len(match.session.ledger),
     }
     return Finished(reply, reason, usage, stats, stop_sequence=hit_stop)
+
+
+def together(replies: list[Finished], primed: list[int] | None) -> Finished:
+    """The request's summary: reply 0 with the others; with several, the prompt counted
+    once and every reply's tokens, and ``primed`` (the prompt tokens the cache held, and
+    those evaluated before the replies forked) in the figures."""
+    first, others = replies[0], tuple(replies[1:])
+    if not others or primed is None:
+        return first
+    reused, evaluated = primed
+    generated = sum(r.usage["completion_tokens"] for r in replies)
+    prompt = first.usage["prompt_tokens"]
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
+        "prompt_tokens_details": {"cached_tokens": reused},
+    }
+    # each reply evaluated the prompt's last token itself, for its logits
+    stats = {
+        **first.kvchat,
+        "reused_tokens": reused,
+        "evaluated_tokens": evaluated + len(replies),
+        "generated_tokens": generated,
+        "replies": len(replies),
+    }
+    return replace(first, usage=usage, kvchat=stats, others=others)

@@ -76,11 +76,19 @@ class ToolCall(Strict):
 
 
 class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # ``function``: a legacy function's result (OpenAI's older name for a tool's)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-    name: str | None = Field(None, max_length=256)  # a participant's name: accepted, ignored
+    function_call: FunctionCall | None = None  # a legacy call: the reply's one tool call
+    # a participant's name (accepted, ignored), or the function a legacy result is from
+    name: str | None = Field(None, max_length=256)
+
+    @property
+    def answers_a_call(self) -> bool:
+        """Whether this is a tool's (or a legacy function's) result."""
+        return self.role in ("tool", "function")
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -88,13 +96,21 @@ class Message(Strict):
         return "".join(part.text or "" for part in self.content)
 
     def plain(self) -> dict:
-        """The message as a Session keeps it (``developer`` is the newer name for ``system``)."""
-        role = "system" if self.role == "developer" else self.role
+        """The message as a Session keeps it (``developer`` is the newer name for ``system``;
+        a legacy ``function_call`` and ``function`` result are a tool call and its result,
+        their id the function's name)."""
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
         out: dict[str, Any] = {"role": role, "content": self.text()}
-        if self.tool_calls:
-            out["tool_calls"] = [call.plain() for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
+        calls = self.tool_calls or (
+            [ToolCall(id=self.function_call.name, function=self.function_call)]
+            if self.function_call
+            else []
+        )
+        if calls:
+            out["tool_calls"] = [call.plain() for call in calls]
+        call_id = self.name if self.role == "function" else self.tool_call_id
+        if call_id is not None:
+            out["tool_call_id"] = call_id
         return out
 
 

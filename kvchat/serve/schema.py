@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
     create_model,
     field_validator,
+    model_validator,
 )
 
 from kvchat import store
@@ -27,7 +28,17 @@ from kvchat.settings import API, model_fields
 from kvchat.store.schema import error_location
 
 from .errors import ApiError
-from .messages import ContentPart, Message, NamedChoice, Strict, Tool
+from .messages import (
+    ContentPart,
+    FunctionSpec,
+    Message,
+    NamedChoice,
+    NamedFunction,
+    Strict,
+    Tool,
+)
+
+MAX_REPLIES = 16  # a chat request's ``n``: each reply holds a copy of the prompt's cache
 
 
 class StreamOptions(Strict):
@@ -81,7 +92,7 @@ class _Generation(_Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=1)  # a chat request may ask for more
     user: str | None = None  # the end user's id: any string; it names no session
     # sent by clients on their own; they do not change the reply: accepted and ignored
     store: bool | None = None
@@ -142,6 +153,7 @@ class ChatRequest(_Generation):
     """The fields of a chat completion request that kvchat honours."""
 
     messages: list[Message] = Field(min_length=1, max_length=100_000)
+    n: int = Field(1, ge=1, le=MAX_REPLIES)  # replies to one prompt (kvchat/serve/choices.py)
     max_completion_tokens: int | None = Field(None, ge=1, lt=1 << 31)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -149,6 +161,9 @@ class ChatRequest(_Generation):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool = True  # false: a reply's first call is its only one
+    # OpenAI's legacy names for tools and tool_choice (see _legacy_functions)
+    functions: list[FunctionSpec] | None = Field(None, max_length=128)
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
     # names the conversation's cache, as X-Session-Id does (see cache_key_session)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)
     # accepted and ignored (none changes the reply of the models kvchat templates for)
@@ -157,30 +172,81 @@ class ChatRequest(_Generation):
     prediction: dict | None = None
     modalities: list[Literal["text"]] | None = None
 
-    def _split(self) -> int:
-        """Where the new messages start: the last one if it is the user's, else the run
-        of tool results that ends the conversation."""
-        n = len(self.messages)
-        if self.messages[-1].role == "user":
-            return n - 1
-        at = n
-        while at > 0 and self.messages[at - 1].role == "tool":
-            at -= 1
-        if at == n:
+    @model_validator(mode="after")
+    def _legacy_functions(self) -> ChatRequest:
+        """``functions`` and ``function_call`` as the ``tools`` and ``tool_choice`` they
+        stand for (one call a reply, as legacy replies carry one); the reply says its call
+        in the legacy shape (:attr:`legacy`)."""
+        if self.functions is None and self.function_call is None:
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            given = self.model_fields_set
+            new = " and ".join(f"'{f}'" for f in ("tools", "tool_choice") if f in given)
+            old = [f for f in ("functions", "function_call") if f in given]
             raise ApiError(
                 400,
-                "The last message must be the user's or a tool's result: kvchat answers it.",
+                f"Both {new} and the legacy {' and '.join(map(repr, old))} are set: send one "
+                "or the other ('functions' is the older name for 'tools', 'function_call' "
+                "for 'tool_choice').",
+                param=old[0],
+            )
+        if self.functions:
+            self.tools = [Tool(type="function", function=f) for f in self.functions]
+        if isinstance(self.function_call, NamedFunction):
+            self.tool_choice = NamedChoice(type="function", function=self.function_call)
+        else:
+            self.tool_choice = self.function_call
+        self.parallel_tool_calls = False
+        return self
+
+    @property
+    def legacy(self) -> bool:
+        """Whether the request offers its tools as legacy ``functions`` (the reply's call
+        is then ``message.function_call``, finish reason ``function_call``)."""
+        return self.functions is not None or self.function_call is not None
+
+    def _split(self) -> tuple[int, int]:
+        """Where the new messages start and end: the last one if it is the user's, else the
+        run of tool results that ends the conversation; a trailing assistant message (the
+        reply's given start, :meth:`start`) comes after them."""
+        end = len(self.messages)
+        last = self.messages[-1]
+        if last.role == "assistant":
+            if last.tool_calls or last.function_call:
+                raise ApiError(
+                    400,
+                    "The last message is the assistant's tool call: send the tools' "
+                    "results after it.",
+                    param="messages",
+                )
+            end -= 1
+        if end and self.messages[end - 1].role == "user":
+            return end - 1, end
+        at = end
+        while at > 0 and self.messages[at - 1].answers_a_call:
+            at -= 1
+        if at == end:
+            raise ApiError(
+                400,
+                "The last message must be the user's or a tool's result (or the start of "
+                "the assistant's reply to them, which kvchat continues): kvchat answers it.",
                 param="messages",
             )
-        return at
+        return at, end
 
     def history(self) -> list[dict]:
         """The messages before the new ones, as the session keeps them."""
-        return [m.plain() for m in self.messages[: self._split()]]
+        return [m.plain() for m in self.messages[: self._split()[0]]]
 
     def new_messages(self) -> list[dict]:
         """What this request adds: the user's message, or the tools' results."""
-        return [m.plain() for m in self.messages[self._split() :]]
+        at, end = self._split()
+        return [m.plain() for m in self.messages[at:end]]
+
+    def start(self) -> str:
+        """The reply's given start (a trailing assistant message's text, which the reply
+        continues); empty when the conversation ends with the user or a tool."""
+        return self.messages[-1].text() if self._split()[1] < len(self.messages) else ""
 
     def tool_specs(self) -> list[dict] | None:
         """The tools offered to the model (OpenAI's function specs), checked against

@@ -2,7 +2,8 @@
 
 A shape is made per request (a plain completion's streamed log probabilities
 count text offsets across chunks). ``whole`` is a non-streamed reply's choice;
-``opening`` (if any), ``piece`` and ``closing`` are a streamed reply's.
+``opening`` (if any), ``piece`` and ``closing`` are a streamed reply's; each
+carries its reply's index (``n`` > 1: several replies).
 :class:`OpenAIReply` wraps a shape in OpenAI's envelope: a :class:`Reply`, as the
 app writes every API's replies (:mod:`kvchat.serve.anthropic_reply` is Anthropic's).
 """
@@ -33,18 +34,31 @@ class Reply(Protocol):
 
 
 class ChatShape:
-    """``/v1/chat/completions``: a message, or deltas."""
+    """``/v1/chat/completions``: a message, or deltas; a ``legacy`` request's (it offered
+    ``functions``) call is ``function_call``, its finish reason ``function_call``."""
 
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, logprobs: bool):
-        self.logprobs = logprobs
+    def __init__(self, logprobs: bool, legacy: bool = False):
+        self.logprobs, self.legacy = logprobs, legacy
 
-    def opening(self) -> dict | None:
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    def _said(self, done: Finished) -> tuple[dict, str]:
+        """The reply's calls as its message (or delta) carries them, and its finish reason."""
+        if not done.tool_calls:
+            return {}, done.finish_reason
+        if self.legacy:
+            return {"function_call": done.tool_calls[0]["function"]}, "function_call"
+        return {"tool_calls": done.tool_calls}, done.finish_reason
+
+    def opening(self, index: int) -> dict | None:
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "finish_reason": None,
+        }
 
     def piece(self, piece: Piece) -> dict:
-        choice = {"index": 0, "delta": {"content": piece.text}, "finish_reason": None}
+        choice = {"index": piece.index, "delta": {"content": piece.text}, "finish_reason": None}
         if self.logprobs:
             choice["logprobs"] = {"content": list(piece.logprobs)}
         return choice
@@ -53,22 +67,24 @@ class ChatShape:
         """The reply's tool calls as one delta (each whole, with its index), if any."""
         if not done.tool_calls:
             return None
-        calls = [{"index": i, **call} for i, call in enumerate(done.tool_calls)]
-        return {"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None}
+        delta, _ = self._said(done)
+        if "tool_calls" in delta:
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(done.tool_calls)]}
+        return {"index": done.index, "delta": delta, "finish_reason": None}
 
     def closing(self, done: Finished) -> dict:
-        return {"index": 0, "delta": {}, "finish_reason": done.finish_reason}
+        return {"index": done.index, "delta": {}, "finish_reason": self._said(done)[1]}
 
     def whole(self, done: Finished) -> dict:
+        said, reason = self._said(done)
         message: dict[str, Any] = {
             "role": "assistant",
             "content": done.text or None if done.tool_calls else done.text,
+            **said,
         }
-        if done.tool_calls:
-            message["tool_calls"] = done.tool_calls
         return {
-            "index": 0,
-            "finish_reason": done.finish_reason,
+            "index": done.index,
+            "finish_reason": reason,
             "message": message,
             "logprobs": {"content": done.logprobs} if self.logprobs else None,
         }
@@ -82,7 +98,7 @@ class CompletionShape:
     def __init__(self, logprobs: bool):
         self.logprobs, self._offset = logprobs, 0
 
-    def opening(self) -> dict | None:
+    def opening(self, index: int) -> dict | None:
         return None
 
     def piece(self, piece: Piece) -> dict:
@@ -110,11 +126,14 @@ class CompletionShape:
 
 
 class OpenAIReply:
-    """A reply in OpenAI's envelope around ``shape``: an object, or ``data:`` chunks that end
-    with ``[DONE]`` (the usage chunk before it when ``include_usage``)."""
+    """``n`` replies in OpenAI's envelope around ``shape``: an object, or ``data:`` chunks
+    (each choice with its reply's index) that end with ``[DONE]`` (the usage chunk before
+    it when ``include_usage``)."""
 
-    def __init__(self, shape: ChatShape | CompletionShape, model: str, include_usage: bool):
-        self.shape, self.model, self.include_usage = shape, model, include_usage
+    def __init__(
+        self, shape: ChatShape | CompletionShape, model: str, include_usage: bool, n: int = 1
+    ):
+        self.shape, self.model, self.include_usage, self.n = shape, model, include_usage, n
         self.id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
 
     def _envelope(self, kind: str) -> dict:
@@ -123,7 +142,7 @@ class OpenAIReply:
     def whole(self, done: Finished) -> dict:
         return {
             **self._envelope(self.shape.object),
-            "choices": [self.shape.whole(done)],
+            "choices": [self.shape.whole(reply) for reply in done.replies],
             "usage": done.usage,
             "kvchat": done.kvchat,
         }
@@ -134,20 +153,25 @@ class OpenAIReply:
         def event(choices: list, **extra) -> str:
             return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
 
-        if (opening := shape.opening()) is not None:
-            yield event([opening])
+        for index in range(self.n):
+            if (opening := shape.opening(index)) is not None:
+                yield event([opening])
         async for item in reports:
             if isinstance(item, Piece):
                 yield event([shape.piece(item)])
             elif isinstance(item, ApiError):
                 yield f"data: {json.dumps(item.body())}\n\n"
             else:
-                if (calls := shape.calls(item)) is not None:
-                    yield event([calls])
+                for reply in item.replies:
+                    if (calls := shape.calls(reply)) is not None:
+                        yield event([calls])
+                *before, last = [shape.closing(reply) for reply in item.replies]
+                for closing in before:
+                    yield event([closing])
                 # kvchat's object rides on the last chunk: the usage chunk when there is one
                 if self.include_usage:
-                    yield event([shape.closing(item)])
+                    yield event([last])
                     yield event([], usage=item.usage, kvchat=item.kvchat)
                 else:
-                    yield event([shape.closing(item)], kvchat=item.kvchat)
+                    yield event([last], kvchat=item.kvchat)
         yield "data: [DONE]\n\n"

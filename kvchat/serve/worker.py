@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import replace
 from itertools import count
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -31,16 +31,20 @@ from kvchat import store
 from kvchat.engine.conversation.events import (
     GenerationSettings,
     SessionError,
+    Turn,
+    TurnDone,
 )
 from kvchat.engine.conversation.template import encode_plain
+from kvchat.engine.conversation.turn import Plan
 from kvchat.engine.generation.scheduler import Scheduler
 from kvchat.engine.generation.threads import MlxThreadPool
 from kvchat.settings import GENERATION, apply_overrides
 
 from . import anonymous
+from .choices import fork_replies, read_together
 from .constrain import JsonConstraint
 from .errors import ApiError
-from .jobs import Finished, Job, Started, finished, stream_reply
+from .jobs import Answer, Finished, Job, Started, finished, stream_reply, together
 from .matching import Match, Matcher
 from .schema import ChatRequest, CompletionRequest
 from .tools import marker as tool_marker
@@ -50,6 +54,8 @@ if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
     from kvchat.engine.models.model import LoadedModel
     from kvchat.pool import SessionPool
+
+Request = ChatRequest | CompletionRequest
 
 
 class Engine:
@@ -136,8 +142,8 @@ class Engine:
         """The client went away: withdraw the job, or stop its reply after the current token."""
         job.cancelled.set()
         self.scheduler.cancel(job.owner)
-        if job.session is not None:
-            job.session.stop()
+        for session in job.sessions:
+            session.stop()
 
     def retry_after(self) -> int:
         """Seconds until the queue has probably moved on (recent turns' mean × its length)."""
@@ -230,27 +236,30 @@ class Engine:
     def _reply(self, job: Job, match: Match) -> Finished:
         req = job.request
         tools = req.tool_specs() if isinstance(req, ChatRequest) else None
-        biases = req.biases(self._vocab())
+        start = req.start() if isinstance(req, ChatRequest) else ""  # the reply continues it
         session = match.session
         kept_settings = session.settings
         # the server's settings, then the request's: a field it leaves out is the server's
         session.settings = apply_overrides(replace(kept_settings, **self.sampling), req.sampling())
         session.report_logprobs = req.logprobs_wanted()
-        session.logits_processors = [
-            *(make_logits_processors(logit_bias=biases) if biases else []),
-            *([JsonConstraint(self.lm, job.grammar)] if job.grammar else []),
-        ]
         session.tools = tools
+        sessions, primed = [session], None
         try:
-            new = [] if isinstance(req, CompletionRequest) else req.new_messages()
-            if isinstance(req, CompletionRequest):
-                events = session.complete(req.text())
-            elif new[-1]["role"] == "user":
-                events = session.send(new[-1]["content"])
-            else:  # tools' results: the model answers them
-                events = session.answer(new)
-        except SessionError as exc:  # nothing ran: the session is as it was
+            new = req.new_messages() if isinstance(req, ChatRequest) else []
+            if req.n > 1:  # one prompt, n replies: evaluated once, then forked
+                prompt = Plan.chat(self.lm, [*session.messages, *new], tools, start).prompt
+                with self._prompts:
+                    forks, *primed = fork_replies(session, prompt, req.n)
+                sessions += forks
+            for each in sessions:
+                each.logits_processors = self._processors(job)
+            turns = [self._turn_of(each, req, new, start) for each in sessions]
+        except BaseException as exc:  # no reply ran: the session is as it was
             self._unset(session, kept_settings)
+            for fork in sessions[1:]:
+                fork.close()
+            if not isinstance(exc, SessionError):
+                raise
             if match.previous is not None:
                 session.replace_history(match.previous)
             if not store.exists(match.name):  # created for this request
@@ -258,35 +267,91 @@ class Engine:
             code = "context_length_exceeded" if "context" in str(exc) else None
             param = "prompt" if isinstance(req, CompletionRequest) else "messages"
             raise ApiError(400, str(exc), param=param, code=code) from None
-        job.session = session
+        job.sessions = sessions
         job.emit(Started(match))
         calls_wanted = tools is not None and req.tool_choice != "none"
+        marker = tool_marker(self.lm) if calls_wanted else None
+        stops = cast(list[str], req.stop)  # the schema's validator made it a list
+
+        def read(index: int, one: Session, turn: Turn) -> Answer:
+            streamed = stream_reply(job, one, turn, stops, self._prompts, marker, index)
+            return self._answer(req, streamed, tools if calls_wanted else None)
+
         try:
-            stops = cast(list[str], req.stop)  # the schema's validator made it a list
-            marker = tool_marker(self.lm) if calls_wanted else None
-            done, reply, hit_stop, logprobs = stream_reply(
-                job, session, events, stops, self._prompts, marker
-            )
-            calls: list[dict[str, Any]]
-            content, calls, shown = reply, [], reply
-            if calls_wanted and tools is not None:  # only a chat request offers tools
-                content, calls = split(self.lm, reply, tools)
-                calls = calls if req.parallel_tool_calls else calls[:1]
-                # a forced call cut short: the reply was all its unfinished markup, which
-                # the client never gets as content
-                shown = content if calls else ("" if req.forced_tools() else reply)
-            # the transcript keeps what the client got (rendered with this request's
-            # tools), and the cache follows it
+            answers = read_together(sessions, turns, read)
+            first = answers[0]
+            # the transcript keeps what the client got after the start it gave (rendered
+            # with this request's tools), and the cache follows it
             with self.scheduler.turn(job.owner):
-                if calls:
+                if first.calls:
                     session.revise_reply(
-                        {"role": "assistant", "content": content, "tool_calls": plain(calls)}
+                        {
+                            "role": "assistant",
+                            "content": start + first.content,
+                            "tool_calls": plain(first.calls),
+                        }
                     )
-                elif hit_stop:
-                    session.revise_reply({"role": "assistant", "content": reply})
+                elif first.hit_stop:
+                    session.revise_reply({"role": "assistant", "content": start + first.reply})
         finally:
-            job.session = None
+            job.sessions = []
             self._unset(session, kept_settings)
+            for fork in sessions[1:]:
+                fork.close()
+        saved, notice = self._save(job, match)
+        wanted = req.logprobs_wanted() is not None
+        summaries = []
+        for i, a in enumerate(answers):
+            summary = finished(match, a.done, a.shown, a.hit_stop, saved, notice)
+            summaries.append(
+                replace(
+                    summary,
+                    logprobs=a.logprobs if wanted else None,
+                    tool_calls=a.calls or None,
+                    finish_reason="tool_calls" if a.calls else summary.finish_reason,
+                    index=i,
+                )
+            )
+        return together(summaries, primed)
+
+    def _turn_of(self, session: Session, req: Request, new: list[dict], start: str) -> Turn:
+        """The turn that answers ``req`` on ``session`` (``new``: the messages it adds)."""
+        if isinstance(req, CompletionRequest):
+            return session.complete(req.text())
+        if new[-1]["role"] == "user":
+            return session.send(new[-1]["content"], start)
+        return session.answer(new, start)  # tools' results: the model answers them
+
+    def _processors(self, job: Job) -> list:
+        """A reply's logits processors: the request's logit bias, its grammar (each reply's
+        own: a constraint follows the tokens of one reply)."""
+        biases = job.request.biases(self._vocab())
+        return [
+            *(make_logits_processors(logit_bias=biases) if biases else []),
+            *([JsonConstraint(self.lm, job.grammar)] if job.grammar else []),
+        ]
+
+    def _answer(
+        self,
+        req: Request,
+        streamed: tuple[TurnDone, str, str | None, list],
+        tools: list[dict] | None,
+    ) -> Answer:
+        """A reply streamed, its tool calls read out of it when ``tools`` are offered."""
+        done, reply, hit_stop, logprobs = streamed
+        if tools is None or not isinstance(req, ChatRequest):
+            return Answer(done, reply, hit_stop, logprobs, reply, reply, [])
+        content, calls = split(self.lm, reply, tools)
+        calls = calls if req.parallel_tool_calls else calls[:1]
+        if req.legacy:  # a legacy result names its call by the function's name
+            calls = [{**c, "id": c["function"]["name"]} for c in calls]
+        # a forced call cut short: the reply was all its unfinished markup, which the
+        # client never gets as content
+        shown = content if calls else ("" if req.forced_tools() else reply)
+        return Answer(done, reply, hit_stop, logprobs, content, shown, calls)
+
+    def _save(self, job: Job, match: Match) -> tuple[bool, str | None]:
+        """Save the request's session (whether it was saved, and what to tell the client)."""
         saved, notice = True, match.notice
         with self.scheduler.turn(job.owner):
             try:
@@ -306,14 +371,7 @@ class Engine:
             with self._state:
                 held = set(self._in_use)  # this request's session and the others'
             anonymous.keep_within(self.pool, self.keep_anonymous, keep=held)
-        summary = finished(match, done, shown, hit_stop, saved, notice)
-        wanted = req.logprobs_wanted() is not None
-        return replace(
-            summary,
-            logprobs=logprobs if wanted else None,
-            tool_calls=calls or None,
-            finish_reason="tool_calls" if calls else summary.finish_reason,
-        )
+        return saved, notice
 
     @staticmethod
     def _unset(session: Session, settings: GenerationSettings) -> None:

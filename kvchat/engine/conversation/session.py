@@ -266,10 +266,11 @@ class Session:
 
     # ----------------------------------------------------------------- turns
 
-    def send(self, text: str) -> Turn:
-        """Add a user message and stream the reply. Bad input raises :class:`SessionError`
-        here, before anything changes (so for every turn below)."""
-        return self._turn(self.history.asking(text))
+    def send(self, text: str, start: str = "") -> Turn:
+        """Add a user message and stream the reply (bad input raises :class:`SessionError`
+        here, before anything changes; so for every turn below). A ``start`` is the reply's
+        given beginning: the prompt ends in it, the turn streams what follows it."""
+        return self._turn(self.history.asking(text), start)
 
     def complete(self, text: str) -> Turn:
         """Continue ``text`` as written, without the chat template. The transcript becomes
@@ -277,10 +278,10 @@ class Session:
         so a later prompt that extends ``text`` reuses the cache."""
         return self._run(lambda: Plan.plain(self.lm, text))
 
-    def answer(self, results: Sequence[Message] = ()) -> Turn:
-        """Reply to the transcript with ``results`` added: its last message must be a tool's
-        result (the model called a tool, the caller ran it and gives what it returned)."""
-        return self._turn(self.history.answering(results))
+    def answer(self, results: Sequence[Message] = (), start: str = "") -> Turn:
+        """Reply to the transcript with ``results`` added (``start``: as :meth:`send`'s): its
+        last message must be a tool's result (the caller ran the tool the model called)."""
+        return self._turn(self.history.answering(results), start)
 
     def edit(self, index: int, text: str) -> Turn:
         """Replace the user message at ``index`` with ``text`` and stream a new reply; what
@@ -388,8 +389,8 @@ class Session:
 
     # ----------------------------------------------------------------- turns, run
 
-    def _turn(self, messages: list[Message]) -> Turn:
-        return self._run(lambda: Plan.chat(self.lm, messages, self.tools))
+    def _turn(self, messages: list[Message], start: str = "") -> Turn:
+        return self._run(lambda: Plan.chat(self.lm, messages, self.tools, start))
 
     def _run(self, plan: Callable[[], Plan]) -> Turn:
         core_for(self.lm).expect()  # before the prompt is tokenized: turns sent at once

@@ -31,11 +31,20 @@ def template_text(
     messages: list[dict[str, Any]],
     generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    *,
+    open_last: bool = False,
 ) -> str:
     """The text ``lm``'s chat template makes of ``messages`` (role and content, and a tool
-    call's or a tool result's fields), offering ``tools`` (OpenAI's function specs) if given."""
+    call's or a tool result's fields), offering ``tools`` (OpenAI's function specs) if given.
+    ``open_last`` leaves the last message open, its text the start of what comes next
+    (transformers' ``continue_final_message``: a reply that begins as given)."""
     if not messages:
         return ""
+    if open_last:
+        extra: dict[str, Any] = {"continue_final_message": True}
+        generation_prompt = False
+    else:
+        extra = {}
     plain = [
         {
             "role": m["role"],
@@ -44,7 +53,8 @@ def template_text(
         }
         for m in messages
     ]
-    extra = {"tools": tools} if tools else {}
+    if tools:
+        extra["tools"] = tools
     return str(
         lm.tokenizer.apply_chat_template(
             plain, tokenize=False, add_generation_prompt=generation_prompt, **extra

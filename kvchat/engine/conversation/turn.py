@@ -18,6 +18,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx_lm.sample_utils import greedy_sampler
 
 from kvchat.engine.conversation.events import (
     Chunk,
@@ -55,19 +56,35 @@ TurnEnds = Callable[[list[dict[str, Any]], list[int], int], frozenset[int]]
 @dataclass(frozen=True)
 class Plan:
     """What a turn answers: the transcript with the new message, its template text (with the
-    generation prompt) and that text's tokens."""
+    generation prompt, or ending in ``start``) and that text's tokens; ``start`` is the
+    reply's given beginning (a prefill), which the turn continues."""
 
     messages: list[dict[str, Any]]
     prompt_text: str
     prompt: list[int]
+    start: str = ""
 
     @classmethod
     def chat(
-        cls, lm: LoadedModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        cls,
+        lm: LoadedModel,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        start: str = "",
     ) -> Plan:
-        """A turn answering ``messages`` through the chat template, offering ``tools``."""
-        text = template_text(lm, messages, True, tools)
-        plan = cls(messages, text, encode(lm, text))
+        """A turn answering ``messages`` through the chat template, offering ``tools``; a
+        ``start`` is rendered as the reply's open beginning, and the turn continues it."""
+        if not start:
+            text = template_text(lm, messages, True, tools)
+        else:
+            opened = [*messages, {"role": "assistant", "content": start}]
+            try:
+                text = template_text(lm, opened, False, tools, open_last=True)
+            except ValueError as exc:  # transformers: the template drops or rewrites it
+                raise SessionError(
+                    f"The chat template of {lm.model_id} cannot continue a reply: {exc}"
+                ) from None
+        plan = cls(messages, text, encode(lm, text), start)
         return plan._fits(lm, "That message makes the conversation")
 
     @classmethod
@@ -274,11 +291,11 @@ def run_turn(
         piece = text.finish()
         if piece:
             yield Chunk(piece, len(tokens))
-        reply = text.text
+        reply = plan.start + text.text
     except GeneratorExit:
         # The consumer walked away mid-reply: keep what was said, as stopped.
         text.finish()
-        _finish(keeper, history, text.text, stopped=True)
+        _finish(keeper, history, plan.start + text.text, stopped=True)
         raise
     except KeyboardInterrupt:
         # The reply's sequence has left the core (its cache is whole), but the
@@ -286,7 +303,7 @@ def run_turn(
         # stopped, and the cache is rebuilt next time to be safe.
         keeper.discard("the previous turn was interrupted")
         text.finish()
-        _finish(keeper, history, text.text, stopped=True)
+        _finish(keeper, history, plan.start + text.text, stopped=True)
         raise
     except BaseException:
         keeper.discard("the previous turn failed before it finished")
@@ -324,6 +341,34 @@ def run_turn(
     if not stopped:
         keeper.keep_checkpoint()
     yield TurnDone(reply=reply, stats=stats, stopped=stopped, tokens=tuple(tokens))
+
+
+def prime(lm: LoadedModel, keeper: CacheKeeper, tokens: list[int], step: int) -> tuple[int, int]:
+    """Have the cache hold ``tokens`` but the last: what the ledger shares with them is
+    kept, the rest evaluated in the generation core beside the replies it decodes (its one
+    sampled token is dropped, never fed). Forks of the session made then each evaluate only
+    that last token, for its logits, before they sample: one prompt, several replies.
+    Returns (tokens kept, tokens evaluated)."""
+    kept, _ = keeper.rewind(min(common_prefix(keeper.ledger, tokens), len(tokens) - 1))
+    rest = tokens[kept:-1]
+    if rest:
+        seq = keeper.sequence(
+            rest,
+            sampler=greedy_sampler,
+            processors=[],
+            max_tokens=1,
+            stop=threading.Event(),
+            prefill_step=max(1, step),
+        )
+        stream = core_for(lm).run(seq)
+        try:
+            left = next((m for m in stream if isinstance(m, Left)), None) or _last_left(seq)
+        finally:
+            stream.close()
+        if left.error is not None:
+            keeper.discard("a prompt's evaluation failed")
+            raise left.error
+    return kept, len(keeper.ledger) - kept
 
 
 def _finish(keeper: CacheKeeper, history: History, reply: str, stopped: bool) -> None:
