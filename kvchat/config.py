@@ -26,8 +26,8 @@ from tomlkit.exceptions import ParseError
 from tomlkit.items import String, StringType
 
 from kvchat.atomic import write_atomic
+from kvchat.declaration import ConfigError, literal, parse_size, toml_string
 from kvchat.safety import read_limited
-from kvchat.setting import ConfigError, literal, parse_size, toml_string
 from kvchat.settings import SETTINGS, apply_overrides, check, from_env
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Every setting kvchat has, declared once: :data:`SETTINGS`.
 
-Each :class:`~kvchat.setting.Setting` says its name (the ``config.toml`` key and the Python
+Each :class:`~kvchat.declaration.Setting` says its name (the ``config.toml`` key and the Python
 name), type, range and default, its environment variable (``KVCHAT_<NAME>``),
 whether ``kvchat`` and ``kvchat ask`` take it as a flag (``--top-k``), the
 label of its field in the tab's settings dialog (F9) and the field of
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvchat.setting import ConfigError, Setting, parse_size
+from kvchat.declaration import ConfigError, Setting, parse_size
 
 if TYPE_CHECKING:  # the engine (and mlx with it) is imported when a value is checked:
     # kvchat's entry point chooses the BLAS before anything imports mlx.core

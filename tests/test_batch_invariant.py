@@ -11,9 +11,9 @@ import pytest
 
 from kvchat.engine.caches.kinds import make_cache, parse_kind
 from kvchat.engine.generation.batch import Merged, feed_ahead
-from kvchat.engine.generation.cores import core_for
 from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.invariant import debugging
+from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import greedy_sampler
 from kvchat.engine.generation.sequence import Left, Sequence
 

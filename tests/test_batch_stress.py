@@ -24,8 +24,8 @@ from kvchat.cli import app
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.generation.cores import core_for
 from kvchat.engine.generation.gate import GATE
+from kvchat.engine.generation.per_model import core_for
 from kvchat.pool import SessionPool
 from tests.batch_stress import FAMILIES, stress
 

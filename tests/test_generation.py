@@ -12,7 +12,7 @@ from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
 from kvchat.engine.generation.core import GenerationCore
-from kvchat.engine.generation.cores import core_for
+from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import for_settings
 from kvchat.engine.generation.sequence import Left, Sequence
 from tests.helpers import run_all, start_together
@@ -259,7 +259,7 @@ def test_warm_up_runs_the_merge_probe_so_that_the_first_turn_does_not(kvchat_dir
     ``warm_up`` (the TUI's loading worker, serve's start) runs it, and the first turn
     after it runs none. Without it, the first turn pays for it."""
     from kvchat.engine.generation import batch
-    from kvchat.engine.generation.cores import warm_up
+    from kvchat.engine.generation.per_model import warm_up
     from kvchat.engine.models.model import load_model
 
     probed = []

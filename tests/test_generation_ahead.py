@@ -18,8 +18,8 @@ from mlx_lm.generate import generate_step
 
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings
-from kvchat.engine.generation.cores import core_for
 from kvchat.engine.generation.gate import GATE
+from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import for_settings
 from kvchat.engine.generation.sequence import Sequence
 from tests.helpers import run_all

@@ -12,7 +12,7 @@ import pytest
 
 from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.generation.cores import core_for
+from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import for_settings
 from kvchat.engine.generation.sequence import Sequence, sample_rows
 from tests.helpers import start_together

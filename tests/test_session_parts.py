@@ -16,7 +16,7 @@ from kvchat.engine.conversation.maintenance import CacheKeeper, common_prefix
 from kvchat.engine.conversation.stats import Refilled, TurnStats
 from kvchat.engine.conversation.template import encode, render
 from kvchat.engine.conversation.upkeep import Upkeep
-from kvchat.engine.generation.cores import core_for
+from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import for_settings
 
 TEXT = " ".join(f"The fox number {i} jumps over the lazy dog." for i in range(12))

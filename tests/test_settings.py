@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from kvchat.cli import app
 from kvchat.config import Config, load_config
+from kvchat.declaration import ConfigError
 from kvchat.engine.conversation.events import GenerationSettings
-from kvchat.setting import ConfigError
 from kvchat.settings import (
     API,
     DIALOG,

@@ -26,7 +26,7 @@ from kvchat.engine import cpu
 from kvchat.engine.caches.kinds import make_cache, parse_kind
 from kvchat.engine.conversation.session import GenerationSettings, Session
 from kvchat.engine.cpu import decode, linear, native, stored
-from kvchat.engine.generation.cores import core_for
+from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.models.model import load_model
 from tests.helpers import start_together, turn
 from tests.test_cpu_fastpath import ARCHITECTURES, TINY

@@ -252,7 +252,7 @@ def profile_cached_turn(session: Session, text: str) -> dict[str, float]:
 
     from kvchat.engine.conversation.events import GenerationSettings
     from kvchat.engine.conversation.maintenance import common_prefix
-    from kvchat.engine.generation.cores import core_for
+    from kvchat.engine.generation.per_model import core_for
     from kvchat.engine.generation.sampling import for_settings
 
     keeper = session.keeper

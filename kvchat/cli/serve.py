@@ -88,7 +88,7 @@ def serve(
 
     from kvchat.config import ConfigError, load_config, parse_size
     from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
-    from kvchat.engine.generation.cores import warm_up
+    from kvchat.engine.generation.per_model import warm_up
     from kvchat.serve import Engine, create_app
     from kvchat.settings import generation_of
 

@@ -69,11 +69,11 @@ class ModelLoader:
         pay: whether it can take the configured cache kind (tried on it once, see
         :mod:`kvchat.engine.caches.fit`), so that new tabs find the answer ready instead of
         running the model on the UI thread, and the first turn's once-only costs
-        (:func:`~kvchat.engine.generation.cores.warm_up`). The other kinds are tried when the kind
+        (:func:`~kvchat.engine.generation.per_model.warm_up`). The other kinds are tried when the kind
         dialog is first opened: each try is two forward passes, seconds on a big model on
         the CPU."""
         from kvchat.engine.caches.kinds import applicable_kinds
-        from kvchat.engine.generation.cores import warm_up
+        from kvchat.engine.generation.per_model import warm_up
 
         applicable_kinds(lm.model, [self.app.config.cache])
         warm_up(lm)

@@ -46,7 +46,7 @@ from kvchat.engine.conversation.stats import CacheChange, CacheFigures, Refilled
 from kvchat.engine.conversation.template import render, turn_ends
 from kvchat.engine.conversation.turn import Asked, Plan, Runner
 from kvchat.engine.conversation.upkeep import Upkeep
-from kvchat.engine.generation.cores import core_for
+from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import Sampler
 from kvchat.engine.generation.sequence import StopFlag
 

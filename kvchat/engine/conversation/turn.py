@@ -33,7 +33,7 @@ from kvchat.engine.conversation.stats import TurnStats, memory
 from kvchat.engine.conversation.template import encode, encode_plain, template_text
 from kvchat.engine.conversation.text import ReplyText
 from kvchat.engine.conversation.thoughts import reevaluated_reply
-from kvchat.engine.generation.cores import core_for
+from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import (
     LogitsProcessor,
     Sampler,

@@ -3,7 +3,6 @@ would pay once, paid ahead (:func:`warm_up`)."""
 
 from __future__ import annotations
 
-import atexit
 import threading
 import weakref
 from typing import Any
@@ -39,14 +38,3 @@ def warm_up(lm: Any) -> None:
     Not on a sharded model: its core never merges, and its ranks run only the same steps."""
     if getattr(lm, "group", None) is None:
         merges(lm.model)
-
-
-@atexit.register
-def _end_threads() -> None:
-    """At interpreter exit, end every core's loop thread (a daemon, idle for up to 30 s
-    after its last step): one still holding MLX's state as the interpreter ends aborts
-    the process ("terminate called without an active exception", ml-explore/mlx#3126)."""
-    with _cores_lock:
-        cores = list(_cores.values())
-    for core in cores:
-        core.end()

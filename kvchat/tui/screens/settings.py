@@ -14,9 +14,9 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
 from textual.widgets.option_list import Option
 
+from kvchat.declaration import ConfigError, Setting
 from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.engine.models.demo import demo_specs
-from kvchat.setting import ConfigError, Setting
 from kvchat.settings import DIALOG
 
 from .dialogs import Dialog

@@ -15,8 +15,9 @@ from textual.reactive import reactive
 from textual.timer import Timer
 from textual.widgets import ProgressBar, Static, TextArea
 
-from kvchat import drafts, history, store
+from kvchat import drafts, store
 from kvchat.engine.conversation.stats import CacheFigures
+from kvchat.tui import prompt_history as history
 
 from .branching import BranchNavigator
 from .chat_input import ChatInput

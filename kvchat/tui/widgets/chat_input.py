@@ -14,7 +14,6 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
-from kvchat import history
 from kvchat.prompt_tools import (
     PromptToolError,
     edit_in_editor,
@@ -24,6 +23,7 @@ from kvchat.prompt_tools import (
 )
 from kvchat.safety import printable
 from kvchat.store import StoreError
+from kvchat.tui import prompt_history as history
 
 from ..keymap import keys_of
 from ..screens.dialogs import FileDialog
