@@ -43,7 +43,7 @@ from kvchat.engine.conversation.events import (
 from kvchat.engine.conversation.history import History, Message
 from kvchat.engine.conversation.maintenance import CacheKeeper, Progress, common_prefix
 from kvchat.engine.conversation.stats import CacheChange, CacheFigures, Refilled, TurnStats
-from kvchat.engine.conversation.template import render, turn_ends
+from kvchat.engine.conversation.template import Variables, render, turn_ends
 from kvchat.engine.conversation.turn import Asked, Plan, Runner
 from kvchat.engine.conversation.upkeep import Upkeep
 from kvchat.engine.generation.cores import core_for
@@ -266,11 +266,11 @@ class Session:
 
     # ----------------------------------------------------------------- turns
 
-    def send(self, text: str, start: str = "") -> Turn:
-        """Add a user message and stream the reply (bad input raises :class:`SessionError`
-        here, before anything changes; so for every turn below). A ``start`` is the reply's
-        given beginning: the prompt ends in it, the turn streams what follows it."""
-        return self._turn(self.history.asking(text), start)
+    def send(self, text: str | Message, start: str = "", variables: Variables = None) -> Turn:
+        """Add a user message (text, or a message with a ``name``) and stream the reply (bad input
+        raises :class:`SessionError` here, before any change). ``start``: the reply's given start,
+        which the turn continues; ``variables``: the chat template's for this turn."""
+        return self._turn(self.history.asking(text), start, variables)
 
     def complete(self, text: str) -> Turn:
         """Continue ``text`` as written, without the chat template. The transcript becomes
@@ -278,10 +278,12 @@ class Session:
         so a later prompt that extends ``text`` reuses the cache."""
         return self._run(lambda: Plan.plain(self.lm, text))
 
-    def answer(self, results: Sequence[Message] = (), start: str = "") -> Turn:
-        """Reply to the transcript with ``results`` added (``start``: as :meth:`send`'s): its
-        last message must be a tool's result (the caller ran the tool the model called)."""
-        return self._turn(self.history.answering(results), start)
+    def answer(
+        self, results: Sequence[Message] = (), start: str = "", variables: Variables = None
+    ) -> Turn:
+        """Reply to the transcript with ``results`` added (``start``, ``variables``: as
+        :meth:`send`'s): its last message must be a tool's result (the caller ran the tool)."""
+        return self._turn(self.history.answering(results), start, variables)
 
     def edit(self, index: int, text: str) -> Turn:
         """Replace the user message at ``index`` with ``text`` and stream a new reply; what
@@ -389,8 +391,8 @@ class Session:
 
     # ----------------------------------------------------------------- turns, run
 
-    def _turn(self, messages: list[Message], start: str = "") -> Turn:
-        return self._run(lambda: Plan.chat(self.lm, messages, self.tools, start))
+    def _turn(self, messages: list[Message], start: str = "", variables: Variables = None) -> Turn:
+        return self._run(lambda: Plan.chat(self.lm, messages, self.tools, start, variables))
 
     def _run(self, plan: Callable[[], Plan]) -> Turn:
         core_for(self.lm).expect()  # before the prompt is tokenized: turns sent at once

@@ -30,7 +30,12 @@ from kvchat.engine.conversation.events import (
 )
 from kvchat.engine.conversation.maintenance import common_prefix
 from kvchat.engine.conversation.stats import TurnStats, memory
-from kvchat.engine.conversation.template import encode, encode_plain, template_text
+from kvchat.engine.conversation.template import (
+    Variables,
+    encode,
+    encode_plain,
+    template_text,
+)
 from kvchat.engine.conversation.text import ReplyText
 from kvchat.engine.conversation.thoughts import reevaluated_reply
 from kvchat.engine.generation.cores import core_for
@@ -71,15 +76,17 @@ class Plan:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         start: str = "",
+        variables: Variables = None,
     ) -> Plan:
-        """A turn answering ``messages`` through the chat template, offering ``tools``; a
-        ``start`` is rendered as the reply's open beginning, and the turn continues it."""
+        """A turn answering ``messages`` through the chat template, offering ``tools``, with
+        the request's template ``variables`` (its thinking switch); a ``start`` is rendered as
+        the reply's open beginning, and the turn continues it."""
         if not start:
-            text = template_text(lm, messages, True, tools)
+            text = template_text(lm, messages, True, tools, variables=variables)
         else:
             opened = [*messages, {"role": "assistant", "content": start}]
             try:
-                text = template_text(lm, opened, False, tools, open_last=True)
+                text = template_text(lm, opened, False, tools, open_last=True, variables=variables)
             except ValueError as exc:  # transformers: the template drops or rewrites it
                 raise SessionError(
                     f"The chat template of {lm.model_id} cannot continue a reply: {exc}"

@@ -1,0 +1,193 @@
+"""`kvchat serve`: ``reasoning_effort`` sets the chat template's thinking switch where it
+has one, ``messages[].name`` is rendered where the template reads it; elsewhere both are
+ignored (a header says so for the effort). The prompts are read back from the sessions'
+ledgers and compared with what transformers renders with the same variables."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from os.path import commonprefix
+
+import pytest
+from serve_helpers import Server, chat, chat_streamed
+
+from kvchat.engine.conversation.template import renders_names, thinking_variables
+from kvchat.engine.models.model import load_model
+
+pytestmark = pytest.mark.timeout(300)
+
+# Qwen3's switch (an empty think block after the generation prompt when thinking is off),
+# gpt-oss's effort (in a system header first) and a participant's name after the role
+THINKING_TEMPLATE = (
+    "{%- if reasoning_effort is defined -%}"
+    "{{- '<|im_start|>system\\nReasoning: ' + reasoning_effort + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] -}}"
+    "{%- if message.name is defined and message.name -%}{{- ' ' + message.name -}}{%- endif -%}"
+    "{{- '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}{%- endif -%}"
+)
+NO_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+QUESTION = [{"role": "user", "content": "Name three rivers."}]
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+@pytest.fixture(scope="module")
+def thinking_model(demo_model, tmp_path_factory):
+    """A copy of the demo folder whose chat template has a thinking switch, an effort
+    variable and participants' names, loaded like any model folder."""
+    folder = tmp_path_factory.mktemp("models") / "demo-thinking"
+    shutil.copytree(demo_model.path, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = THINKING_TEMPLATE
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    return load_model(str(folder))
+
+
+def prompt_of(server: Server, name: str, tokens: int) -> str:
+    """The text of the first ``tokens`` of session ``name``'s ledger (its prompt)."""
+    ledger = server.pool.entry(name).session.ledger
+    return str(server.engine.lm.tokenizer.decode(ledger[:tokens]))
+
+
+def expected(lm, messages: list[dict], **variables) -> str:
+    """What transformers renders of ``messages`` with the generation prompt and ``variables``."""
+    return str(
+        lm.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **variables
+        )
+    )
+
+
+def test_the_variables_follow_the_template_source(demo_model, thinking_model):
+    assert thinking_variables(thinking_model, "none") == {
+        "enable_thinking": False,
+        "reasoning_effort": "low",
+    }
+    assert thinking_variables(thinking_model, "minimal")["enable_thinking"] is False
+    assert thinking_variables(thinking_model, "high") == {
+        "enable_thinking": True,
+        "reasoning_effort": "high",
+    }
+    assert thinking_variables(demo_model, "none") == {}
+    assert renders_names(thinking_model) and not renders_names(demo_model)
+
+
+@pytest.mark.parametrize(
+    ("effort", "think_off", "said"), [("none", True, "low"), ("high", False, "high")]
+)
+def test_reasoning_effort_drives_the_thinking_switch(thinking_model, home, effort, think_off, said):
+    with Server(thinking_model) as server:
+        name = f"effort-{effort}"
+        _, body, headers = chat(
+            server.client,
+            QUESTION,
+            max_tokens=4,
+            reasoning_effort=effort,
+            extra_headers={"X-Session-Id": name},
+        )
+        assert "x-kvchat-ignored" not in headers
+        prompt = prompt_of(server, name, body["usage"]["prompt_tokens"])
+        want = expected(
+            thinking_model, QUESTION, enable_thinking=not think_off, reasoning_effort=said
+        )
+        assert prompt == want
+        assert prompt.startswith(f"<|im_start|>system\nReasoning: {said}<|im_end|>\n")
+        assert prompt.endswith(NO_THINK) is think_off
+        assert ("<think>" in prompt) is think_off
+
+
+def tokens(lm, text: str) -> list[int]:
+    return list(lm.tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_same_effort_again_reuses_the_cache(thinking_model, home, streamed):
+    """Prefix matching renders the request as its turn does: the next request of the
+    conversation, with the same effort, reads from the cache all it shares with the first
+    exchange, and a new conversation forks the cache of one with the same system part."""
+    lm = thinking_model
+    asked = [SYSTEM, *QUESTION]
+    with Server(lm) as server:
+        reply, body1, _ = chat(server.client, asked, max_tokens=6, reasoning_effort="none")
+        first = body1["kvchat"]["session"]
+        ledger1 = list(server.pool.entry(first).session.ledger)
+        messages = [
+            *asked,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And the longest?"},
+        ]
+        if streamed:
+            _, stats, usage = chat_streamed(
+                server.client, messages, max_tokens=4, reasoning_effort="none"
+            )
+            cached, prompt_tokens = usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens
+        else:
+            _, body2, _ = chat(server.client, messages, max_tokens=4, reasoning_effort="none")
+            stats, usage = body2["kvchat"], body2["usage"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            prompt_tokens = usage["prompt_tokens"]
+        assert stats["session"] == first and stats["match"] == "continued"
+        want = expected(lm, messages, enable_thinking=False, reasoning_effort="low")
+        assert prompt_of(server, first, prompt_tokens) == want and want.endswith(NO_THINK)
+        # the template renders the earlier reply without its empty think block: the cache
+        # holds the first prompt up to it
+        shared = len(commonprefix([ledger1, tokens(lm, want)]))
+        opened = expected(lm, asked, enable_thinking=True, reasoning_effort="low")
+        assert cached == shared >= len(tokens(lm, opened)) > 0
+
+        other = [SYSTEM, {"role": "user", "content": "Name three lakes."}]
+        _, body3, _ = chat(server.client, other, max_tokens=4, reasoning_effort="none")
+        assert body3["kvchat"]["match"] == "forked"
+        # the effort's system header and the system prompt, read from the first's cache
+        head = expected(lm, [SYSTEM], reasoning_effort="low").split("<|im_start|>assistant")[0]
+        assert head.endswith("You are terse.<|im_end|>\n")
+        cached3 = body3["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached3 >= len(tokens(lm, head))
+
+
+def test_a_named_message_renders_its_name(thinking_model, home):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three rivers.", "name": "alice"},
+    ]
+    with Server(thinking_model) as server:
+        reply, body1, _ = chat(server.client, messages, max_tokens=6)
+        first = body1["kvchat"]["session"]
+        prompt = prompt_of(server, first, body1["usage"]["prompt_tokens"])
+        assert prompt == expected(thinking_model, messages)
+        assert "<|im_start|>user alice\nName three rivers." in prompt
+        assert server.pool.entry(first).session.messages[1]["name"] == "alice"
+        # the named history again, with a named assistant: the same session, from the cache
+        asked = [
+            *messages,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "The longest?", "name": "bob"},
+        ]
+        _, body2, _ = chat(server.client, asked, max_tokens=4)
+        assert body2["kvchat"]["match"] == "continued"
+        assert body2["usage"]["prompt_tokens_details"]["cached_tokens"] > len(prompt) // 8
+        prompt2 = prompt_of(server, first, body2["usage"]["prompt_tokens"])
+        assert prompt2 == expected(thinking_model, asked)
+        assert "<|im_start|>user bob\nThe longest?" in prompt2
+
+
+def test_a_template_without_them_ignores_both(demo_model, home):
+    named = [{"role": "user", "content": "Name three rivers.", "name": "alice"}]
+    with Server(demo_model) as server:
+        _, body, headers = chat(server.client, named, max_tokens=4, reasoning_effort="low")
+        assert headers["x-kvchat-ignored"] == "reasoning_effort"
+        name = body["kvchat"]["session"]
+        assert prompt_of(server, name, body["usage"]["prompt_tokens"]) == expected(
+            demo_model, QUESTION
+        )
+        assert "name" not in server.pool.entry(name).session.messages[0]
+        _, _, plain = chat(server.client, QUESTION, max_tokens=4)
+        assert "x-kvchat-ignored" not in plain
