@@ -153,6 +153,31 @@ def test_the_same_effort_again_reuses_the_cache(thinking_model, home, streamed):
         assert cached3 >= len(tokens(lm, head))
 
 
+def test_a_reply_cut_at_a_stop_keeps_the_cache_of_its_prompt(thinking_model, home):
+    """The transcript revised to the reply the client got is rendered with the request's
+    variables, as its prompt was: the cache keeps that prompt (not only what it shares
+    with a rendering without the effort's header), and the next turn reads it."""
+    asked = [SYSTEM, *QUESTION]
+    with Server(thinking_model) as server:
+        probe, _, _ = chat(server.client, asked, max_tokens=8, reasoning_effort="high")
+        assert len(probe) >= 4, probe
+        stop = probe[len(probe) // 2 :][:2]
+        cut, body, _ = chat(
+            server.client, asked, max_tokens=8, reasoning_effort="high", stop=[stop]
+        )
+        assert body["choices"][0]["finish_reason"] == "stop" and len(cut) < len(probe)
+        name, prompt_tokens = body["kvchat"]["session"], body["usage"]["prompt_tokens"]
+        assert len(server.pool.entry(name).session.ledger) >= prompt_tokens - 1
+        follow = [
+            *asked,
+            {"role": "assistant", "content": cut},
+            {"role": "user", "content": "And the longest?"},
+        ]
+        _, again, _ = chat(server.client, follow, max_tokens=4, reasoning_effort="high")
+        assert again["kvchat"]["session"] == name
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_tokens - 1
+
+
 def test_a_named_message_renders_its_name(thinking_model, home):
     messages = [
         {"role": "system", "content": "You are terse."},

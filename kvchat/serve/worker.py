@@ -289,7 +289,7 @@ class Engine:
             answers = read_together(sessions, turns, read)
             first = answers[0]
             # the transcript keeps what the client got after the start it gave (rendered
-            # with this request's tools), and the cache follows it
+            # with this request's tools and variables), and the cache follows it
             with self.scheduler.turn(job.owner):
                 if first.calls:
                     session.revise_reply(
@@ -297,10 +297,12 @@ class Engine:
                             "role": "assistant",
                             "content": start + first.content,
                             "tool_calls": plain(first.calls),
-                        }
+                        },
+                        variables,
                     )
                 elif first.hit_stop:
-                    session.revise_reply({"role": "assistant", "content": start + first.reply})
+                    revised = {"role": "assistant", "content": start + first.reply}
+                    session.revise_reply(revised, variables)
         finally:
             job.sessions = []
             self._unset(session, kept_settings)

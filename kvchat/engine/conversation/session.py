@@ -121,10 +121,9 @@ class Session:
     def fork_prefix(
         self, messages: list[Message] | None = None, tokens: list[int] | None = None
     ) -> Session:
-        """A new session with transcript ``messages`` (by default this one's system prompt)
-        whose cache starts as a copy of this one's, cut to the common prefix with ``tokens``
-        or else with ``messages`` rendered, or to the nearest checkpoint before it: a new
-        conversation skips the system prompt, a server's request its shared prompt."""
+        """A new session with transcript ``messages`` (by default the system prompt), its cache a
+        copy of this one's cut to the common prefix with ``tokens`` (else ``messages`` rendered)
+        or a checkpoint before: a new chat skips the system prompt, a request its shared part."""
         messages = list(
             messages if messages is not None else self.messages[:1] if self.system else []
         )
@@ -229,9 +228,11 @@ class Session:
         """What the views show of this session, as of now (call it between turns)."""
         return CacheFigures.of(self.keeper, self.history)
 
-    def render(self, messages: list[Message], generation_prompt: bool) -> list[int]:
+    def render(
+        self, messages: list[Message], generation_prompt: bool, *, variables: Variables = None
+    ) -> list[int]:
         """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
-        return render(self.lm, messages, generation_prompt, self.tools)
+        return render(self.lm, messages, generation_prompt, self.tools, variables)
 
     def talk(self) -> list[Message]:
         """The messages without the system prompt: what the branches are made of."""
@@ -254,9 +255,8 @@ class Session:
     def turn_ends(
         self, messages: list[Message], tokens: list[int], after: int = 0
     ) -> frozenset[int]:
-        """Where in ``tokens`` (the rendering of ``messages``) the turns that end past token
-        ``after`` end (:func:`~kvchat.engine.conversation.template.turn_ends`), for
-        checkpoints while they are evaluated; none for a cache that keeps none."""
+        """Where in ``tokens`` (``messages`` rendered) the turns ending past token ``after`` end
+        (:func:`.template.turn_ends`): checkpoints go there; none for a cache that keeps none."""
         if not self.keeper.stateful:
             return frozenset()
         return turn_ends(self.render, messages, tokens, after)
@@ -319,10 +319,10 @@ class Session:
         branches record them at that turn (an old path stays as another branch)."""
         return self._upkeep.replace(messages)
 
-    def revise_reply(self, message: Message) -> None:
-        """Put ``message`` (the reply as a client got it: cut at a stop string, or with its
-        tool calls) in place of the last reply, on its branch too; the cache follows."""
-        self._upkeep.revise_reply(message)
+    def revise_reply(self, message: Message, variables: Variables = None) -> None:
+        """Put ``message`` (the reply a client got: cut at a stop string, or with its tool calls)
+        in place of the last reply, on its branch too; the cache follows (``variables`` given)."""
+        self._upkeep.revise_reply(message, variables)
 
     def sync(self) -> None:
         """Trim the cache to what the transcript renders to now."""

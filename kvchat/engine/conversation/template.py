@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvchat.engine.caches import checkpoints
 
@@ -18,6 +18,19 @@ if TYPE_CHECKING:
 
 # a request's variables for the chat template beside the messages (its thinking switch)
 Variables = Mapping[str, Any] | None
+
+
+class Render(Protocol):
+    """A session's chat template: token ids of ``messages`` (with the generation prompt or
+    not), with a request's template ``variables``."""
+
+    def __call__(
+        self,
+        messages: list[dict[str, Any]],
+        generation_prompt: bool,
+        *,
+        variables: Variables = None,
+    ) -> list[int]: ...
 
 
 def render(
