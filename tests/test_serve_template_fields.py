@@ -5,15 +5,13 @@ ledgers and compared with what transformers renders with the same variables."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from os.path import commonprefix
 
 import pytest
+from helpers import with_template
 from serve_helpers import Server, chat, chat_streamed
 
 from kvchat.engine.conversation.template import renders_names, thinking_variables
-from kvchat.engine.models.model import load_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,13 +40,9 @@ SYSTEM = {"role": "system", "content": "You are terse."}
 def thinking_model(demo_model, tmp_path_factory):
     """A copy of the demo folder whose chat template has a thinking switch, an effort
     variable and participants' names, loaded like any model folder."""
-    folder = tmp_path_factory.mktemp("models") / "demo-thinking"
-    shutil.copytree(demo_model.path, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["chat_template"] = THINKING_TEMPLATE
-    config_path.write_text(json.dumps(config), encoding="utf-8")
-    return load_model(str(folder))
+    return with_template(
+        demo_model, tmp_path_factory.mktemp("models") / "demo-thinking", THINKING_TEMPLATE
+    )
 
 
 def prompt_of(server: Server, name: str, tokens: int) -> str:
