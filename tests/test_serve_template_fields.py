@@ -147,6 +147,21 @@ def test_the_same_effort_again_reuses_the_cache(thinking_model, home, streamed):
         assert cached3 >= len(tokens(lm, head))
 
 
+def test_n_replies_share_the_prompt_their_turns_render(thinking_model, home):
+    """With ``n`` > 1 the prompt evaluated once (then forked) is the one each reply's turn
+    renders, effort and all: each reply evaluates only the prompt's last token."""
+    with Server(thinking_model) as server:
+        _, body, _ = chat(
+            server.client, QUESTION, max_tokens=4, n=2, reasoning_effort="none", seed=1
+        )
+        prompt = body["usage"]["prompt_tokens"]
+        assert body["kvchat"]["evaluated_tokens"] == prompt - 1 + 2
+        text = prompt_of(server, body["kvchat"]["session"], prompt)
+        assert text == expected(
+            thinking_model, QUESTION, enable_thinking=False, reasoning_effort="low"
+        )
+
+
 def test_a_reply_cut_at_a_stop_keeps_the_cache_of_its_prompt(thinking_model, home):
     """The transcript revised to the reply the client got is rendered with the request's
     variables, as its prompt was: the cache keeps that prompt (not only what it shares
@@ -210,3 +225,8 @@ def test_a_template_without_them_ignores_both(demo_model, home):
         assert "name" not in server.pool.entry(name).session.messages[0]
         _, _, plain = chat(server.client, QUESTION, max_tokens=4)
         assert "x-kvchat-ignored" not in plain
+        streamed = server.client.chat.completions.with_raw_response.create(
+            model="demo", messages=QUESTION, max_tokens=4, stream=True, reasoning_effort="none"
+        )
+        assert streamed.headers["x-kvchat-ignored"] == "reasoning_effort"
+        assert "".join(c.choices[0].delta.content or "" for c in streamed.parse() if c.choices)

@@ -62,12 +62,14 @@ TurnEnds = Callable[[list[dict[str, Any]], list[int], int], frozenset[int]]
 class Plan:
     """What a turn answers: the transcript with the new message, its template text (with the
     generation prompt, or ending in ``start``) and that text's tokens; ``start`` is the
-    reply's given beginning (a prefill), which the turn continues."""
+    reply's given beginning (a prefill), which the turn continues; ``variables`` the
+    template's, as the text was rendered with them."""
 
     messages: list[dict[str, Any]]
     prompt_text: str
     prompt: list[int]
     start: str = ""
+    variables: Variables = None
 
     @classmethod
     def chat(
@@ -91,7 +93,7 @@ class Plan:
                 raise SessionError(
                     f"The chat template of {lm.model_id} cannot continue a reply: {exc}"
                 ) from None
-        plan = cls(messages, text, encode(lm, text), start)
+        plan = cls(messages, text, encode(lm, text), start, variables)
         return plan._fits(lm, "That message makes the conversation")
 
     @classmethod
@@ -233,7 +235,7 @@ def run_turn(
         0
         if rebuilt
         else reevaluated_reply(
-            partial(template_text, lm),
+            partial(template_text, lm, variables=plan.variables),
             partial(encode, lm),
             messages,
             plan.prompt_text,
