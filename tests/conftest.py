@@ -119,18 +119,10 @@ DROPPING_TEMPLATE = (
 def dropping_model(demo_model, tmp_path_factory):
     """A copy of the demo folder whose chat template drops the thoughts of earlier
     replies, loaded like any model folder (kvchat's load_model, mlx_lm.load)."""
-    import json
-    import shutil
-
-    from kvchat.engine.models.model import load_model
+    from helpers import with_template
 
     folder = tmp_path_factory.mktemp("models") / "demo-drops-thoughts"
-    shutil.copytree(demo_model.path, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["chat_template"] = DROPPING_TEMPLATE
-    config_path.write_text(json.dumps(config), encoding="utf-8")
-    return load_model(str(folder))
+    return with_template(demo_model, folder, DROPPING_TEMPLATE)
 
 
 @pytest.fixture

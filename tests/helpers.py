@@ -145,3 +145,19 @@ def ask_from_shell(session: str, text: str) -> None:
     argv = ["ask", "--session", session, "--model", "demo", "--max-tokens", "6", "--json", text]
     out = CliRunner().invoke(app, argv)
     assert out.exit_code == 0, out.output
+
+
+def with_template(lm, folder, template: str):
+    """A copy of ``lm``'s model folder at ``folder`` whose tokenizer_config.json carries
+    ``template`` as its chat template, loaded like any model folder."""
+    import json
+    import shutil
+
+    from kvchat.engine.models.model import load_model
+
+    shutil.copytree(lm.path, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    return load_model(str(folder))

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
+from helpers import with_template
 from serve_helpers import Server, chat
 
 from kvchat import store
 from kvchat.engine.conversation.maintenance import common_prefix
 from kvchat.engine.conversation.template import render
-from kvchat.engine.models.model import load_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,13 +79,9 @@ TIME = {
 @pytest.fixture(scope="module")
 def tool_model(demo_model, tmp_path_factory):
     """The demo model with a chat template that offers tools."""
-    folder = tmp_path_factory.mktemp("models") / "demo-tools"
-    shutil.copytree(demo_model.path, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["chat_template"] = TOOLS_TEMPLATE
-    config_path.write_text(json.dumps(config), encoding="utf-8")
-    return load_model(str(folder))
+    return with_template(
+        demo_model, tmp_path_factory.mktemp("models") / "demo-tools", TOOLS_TEMPLATE
+    )
 
 
 def follow_plain(messages: list[dict]) -> list[dict]:

@@ -93,9 +93,9 @@ def test_the_turn_renders_its_prompt_once(dropping_model, monkeypatch):
     rendered = []
     real = template.template_text
 
-    def counted(lm, messages, generation_prompt, *tools):
+    def counted(lm, messages, generation_prompt, *tools, **variables):
         rendered.append((len(messages), generation_prompt))
-        return real(lm, messages, generation_prompt, *tools)
+        return real(lm, messages, generation_prompt, *tools, **variables)
 
     monkeypatch.setattr(template, "template_text", counted)
     monkeypatch.setattr(turn, "template_text", counted)

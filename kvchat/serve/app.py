@@ -186,7 +186,7 @@ async def _reply(
     if isinstance(first, ApiError):
         gone.cancel()
         raise first
-    headers = _headers(first)
+    headers = {**_headers(first), **_ignored(engine, req)}
     if req.stream:
         return StreamingResponse(
             _sse(engine, job, gone, reply),
@@ -307,6 +307,15 @@ def _headers(started: Started) -> dict[str, str]:
         "X-Kvchat-Match": m.how,
         "X-Kvchat-Resumed-From-Disk": "true" if m.resumed_from_disk else "false",
     }
+
+
+def _ignored(engine: Engine, req: ChatRequest | CompletionRequest) -> dict[str, str]:
+    """``X-Kvchat-Ignored`` naming a field that changed nothing: a ``reasoning_effort`` sent
+    to a model whose chat template has no thinking switch."""
+    if isinstance(req, ChatRequest) and req.reasoning_effort:
+        if not req.template_variables(engine.lm):
+            return {"X-Kvchat-Ignored": "reasoning_effort"}
+    return {}
 
 
 def _stat_headers(done: Finished) -> dict[str, str]:

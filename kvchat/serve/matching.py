@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from kvchat import locations, store
 from kvchat.engine.conversation.branches import talk
 from kvchat.engine.conversation.maintenance import common_prefix
-from kvchat.engine.conversation.template import render
+from kvchat.engine.conversation.template import Variables, render
 
 from . import anonymous
 
@@ -68,12 +68,13 @@ class _Candidate:
 
 
 def _pairs(messages: list[dict]) -> list[tuple[str, str, str]]:
-    """What makes two transcripts the same: each message's role, content and tool fields."""
+    """What makes two transcripts the same: each message's role, content, name and tool
+    fields."""
     return [
         (
             m["role"],
             m["content"],
-            json.dumps([m.get("tool_calls"), m.get("tool_call_id")], sort_keys=True),
+            json.dumps([m.get("tool_calls"), m.get("tool_call_id"), m.get("name")], sort_keys=True),
         )
         for m in messages
     ]
@@ -99,14 +100,16 @@ class Matcher:
         new: list[dict],
         name: str | None,
         tools: list[dict] | None = None,
+        variables: Variables = None,
     ) -> Match:
         """The session to add ``new`` (the user's message, or tools' results) to after
-        ``history``, with ``tools`` offered; its messages are set to ``history`` (or, for
-        a named session, what the rules above say)."""
+        ``history``, with ``tools`` offered and the template's ``variables`` set (as the turn
+        renders its prompt); its messages are set to ``history`` (or, for a named session,
+        what the rules above say)."""
         if name is not None:
             return self._named(name, history)
         asked = [*history, *new]
-        prompt = render(self.lm, asked, True, tools)
+        prompt = render(self.lm, asked, True, tools, variables)
         wanted = _pairs(history)
         scored = [(common_prefix(c.ledger, prompt), c) for c in self._candidates()]
         same = [(n, c) for n, c in scored if c.messages == wanted]

@@ -82,7 +82,8 @@ class Message(Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     function_call: FunctionCall | None = None  # a legacy call: the reply's one tool call
-    # a participant's name (accepted, ignored), or the function a legacy result is from
+    # a participant's name (rendered where the template reads it), or the function a
+    # legacy result is from
     name: str | None = Field(None, max_length=256)
 
     @property
@@ -95,12 +96,14 @@ class Message(Strict):
             return self.content or ""
         return "".join(part.text or "" for part in self.content)
 
-    def plain(self) -> dict:
+    def plain(self, names: bool = False) -> dict:
         """The message as a Session keeps it (``developer`` is the newer name for ``system``;
         a legacy ``function_call`` and ``function`` result are a tool call and its result,
-        their id the function's name)."""
+        their id the function's name); with ``names``, a participant's name too."""
         role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
         out: dict[str, Any] = {"role": role, "content": self.text()}
+        if names and self.name is not None and self.role != "function":
+            out["name"] = self.name
         calls = self.tool_calls or (
             [ToolCall(id=self.function_call.name, function=self.function_call)]
             if self.function_call

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from kvchat import store
+from kvchat.engine.conversation.template import thinking_variables
 from kvchat.settings import API, model_fields
 from kvchat.store.schema import error_location
 
@@ -48,6 +49,7 @@ class StreamOptions(Strict):
 # the sampling fields (temperature, top_p, top_k, min_p, the penalties, seed, max_tokens),
 # with the ranges kvchat/settings.py declares for them
 if TYPE_CHECKING:  # a model made at run time: a checker sees its fields as Any
+    from kvchat.engine.models.model import LoadedModel
 
     class _Sampling(Strict):
         def __getattr__(self, name: str) -> Any: ...
@@ -166,9 +168,10 @@ class ChatRequest(_Generation):
     function_call: Literal["none", "auto"] | NamedFunction | None = None
     # names the conversation's cache, as X-Session-Id does (see cache_key_session)
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024)
+    # the template's thinking switch, where it has one (see template_variables)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # accepted and ignored (none changes the reply of the models kvchat templates for)
     verbosity: Literal["low", "medium", "high"] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     prediction: dict | None = None
     modalities: list[Literal["text"]] | None = None
 
@@ -234,14 +237,20 @@ class ChatRequest(_Generation):
             )
         return at, end
 
-    def history(self) -> list[dict]:
-        """The messages before the new ones, as the session keeps them."""
-        return [m.plain() for m in self.messages[: self._split()[0]]]
+    def history(self, names: bool = False) -> list[dict]:
+        """The messages before the new ones, as the session keeps them (with ``names``:
+        their participants' names, for a template that renders them)."""
+        return [m.plain(names) for m in self.messages[: self._split()[0]]]
 
-    def new_messages(self) -> list[dict]:
+    def new_messages(self, names: bool = False) -> list[dict]:
         """What this request adds: the user's message, or the tools' results."""
         at, end = self._split()
-        return [m.plain() for m in self.messages[at:end]]
+        return [m.plain(names) for m in self.messages[at:end]]
+
+    def template_variables(self, lm: LoadedModel) -> dict[str, Any]:
+        """The variables this request sets in ``lm``'s chat template: its
+        ``reasoning_effort`` as the template's thinking switch (none where it has none)."""
+        return thinking_variables(lm, self.reasoning_effort) if self.reasoning_effort else {}
 
     def start(self) -> str:
         """The reply's given start (a trailing assistant message's text, which the reply

@@ -34,7 +34,7 @@ from kvchat.engine.conversation.events import (
     Turn,
     TurnDone,
 )
-from kvchat.engine.conversation.template import encode_plain
+from kvchat.engine.conversation.template import Variables, encode_plain, renders_names
 from kvchat.engine.conversation.turn import Plan
 from kvchat.engine.generation.scheduler import Scheduler
 from kvchat.engine.generation.threads import MlxThreadPool
@@ -211,8 +211,13 @@ class Engine:
                     if isinstance(req, CompletionRequest):
                         match = self.matcher.choose_completion(encode_plain(self.lm, req.text()))
                     else:
+                        names = renders_names(self.lm)
                         match = self.matcher.choose(
-                            req.history(), req.new_messages(), job.name, req.tool_specs()
+                            req.history(names),
+                            req.new_messages(names),
+                            job.name,
+                            req.tool_specs(),
+                            req.template_variables(self.lm),
                         )
                 except store.StoreError as exc:
                     raise ApiError(500, str(exc), type="server_error") from None
@@ -237,6 +242,7 @@ class Engine:
         req = job.request
         tools = req.tool_specs() if isinstance(req, ChatRequest) else None
         start = req.start() if isinstance(req, ChatRequest) else ""  # the reply continues it
+        variables = req.template_variables(self.lm) if isinstance(req, ChatRequest) else None
         session = match.session
         kept_settings = session.settings
         # the server's settings, then the request's: a field it leaves out is the server's
@@ -245,15 +251,17 @@ class Engine:
         session.tools = tools
         sessions, primed = [session], None
         try:
-            new = req.new_messages() if isinstance(req, ChatRequest) else []
+            chat = isinstance(req, ChatRequest)
+            new = req.new_messages(renders_names(self.lm)) if chat else []
             if req.n > 1:  # one prompt, n replies: evaluated once, then forked
-                prompt = Plan.chat(self.lm, [*session.messages, *new], tools, start).prompt
+                asked = [*session.messages, *new]
+                prompt = Plan.chat(self.lm, asked, tools, start, variables).prompt
                 with self._prompts:
                     forks, *primed = fork_replies(session, prompt, req.n)
                 sessions += forks
             for each in sessions:
                 each.logits_processors = self._processors(job)
-            turns = [self._turn_of(each, req, new, start) for each in sessions]
+            turns = [self._turn_of(each, req, new, start, variables) for each in sessions]
         except BaseException as exc:  # no reply ran: the session is as it was
             self._unset(session, kept_settings)
             for fork in sessions[1:]:
@@ -281,7 +289,7 @@ class Engine:
             answers = read_together(sessions, turns, read)
             first = answers[0]
             # the transcript keeps what the client got after the start it gave (rendered
-            # with this request's tools), and the cache follows it
+            # with this request's tools and variables), and the cache follows it
             with self.scheduler.turn(job.owner):
                 if first.calls:
                     session.revise_reply(
@@ -289,10 +297,12 @@ class Engine:
                             "role": "assistant",
                             "content": start + first.content,
                             "tool_calls": plain(first.calls),
-                        }
+                        },
+                        variables,
                     )
                 elif first.hit_stop:
-                    session.revise_reply({"role": "assistant", "content": start + first.reply})
+                    revised = {"role": "assistant", "content": start + first.reply}
+                    session.revise_reply(revised, variables)
         finally:
             job.sessions = []
             self._unset(session, kept_settings)
@@ -314,13 +324,16 @@ class Engine:
             )
         return together(summaries, primed)
 
-    def _turn_of(self, session: Session, req: Request, new: list[dict], start: str) -> Turn:
-        """The turn that answers ``req`` on ``session`` (``new``: the messages it adds)."""
+    def _turn_of(
+        self, session: Session, req: Request, new: list[dict], start: str, variables: Variables
+    ) -> Turn:
+        """The turn that answers ``req`` on ``session`` (``new``: the messages it adds;
+        ``variables``: the request's for the chat template)."""
         if isinstance(req, CompletionRequest):
             return session.complete(req.text())
         if new[-1]["role"] == "user":
-            return session.send(new[-1]["content"], start)
-        return session.answer(new, start)  # tools' results: the model answers them
+            return session.send(new[-1], start, variables)
+        return session.answer(new, start, variables)  # tools' results: the model answers them
 
     def _processors(self, job: Job) -> list:
         """A reply's logits processors: the request's logit bias, its grammar (each reply's

@@ -102,11 +102,16 @@ class History:
 
     # ------------------------------------------------- what a turn answers
 
-    def asking(self, text: str) -> list[Message]:
-        """The messages with a user's ``text`` added (:class:`SessionError` if it is empty)."""
-        if not isinstance(text, str) or not text.strip():
+    def asking(self, text: str | Message) -> list[Message]:
+        """The messages with a user's ``text`` added (or a user's message: its text with a
+        participant's ``name``); :class:`SessionError` if it is empty."""
+        given = text if isinstance(text, dict) else {"content": text}
+        message = {"role": "user", "content": given.get("content")}
+        if given.get("name"):
+            message["name"] = given["name"]
+        if not isinstance(message["content"], str) or not message["content"].strip():
             raise SessionError("Nothing to send: the message is empty.")
-        return [*self._messages, {"role": "user", "content": text}]
+        return [*self._messages, message]
 
     def answering(self, results: Sequence[Message]) -> list[Message]:
         """The messages with ``results`` added, ending with a tool's result."""

@@ -43,7 +43,7 @@ from kvchat.engine.conversation.events import (
 from kvchat.engine.conversation.history import History, Message
 from kvchat.engine.conversation.maintenance import CacheKeeper, Progress, common_prefix
 from kvchat.engine.conversation.stats import CacheChange, CacheFigures, Refilled, TurnStats
-from kvchat.engine.conversation.template import render, turn_ends
+from kvchat.engine.conversation.template import Variables, render, turn_ends
 from kvchat.engine.conversation.turn import Asked, Plan, Runner
 from kvchat.engine.conversation.upkeep import Upkeep
 from kvchat.engine.generation.per_model import core_for
@@ -121,10 +121,9 @@ class Session:
     def fork_prefix(
         self, messages: list[Message] | None = None, tokens: list[int] | None = None
     ) -> Session:
-        """A new session with transcript ``messages`` (by default this one's system prompt)
-        whose cache starts as a copy of this one's, cut to the common prefix with ``tokens``
-        or else with ``messages`` rendered, or to the nearest checkpoint before it: a new
-        conversation skips the system prompt, a server's request its shared prompt."""
+        """A new session with transcript ``messages`` (by default the system prompt), its cache a
+        copy of this one's cut to the common prefix with ``tokens`` (else ``messages`` rendered)
+        or a checkpoint before: a new chat skips the system prompt, a request its shared part."""
         messages = list(
             messages if messages is not None else self.messages[:1] if self.system else []
         )
@@ -229,9 +228,11 @@ class Session:
         """What the views show of this session, as of now (call it between turns)."""
         return CacheFigures.of(self.keeper, self.history)
 
-    def render(self, messages: list[Message], generation_prompt: bool) -> list[int]:
+    def render(
+        self, messages: list[Message], generation_prompt: bool, *, variables: Variables = None
+    ) -> list[int]:
         """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
-        return render(self.lm, messages, generation_prompt, self.tools)
+        return render(self.lm, messages, generation_prompt, self.tools, variables)
 
     def talk(self) -> list[Message]:
         """The messages without the system prompt: what the branches are made of."""
@@ -254,9 +255,8 @@ class Session:
     def turn_ends(
         self, messages: list[Message], tokens: list[int], after: int = 0
     ) -> frozenset[int]:
-        """Where in ``tokens`` (the rendering of ``messages``) the turns that end past token
-        ``after`` end (:func:`~kvchat.engine.conversation.template.turn_ends`), for
-        checkpoints while they are evaluated; none for a cache that keeps none."""
+        """Where in ``tokens`` (``messages`` rendered) the turns ending past token ``after`` end
+        (:func:`.template.turn_ends`): checkpoints go there; none for a cache that keeps none."""
         if not self.keeper.stateful:
             return frozenset()
         return turn_ends(self.render, messages, tokens, after)
@@ -266,11 +266,11 @@ class Session:
 
     # ----------------------------------------------------------------- turns
 
-    def send(self, text: str, start: str = "") -> Turn:
-        """Add a user message and stream the reply (bad input raises :class:`SessionError`
-        here, before anything changes; so for every turn below). A ``start`` is the reply's
-        given beginning: the prompt ends in it, the turn streams what follows it."""
-        return self._turn(self.history.asking(text), start)
+    def send(self, text: str | Message, start: str = "", variables: Variables = None) -> Turn:
+        """Add a user message (text, or a message with a ``name``) and stream the reply (bad input
+        raises :class:`SessionError` here, before any change). ``start``: the reply's given start,
+        which the turn continues; ``variables``: the chat template's for this turn."""
+        return self._turn(self.history.asking(text), start, variables)
 
     def complete(self, text: str) -> Turn:
         """Continue ``text`` as written, without the chat template. The transcript becomes
@@ -278,10 +278,12 @@ class Session:
         so a later prompt that extends ``text`` reuses the cache."""
         return self._run(lambda: Plan.plain(self.lm, text))
 
-    def answer(self, results: Sequence[Message] = (), start: str = "") -> Turn:
-        """Reply to the transcript with ``results`` added (``start``: as :meth:`send`'s): its
-        last message must be a tool's result (the caller ran the tool the model called)."""
-        return self._turn(self.history.answering(results), start)
+    def answer(
+        self, results: Sequence[Message] = (), start: str = "", variables: Variables = None
+    ) -> Turn:
+        """Reply to the transcript with ``results`` added (``start``, ``variables``: as
+        :meth:`send`'s): its last message must be a tool's result (the caller ran the tool)."""
+        return self._turn(self.history.answering(results), start, variables)
 
     def edit(self, index: int, text: str) -> Turn:
         """Replace the user message at ``index`` with ``text`` and stream a new reply; what
@@ -317,10 +319,10 @@ class Session:
         branches record them at that turn (an old path stays as another branch)."""
         return self._upkeep.replace(messages)
 
-    def revise_reply(self, message: Message) -> None:
-        """Put ``message`` (the reply as a client got it: cut at a stop string, or with its
-        tool calls) in place of the last reply, on its branch too; the cache follows."""
-        self._upkeep.revise_reply(message)
+    def revise_reply(self, message: Message, variables: Variables = None) -> None:
+        """Put ``message`` (the reply a client got: cut at a stop string, or with its tool calls)
+        in place of the last reply, on its branch too; the cache follows (``variables`` given)."""
+        self._upkeep.revise_reply(message, variables)
 
     def sync(self) -> None:
         """Trim the cache to what the transcript renders to now."""
@@ -389,8 +391,8 @@ class Session:
 
     # ----------------------------------------------------------------- turns, run
 
-    def _turn(self, messages: list[Message], start: str = "") -> Turn:
-        return self._run(lambda: Plan.chat(self.lm, messages, self.tools, start))
+    def _turn(self, messages: list[Message], start: str = "", variables: Variables = None) -> Turn:
+        return self._run(lambda: Plan.chat(self.lm, messages, self.tools, start, variables))
 
     def _run(self, plan: Callable[[], Plan]) -> Turn:
         core_for(self.lm).expect()  # before the prompt is tokenized: turns sent at once

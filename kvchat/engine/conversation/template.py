@@ -7,13 +7,30 @@ render alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import re
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvchat.engine.caches import checkpoints
 
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
+
+# a request's variables for the chat template beside the messages (its thinking switch)
+Variables = Mapping[str, Any] | None
+
+
+class Render(Protocol):
+    """A session's chat template: token ids of ``messages`` (with the generation prompt or
+    not), with a request's template ``variables``."""
+
+    def __call__(
+        self,
+        messages: list[dict[str, Any]],
+        generation_prompt: bool,
+        *,
+        variables: Variables = None,
+    ) -> list[int]: ...
 
 
 def render(
@@ -21,9 +38,10 @@ def render(
     messages: list[dict[str, Any]],
     generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    variables: Variables = None,
 ) -> list[int]:
     """Token ids of ``messages`` through ``lm``'s chat template (see :func:`template_text`)."""
-    return encode(lm, template_text(lm, messages, generation_prompt, tools))
+    return encode(lm, template_text(lm, messages, generation_prompt, tools, variables=variables))
 
 
 def template_text(
@@ -33,23 +51,24 @@ def template_text(
     tools: list[dict[str, Any]] | None = None,
     *,
     open_last: bool = False,
+    variables: Variables = None,
 ) -> str:
-    """The text ``lm``'s chat template makes of ``messages`` (role and content, and a tool
-    call's or a tool result's fields), offering ``tools`` (OpenAI's function specs) if given.
+    """The text ``lm``'s chat template makes of ``messages`` (role and content, a participant's
+    name, a tool call's or a tool result's fields), offering ``tools`` (OpenAI's function
+    specs) if given, with ``variables`` (:func:`thinking_variables`) set in the template.
     ``open_last`` leaves the last message open, its text the start of what comes next
     (transformers' ``continue_final_message``: a reply that begins as given)."""
     if not messages:
         return ""
+    extra: dict[str, Any] = dict(variables or {})
     if open_last:
-        extra: dict[str, Any] = {"continue_final_message": True}
+        extra["continue_final_message"] = True
         generation_prompt = False
-    else:
-        extra = {}
     plain = [
         {
             "role": m["role"],
             "content": m["content"],
-            **{k: m[k] for k in _TOOL_FIELDS if m.get(k) is not None},
+            **{k: m[k] for k in _FIELDS if m.get(k) is not None},
         }
         for m in messages
     ]
@@ -62,7 +81,40 @@ def template_text(
     )
 
 
-_TOOL_FIELDS = ("tool_calls", "tool_call_id")
+_FIELDS = ("name", "tool_calls", "tool_call_id")
+
+
+def template_source(lm: LoadedModel) -> str:
+    """The Jinja source of ``lm``'s chat template (every one, for a tokenizer with several)."""
+    source = getattr(lm.tokenizer, "chat_template", None)
+    if isinstance(source, dict):
+        return "\n".join(str(s) for s in source.values())
+    return source if isinstance(source, str) else ""
+
+
+def thinking_variables(lm: LoadedModel, effort: str) -> dict[str, Any]:
+    """The template variables that say ``effort`` (OpenAI's ``reasoning_effort``: none,
+    minimal, low, medium, high) to ``lm``'s chat template, found by the names its source
+    reads: ``enable_thinking`` (Qwen3's switch) off for none and minimal, on otherwise;
+    ``reasoning_effort`` (gpt-oss's) the effort, low for none and minimal (the least such
+    templates know). Empty where the template has neither: the effort changes nothing."""
+    source = template_source(lm)
+    out: dict[str, Any] = {}
+    thinking = effort not in ("none", "minimal")
+    if "enable_thinking" in source:
+        out["enable_thinking"] = thinking
+    if "reasoning_effort" in source:
+        out["reasoning_effort"] = effort if thinking else "low"
+    return out
+
+
+_NAME = re.compile(r"\bmessage\s*(\.\s*name\b|\[\s*['\"]name['\"]\s*\])")
+
+
+def renders_names(lm: LoadedModel) -> bool:
+    """Whether ``lm``'s chat template reads a message's ``name`` (``message.name`` or
+    ``message['name']``): a participant's name is kept in the messages only then."""
+    return _NAME.search(template_source(lm)) is not None
 
 
 def encode(lm: LoadedModel, text: str) -> list[int]:

@@ -30,7 +30,12 @@ from kvchat.engine.conversation.events import (
 )
 from kvchat.engine.conversation.maintenance import common_prefix
 from kvchat.engine.conversation.stats import TurnStats, memory
-from kvchat.engine.conversation.template import encode, encode_plain, template_text
+from kvchat.engine.conversation.template import (
+    Variables,
+    encode,
+    encode_plain,
+    template_text,
+)
 from kvchat.engine.conversation.text import ReplyText
 from kvchat.engine.conversation.thoughts import reevaluated_reply
 from kvchat.engine.generation.per_model import core_for
@@ -57,12 +62,14 @@ TurnEnds = Callable[[list[dict[str, Any]], list[int], int], frozenset[int]]
 class Plan:
     """What a turn answers: the transcript with the new message, its template text (with the
     generation prompt, or ending in ``start``) and that text's tokens; ``start`` is the
-    reply's given beginning (a prefill), which the turn continues."""
+    reply's given beginning (a prefill), which the turn continues; ``variables`` the
+    template's, as the text was rendered with them."""
 
     messages: list[dict[str, Any]]
     prompt_text: str
     prompt: list[int]
     start: str = ""
+    variables: Variables = None
 
     @classmethod
     def chat(
@@ -71,20 +78,22 @@ class Plan:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         start: str = "",
+        variables: Variables = None,
     ) -> Plan:
-        """A turn answering ``messages`` through the chat template, offering ``tools``; a
-        ``start`` is rendered as the reply's open beginning, and the turn continues it."""
+        """A turn answering ``messages`` through the chat template, offering ``tools``, with
+        the request's template ``variables`` (its thinking switch); a ``start`` is rendered as
+        the reply's open beginning, and the turn continues it."""
         if not start:
-            text = template_text(lm, messages, True, tools)
+            text = template_text(lm, messages, True, tools, variables=variables)
         else:
             opened = [*messages, {"role": "assistant", "content": start}]
             try:
-                text = template_text(lm, opened, False, tools, open_last=True)
+                text = template_text(lm, opened, False, tools, open_last=True, variables=variables)
             except ValueError as exc:  # transformers: the template drops or rewrites it
                 raise SessionError(
                     f"The chat template of {lm.model_id} cannot continue a reply: {exc}"
                 ) from None
-        plan = cls(messages, text, encode(lm, text), start)
+        plan = cls(messages, text, encode(lm, text), start, variables)
         return plan._fits(lm, "That message makes the conversation")
 
     @classmethod
@@ -226,7 +235,7 @@ def run_turn(
         0
         if rebuilt
         else reevaluated_reply(
-            partial(template_text, lm),
+            partial(template_text, lm, variables=plan.variables),
             partial(encode, lm),
             messages,
             plan.prompt_text,

@@ -8,7 +8,7 @@ its history, its rendering), so it holds nothing of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +19,7 @@ from kvchat.engine.conversation.stats import Refilled
 if TYPE_CHECKING:
     from kvchat.engine.conversation.history import History, Message
     from kvchat.engine.conversation.maintenance import CacheKeeper, Progress
+    from kvchat.engine.conversation.template import Render, Variables
     from kvchat.engine.conversation.turn import TurnEnds
     from kvchat.engine.generation.sequence import StopFlag
 
@@ -31,14 +32,15 @@ class Upkeep:
 
     keeper: CacheKeeper
     history: History
-    render: Callable[[list[Message], bool], list[int]]
+    render: Render
     turn_ends: TurnEnds
     step: int
     stop: StopFlag
 
-    def sync(self) -> None:
-        """Trim the cache to what the transcript renders to now."""
-        tokens = self.render(self.history.messages, False)
+    def sync(self, variables: Variables = None) -> None:
+        """Trim the cache to what the transcript renders to now (with the template's
+        ``variables``, as the turn that filled it rendered it)."""
+        tokens = self.render(self.history.messages, False, variables=variables)
         self.keeper.rewind(common_prefix(self.keeper.ledger, tokens))
 
     def refill(self, progress: Progress | None = None) -> Refilled:
@@ -89,10 +91,11 @@ class Upkeep:
         self.keeper.unload()
         return True
 
-    def revise_reply(self, message: Message) -> None:
-        """Put ``message`` in place of the last reply and trim the cache to match."""
+    def revise_reply(self, message: Message, variables: Variables = None) -> None:
+        """Put ``message`` in place of the last reply and trim the cache to match (the
+        transcript rendered with the turn's template ``variables``)."""
         self.history.revise_reply(message)
-        self.sync()
+        self.sync(variables)
 
     def undo(self, turns: int) -> None:
         self.history.undo(turns)
