@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvchat.bench.fidelity import DEFAULT_KINDS, evaluate, heldout_text, logprobs
+from kvchat.engine.caches.families import OFFERED_KINDS
 from kvchat.engine.caches.kinds import parse_kind
 from kvchat.engine.models import demo
 
@@ -87,6 +88,16 @@ def test_eval_cache_cli(kvchat_dirs):
         [*CLI, "eval-cache", "--kinds", "quantized:3"], capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "8 or 4 bits" in bad.stderr
+    every = subprocess.run(  # by default: each quantized kind the kind picker offers
+        [*CLI, "eval-cache", "--max-tokens", "32", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert every.returncode == 0, every.stderr[-2000:]
+    offered = [k for k in OFFERED_KINDS if k.split(":")[0] in ("quantized", "rotated")]
+    assert [r["kind"] for r in json.loads(every.stdout)] == ["standard", *offered]
+    assert offered == ["quantized:8", "quantized:4", "rotated:8", "rotated:4"]
 
 
 @pytest.mark.quantized_attention

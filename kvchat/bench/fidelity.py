@@ -17,12 +17,17 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvchat.engine.caches.families import FAMILIES
 from kvchat.engine.caches.kinds import CacheKind, make_cache, parse_kind
 from kvchat.engine.conversation.template import encode
 from kvchat.engine.models.demo import corpus_parts
 from kvchat.engine.models.model import LoadedModel
 
-DEFAULT_KINDS = ("standard", "quantized:8", "quantized:4", "rotated:8", "rotated:4")
+# standard and every quantized kind the kind picker offers (quantized:8 ... rotated:4)
+DEFAULT_KINDS = (
+    "standard",
+    *(n for f in FAMILIES.values() if f.quantized for n in f.offered_names()),
+)
 CHUNK = 32  # tokens per forward pass: later chunks read the earlier ones from the cache
 
 

@@ -158,8 +158,12 @@ def replay(
 def eval_cache(
     model: Annotated[str, typer.Option("--model", "-m", help="Model to measure.")] = "demo",
     kinds: Annotated[
-        str, typer.Option(help="Comma-separated cache kinds to compare with standard.")
-    ] = "quantized:8,quantized:4,rotated:8,rotated:4",
+        str | None,
+        typer.Option(
+            help="Comma-separated cache kinds to compare with standard (default: every "
+            "quantized kind the kind picker offers)."
+        ),
+    ] = None,
     max_tokens: Annotated[int, typer.Option(help="At most this many held-out tokens.")] = 1024,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
@@ -167,12 +171,13 @@ def eval_cache(
     on a held-out text (llama.cpp-style)."""
     from rich.console import Console
 
-    from kvchat.bench.fidelity import evaluate
+    from kvchat.bench.fidelity import DEFAULT_KINDS, evaluate
     from kvchat.bench.report import rich_table
     from kvchat.bench.tables import fidelity_table
     from kvchat.engine.caches.kinds import CacheKindError, parse_kind
 
-    names = [k for k in kinds.split(",") if k.strip()]
+    given = DEFAULT_KINDS[1:] if kinds is None else kinds.split(",")
+    names = [k for k in given if k.strip()]
     try:
         names = [parse_kind(k).name for k in names]
     except CacheKindError as exc:
