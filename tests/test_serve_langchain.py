@@ -9,7 +9,9 @@ tool template that tests/test_serve_tools.py uses (its ``tool_model`` fixture).
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 from typing import Annotated, Literal
 
 import pytest
@@ -92,8 +94,8 @@ def test_a_bound_tool_is_called_and_its_result_answered(tool_model, home):
         result = get_weather.invoke(call["args"])
 
         # the call as langchain sends it back finds the session and its cache
-        chat = client(server, max_tokens=12, include_response_headers=True)
-        answer = chat.bind_tools([get_weather]).invoke(
+        answerer = client(server, max_tokens=12, include_response_headers=True)
+        answer = answerer.bind_tools([get_weather]).invoke(
             [*ask, called, ToolMessage(result, tool_call_id=call["id"])]
         )
         assert isinstance(answer, AIMessage) and not answer.tool_calls
@@ -101,6 +103,11 @@ def test_a_bound_tool_is_called_and_its_result_answered(tool_model, home):
         headers = answer.response_metadata["headers"]
         assert headers["x-kvchat-match"] == "continued", headers
         assert int(headers["x-kvchat-cached-tokens"]) > called.usage_metadata["input_tokens"]
+
+        # streamed (after: a rerun takes its answer in place, the session's path the new
+        # call's), the call's chunks merge into the same call
+        joined = functools.reduce(operator.add, chat.stream(ask))
+        assert [(c["name"], c["args"]) for c in joined.tool_calls] == [(call["name"], args)]
 
 
 @pytest.mark.parametrize("schema", [City, City.model_json_schema()], ids=["pydantic", "dict"])
