@@ -45,6 +45,7 @@ class Message(_Strict):
     # an assistant's calls of the tools it was offered
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None  # a tool's result: the call it answers
+    name: str | None = None  # a participant's name, kept where the chat template renders it
 
 
 class BranchNode(Message):
