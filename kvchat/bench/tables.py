@@ -1,42 +1,15 @@
 """The bench's result as tables: (title, headers, rows, note) for every section, the one
-source of its Markdown report and its Rich tables, and the figures formatted for them."""
+source of its Markdown report and its Rich tables (the CPU sections' in
+:mod:`.cpu_tables`, the figures formatted by :mod:`.cells`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from .cells import Table, figure, megabytes, percent, times
 from .common import PROFILE_PARTS, SUMMARY_PROMPT
-
-
-def _f(x: Any, digits: int = 3) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, int):
-        return f"{x:,}"
-    if isinstance(x, float):
-        if x == 0:
-            return "0"
-        if abs(x) >= 100:
-            return f"{x:,.0f}"
-        if abs(x) >= 10:
-            return f"{x:.1f}"
-        return f"{x:.{digits}g}" if abs(x) < 1 else f"{x:.2f}"
-    return str(x)
-
-
-def _x(x: float | None) -> str:
-    return "–" if x is None else f"{x:,.1f}×" if x < 100 else f"{x:,.0f}×"
-
-
-def _mb(n: float | None) -> str:
-    return "–" if n is None else f"{n / 1e6:,.1f} MB"
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
+from .cpu_tables import cpu_tables
 
 
 def fidelity_table(rows: list[dict[str, Any]]) -> tuple[str, list[str], list[list[str]], str]:
@@ -50,7 +23,7 @@ def fidelity_table(rows: list[dict[str, Any]]) -> tuple[str, list[str], list[lis
                 r["kind"],
                 f"{r['kld_mean']:.6f}",
                 f"{r['kld_p99']:.6f}",
-                _pct(r["top1_agreement"]),
+                percent(r["top1_agreement"]),
                 f"{r['perplexity']:.3f}",
             ]
             for r in rows
@@ -61,14 +34,11 @@ def fidelity_table(rows: list[dict[str, Any]]) -> tuple[str, list[str], list[lis
     )
 
 
-Table = tuple[str, list[str], list[list[str]], str | None]  # title, headers, rows, note
-
-
 def tables(result: dict[str, Any]) -> list[Table]:
     """(title, headers, rows, note) for every section measured: one source for Markdown
     and rich."""
     out = [t for key, make in SECTIONS if key in result for t in make(result)]
-    out += _cpu_tables(result)
+    out += cpu_tables(result)
     if result.get("fidelity"):
         out.append(fidelity_table(result["fidelity"]))
     if "targets" not in result:  # an interrupted run
@@ -78,7 +48,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
             "Targets",
             ["target", "measured", "limit", "met"],
             [
-                [t["target"], _f(t["value"]), f"{t['op']} {t['limit']}", _f(t["met"])]
+                [t["target"], figure(t["value"]), f"{t['op']} {t['limit']}", figure(t["met"])]
                 for t in result["targets"]
             ],
             None,
@@ -107,14 +77,14 @@ def _classic(result: dict[str, Any]) -> list[Table]:
             [
                 [
                     str(t["turn"]),
-                    _f(t["prompt_tokens"]),
-                    _f(t["cached"]["evaluated_tokens"]),
-                    _f(t["cached"]["prompt_eval_s"]),
-                    _f(t["uncached"]["prompt_eval_s"]),
-                    _x(t["speedup_prompt_eval"]),
-                    _f(t["cached"]["ttft_s"]),
-                    _f(t["uncached"]["ttft_s"]),
-                    _f(t["same_reply"]),
+                    figure(t["prompt_tokens"]),
+                    figure(t["cached"]["evaluated_tokens"]),
+                    figure(t["cached"]["prompt_eval_s"]),
+                    figure(t["uncached"]["prompt_eval_s"]),
+                    times(t["speedup_prompt_eval"]),
+                    figure(t["cached"]["ttft_s"]),
+                    figure(t["uncached"]["ttft_s"]),
+                    figure(t["same_reply"]),
                 ]
                 for t in c["turns"]
             ],
@@ -144,14 +114,14 @@ def _sweep(result: dict[str, Any]) -> list[Table]:
             ],
             [
                 [
-                    _f(p["history_tokens"]),
-                    _f(p["new_tokens"]),
-                    _f(p["cached_ttft_s"]),
-                    _f(p["uncached_ttft_s"]),
-                    _x(p["speedup_ttft"]),
-                    _f(p["eval_new_only_s"]),
-                    _f(p["cached_over_new_only"]),
-                    _f(p["same_reply"]),
+                    figure(p["history_tokens"]),
+                    figure(p["new_tokens"]),
+                    figure(p["cached_ttft_s"]),
+                    figure(p["uncached_ttft_s"]),
+                    times(p["speedup_ttft"]),
+                    figure(p["eval_new_only_s"]),
+                    figure(p["cached_over_new_only"]),
+                    figure(p["same_reply"]),
                 ]
                 for p in pts
             ],
@@ -187,13 +157,13 @@ def _kinds(result: dict[str, Any]) -> list[Table]:
             [
                 [
                     r["kind"],
-                    _f(r["bytes_per_token"]),
-                    _f(r["bytes_vs_standard"]),
-                    _f(r["cache_tokens_after_turn"]),
-                    _f(r["ttft_s"]),
-                    _f(r["gen_tps"]),
+                    figure(r["bytes_per_token"]),
+                    figure(r["bytes_vs_standard"]),
+                    figure(r["cache_tokens_after_turn"]),
+                    figure(r["ttft_s"]),
+                    figure(r["gen_tps"]),
                     f"{r['agree_with_standard']}/{r['agree_of']}",
-                    _f(r["first_divergence"]),
+                    figure(r["first_divergence"]),
                     r["prepared"],
                 ]
                 for r in k["rows"]
@@ -202,9 +172,9 @@ def _kinds(result: dict[str, Any]) -> list[Table]:
             "Bytes per token: each layer's key and value buffers over their token slots, summed "
             'over layers (preallocation slack excluded); "holds tokens" is what the cache keeps '
             f"after the turn. The model runs in {result['model']['dtype']}; at 16 bits the standard "
-            f"cache would take {_f(k['at_16_bit']['standard_bytes_per_token'])} bytes/token and quantized:8 / "
-            f"quantized:4 {_f(k['at_16_bit']['ratios']['quantized:8'])} / "
-            f"{_f(k['at_16_bit']['ratios']['quantized:4'])} of it. Rotating and chunked kinds "
+            f"cache would take {figure(k['at_16_bit']['standard_bytes_per_token'])} bytes/token and quantized:8 / "
+            f"quantized:4 {figure(k['at_16_bit']['ratios']['quantized:8'])} / "
+            f"{figure(k['at_16_bit']['ratios']['quantized:4'])} of it. Rotating and chunked kinds "
             "keep only a window, so they diverge by design; quantized kinds were converted from "
             "the standard cache, the way switching a live session does."
             + "".join(f" {why}" for why in k["unavailable"].values()),
@@ -233,15 +203,15 @@ def _persistence(result: dict[str, Any]) -> list[Table]:
                 ],
                 [
                     [
-                        _f(p["history_tokens"]),
-                        _f(p["save_s"]),
-                        _f(p["load_s"]),
-                        _mb(p["folder_bytes"]),
-                        _f(p["resumed_ttft_s"]),
-                        _f(p["reprefill_ttft_s"]),
-                        _x(p["speedup_ttft"]),
-                        _x(p["load_plus_turn_speedup"]),
-                        _f(p["same_reply"]),
+                        figure(p["history_tokens"]),
+                        figure(p["save_s"]),
+                        figure(p["load_s"]),
+                        megabytes(p["folder_bytes"]),
+                        figure(p["resumed_ttft_s"]),
+                        figure(p["reprefill_ttft_s"]),
+                        times(p["speedup_ttft"]),
+                        times(p["load_plus_turn_speedup"]),
+                        figure(p["same_reply"]),
                     ]
                     for p in ps
                 ],
@@ -260,10 +230,13 @@ def _profile(result: dict[str, Any]) -> list[Table]:
             f"Profile of one cached turn ({p['history_tokens']:,} tokens of history, "
             f"{p['new_tokens']} new)",
             ["part", "seconds", "share of TTFT"],
-            [[PROFILE_PARTS[key], _f(p[key]), _pct(p["shares"][key])] for key in PROFILE_PARTS]
+            [
+                [PROFILE_PARTS[key], figure(p[key]), percent(p["shares"][key])]
+                for key in PROFILE_PARTS
+            ]
             + [
-                ["total (profiled)", _f(p["total_s"]), "100%"],
-                ["TTFT measured by Session (median)", _f(p["session_ttft_s"]), ""],
+                ["total (profiled)", figure(p["total_s"]), "100%"],
+                ["TTFT measured by Session (median)", figure(p["session_ttft_s"]), ""],
             ],
             "Each part is the median of "
             f"{result['plan']['profile_repeats']} runs, timed outside the Session with its own helpers.",
@@ -286,9 +259,9 @@ def _blas(result: dict[str, Any]) -> list[Table]:
                     [
                         label,
                         r.get("blas", ""),
-                        _f(r.get("tokens")),
-                        _f(r.get("prefill_tps")),
-                        _f(r.get("matmul_gflops")),
+                        figure(r.get("tokens")),
+                        figure(r.get("prefill_tps")),
+                        figure(r.get("matmul_gflops")),
                     ]
                 )
         out.append(
@@ -296,7 +269,7 @@ def _blas(result: dict[str, Any]) -> list[Table]:
                 "BLAS: prefill with the optimised BLAS and without it",
                 ["BLAS", "library", "tokens", "prefill tok/s", "matmul GFLOP/s (512²)"],
                 rows,
-                f"Prefill speedup {_x(b.get('speedup'))}, matmul {_x(b.get('matmul_speedup'))}; "
+                f"Prefill speedup {times(b.get('speedup'))}, matmul {times(b.get('matmul_speedup'))}; "
                 "one subprocess each (KVCHAT_NO_BLAS=1 for the reference BLAS).",
             )
         )
@@ -312,79 +285,3 @@ SECTIONS: tuple[tuple[str, Callable[[dict[str, Any]], list[Table]]], ...] = (
     ("profile", _profile),
     ("blas", _blas),
 )
-
-
-def _cpu_tables(result: dict[str, Any]) -> list[Table]:
-    out: list[Table] = []
-    c = result.get("cpu", {})
-    if "rows" in c:
-        out.append(
-            (
-                "CPU fast path: the same work with it on and off",
-                ["measure", "unit", "fast path on", "off", "speedup"],
-                [
-                    [r["what"], r["unit"], _f(r["on"]), _f(r["off"]), _x(r["speedup"])]
-                    for r in c["rows"]
-                ],
-                "Numpy attention, SwiGLU and linear layers against mlx-lm's own on the CPU "
-                "(KVCHAT_CPU_FASTPATH); best of two interleaved runs each, in one process.",
-            )
-        )
-    r = c.get("roofline")
-    if r:
-        out.append(
-            (
-                "What this machine allows the float32 weights",
-                ["bound", "measured", "tok/s at most"],
-                [
-                    [
-                        f"decode: stream all {r['weight_bytes'] / 2**30:.2f} GiB of weights per token",
-                        f"{_f(r['stream_gb_s'])} GB/s",
-                        _f(r["decode_bound_tps"]),
-                    ],
-                    [
-                        f"prefill: {r['prefill_rows']}-row matmuls over every layer",
-                        f"{_f(r['matmul_gflop_s'])} GFLOP/s",
-                        _f(r["prefill_bound_tps"]),
-                    ],
-                ],
-                "numpy's BLAS on the model's own weights (the fast path's route), best of two; "
-                "attention, norms and sampling come on top, so the model's decode and prefill "
-                "rates cannot exceed these.",
-            )
-        )
-    q = result.get("quantized_weights", {})
-    if "rows" in q:
-        out.append(
-            (
-                "Quantized weights on the CPU",
-                [
-                    "weights",
-                    "load (s)",
-                    "prefill tokens",
-                    "prefill tok/s",
-                    "decode tok/s",
-                    "÷ float32, prefill / decode",
-                ],
-                [
-                    [
-                        r["weights"],
-                        _f(r.get("load_s")),
-                        _f(r["prefill_tokens"]),
-                        _f(r["prefill_tps"]),
-                        _f(r["decode_tps"]),
-                        (
-                            f"{_f(r['prefill_vs_float32'])} / {_f(r['decode_vs_float32'])}"
-                            if "prefill_vs_float32" in r
-                            else "–"
-                        ),
-                    ]
-                    for r in q["rows"]
-                ],
-                "The model's @q4/@q8 copies (mlx-lm's affine quantization, group size 64), "
-                "kept packed: the CPU fast path computes with them as stored. Each copy is "
-                "measured interleaved with the float32 model in one process (best of two each), "
-                "and the last column divides by those float32 runs.",
-            )
-        )
-    return out
