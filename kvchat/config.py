@@ -26,7 +26,7 @@ from tomlkit.exceptions import ParseError
 from tomlkit.items import String, StringType
 
 from kvchat.atomic import write_atomic
-from kvchat.declaration import ConfigError, literal, parse_size, toml_string
+from kvchat.declaration import ConfigError, parse_size
 from kvchat.safety import read_limited
 from kvchat.settings import SETTINGS, apply_overrides, check, from_env
 
@@ -93,22 +93,6 @@ else:
     )
 
 
-def _check_keymap(value: Any, source: str) -> tuple[tuple[str, str], ...]:
-    """The ``[keymap]`` table as (id, keys) pairs: every value a string of keys."""
-    if not isinstance(value, dict):
-        raise ConfigError(
-            f"{source}: expected a table of binding ids and keys, "
-            'such as [keymap] then send = "ctrl+s".'
-        )
-    for binding_id, keys in value.items():
-        if not isinstance(keys, str) or not keys.strip():
-            raise ConfigError(
-                f"{source}.{toml_string(binding_id)[:40]} = {literal(keys)[:40]}: "
-                'expected keys as a string, such as "ctrl+s" or "f5,ctrl+r".'
-            )
-    return tuple(value.items())
-
-
 def _config_path(path: Path | None) -> Path:
     if path is not None:
         return path
@@ -151,14 +135,7 @@ def parse_config(text: str, name: str = "config.toml") -> Config:
     except (ValueError, RecursionError) as error:  # TOMLDecodeError, a 5,000-digit number, [[[[...
         reason = str(error).splitlines()[0] if str(error) else "nested too deeply"
         raise ConfigError(f"{name}: not valid TOML ({reason}).") from None
-    values = {
-        key: (
-            _check_keymap(value, f"{name}: {key}")
-            if key == "keymap"
-            else check(key, value, source=f"{name}: {key}")
-        )
-        for key, value in data.items()
-    }
+    values = {key: check(key, value, source=f"{name}: {key}") for key, value in data.items()}
     return Config(**values)
 
 

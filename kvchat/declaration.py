@@ -18,6 +18,15 @@ from kvchat.safety import ascii_int
 MAX_NUMBER = 1 << 60  # no count, size or time kvchat takes comes near this
 
 
+class EntryError(ValueError):
+    """An entry of a table setting (``[keymap]``) that cannot be used: ``key`` and ``value``
+    name it, and the message says why; the setting's check names ``source.key = value``."""
+
+    def __init__(self, key: Any, value: Any, reason: str) -> None:
+        super().__init__(reason)
+        self.key, self.value = key, value
+
+
 class ConfigError(ValueError):
     """A setting that cannot be used; the message names where it came from and the key.
     ``reason`` is the message's last part alone (why the value cannot be used), or ""."""
@@ -66,6 +75,9 @@ class Setting:
         """``value`` checked and normalised; :class:`ConfigError` says ``source = value: why``."""
         try:
             return self._check(value)
+        except EntryError as error:
+            entry = f"{toml_string(str(error.key))[:40]} = {literal(error.value)[:40]}"
+            raise ConfigError(f"{source}.{entry}: {error}", str(error)) from None
         except ValueError as error:
             shown = literal(value)
             shown = shown if len(shown) <= 40 else shown[:36] + "..."

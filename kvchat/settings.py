@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvchat.declaration import ConfigError, Setting, parse_size
+from kvchat.declaration import ConfigError, EntryError, Setting, parse_size
 
 if TYPE_CHECKING:  # the engine (and mlx with it) is imported when a value is checked:
     # kvchat's entry point chooses the BLAS before anything imports mlx.core
@@ -58,6 +58,11 @@ def _keymap(value: Any) -> tuple[tuple[str, str], ...]:
         raise ValueError(
             'expected a table of binding ids and keys, such as [keymap] then send = "ctrl+s".'
         )
+    for binding_id, keys in value.items():
+        if not isinstance(keys, str) or not keys.strip():
+            raise EntryError(
+                binding_id, keys, 'expected keys as a string, such as "ctrl+s" or "f5,ctrl+r".'
+            )
     return tuple(value.items())
 
 
