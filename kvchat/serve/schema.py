@@ -46,13 +46,29 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class SamplingFields:
+    """The sampling fields of a request as a type checker sees them (a misspelled one is
+    an error); the model is made at run time from kvchat/settings.py's table, with its
+    ranges, and tests/test_serve_schema_types.py checks the two agree."""
+
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+    repetition_context_size: int | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    seed: int | None
+
+
 # the sampling fields (temperature, top_p, top_k, min_p, the penalties, seed, max_tokens),
 # with the ranges kvchat/settings.py declares for them
-if TYPE_CHECKING:  # a model made at run time: a checker sees its fields as Any
+if TYPE_CHECKING:  # a model made at run time: what a checker can see
     from kvchat.engine.models.model import LoadedModel
 
-    class _Sampling(Strict):
-        def __getattr__(self, name: str) -> Any: ...
+    class _Sampling(Strict, SamplingFields): ...
 
 else:
     _Sampling = create_model("_Sampling", __base__=Strict, **model_fields(API, api=True))

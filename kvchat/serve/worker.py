@@ -251,8 +251,7 @@ class Engine:
         session.tools = tools
         sessions, primed = [session], None
         try:
-            chat = isinstance(req, ChatRequest)
-            new = req.new_messages(renders_names(self.lm)) if chat else []
+            new = req.new_messages(renders_names(self.lm)) if isinstance(req, ChatRequest) else []
             if req.n > 1:  # one prompt, n replies: evaluated once, then forked
                 asked = [*session.messages, *new]
                 prompt = Plan.chat(self.lm, asked, tools, start, variables).prompt
@@ -277,7 +276,9 @@ class Engine:
             raise ApiError(400, str(exc), param=param, code=code) from None
         job.sessions = sessions
         job.emit(Started(match))
-        calls_wanted = tools is not None and req.tool_choice != "none"
+        calls_wanted = (
+            isinstance(req, ChatRequest) and tools is not None and req.tool_choice != "none"
+        )
         marker = tool_marker(self.lm) if calls_wanted else None
         stops = cast(list[str], req.stop)  # the schema's validator made it a list
 
