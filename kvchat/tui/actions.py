@@ -17,8 +17,11 @@ from kvchat.engine.conversation.events import TurnDone
 from kvchat.engine.conversation.history import archived_exchanges
 
 from .screens.archive import ArchiveDialog
-from .screens.dialogs import ConfirmDialog, DropDialog, RenameDialog, TrimChoice, TrimDialog
+from .screens.confirm import ConfirmDialog
+from .screens.drop import DropDialog
+from .screens.rename import RenameDialog
 from .screens.settings import SettingsDialog, TabSettings
+from .screens.trim import TrimChoice, TrimDialog
 from .widgets.sidebar import user_turns
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from textual.widgets import TabPane
 
 from kvchat import store
 
-from .screens.dialogs import ConflictDialog
+from .screens.changed_on_disk import ConflictDialog
 
 if TYPE_CHECKING:
     from .app import KvChatApp

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvchat import store
 
-from .screens.dialogs import CloseDialog
+from .screens.close import CloseDialog
 
 if TYPE_CHECKING:
     from .app import KvChatApp

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvchat import store
 
-from .screens.dialogs import DropDialog
+from .screens.drop import DropDialog
 from .screens.loading import LoadingScreen
 
 if TYPE_CHECKING:

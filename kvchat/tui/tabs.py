@@ -17,7 +17,8 @@ from kvchat import drafts, store
 from kvchat.settings import apply_overrides, generation_of
 
 from .conflict import Conflicts
-from .screens.dialogs import CloseDialog, DraftDialog
+from .screens.close import CloseDialog
+from .screens.draft import DraftDialog
 from .screens.loading import LoadingScreen
 from .screens.picker import UNSENT, SessionPicker, unsaved_drafts
 from .widgets.chat import Conversation

@@ -11,10 +11,10 @@ import pytest
 from kvchat import store
 from kvchat.engine.conversation.session import GenerationSettings, Session
 from kvchat.tui.app import KvChatApp
-from kvchat.tui.screens.dialogs import TrimDialog
 from kvchat.tui.screens.help import HelpScreen, binding_rows
 from kvchat.tui.screens.kind import KindDialog
 from kvchat.tui.screens.picker import SessionPicker
+from kvchat.tui.screens.trim import TrimDialog
 from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import AssistantMessage, UserMessage
 

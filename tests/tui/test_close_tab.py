@@ -7,7 +7,7 @@ import pytest
 from kvchat import store
 from kvchat.config import Config
 from kvchat.tui.app import KvChatApp
-from kvchat.tui.screens.dialogs import CloseDialog
+from kvchat.tui.screens.close import CloseDialog
 from kvchat.tui.textual_compat import notifications
 
 from .conftest import SIZE, new_tab, send, settle, until

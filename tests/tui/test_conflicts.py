@@ -16,7 +16,7 @@ from kvchat import store
 from kvchat.config import Config
 from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
 from kvchat.tui.app import KvChatApp
-from kvchat.tui.screens.dialogs import ConflictDialog
+from kvchat.tui.screens.changed_on_disk import ConflictDialog
 
 from .conftest import SIZE, settle, until
 

@@ -8,7 +8,9 @@ import pytest
 from textual import events
 from textual.widgets import Button, Input
 
-from kvchat.tui.screens.dialogs import ConfirmDialog, DraftDialog, TrimDialog
+from kvchat.tui.screens.confirm import ConfirmDialog
+from kvchat.tui.screens.draft import DraftDialog
+from kvchat.tui.screens.trim import TrimDialog
 
 from .conftest import SIZE, send, settle, until
 

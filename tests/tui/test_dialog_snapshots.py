@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from textual.widgets import LoadingIndicator
 
-from kvchat.tui.screens.dialogs import CloseDialog
+from kvchat.tui.screens.close import CloseDialog
 from kvchat.tui.screens.loading import LoadingScreen
 from kvchat.tui.screens.message_dialogs import DeletePairDialog, EditDialog
 

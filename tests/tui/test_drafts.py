@@ -18,7 +18,8 @@ from textual.widgets import Button
 
 from kvchat import drafts, store
 from kvchat.engine.conversation.session import Prefill, Session
-from kvchat.tui.screens.dialogs import ConflictDialog, DraftDialog
+from kvchat.tui.screens.changed_on_disk import ConflictDialog
+from kvchat.tui.screens.draft import DraftDialog
 from kvchat.tui.screens.picker import SessionPicker
 
 from .conftest import SIZE, send, settle, until, widget_text

@@ -8,8 +8,9 @@ import pytest
 
 from kvchat import store
 from kvchat.engine.conversation.session import GenerationSettings, Session
-from kvchat.tui.screens.dialogs import ConfirmDialog, TrimDialog
+from kvchat.tui.screens.confirm import ConfirmDialog
 from kvchat.tui.screens.help import HelpScreen
+from kvchat.tui.screens.trim import TrimDialog
 from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import AssistantMessage, NoticeMessage, Welcome
 

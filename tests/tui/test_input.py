@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from kvchat.tui import prompt_history as history
-from kvchat.tui.screens.dialogs import FileDialog
+from kvchat.tui.screens.file_name import FileDialog
 from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import UserMessage
 

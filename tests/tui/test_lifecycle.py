@@ -9,7 +9,8 @@ import pytest
 from kvchat import store
 from kvchat.config import Config
 from kvchat.tui.app import KvChatApp
-from kvchat.tui.screens.dialogs import CloseDialog, DropDialog
+from kvchat.tui.screens.close import CloseDialog
+from kvchat.tui.screens.drop import DropDialog
 from kvchat.tui.textual_compat import notifications
 
 from .conftest import SIZE, idle_past_ttl, new_tab, send, settle, until

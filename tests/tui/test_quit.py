@@ -12,7 +12,7 @@ from kvchat import drafts, store
 from kvchat.config import Config
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.run import after_exit
-from kvchat.tui.screens.dialogs import CloseDialog
+from kvchat.tui.screens.close import CloseDialog
 
 from .conftest import SIZE, new_tab, send, settle, until, widget_text
 from .test_stream_and_quit import run_tui_and_quit

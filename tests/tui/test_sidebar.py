@@ -10,7 +10,7 @@ import pytest
 
 from kvchat import store
 from kvchat.engine.conversation.session import Prefill
-from kvchat.tui.screens.dialogs import ConfirmDialog
+from kvchat.tui.screens.confirm import ConfirmDialog
 from kvchat.tui.widgets.messages import AssistantMessage
 from kvchat.units import human_bytes
 

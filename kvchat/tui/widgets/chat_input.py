@@ -26,7 +26,7 @@ from kvchat.store import StoreError
 from kvchat.tui import prompt_history as history
 
 from ..keymap import keys_of
-from ..screens.dialogs import FileDialog
+from ..screens.file_name import FileDialog
 
 if TYPE_CHECKING:
     from ..app import KvChatApp
