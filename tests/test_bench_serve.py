@@ -1,12 +1,15 @@
 """The serve bench's agent session against a real ``kvchat serve`` (a subprocess on the
 demo model): every request answered, the cache reused as the history grows, shrunk to
-the prefix an edit leaves, and back from disk after the restart."""
+the prefix an edit leaves, and back from disk after the restart. The soak: every
+request answered, the server's memory sampled."""
 
 from __future__ import annotations
 
 import json
+import os
 
 from kvchat.bench.agent import TOOLS, agent_plan, replay, starter, steps
+from kvchat.bench.soak import rss_bytes, soak
 
 
 def test_the_agent_plan_grows_by_tool_calls_and_edits_in_the_middle(demo_model):
@@ -63,3 +66,24 @@ def test_the_agent_session_against_kvchat_serve(demo_model, home, tmp_path):
             # the request before's whole prompt is reused
             assert row["cached_tokens"] >= previous["prompt_tokens"] > 0
             assert row["prompt_tokens"] > previous["prompt_tokens"]
+
+
+def test_rss_is_the_process_resident_memory():
+    before = rss_bytes(os.getpid())
+    block = bytearray(64 << 20)
+    block[::4096] = b"x" * len(block[::4096])  # touch every page: resident now
+    assert rss_bytes(os.getpid()) - before >= 60 << 20
+    del block
+
+
+def test_a_small_soak_answers_every_request_and_samples_memory(demo_model, tmp_path):
+    result = soak("demo", tmp_path, requests=60, clients=8, sample_every=20)
+    assert result["errors"] == {} and result["requests"] == 60
+    assert [n for n, _ in result["rss_mb_samples"]] == [20, 40, 60]
+    assert result["rss_mb_after_warmup"] == result["rss_mb_samples"][0][1] > 50
+    ratio = result["rss_mb_at_end"] / result["rss_mb_after_warmup"]
+    assert abs(result["rss_end_vs_warmup"] - ratio) < 0.01
+    seconds = result["seconds"]  # rounded to 0.1
+    assert (
+        60 / (seconds + 0.05) - 0.01 <= result["requests_per_s"] <= 60 / max(seconds - 0.05, 0.01)
+    )
