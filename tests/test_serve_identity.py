@@ -154,14 +154,19 @@ def test_the_servers_own_sessions_stay_within_their_budget(demo_model, home):
             max_tokens=2,
             extra_headers={"X-Session-Id": "mine"},
         )
-        names = []
+        names, sessions = [], []
         for i in range(5):
             _, body, _ = chat(
                 server.client, [{"role": "user", "content": f"Prompt {i}."}], max_tokens=2
             )
             names.append(body["kvchat"]["session"])
+            sessions.append(server.pool.entry(names[-1]).session)
         assert serve_sessions() == sorted(names[-3:])
         assert store.exists("mine")  # a session a client named is never the server's to delete
+        # the ones deleted were closed, their caches let go at once (a session's reference
+        # cycles kept them until Python's next full collection: the soak's memory grew)
+        assert [s.cache_tokens for s in sessions[:2]] == [0, 0]
+        assert all(s.cache_tokens > 0 for s in sessions[2:])
 
 
 def test_an_oversized_body_gets_a_readable_413_while_the_client_is_still_sending(demo_model, home):

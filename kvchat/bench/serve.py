@@ -15,6 +15,11 @@ Two runs, each against real servers in their own processes on loopback:
   against one alone (:mod:`kvchat.bench.concurrency`).
 - ``paste``: a long paste sent beside a streaming reply, against each server: the
   reply's longest wait while the paste goes in (:mod:`kvchat.bench.paste`).
+- ``agent``: a coding agent's session (a long system prompt with tools, a history
+  grown by tool calls and results, two edits in the middle, a restart halfway)
+  against each server: every request's time to first token (:mod:`kvchat.bench.agent`).
+- ``soak``: many short requests over many clients against one ``kvchat serve``, its
+  memory sampled after the first 200 and at the end (:mod:`kvchat.bench.soak`).
 
 The client is the standard library (the ``openai`` package is a dev extra).
 """
@@ -124,12 +129,16 @@ def load(model: str, clients: int, turns: int, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvchat.bench.serve")
-    parser.add_argument("what", choices=["ttft", "load", "concurrency", "paste"])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("what", choices=["ttft", "load", "concurrency", "paste", "agent", "soak"])
+    parser.add_argument("--model", help=f"soak: demo, the others: {DEFAULT_MODEL}")
     parser.add_argument(
         "--history", type=int, default=2000, help="turn 1's tokens (ttft), the paste's (paste)"
     )
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--clients", type=int, help="at once (load: 8, soak: 32)")
+    parser.add_argument("--requests", type=int, help="in all (agent: 20, soak: 2000)")
+    parser.add_argument(
+        "--system-tokens", type=int, default=6000, help="the system prompt's (agent)"
+    )
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=64, help="per reply (concurrency)")
     parser.add_argument(
@@ -145,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=1,
-        help="the servers take turns this often (concurrency, paste)",
+        help="the servers take turns this often (concurrency, paste, agent)",
     )
     parser.add_argument(
         "--in-process",
@@ -153,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         help="concurrency through sessions in this process: the largest load against one alone",
     )
     args = parser.parse_args(argv)
+    args.model = args.model or ("demo" if args.what == "soak" else DEFAULT_MODEL)
     with temp_home() as home:
         if args.what == "ttft":
             result = ttft(args.model, args.history, home)
@@ -181,8 +191,16 @@ def main(argv: list[str] | None = None) -> int:
             from .paste import paste
 
             result = paste(args.model, home, args.history, args.reply_tokens, args.rounds)
+        elif args.what == "agent":
+            from .agent import agent
+
+            result = agent(args.model, home, args.requests or 20, args.system_tokens, args.rounds)
+        elif args.what == "soak":
+            from .soak import soak
+
+            result = soak(args.model, home, args.requests or 2000, args.clients or 32)
         else:
-            result = load(args.model, args.clients, args.turns, home)
+            result = load(args.model, args.clients or 8, args.turns, home)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -24,11 +24,11 @@ SERVERS = ("kvchat serve", "mlx_lm.server")
 class Running:
     """A server subprocess on a free loopback port, stopped on exit."""
 
-    def __init__(self, argv: list[str], port: int, log: Path):
+    def __init__(self, argv: list[str], port: int, log: Path, env: dict[str, str] | None = None):
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log, "ab")
         self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=self._log, env=os.environ.copy()
+            argv, stdout=self._log, stderr=self._log, env=os.environ | (env or {})
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -58,7 +58,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kvchat_serve(model: str, log: Path) -> Running:
+def kvchat_serve(model: str, log: Path, home: Path | None = None) -> Running:
+    """``kvchat serve --model model``; its sessions in ``home`` if given (``KVCHAT_HOME``),
+    else where this process keeps them."""
     port = free_port()
     argv = [
         sys.executable,
@@ -70,7 +72,7 @@ def kvchat_serve(model: str, log: Path) -> Running:
         "--port",
         str(port),
     ]
-    return Running(argv, port, log)
+    return Running(argv, port, log, {"KVCHAT_HOME": str(home)} if home else None)
 
 
 def mlx_lm_server(folder: Path, log: Path) -> Running:
@@ -109,7 +111,8 @@ def stream_turn(
     url: str, messages: list[dict], max_tokens: int, on_text: Callable[[], None] | None = None
 ) -> dict:
     """One streamed chat completion: the reply, the seconds to its first text, the total,
-    the tokens the server says it generated (None if it does not say), and when it
+    the tokens the server says it generated, the prompt's and those of it its cache held
+    (each None if it does not say), and when it
     started and each piece of text came (``time.perf_counter``); ``on_text()`` is called
     when the first text comes."""
     body = json.dumps(
@@ -154,5 +157,7 @@ def stream_turn(
         "started": started,
         "arrivals": arrivals,
         "completion_tokens": usage.get("completion_tokens"),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
         "kvchat": extra,
     }

@@ -57,7 +57,11 @@ def keep_within(pool: SessionPool, budget: int, keep: Container[str]) -> list[st
             continue
         try:
             if name in pool:
+                session = pool.entry(name).session
                 pool.drop(name, delete_from_disk=True)
+                # its cache's memory goes now: the session's own reference cycles would
+                # keep it until Python's next full collection, which comes rarely
+                session.close()
             else:
                 store.delete(name, timeout=0)
         except (store.StoreError, OSError):
