@@ -161,3 +161,17 @@ def with_template(lm, folder, template: str):
     config["chat_template"] = template
     config_path.write_text(json.dumps(config), encoding="utf-8")
     return load_model(str(folder))
+
+
+def mypy_errors(folder, source: str) -> list[str]:
+    """The error lines mypy gives for ``source`` (written to ``use.py`` in ``folder``),
+    checked against the project's types. mypy runs in a process of its own: run in the
+    test process, it left the test run aborting at exit."""
+    import sys
+
+    use = folder / "use.py"
+    use.write_text(source, encoding="utf-8")
+    argv = [sys.executable, "-m", "mypy", str(use), "--no-error-summary"]
+    done = subprocess.run([*argv, "--cache-dir", str(folder)], capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    return [line for line in done.stdout.splitlines() if ": error:" in line]

@@ -12,6 +12,7 @@ from kvchat.config import (
     parse_size,
     remember,
 )
+from tests.helpers import mypy_errors
 
 
 def test_missing_file_gives_defaults(tmp_path):
@@ -200,25 +201,15 @@ def test_config_fields_are_the_settings_with_their_types():
 
 
 def test_mypy_sees_a_misspelled_setting(tmp_path):
-    """A setting read under a wrong name is a type error, not a run-time surprise. (mypy
-    runs in a process of its own: in this one it left the test run aborting at exit.)"""
-    import subprocess
-    import sys
-
-    use = tmp_path / "use.py"
-    use.write_text(
+    """A setting read under a wrong name is a type error, not a run-time surprise."""
+    errors = mypy_errors(
+        tmp_path,
         "from kvchat.config import load_config\n"
         "config = load_config()\n"
         "ok: float = config.temp\n"
         "bad = config.xtc_probabilty\n"
         "wrong: str = config.max_tokens\n",
-        encoding="utf-8",
     )
-    argv = [sys.executable, "-m", "mypy", str(use), "--no-error-summary"]
-    done = subprocess.run([*argv, "--cache-dir", str(tmp_path)], capture_output=True, text=True)
-    out = done.stdout
-    assert done.returncode == 1, out + done.stderr
-    errors = [line for line in out.splitlines() if ": error:" in line]
-    assert len(errors) == 2, out
+    assert len(errors) == 2, errors
     assert 'use.py:4: error: "Config" has no attribute "xtc_probabilty"' in errors[0]
     assert "use.py:5: error: Incompatible types in assignment" in errors[1]

@@ -7,6 +7,7 @@ import typing
 
 from kvchat.serve.schema import ChatRequest, SamplingFields
 from kvchat.settings import API
+from tests.helpers import mypy_errors
 
 
 def test_the_typed_sampling_fields_are_the_tables():
@@ -19,20 +20,13 @@ def test_the_typed_sampling_fields_are_the_tables():
 
 
 def test_mypy_sees_a_misspelled_sampling_field(tmp_path):
-    """``req.temprature`` is a type error (mypy in a process of its own, as for Config)."""
-    import subprocess
-    import sys
-
-    use = tmp_path / "use.py"
-    use.write_text(
+    """``req.temprature`` is a type error, as a misspelled setting of Config is."""
+    errors = mypy_errors(
+        tmp_path,
         "from kvchat.serve.schema import ChatRequest\n"
         "def f(req: ChatRequest) -> float | None:\n"
         "    ok = req.temperature\n"
         "    return req.temprature\n",
-        encoding="utf-8",
     )
-    argv = [sys.executable, "-m", "mypy", str(use), "--no-error-summary"]
-    done = subprocess.run([*argv, "--cache-dir", str(tmp_path)], capture_output=True, text=True)
-    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
-    assert done.returncode == 1 and len(errors) == 1, done.stdout + done.stderr
+    assert len(errors) == 1, errors
     assert 'use.py:4: error: "ChatRequest" has no attribute "temprature"' in errors[0]
