@@ -272,3 +272,26 @@ def test_warm_up_runs_the_merge_probe_so_that_the_first_turn_does_not(kvchat_dir
     assert probed == [warmed.model]
     assert _reply(Session(cold), "What is a cache?").stats.evaluated_tokens > 1
     assert probed == [warmed.model, cold.model]
+
+
+def test_the_loop_threads_end_at_interpreter_exit(kvchat_dirs):
+    """A core's loop thread idles up to 30 s after its last step; at interpreter exit it is
+    ended first, so that no thread holds MLX's state as the process exits (that aborted a
+    test run once, after every test passed: ml-explore/mlx#3126)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, threading\n"  # registered first: runs after kvchat's own handlers
+        "atexit.register(lambda: print(sorted(t.name for t in threading.enumerate())))\n"
+        "from kvchat.engine.models.model import load_model\n"
+        "from kvchat.engine.conversation.session import Session\n"
+        "session = Session(load_model('demo'))\n"
+        "list(session.send('Hello there.'))\n"
+        "print([t.name for t in threading.enumerate() if t.name == 'kvchat-generation'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    during, after = done.stdout.splitlines()[-2:]
+    assert during == "['kvchat-generation']"  # idle, alive, after the turn
+    assert after == "['MainThread']"

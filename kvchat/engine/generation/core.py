@@ -23,9 +23,9 @@ and reads its messages (``Prefill`` progress, sampled token ids, a final
 3. sequences that ended (an end token, the length limit, a stop, a consumer gone)
    leave with their caches extracted back, and the rest go on.
 
-A batch of one is the same loop. The loop runs on its own thread; a sharded
-model's core runs it on the caller's thread instead, one sequence at a time, so
-every rank does the same operations in the same order.
+A batch of one is the same loop. The loop runs on its own thread (ended at interpreter
+exit: :mod:`.per_model`); a sharded model's core runs it on the caller's thread, one
+sequence at a time, so every rank does the same operations in the same order.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class GenerationCore:
         self._merged: Merged | None = None
         self._thread: threading.Thread | None = None
         self._expected: list[float] = []  # announced turns' deadlines (monotonic), see expect
+        self._ending = False  # the interpreter is exiting: the loop's thread ends (end)
         self.pace = Pace()  # a step's prompt tokens while others decode
         self.debug = invariant.debugging()  # check every sequence's cache after each step
 
@@ -91,11 +92,10 @@ class GenerationCore:
         return model
 
     def expect(self) -> None:
-        """Announce a turn that is being prepared (its prompt templated and tokenized) and
-        will be submitted shortly: a first step from idle waits for it, up to
-        :data:`GATHER_MAX_S`, so that turns sent at once (tabs, a server's clients) go in
-        one pass rather than the first few alone and the rest a whole step later. One
-        never submitted only expires."""
+        """Announce a turn that is being prepared (its prompt templated and tokenized) and will be
+        submitted shortly: a first step from idle waits for it, up to :data:`GATHER_MAX_S`, so that
+        turns sent at once (tabs, a server's clients) go in one pass rather than the first few alone
+        and the rest a whole step later. One never submitted only expires."""
         with self._cond:
             self._expected.append(time.monotonic() + GATHER_MAX_S)
 
@@ -158,11 +158,19 @@ class GenerationCore:
             )
             self._thread.start()
 
+    def end(self) -> None:
+        """End the loop's thread now."""
+        with self._cond:
+            self._ending = True
+            self._cond.notify_all()
+        if (thread := self._thread) is not None:
+            thread.join(5)
+
     def _loop(self) -> None:
         clear_mlx_at_thread_end()
         while True:
             with self._cond:
-                if not self._cond.wait_for(self._busy, timeout=30.0):
+                if not self._cond.wait_for(self._called, timeout=30.0) or self._ending:
                     self._thread = None  # idle: the next submit starts a new thread
                     return
                 self._gather()
@@ -196,8 +204,9 @@ class GenerationCore:
         """Whether a sequence joined since there were ``held`` joining."""
         return lambda: len(self._joining) > held
 
-    def _busy(self) -> bool:
-        return bool(self._joining or self._alone or (self._merged and self._merged.seqs))
+    def _called(self) -> bool:
+        """Whether the loop has work, or must end."""
+        return self._ending or bool(self._joining or self._alone or self._merged_seqs())
 
     def _step(self) -> None:
         with self._cond:
@@ -384,7 +393,7 @@ class GenerationCore:
         """A step failed: every sequence leaves with the error (their caches are not
         trusted: the sessions empty them)."""
         with self._cond:
-            everyone = [*self._joining, *self._alone, *(self._merged.seqs if self._merged else [])]
+            everyone = [*self._joining, *self._alone, *self._merged_seqs()]
             self._joining, self._alone, self._merged = [], [], None
         for seq in everyone:
             seq.post(Left(stopped=False, error=error))

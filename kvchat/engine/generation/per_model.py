@@ -3,6 +3,7 @@ would pay once, paid ahead (:func:`warm_up`)."""
 
 from __future__ import annotations
 
+import atexit
 import threading
 import weakref
 from typing import Any
@@ -12,6 +13,8 @@ from kvchat.engine.generation.core import GenerationCore
 
 _cores: dict[int, GenerationCore] = {}  # by id(model), dropped when the model goes
 _cores_lock = threading.Lock()
+# every core made, while it lives: at exit, weakref's own handler may have emptied _cores
+_made: weakref.WeakSet[GenerationCore] = weakref.WeakSet()
 
 
 def core_for(lm: Any) -> GenerationCore:
@@ -26,6 +29,7 @@ def core_for(lm: Any) -> GenerationCore:
                 fast_path=getattr(lm, "fast_path", None),
             )
             _cores[id(lm.model)] = core
+            _made.add(core)
             weakref.finalize(lm.model, _cores.pop, id(lm.model), None)
         return core
 
@@ -38,3 +42,15 @@ def warm_up(lm: Any) -> None:
     Not on a sharded model: its core never merges, and its ranks run only the same steps."""
     if getattr(lm, "group", None) is None:
         merges(lm.model)
+
+
+@atexit.register
+def _end_threads() -> None:
+    """At interpreter exit, end every core's loop thread (a daemon, idle for up to 30 s
+    after its last step): one still holding MLX's state as the process exits can abort it
+    ("terminate called without an active exception", ml-explore/mlx#3126; seen at the end
+    of a test run with four idle cores)."""
+    with _cores_lock:
+        cores = list(_made)
+    for core in cores:
+        core.end()
