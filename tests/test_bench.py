@@ -63,6 +63,21 @@ def test_machine_heads_the_report(run):
     assert m["cpu"] in head and m["mlx"] in head and "BLAS" in head
 
 
+def test_start_up_of_fresh_processes(run):
+    rows = run["result"]["startup"]["rows"]
+    assert [r["what"].split(" (")[0] for r in rows] == [
+        "python -c pass",
+        "kvchat --version",
+        "kvchat --help",
+        "kvchat sessions list",
+        "importing the TUI",
+        "importing mlx-lm",
+    ]
+    assert all(measured(r["s"]) for r in rows)
+    assert "## Start-up: fresh processes" in run["markdown"]
+    assert "| kvchat --version |" in run["markdown"]
+
+
 def test_classic_turns_with_and_without_cache(run):
     classic = run["result"]["classic"]
     assert measured(classic["article_tokens"])

@@ -39,6 +39,7 @@ from .blas_speed import blas_comparison
 from .common import DEFAULT_MODEL, Log, machine, make_text
 from .experiments import Bench
 from .report import print_tables, to_markdown
+from .startup import startup
 from .targets import targets
 
 __all__ = ["DEFAULT_MODEL", "PHASES", "make_text", "print_tables", "run_bench", "to_markdown"]
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
 
 
-PHASES = ("classic", "sweep", "kinds", "blas", "cpu", "quantized weights", "fidelity")
+PHASES = ("start-up", "classic", "sweep", "kinds", "blas", "cpu", "quantized weights", "fidelity")
 
 
 def run_bench(
@@ -126,6 +127,7 @@ def run_bench(
         result["fidelity"] = [f.as_dict() for f in evaluate(lm, runnable)]
 
     steps: list[Callable[[], None]] = [
+        lambda: result.update(startup=startup(say)),
         lambda: result.update(classic=bench.classic()),
         sweep,
         kinds,

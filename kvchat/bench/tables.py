@@ -57,6 +57,20 @@ def tables(result: dict[str, Any]) -> list[Table]:
     return out
 
 
+def _startup(result: dict[str, Any]) -> list[Table]:
+    s = result["startup"]
+    return [
+        (
+            "Start-up: fresh processes",
+            ["what", "seconds"],
+            [[r["what"], figure(r["s"])] for r in s["rows"]],
+            f"Best of {s['rounds']} each, wall time of the whole process. The commands import "
+            "neither MLX's model code nor Textual; the TUI shows its first frame before it "
+            "imports mlx-lm (tests/test_cli_imports.py checks both).",
+        )
+    ]
+
+
 def _classic(result: dict[str, Any]) -> list[Table]:
     out: list[Table] = []
     c = result["classic"]
@@ -278,6 +292,7 @@ def _blas(result: dict[str, Any]) -> list[Table]:
 
 # each section's table(s), in the report's order (an interrupted run has the first few)
 SECTIONS: tuple[tuple[str, Callable[[dict[str, Any]], list[Table]]], ...] = (
+    ("startup", _startup),
     ("classic", _classic),
     ("sweep", _sweep),
     ("kinds", _kinds),
