@@ -33,8 +33,8 @@ def bench(
         Path | None, typer.Option("--out", help="Also write a Markdown report to this file.")
     ] = None,
 ) -> None:
-    """Measure the prompt cache: turns with and without it, history sweep, cache kinds,
-    save/load, BLAS. Ctrl-C stops it and prints what was measured."""
+    """Measure start-up and the prompt cache: turns with and without it, history sweep,
+    cache kinds, save/load, BLAS. Ctrl-C stops it and prints what was measured."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
