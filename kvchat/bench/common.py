@@ -8,6 +8,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
 
 DEFAULT_MODEL = "demo:qwen2.5-0.5b"
+# kvchat's command in a fresh interpreter (the bench's servers, ranks and start-up runs)
+KVCHAT = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 CORPUS = Path(__file__).parent.parent / "engine" / "models" / "demo_corpus.txt"
 KINDS = (
     "standard",

@@ -22,10 +22,9 @@ from pathlib import Path
 
 from kvchat.engine.models.demo import corpus_parts
 
-from .common import temp_home
+from .common import KVCHAT, temp_home
 from .servers import free_port
 
-CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 RUNS = {  # name: (kvchat arguments before the replay, extra environment)
     "1 rank": ([], {}),
     "1 rank, CPU fast path off": ([], {"KVCHAT_CPU_FASTPATH": "0"}),
@@ -41,7 +40,7 @@ def run(model: str, chars: int, max_tokens: int, home: Path) -> dict:
     for name, (prefix, env) in RUNS.items():
         prefix = [a.replace("{port}", str(free_port())) for a in prefix]
         argv = [
-            *CLI,
+            *KVCHAT,
             *prefix,
             "replay",
             str(script),

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .common import KVCHAT
+
 START_TIMEOUT_S = 300
 SERVERS = ("kvchat serve", "mlx_lm.server")
 
@@ -63,9 +65,7 @@ def kvchat_serve(model: str, log: Path, home: Path | None = None) -> Running:
     else where this process keeps them."""
     port = free_port()
     argv = [
-        sys.executable,
-        "-c",
-        "from kvchat.cli import main; main()",
+        *KVCHAT,
         "serve",
         "--model",
         model,
