@@ -39,7 +39,7 @@ from .blas_speed import blas_comparison
 from .common import DEFAULT_MODEL, Log, machine, make_text
 from .experiments import Bench
 from .report import print_tables, to_markdown
-from .startup import startup
+from .startup import start_up_times
 from .targets import targets
 
 __all__ = ["DEFAULT_MODEL", "PHASES", "make_text", "print_tables", "run_bench", "to_markdown"]
@@ -127,7 +127,7 @@ def run_bench(
         result["fidelity"] = [f.as_dict() for f in evaluate(lm, runnable)]
 
     steps: list[Callable[[], None]] = [
-        lambda: result.update(startup=startup(say)),
+        lambda: result.update(startup=start_up_times(say)),
         lambda: result.update(classic=bench.classic()),
         sweep,
         kinds,

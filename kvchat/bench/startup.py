@@ -22,7 +22,7 @@ RUNS = (
 )
 
 
-def startup(log: Log, rounds: int = 3) -> dict[str, Any]:
+def start_up_times(log: Log, rounds: int = 3) -> dict[str, Any]:
     """Each run's best wall time in seconds, and the bare interpreter's for reference."""
     log("start-up: the light commands and the TUI's imports, fresh processes")
     with temp_home():  # sessions list makes the sessions folder: not in the user's home
