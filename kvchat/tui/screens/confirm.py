@@ -36,6 +36,3 @@ class ConfirmDialog(Dialog):
     @on(Button.Pressed, "#confirm-cancel")
     def _no(self) -> None:
         self.dismiss(False)
-
-
-# ----------------------------------------------------------------------- drop

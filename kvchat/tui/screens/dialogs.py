@@ -16,7 +16,6 @@ class Dialog(ModalScreen):
     Enter does what the dialog offers first."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel", id="dialog_cancel")]
-    TITLE_TEXT = ""
 
     def action_cancel(self) -> None:
         self.dismiss(None)
@@ -51,6 +50,3 @@ class UnpromptedDialog(Dialog):
     def action_cancel(self) -> None:
         if self.taking_keys:
             super().action_cancel()
-
-
-# ----------------------------------------------------------------------- trim

@@ -44,6 +44,3 @@ class DraftDialog(UnpromptedDialog):
     @on(Button.Pressed, "#draft-discard")
     def _discard(self) -> None:
         self.dismiss("discard")
-
-
-# ----------------------------------------------------------------------- file

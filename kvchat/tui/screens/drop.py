@@ -44,6 +44,3 @@ class DropDialog(Dialog):
     @on(Button.Pressed, "#drop-cancel")
     def _cancel(self) -> None:
         self.dismiss(None)
-
-
-# --------------------------------------------------------------------- rename

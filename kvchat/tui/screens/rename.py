@@ -35,6 +35,3 @@ class RenameDialog(Dialog):
     @on(Button.Pressed, "#rename-cancel")
     def _cancel(self) -> None:
         self.dismiss(None)
-
-
-# ---------------------------------------------------------------------- close
