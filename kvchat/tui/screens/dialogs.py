@@ -1,13 +1,16 @@
 """The modal dialogs' bases: :class:`Dialog` (Esc cancels; what it dismisses with, the app
-turns into one engine call) and :class:`UnpromptedDialog` (one that opens on its own).
+turns into one engine call), :class:`UnpromptedDialog` (one that opens on its own) and
+:class:`PathDialog` (one that asks for a file's path).
 Each dialog has a module of its own beside this one."""
 
 from __future__ import annotations
 
 from textual import events
+from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button
+from textual.widgets import Button, Input, Static
 
 
 class Dialog(ModalScreen):
@@ -50,3 +53,32 @@ class UnpromptedDialog(Dialog):
     def action_cancel(self) -> None:
         if self.taking_keys:
             super().action_cancel()
+
+
+class PathDialog(Dialog):
+    """Asks for a file's path: dismisses with it (stripped), or None. A subclass says its
+    ``PREFIX`` (its ids: ``PREFIX-dialog``, ``-ok``, ``-cancel``, and the field's
+    ``INPUT``), title, what the file is for, an example path and its button's label."""
+
+    PREFIX = INPUT = TITLE = TEXT = PLACEHOLDER = OK = ""
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id=f"{self.PREFIX}-dialog") as box:
+            box.border_title = self.TITLE
+            yield Static(self.TEXT, markup=False)
+            yield Input(placeholder=self.PLACEHOLDER, id=self.INPUT)
+            with Horizontal(classes="row buttons"):
+                yield Button(self.OK, id=f"{self.PREFIX}-ok", variant="primary")
+                yield Button("Cancel", id=f"{self.PREFIX}-cancel")
+
+    def on_input_submitted(self) -> None:
+        self._ok()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == f"{self.PREFIX}-ok":
+            self._ok()
+        else:
+            self.dismiss(None)
+
+    def _ok(self) -> None:
+        self.dismiss(self.query_one(f"#{self.INPUT}", Input).value.strip() or None)

@@ -11,7 +11,7 @@ from textual.widgets import Button, Input, Static
 
 from kvchat.store import FORMATS
 
-from .dialogs import Dialog
+from .dialogs import Dialog, PathDialog
 
 SUFFIXES = {fmt: f".{fmt}" for fmt in FORMATS}
 
@@ -65,29 +65,13 @@ class ExportDialog(Dialog):
         self.dismiss(None)
 
 
-class ImportDialog(Dialog):
+class ImportDialog(PathDialog):
     """Dismisses with the path of a JSON export, or None."""
 
     AUTO_FOCUS = "#import-path"
-
-    def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog", id="import-dialog") as box:
-            box.border_title = "Import a session"
-            yield Static(
-                "A JSON export (`kvchat sessions export NAME --format json`) becomes "
-                "a new session; its cache is built on its first turn.",
-                markup=False,
-            )
-            yield Input(placeholder="path, e.g. ~/talk.json", id="import-path")
-            with Horizontal(classes="row buttons"):
-                yield Button("Import", id="import-ok", variant="primary")
-                yield Button("Cancel", id="import-cancel")
-
-    @on(Button.Pressed, "#import-ok")
-    @on(Input.Submitted, "#import-path")
-    def _ok(self) -> None:
-        self.dismiss(self.query_one("#import-path", Input).value.strip() or None)
-
-    @on(Button.Pressed, "#import-cancel")
-    def _cancel(self) -> None:
-        self.dismiss(None)
+    PREFIX, INPUT, TITLE, OK = "import", "import-path", "Import a session", "Import"
+    TEXT = (
+        "A JSON export (`kvchat sessions export NAME --format json`) becomes "
+        "a new session; its cache is built on its first turn."
+    )
+    PLACEHOLDER = "path, e.g. ~/talk.json"
