@@ -21,16 +21,19 @@ if TYPE_CHECKING:
 
     from kvchat.engine.conversation.stats import Refilled
 
-    from .chat import Conversation
+    from .tab_view import TabView
+    from .turns import TurnRunner
 
 
 class BranchNavigator:
-    """The message actions of ``conversation`` (a
-    :class:`~kvchat.tui.widgets.chat.Conversation`): it uses the tab's session, its
-    transcript, its turns and jobs, and its notices."""
+    """The message actions of ``conversation`` (the tab, as a
+    :class:`~kvchat.tui.widgets.tab_view.TabView`): it uses the tab's session, its
+    transcript, its jobs and its notices, and starts its edits and regenerations as turns
+    through ``turns``."""
 
-    def __init__(self, conversation: Conversation) -> None:
+    def __init__(self, conversation: TabView, turns: TurnRunner) -> None:
         self.conversation = conversation
+        self.turns = turns
         self.code_copies: dict[int, int] = {}  # message index -> code blocks copied so far
 
     def select_last(self) -> None:
@@ -45,7 +48,7 @@ class BranchNavigator:
         copy, or leave the selection."""
         tab = self.conversation
         if event.action == "leave":
-            if not tab.turns.stop():
+            if not self.turns.stop():
                 tab.focus_input()
             return
         if event.action in ("copy", "copy_code"):
@@ -92,7 +95,7 @@ class BranchNavigator:
         except SessionError as error:
             tab.notify(str(error), severity="warning", markup=False)
             return
-        await tab.turns.start(events, text=text, upto=index)
+        await self.turns.start(events, text=text, upto=index)
 
     async def regenerate_at(self, index: int) -> None:
         """A new version of the reply at ``index`` (a new branch)."""
@@ -105,7 +108,7 @@ class BranchNavigator:
         except SessionError as error:
             tab.notify(str(error), severity="warning", markup=False)
             return
-        await tab.turns.start(events, upto=index)
+        await self.turns.start(events, upto=index)
 
     def switch(self, index: int, step: int) -> None:
         """Show the version ``step`` away of the message at ``index`` (a job)."""
