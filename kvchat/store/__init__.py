@@ -60,7 +60,8 @@ from kvchat.store.manage import (
     prune,
     summary,
 )
-from kvchat.store.search import Found, Hit, matching_sessions, reindex, search_sessions
+from kvchat.store.search import Found, Hit, matching_sessions, search_sessions
+from kvchat.store.search_index import reindex
 from kvchat.store.session_file import read, read_with_generation
 from kvchat.store.transfer import (
     FORMATS,

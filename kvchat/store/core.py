@@ -37,7 +37,7 @@ from kvchat.store.files import (
 )
 from kvchat.store.lock import session_lock
 from kvchat.store.schema import parse_file
-from kvchat.store.search import index_session
+from kvchat.store.search_index import index_session
 from kvchat.store.session_file import read_with_tree
 from kvchat.store.shards import drop_shards
 
