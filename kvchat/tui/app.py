@@ -26,19 +26,19 @@ from kvchat.pool import SessionPool
 
 from .actions import TabActions
 from .bindings import APP_BINDINGS, SYSTEM_BINDINGS, TAB_ACTIONS
-from .conflict import Conflicts
 from .expiry import ExpiryTicker
+from .export_actions import ExportActions
 from .keys import BindingGroups, binding_groups, install_keymap, system_commands
 from .layout import TabbedLayout
 from .models import ModelLoader
 from .quitting import Quitter
+from .save_conflicts import Conflicts
 from .screens.help import HelpScreen
 from .screens.picker import SessionPicker, unsaved_drafts
 from .sharded import ONE_TAB, ShardedRun
 from .tab_closer import TabCloser
 from .tabs import TabController
 from .theming import install_themes, remember_theme
-from .transfer import TransferService
 from .widgets.chat import Conversation, SessionConflict
 
 
@@ -51,10 +51,10 @@ class KvChatApp(TabbedLayout):
 
     Its screen (the tabs, the sidebar) is its base's, :class:`TabbedLayout`. The work is
     done by collaborators the app holds: ``tab_control`` (a :class:`TabController`: tabs
-    opened, resumed), ``tab_closer`` (a :class:`TabCloser`), ``tab_actions`` (a :class:`TabActions`: what the keys do to
-    the active tab), ``model_loader`` (a :class:`ModelLoader`), ``conflicts`` (a
-    :class:`Conflicts`: a session another kvchat saved meanwhile), ``transfer`` (a
-    :class:`TransferService`: export, import), ``expiry`` (an :class:`ExpiryTicker`: idle
+    opened, resumed), ``tab_closer`` (a :class:`TabCloser`), ``tab_actions`` (a
+    :class:`TabActions`: what the keys do to the active tab), ``model_loader`` (a :class:`ModelLoader`), ``conflicts`` (a
+    :class:`Conflicts`: a session another kvchat saved meanwhile), ``exports`` (an
+    :class:`ExportActions`: export, import), ``expiry`` (an :class:`ExpiryTicker`: idle
     caches to disk), ``quitter`` (a :class:`Quitter`) and, in a sharded run, ``shards`` (a
     :class:`ShardedRun`). Its ``action_*`` methods call them. Each sees the app as an
     :class:`~kvchat.tui.app_view.AppView` and is given the others it calls.
@@ -110,7 +110,7 @@ class KvChatApp(TabbedLayout):
             run_worker=lambda work: self.run_worker(work, name="expire", group="pool", thread=True),
             done=self._expired,
         )
-        self.transfer = TransferService(
+        self.exports = ExportActions(
             push_screen=self.push_screen, notify=self.notify, open_saved=self.open_saved
         )
         self.quitter = Quitter(self)
@@ -240,11 +240,11 @@ class KvChatApp(TabbedLayout):
     def action_export(self) -> None:
         conversation = self.idle_conversation()
         if conversation is not None:
-            self.transfer.export(conversation.session, conversation.session_name)
+            self.exports.export(conversation.session, conversation.session_name)
 
     def action_import(self) -> None:
         if not self.one_tab_only():
-            self.transfer.import_(
+            self.exports.import_(
                 self.lm.model_id, lambda: [c.session_name for c in self.conversations()]
             )
 
