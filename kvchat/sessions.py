@@ -15,10 +15,10 @@ from kvchat import store
 from kvchat.engine.caches.kinds import CacheKind
 from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.distributed import driver
-from kvchat.engine.distributed.driver import DistributedSession
-from kvchat.engine.distributed.sharding import ShardedModel
 from kvchat.engine.models.model import LoadedModel
+from kvchat.engine.sharding import driver
+from kvchat.engine.sharding.driver import DistributedSession
+from kvchat.engine.sharding.sharded_model import ShardedModel
 from kvchat.sharded import disk
 
 

@@ -2,7 +2,7 @@
 statement, at module level or inside a function, type-checking imports included.
 
 Layers, lowest first: the engine (models, caches, sessions, decoding, the
-distributed link), which imports nothing above it but leaf modules (those that
+sharding link), which imports nothing above it but leaf modules (those that
 import nothing of kvchat: ``safety``, ``locations``...); the store (sessions on
 disk); the modules that join the two (``pool``, ``sessions``, ``sharded``...); the
 front ends (cli, tui, serve, bench). No module imports from a layer above its own (a
@@ -73,8 +73,8 @@ def test_the_graph_is_read_from_every_kind_of_import():
     assert "kvchat.safety" in GRAPH["kvchat.replay"]  # from .safety import ...
     assert "kvchat.store" in GRAPH["kvchat.cli.ask"]  # from kvchat import store, in ask()
     assert "kvchat.cli.common" in GRAPH["kvchat.cli.ask"]  # from .common import ...
-    assert "kvchat.engine.caches.kinds" in GRAPH["kvchat.engine.distributed.driver"]
-    assert "kvchat.engine.caches.kinds" in RUN["kvchat.engine.distributed.driver"]
+    assert "kvchat.engine.caches.kinds" in GRAPH["kvchat.engine.sharding.driver"]
+    assert "kvchat.engine.caches.kinds" in RUN["kvchat.engine.sharding.driver"]
     # a Protocol only, for the checker: in the layer picture, never run
     assert "kvchat.tui.app_view" in GRAPH["kvchat.tui.tabs"] - RUN["kvchat.tui.tabs"]
     assert len(MODULES) > 100 and all(RUN[m] <= GRAPH[m] <= MODULES.keys() for m in GRAPH)

@@ -1,8 +1,8 @@
 """The TUI on rank 0 of a sharded run (``kvchat launch -n 2 -- [TUI options]``).
 
 A sharded run has one tab, on its one model: the other ranks follow one
-session (kvchat/engine/distributed/driver.py). Its session is a
-:class:`~kvchat.engine.distributed.driver.DistributedSession`, which sends every
+session (kvchat/engine/sharding/driver.py). Its session is a
+:class:`~kvchat.engine.sharding.driver.DistributedSession`, which sends every
 operation that changes the cache to every rank; what it cannot send (switching
 a branch, deleting a pair) it refuses in one sentence, shown as a notification.
 The actions that would open, close or move a tab say so in one sentence too. A
@@ -46,13 +46,13 @@ class ShardedRun:
         """Find out which cache kinds the model takes, on every rank together (before the
         app runs): the kind dialog and new sessions then ask rank 0's kept answers."""
         from kvchat.engine.caches.kinds import OFFERED_KINDS
-        from kvchat.engine.distributed.driver import probe_kinds
+        from kvchat.engine.sharding.driver import probe_kinds
 
         probe_kinds(self.lm, list(dict.fromkeys([*OFFERED_KINDS, self.app.config.cache])))
 
     def new_session(self, name=None):
         """A new session on every rank (in the app's pool as ``name`` when given)."""
-        from kvchat.engine.distributed.driver import new_session
+        from kvchat.engine.sharding.driver import new_session
         from kvchat.settings import generation_of
 
         app = self.app
@@ -105,7 +105,7 @@ class ShardedRun:
         name, fresh = conversation.session_name, self.tabs.unique_name()
 
         def drop(from_disk: bool):
-            from kvchat.engine.distributed.driver import DistributedSession
+            from kvchat.engine.sharding.driver import DistributedSession
             from kvchat.sharded.disk import delete_session
 
             problem = None

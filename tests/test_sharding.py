@@ -30,11 +30,11 @@ from kvchat.cli.launch import _run
 from kvchat.engine.caches.cache_check import Reference
 from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.engine.conversation.session import Session, SessionError, TurnDone
-from kvchat.engine.distributed.driver import LOCAL, UNSHARED, DistributedSession, bind, perform
-from kvchat.engine.distributed.link import Link, OpError, decode_op, encode_op
-from kvchat.engine.distributed.sharding import choose_mode, layout, layout_problem
 from kvchat.engine.models import demo
 from kvchat.engine.models.model import ModelLoadError
+from kvchat.engine.sharding.driver import LOCAL, UNSHARED, DistributedSession, bind, perform
+from kvchat.engine.sharding.link import Link, OpError, decode_op, encode_op
+from kvchat.engine.sharding.sharded_model import choose_mode, layout, layout_problem
 from kvchat.store.cache_file import read_cache
 from kvchat.store.shards import delete_shard, write_shard
 from tests.arch_models import TINY

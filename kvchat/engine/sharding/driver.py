@@ -42,9 +42,9 @@ from kvchat.engine.conversation.events import (
     TurnDone,
 )
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.distributed.link import Link, Op, OpError, SharedStop, linked
-from kvchat.engine.distributed.sharding import ShardedModel, load_sharded
 from kvchat.engine.generation.sampling import Sampler
+from kvchat.engine.sharding.link import Link, Op, OpError, SharedStop, linked
+from kvchat.engine.sharding.sharded_model import ShardedModel, load_sharded
 
 if TYPE_CHECKING:
     from kvchat.engine.caches.kinds import CacheKind
