@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat import store
-from kvchat.engine.sharding.driver import DistributedSession, bind, standing_in
+from kvchat.engine.sharding.driver import ShardedSession, bind, standing_in
 from kvchat.engine.sharding.link import ROW, Link, linked
 from kvchat.store.cache_file import read_cache
 
@@ -33,7 +33,7 @@ def load_session(name: str, lm: ShardedModel) -> store.Loaded:
     link.broadcast({"op": "load", "name": name, "data": data})
     loaded = load_here(name, lm, data, link)
     loaded.generation = generation
-    loaded.session = standing_in(DistributedSession(link, loaded.session).count_bytes())
+    loaded.session = standing_in(ShardedSession(link, loaded.session).count_bytes())
     return loaded
 
 
@@ -68,9 +68,7 @@ def load_here(name: str, lm: LoadedModel, data: dict[str, Any], link: Link) -> s
     return loaded
 
 
-def save_session(
-    session: DistributedSession, name: str, base: store.Generation | None = None
-) -> Path:
+def save_session(session: ShardedSession, name: str, base: store.Generation | None = None) -> Path:
     """``store.save`` (``base``: the generation it builds on) after every other rank has
     written its own shard; a rank that could not leaves ``session.json`` as it was."""
     link = linked()

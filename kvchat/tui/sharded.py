@@ -2,7 +2,7 @@
 
 A sharded run has one tab, on its one model: the other ranks follow one
 session (kvchat/engine/sharding/driver.py). Its session is a
-:class:`~kvchat.engine.sharding.driver.DistributedSession`, which sends every
+:class:`~kvchat.engine.sharding.driver.ShardedSession`, which sends every
 operation that changes the cache to every rank; what it cannot send (switching
 a branch, deleting a pair) it refuses in one sentence, shown as a notification.
 The actions that would open, close or move a tab say so in one sentence too. A
@@ -105,7 +105,7 @@ class ShardedRun:
         name, fresh = conversation.session_name, self.tabs.unique_name()
 
         def drop(from_disk: bool):
-            from kvchat.engine.sharding.driver import DistributedSession
+            from kvchat.engine.sharding.driver import ShardedSession
             from kvchat.sharded.disk import delete_session
 
             problem = None
@@ -115,7 +115,7 @@ class ShardedRun:
                 conversation.save_now()  # every rank's shard, through the pool
             app.pool.drop(name)
             session = conversation.session  # made by new_session (or load): a sharded one
-            if isinstance(session, DistributedSession):
+            if isinstance(session, ShardedSession):
                 session.local.unload()  # rank 0's cache goes now, as the others' do
             return self.new_session(fresh), problem
 
