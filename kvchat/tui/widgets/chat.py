@@ -108,7 +108,7 @@ class Conversation(Vertical):
         self.quitting = quitting
         self.jobs = JobRunner(self)
         self.turns = TurnRunner(self, self.jobs)
-        self.branches = BranchNavigator(self, self.turns)
+        self.branches = BranchNavigator(self, self.turns, self.jobs)
         # the running turn's prompt evaluation: tokens done, of how many (for the sidebar)
         self.prefill: tuple[int, int] | None = None
         # the running reply's tokens so far and seconds since its first (for the sidebar)

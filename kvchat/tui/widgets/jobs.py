@@ -94,7 +94,7 @@ class JobRunner:
         tab.state = "idle"
         self.stopping = None
         if event.refusal:
-            tab.notify(event.refusal, severity="warning", markup=False)
+            tab.app.notify(event.refusal, severity="warning", markup=False)
         elif event.error:
             await tab.add_notice(f"{event.label.capitalize()} failed: {event.error}", "error")
         elif event.then is not None:

@@ -11,12 +11,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    import threading
-
     from textual.app import App
     from textual.containers import VerticalScroll
     from textual.message import Message
-    from textual.notifications import SeverityLevel
     from textual.widgets import ProgressBar, Static
 
     from kvchat.engine.conversation.session import Session
@@ -45,7 +42,9 @@ class TabView(Protocol):
     quitting: Callable[[], bool]  # True once the app is quitting: no message starts
 
     @property
-    def app(self) -> App[Any]: ...
+    def app(self) -> App[Any]:
+        """The app: its notices (``notify``), screens and clipboard."""
+        ...
 
     @property
     def owner(self) -> str:
@@ -97,27 +96,6 @@ class TabView(Protocol):
     def report_conflict(self) -> None:
         """Tell the app another kvchat saved this session meanwhile (it asks what to do)."""
         ...
-
-    def run_job(
-        self,
-        label: str,
-        job: Callable[[Progress], Any],
-        then: Callable[[Any], Any] | None = None,
-        *,
-        needs_cache: bool = True,
-        stop: threading.Event | None = None,
-        unit: str = "tokens",
-    ) -> bool: ...
-
-    def notify(
-        self,
-        message: str,
-        *,
-        title: str = "",
-        severity: SeverityLevel = "information",
-        timeout: float | None = None,
-        markup: bool = True,
-    ) -> None: ...
 
     def post_message(self, message: Message) -> bool: ...
 

@@ -59,12 +59,12 @@ class TurnRunner:
         try:
             events = tab.session.send(text)
         except SessionError as error:
-            tab.notify(str(error), severity="warning", markup=False)
+            tab.app.notify(str(error), severity="warning", markup=False)
             return False
         try:  # on disk before its prefill starts: a crash from now on loses no message
             drafts.keep(tab.session_name, text)
         except (store.StoreError, OSError) as error:
-            tab.notify(
+            tab.app.notify(
                 f"The message could not be kept on disk while it is sent: {error}",
                 severity="warning",
                 markup=False,
@@ -83,7 +83,7 @@ class TurnRunner:
         try:
             events = tab.session.regenerate()
         except SessionError as error:
-            tab.notify(str(error), severity="warning", markup=False)
+            tab.app.notify(str(error), severity="warning", markup=False)
             return False
         await self.start(events, upto=len(tab.session.messages) - 1, then=then)
         return True
@@ -249,7 +249,7 @@ class TurnRunner:
                 await tab.log.mount(Welcome(), before=0)
             if self.pending_text is not None and not tab.input.text:
                 tab.input.text = self.pending_text
-            tab.notify("Cancelled before it started.")
+            tab.app.notify("Cancelled before it started.")
         elif event.error:
             await tab.add_notice(event.error, "error")
         elif event.done is not None:
