@@ -2,7 +2,7 @@
 
 On one machine a session is the conversation layer's :class:`Session` and the store
 loads and saves it. Under ``kvchat launch`` the model is a :class:`ShardedModel` and its
-session a :class:`DistributedSession`: those go to every rank (the engine's driver
+session a :class:`ShardedSession`: those go to every rank (the engine's driver
 makes them; kvchat/sharded/disk.py loads and saves them). ``ask``, ``replay``, the
 pool and the TUI call these three and need not know which kind of run they are in.
 """
@@ -15,10 +15,10 @@ from kvchat import store
 from kvchat.engine.caches.kinds import CacheKind
 from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.distributed import driver
-from kvchat.engine.distributed.driver import DistributedSession
-from kvchat.engine.distributed.sharding import ShardedModel
 from kvchat.engine.models.model import LoadedModel
+from kvchat.engine.sharding import driver
+from kvchat.engine.sharding.driver import ShardedSession
+from kvchat.engine.sharding.sharded_model import ShardedModel
 from kvchat.sharded import disk
 
 
@@ -46,6 +46,6 @@ def load_session(name: str, lm: LoadedModel) -> store.Loaded:
 def save_session(session: Session, name: str, base: store.Generation | None = None) -> Path:
     """``store.save`` (``base``: the generation it builds on); a sharded session's every
     rank first writes its own shard."""
-    if isinstance(session, DistributedSession):
+    if isinstance(session, ShardedSession):
         return disk.save_session(session, name, base)
     return store.save(session, name, base=base)

@@ -16,10 +16,13 @@ import sys
 import mlx.nn as nn
 import pytest
 
+from kvchat.bench.common import WINDOW, bench_kinds
+from kvchat.engine.caches.families import FAMILIES, OFFERED_KINDS
 from kvchat.engine.cpu.stored import kernels
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]
-QUICK_KINDS = ["standard", "quantized:8", "quantized:4", "rotated:4"]  # what its targets read
+# standard and each quantized family at its fewest bits: what its targets read
+QUICK_KINDS = ["standard", "quantized:4", "rotated:4"]
 
 
 def measured(x) -> bool:
@@ -136,11 +139,23 @@ def test_cache_kinds(run):
             0 <= r["agree_with_standard"] <= r["agree_of"] == rows["standard"]["generated_tokens"]
         )
     assert rows["standard"]["agree_with_standard"] == rows["standard"]["agree_of"] > 0
-    assert rows["quantized:4"]["bytes_per_token"] < rows["quantized:8"]["bytes_per_token"]
-    assert rows["quantized:8"]["bytes_per_token"] < rows["standard"]["bytes_per_token"]
+    assert rows["quantized:4"]["bytes_per_token"] < rows["standard"]["bytes_per_token"]
     assert rows["rotated:4"]["bytes_per_token"] == rows["quantized:4"]["bytes_per_token"]
     ratios16 = kinds["at_16_bit"]["ratios"]
     assert 0 < ratios16["quantized:4"] < ratios16["quantized:8"] < 1
+
+
+def test_the_kinds_measured_come_from_the_families():
+    """Every family, each kind the picker offers, the windowed families at the bench's
+    window (its history passes it); the quick run's kinds among them."""
+    full = bench_kinds(quick=False)
+    assert {k.split(":")[0] for k in full} == set(FAMILIES) and len(set(full)) == len(full)
+    windowed = [n for n, f in FAMILIES.items() if f.min_size is not None]
+    assert [k for k in full if k.split(":")[0] in windowed] == [f"{n}:{WINDOW}" for n in windowed]
+    assert [k for k in OFFERED_KINDS if k.split(":")[0] not in windowed] == [
+        k for k in full if k.split(":")[0] not in windowed
+    ]
+    assert bench_kinds(quick=True) == QUICK_KINDS and set(QUICK_KINDS) < set(full)
 
 
 def test_persistence_in_a_temporary_home(run):

@@ -1,5 +1,6 @@
 """The docs a newcomer reads stay true: the README stays short, lists every ``KVCHAT_*``
-variable the code reads, and every relative link in it and in docs/ leads somewhere."""
+variable the code reads, every relative link in it and in docs/ leads somewhere, and
+docs/architecture.md names every module."""
 
 from __future__ import annotations
 
@@ -53,3 +54,13 @@ def test_every_relative_link_leads_to_a_file_and_heading():
             elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, broken
+
+
+def test_the_architecture_page_names_every_module():
+    """Every module of the package is named in docs/architecture.md, as a file (`x.py`,
+    alone or after its folder): a module added, split off or renamed is placed there."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"[`/ ]([a-z_0-9]+\.py)\b", text))
+    modules = {p.name for p in (ROOT / "kvchat").rglob("*.py") if p.name != "__init__.py"}
+    assert {"layout.py", "app_view.py", "search_index.py"} <= modules
+    assert sorted(modules - named) == []

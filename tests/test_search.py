@@ -17,7 +17,7 @@ from helpers import turn
 
 from kvchat import store
 from kvchat.engine.conversation.session import GenerationSettings, Session
-from kvchat.store import search as index
+from kvchat.store import search_index as index
 from kvchat.store.base import StoreError
 
 CLI = [sys.executable, "-c", "from kvchat.cli import main; main()"]

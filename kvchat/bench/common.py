@@ -29,15 +29,7 @@ DEFAULT_MODEL = "demo:qwen2.5-0.5b"
 # kvchat's command in a fresh interpreter (the bench's servers, ranks and start-up runs)
 KVCHAT = [sys.executable, "-c", "from kvchat.cli import main; main()"]
 CORPUS = Path(__file__).parent.parent / "engine" / "models" / "demo_corpus.txt"
-KINDS = (
-    "standard",
-    "quantized:8",
-    "quantized:4",
-    "rotated:4",
-    "rotating:1024",
-    "chunked:1024",
-    "concatenate",
-)
+WINDOW = 1024  # the windowed kinds' size: half the kinds' history, so the window is passed
 
 READ_PROMPT = "Please read the following article carefully. I will ask you about it next.\n\n"
 SUMMARY_PROMPT = "Summarize the article"
@@ -49,6 +41,22 @@ FOLLOW_UP = (
 Log = Callable[[str], None]
 
 
+def bench_kinds(quick: bool) -> list[str]:
+    """The cache kinds the bench measures, from the families (as the kind picker's): every
+    kind offered, those sized in tokens (rotating, chunked) at :data:`WINDOW` tokens
+    instead. The quick run keeps ``standard`` and each quantized family at its fewest bits
+    (``quantized:4``, ``rotated:4``): the kinds its targets read."""
+    from kvchat.engine.caches.families import FAMILIES
+
+    if quick:
+        return ["standard", *(f"{f.name}:{min(f.sizes)}" for f in FAMILIES.values() if f.quantized)]
+    return [
+        name
+        for f in FAMILIES.values()
+        for name in ([f"{f.name}:{WINDOW}"] if f.min_size is not None else f.offered_names())
+    ]
+
+
 def bench_plan(quick: bool) -> dict[str, Any]:
     """Sizes of every experiment; ``quick`` keeps the whole run small."""
     return {
@@ -58,8 +66,7 @@ def bench_plan(quick: bool) -> dict[str, Any]:
         "follow_max_tokens": 8 if quick else 6,
         "cached_repeats": 3,
         "kinds_history": 2048,
-        # the quick run (3 minutes on 2 cores) keeps the kinds its targets read
-        "kinds": list(KINDS[:4]) if quick else list(KINDS),
+        "kinds": bench_kinds(quick),
         "agree_tokens": 64,
         "persist_at": [2048, 4096],
         "blas_probe_tokens": 32 if quick else 64,

@@ -276,6 +276,7 @@ class Bench:
     def kinds(self) -> dict[str, Any]:
         import mlx.core as mx
 
+        from kvchat.engine.caches.families import FAMILIES
         from kvchat.engine.caches.kinds import QUANT_GROUP_SIZE, CacheKindError
         from kvchat.engine.conversation.session import GenerationSettings
 
@@ -345,7 +346,7 @@ class Bench:
         n_tokens = layer.offset
         k, v = layer.keys[..., :n_tokens, :], layer.values[..., :n_tokens, :]
         fp16 = (k.astype(mx.float16).nbytes + v.astype(mx.float16).nbytes) / n_tokens
-        for bits in (8, 4):
+        for bits in FAMILIES["quantized"].sizes:
             q = [
                 mx.quantize(x.astype(mx.float16), group_size=QUANT_GROUP_SIZE, bits=bits)
                 for x in (k, v)

@@ -64,8 +64,8 @@ def load_or_exit(spec: str) -> LoadedModel:
     """Load a model, or print the one-line reason to stderr and exit with status 2. A demo
     model built on its first use says so on stderr, with the disk it takes and how far
     its build and load are (:func:`build_progress`)."""
-    from kvchat.engine.distributed import driver, link
     from kvchat.engine.models.model import ModelLoadError, load_model
+    from kvchat.engine.sharding import driver, link
 
     try:
         return driver.load_model(spec) if link.current() else load_model(spec, build_progress(spec))

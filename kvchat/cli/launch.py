@@ -2,7 +2,7 @@
 several ranks (processes, machines).
 
 Every rank runs this same kvchat; rank 0 runs the command and the others follow
-it (kvchat/engine/distributed/driver.py). ``ask`` and ``replay`` go by way of MLX's own
+it (kvchat/engine/sharding/driver.py). ``ask`` and ``replay`` go by way of MLX's own
 ``mlx.launch``, which ends every rank when one fails, but exits 0 whatever
 happened; this wrapper reads its notes and says which rank ended the run, in one
 sentence, with a non-zero status. The TUI needs the terminal, which
@@ -184,7 +184,7 @@ def sharded_tui(ring: Ring, flags: dict, run=None) -> int:
     ``run`` that drives the app under ``App.run_test``.)"""
     from kvchat import store
     from kvchat.config import ConfigError
-    from kvchat.engine.distributed.link import start
+    from kvchat.engine.sharding.link import start
     from kvchat.tui.run import run_app, tui_app
 
     ring.start()

@@ -97,7 +97,7 @@ def root(
 ) -> None:
     """Chat with a local model in the terminal (the default when no command is given)."""
     if "MLX_RANK" in os.environ and ctx.invoked_subcommand not in SHARDED_COMMANDS:
-        from kvchat.engine.distributed.link import current  # (mlx-lm: under mlx.launch)
+        from kvchat.engine.sharding.link import current  # (mlx-lm: under mlx.launch)
 
         if current():
             raise fail(SHARDED_ONLY, 2)
@@ -197,9 +197,9 @@ def eval_cache(
 
 def main(on_token: Callable[[int], object] | None = None) -> None:
     """Console-script entry point. Under ``mlx.launch`` (``kvchat launch``), rank 0 runs the
-    command and the other ranks follow it (kvchat/engine/distributed/driver.py); a follower
+    command and the other ranks follow it (kvchat/engine/sharding/driver.py); a follower
     passes ``on_token`` to :func:`~kvchat.sharded.follower.follow`. A rank joins the ring
-    before it imports mlx-lm (kvchat/engine/distributed/link.py says why).
+    before it imports mlx-lm (kvchat/engine/sharding/link.py says why).
 
     It first routes mlx's CPU matmul to OpenBLAS (:func:`kvchat.blas.preload`), which
     must come before anything imports mlx.core: nothing imported so far does."""
@@ -207,7 +207,7 @@ def main(on_token: Callable[[int], object] | None = None) -> None:
     if "MLX_RANK" not in os.environ:  # not started by mlx.launch
         app()
         return
-    from kvchat.engine.distributed.link import start
+    from kvchat.engine.sharding.link import start
 
     from .ring import READY, READY_ENV
 

@@ -2,7 +2,7 @@
 rank reading and writing its own cache shard (kvchat/store/shards.py).
 
 Rank 0 sends the operation ("load", "save", "drop") over the engine's link
-(kvchat/engine/distributed/link.py), does its own part with the store, and
+(kvchat/engine/sharding/link.py), does its own part with the store, and
 gathers one row from every rank saying how its part went; the followers do theirs
 in :func:`~kvchat.sharded.follower.follow`.
 """
@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvchat import store
-from kvchat.engine.distributed.driver import DistributedSession, bind, standing_in
-from kvchat.engine.distributed.link import ROW, Link, linked
+from kvchat.engine.sharding.driver import ShardedSession, bind, standing_in
+from kvchat.engine.sharding.link import ROW, Link, linked
 from kvchat.store.cache_file import read_cache
 
 if TYPE_CHECKING:
     from kvchat.engine.caches.cache_check import Reference
     from kvchat.engine.conversation.session import Session
-    from kvchat.engine.distributed.sharding import ShardedModel
     from kvchat.engine.models.model import LoadedModel
+    from kvchat.engine.sharding.sharded_model import ShardedModel
     from kvchat.store.cache_file import CacheRead
 
 
@@ -33,7 +33,7 @@ def load_session(name: str, lm: ShardedModel) -> store.Loaded:
     link.broadcast({"op": "load", "name": name, "data": data})
     loaded = load_here(name, lm, data, link)
     loaded.generation = generation
-    loaded.session = standing_in(DistributedSession(link, loaded.session).count_bytes())
+    loaded.session = standing_in(ShardedSession(link, loaded.session).count_bytes())
     return loaded
 
 
@@ -68,9 +68,7 @@ def load_here(name: str, lm: LoadedModel, data: dict[str, Any], link: Link) -> s
     return loaded
 
 
-def save_session(
-    session: DistributedSession, name: str, base: store.Generation | None = None
-) -> Path:
+def save_session(session: ShardedSession, name: str, base: store.Generation | None = None) -> Path:
     """``store.save`` (``base``: the generation it builds on) after every other rank has
     written its own shard; a rank that could not leaves ``session.json`` as it was."""
     link = linked()

@@ -1,4 +1,4 @@
-"""A follower rank of a sharded run (kvchat/engine/distributed/driver.py): it performs every
+"""A follower rank of a sharded run (kvchat/engine/sharding/driver.py): it performs every
 operation rank 0 sends, in the same order, on its own part of the model and its own
 :class:`Session`, until rank 0 sends "end". Loads, saves and drops read and write this
 rank's cache shard (kvchat/sharded/disk.py is rank 0's side of them)."""
@@ -14,10 +14,10 @@ import mlx.core as mx
 from kvchat.engine.caches.kinds import CacheKindError, applicable_kinds
 from kvchat.engine.conversation.events import GenerationSettings, SessionError
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.distributed.driver import bind, perform
-from kvchat.engine.distributed.link import ROW, Link, OpError
-from kvchat.engine.distributed.sharding import ShardedModel, load_sharded
 from kvchat.engine.models.model import ModelLoadError
+from kvchat.engine.sharding.driver import bind, perform
+from kvchat.engine.sharding.link import ROW, Link, OpError
+from kvchat.engine.sharding.sharded_model import ShardedModel, load_sharded
 from kvchat.sharded.disk import load_here
 from kvchat.store import StoreError
 from kvchat.store.shards import delete_shard, write_shard

@@ -23,11 +23,12 @@ is ever deleted or overwritten because of one.
 
 Modules: ``base`` (names, constants, result types), ``files`` (files opened
 only when they are what they claim to be), ``lock`` (the per-session lock),
-``session_file`` (reading ``session.json``), ``conflict`` (generations: a save
+``session_file`` (reading ``session.json``), ``generations`` (a save
 refused when another process saved first, and keeping both), ``lease`` (which
 processes have a session open), ``cache_file`` (reading the
-cache), ``core`` (save and load), ``manage`` (list, delete, export, prune),
-``search`` (the full-text index of every transcript).
+cache), ``core`` (save and load), ``manage`` (list, delete, prune), ``exports``
+(export, import an export), ``search_index`` (the full-text index of every transcript)
+and ``search`` (its queries).
 """
 
 from kvchat.atomic import TMP_PREFIX
@@ -48,8 +49,15 @@ from kvchat.store.base import (
     ledger_hash,
     session_dir,
 )
-from kvchat.store.conflict import SessionChanged, generation_of, save_as_branch
 from kvchat.store.core import Progress, load, save, set_aside
+from kvchat.store.exports import (
+    FORMATS,
+    export,
+    export_session,
+    import_session,
+    write_export,
+)
+from kvchat.store.generations import SessionChanged, generation_of, save_as_branch
 from kvchat.store.lease import hold_open, let_go, open_elsewhere
 from kvchat.store.lock import session_lock
 from kvchat.store.manage import (
@@ -60,15 +68,9 @@ from kvchat.store.manage import (
     prune,
     summary,
 )
-from kvchat.store.search import Found, Hit, matching_sessions, reindex, search_sessions
+from kvchat.store.search import Found, Hit, matching_sessions, search_sessions
+from kvchat.store.search_index import reindex
 from kvchat.store.session_file import read, read_with_generation
-from kvchat.store.transfer import (
-    FORMATS,
-    export,
-    export_session,
-    import_session,
-    write_export,
-)
 
 __all__ = [
     "CACHE_FILE",

@@ -44,7 +44,7 @@ def read_cache(
     from kvchat.engine.caches.kinds import cache_offset, trim_to
     from kvchat.engine.caches.loading import load_prompt_cache
     from kvchat.engine.conversation.maintenance import common_prefix
-    from kvchat.engine.distributed.sharding import layout_problem
+    from kvchat.engine.sharding.sharded_model import layout_problem
 
     info = data.get("cache")
     path = folder / shard_file(rank)

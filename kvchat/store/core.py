@@ -28,16 +28,16 @@ from kvchat.store.base import (
 )
 from kvchat.store.cache_file import CacheRead, read_cache
 from kvchat.store.checkpoint_file import read_checkpoints, write_checkpoints
-from kvchat.store.conflict import check_base
 from kvchat.store.files import (
     NO_SPACE,
     check_folder,
     make_dir,
     write_caches_atomic,
 )
+from kvchat.store.generations import check_base
 from kvchat.store.lock import session_lock
 from kvchat.store.schema import parse_file
-from kvchat.store.search import index_session
+from kvchat.store.search_index import index_session
 from kvchat.store.session_file import read_with_tree
 from kvchat.store.shards import drop_shards
 
@@ -63,7 +63,7 @@ def save(
 
     ``base`` is the generation this process loaded or last saved (``Loaded.generation``;
     ``Generation()`` for a session new here): when the saved session is no longer that
-    one, nothing is written and :class:`~kvchat.store.conflict.SessionChanged` says what
+    one, nothing is written and :class:`~kvchat.store.generations.SessionChanged` says what
     is there now; otherwise ``base`` moves forward to the generation written. Without
     ``base`` the save replaces whatever is there (tests, benchmarks).
     """

@@ -2,7 +2,7 @@
 session, ``.locks/<name>.<pid>.open`` (the pid and the process's start time), made
 when a front end opens the session and removed when it closes it. A lease whose
 process is gone (or whose pid now belongs to another process) is stale: ignored and
-removed. Only a warning rests on it; the generations (``conflict.py``) keep saves safe.
+removed. Only a warning rests on it; the generations (``generations.py``) keep saves safe.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from kvchat.store.base import (
 )
 from kvchat.store.files import check_folder
 from kvchat.store.lock import remove_lock_file, session_lock
-from kvchat.store.search import drop_session
+from kvchat.store.search_index import drop_session
 from kvchat.store.session_file import read_json
 
 REMOVING_PREFIX = ".removing-"  # not a valid session name, so never listed

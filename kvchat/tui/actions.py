@@ -27,14 +27,17 @@ from .widgets.sidebar import user_turns
 if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
 
-    from .app import KvChatApp
+    from .app_view import AppView
+    from .tab_closer import TabCloser
 
 
 class TabActions:
-    """What the keys of ``KvChatApp.BINDINGS`` do to the active conversation of ``app``."""
+    """What the keys of ``KvChatApp.BINDINGS`` do to the active conversation of ``app``
+    (closing its tab through ``closer``)."""
 
-    def __init__(self, app: KvChatApp) -> None:
+    def __init__(self, app: AppView, closer: TabCloser) -> None:
         self.app = app
+        self.closer = closer
         self.notify = app.notify
         self.push_screen = app.push_screen
 
@@ -94,7 +97,8 @@ class TabActions:
                     return conversation.reload()
 
                 conversation.run_job("undoing", lambda progress: session.undo(choice.undo), undone)
-            else:
+            elif choice.max_tokens is not None:
+                limit = choice.max_tokens
 
                 def trimmed(dropped: int):
                     self.notify(
@@ -105,7 +109,7 @@ class TabActions:
 
                 conversation.run_job(
                     "trimming",
-                    lambda progress: session.trim_history(choice.max_tokens, progress),
+                    lambda progress: session.trim_history(limit, progress),
                     trimmed,
                 )
 
@@ -250,7 +254,7 @@ class TabActions:
             if where is None:
                 return
             if where == "disk":
-                await self.app.tab_control.close_conversation(conversation, disk="delete")
+                await self.closer.close_conversation(conversation, disk="delete")
                 self.notify(f"Dropped {name} from memory and disk.", markup=False)
                 return
 
@@ -260,7 +264,7 @@ class TabActions:
                     store.save(conversation.session, name)
 
             async def closed() -> None:
-                await self.app.tab_control.close_conversation(conversation)
+                await self.closer.close_conversation(conversation)
                 self.notify(f"Saved as {name} and closed; reopen it with Ctrl+O.", markup=False)
 
             def saved(_) -> None:
@@ -307,7 +311,7 @@ class TabActions:
                 else:
                     self.app.pool.add(new, conversation.session)
                 conversation.session_name = new
-                if conversation.parent is not None:
+                if conversation.parent is not None and conversation.parent.id is not None:
                     self.app.tabs.get_tab(conversation.parent.id).label = new
                 self.app.refresh_sidebar()
 

@@ -15,11 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from textual import on
-from textual.app import App, ComposeResult, SystemCommand
-from textual.containers import Horizontal
-from textual.css.query import NoMatches
+from textual.app import SystemCommand
 from textual.screen import Screen
-from textual.widgets import Footer, TabbedContent, Tabs
 
 from kvchat import store
 from kvchat.config import Config
@@ -29,35 +26,38 @@ from kvchat.pool import SessionPool
 
 from .actions import TabActions
 from .bindings import APP_BINDINGS, SYSTEM_BINDINGS, TAB_ACTIONS
-from .conflict import Conflicts
 from .expiry import ExpiryTicker
+from .export_actions import ExportActions
 from .keys import BindingGroups, binding_groups, install_keymap, system_commands
+from .layout import TabbedLayout
 from .models import ModelLoader
 from .quitting import Quitter
+from .save_conflicts import Conflicts
 from .screens.help import HelpScreen
 from .screens.picker import SessionPicker, unsaved_drafts
 from .sharded import ONE_TAB, ShardedRun
+from .tab_closer import TabCloser
 from .tabs import TabController
 from .theming import install_themes, remember_theme
-from .transfer import TransferService
-from .widgets.chat import Conversation
-from .widgets.sidebar import CacheInfo, CacheSidebar
-from .widgets.turn_events import Changed, SessionConflict
+from .widgets.chat import Conversation, SessionConflict
 
 
-class KvChatApp(App):
+class KvChatApp(TabbedLayout):
     """kvchat's terminal UI.
 
     ``lm`` is a loaded model (tests pass the demo model); without it the app
     loads ``config.model`` behind a loading screen. ``volatile=False`` hides
     timings and memory figures, so snapshots are deterministic.
 
-    The work is done by collaborators the app holds: ``tab_control`` (a
-    :class:`TabController`: tabs opened, resumed, closed), ``tab_actions`` (a
-    :class:`TabActions`: what the keys do to the active tab), ``model_loader`` (a
-    :class:`ModelLoader`), ``transfer`` (a :class:`TransferService`: export, import),
-    ``expiry`` (an :class:`ExpiryTicker`: idle caches to disk) and, in a sharded run,
-    ``shards`` (a :class:`ShardedRun`). Its ``action_*`` methods call them.
+    Its screen (the tabs, the sidebar) is its base's, :class:`TabbedLayout`. The work is
+    done by collaborators the app holds: ``tab_control`` (a :class:`TabController`: tabs
+    opened, resumed), ``tab_closer`` (a :class:`TabCloser`), ``tab_actions`` (a
+    :class:`TabActions`: what the keys do to the active tab), ``model_loader`` (a :class:`ModelLoader`), ``conflicts`` (a
+    :class:`Conflicts`: a session another kvchat saved meanwhile), ``exports`` (an
+    :class:`ExportActions`: export, import), ``expiry`` (an :class:`ExpiryTicker`: idle
+    caches to disk), ``quitter`` (a :class:`Quitter`) and, in a sharded run, ``shards`` (a
+    :class:`ShardedRun`). Its ``action_*`` methods call them. Each sees the app as an
+    :class:`~kvchat.tui.app_view.AppView` and is given the others it calls.
     """
 
     CSS_PATH = "kvchat.tcss"
@@ -110,14 +110,16 @@ class KvChatApp(App):
             run_worker=lambda work: self.run_worker(work, name="expire", group="pool", thread=True),
             done=self._expired,
         )
-        self.transfer = TransferService(
+        self.exports = ExportActions(
             push_screen=self.push_screen, notify=self.notify, open_saved=self.open_saved
         )
         self.quitter = Quitter(self)
         self.shards: ShardedRun | None = None  # see shard()
         self.tab_control = TabController(self)
-        self.tab_actions = TabActions(self)
-        self.model_loader = ModelLoader(self)
+        self.tab_closer = TabCloser(self)
+        self.tab_actions = TabActions(self, self.tab_closer)
+        self.model_loader = ModelLoader(self, self.tab_control)
+        self.conflicts = Conflicts(self, self.tab_control)
         self._theme_ready = False
         self.keymap: dict[str, str] = {}  # the [keymap] entries in use: binding id -> keys
 
@@ -134,14 +136,6 @@ class KvChatApp(App):
         except ImportError:
             return driver
         return paste_safe(driver)
-
-    # ------------------------------------------------------------- layout
-
-    def compose(self) -> ComposeResult:
-        with Horizontal(id="main"):
-            yield TabbedContent(id="tabs")
-            yield CacheSidebar(volatile=self.volatile, id="sidebar")
-        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         if not self.is_headless:  # a terminal's app: SIGTERM and SIGHUP save, then quit
@@ -174,34 +168,6 @@ class KvChatApp(App):
 
     # ------------------------------------------------------------- tabs
 
-    @property
-    def main_screen(self) -> Screen:
-        """The screen holding the tabs and the sidebar, whatever dialog is on top of it."""
-        return self.screen_stack[0]
-
-    @property
-    def tabs(self) -> TabbedContent:
-        return self.main_screen.query_one("#tabs", TabbedContent)
-
-    @property
-    def sidebar(self) -> CacheSidebar:
-        return self.main_screen.query_one("#sidebar", CacheSidebar)
-
-    def conversations(self) -> list[Conversation]:
-        if not self.screen_stack:  # the app is closing
-            return []
-        return list(self.main_screen.query(Conversation))
-
-    def active_conversation(self) -> Conversation | None:
-        try:
-            pane = self.tabs.active_pane
-        except Exception:
-            return None
-        if pane is None:
-            return None
-        found = pane.query(Conversation)
-        return found.first() if found else None
-
     async def new_tab(self) -> Conversation | None:
         return await self.tab_control.new_tab()
 
@@ -210,28 +176,7 @@ class KvChatApp(App):
 
     @on(SessionConflict)
     def _session_conflict(self, event: SessionConflict) -> None:
-        Conflicts(self).ask(event.conversation)
-
-    @on(TabbedContent.TabActivated)
-    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        self.refresh_sidebar()
-        conversation = self.active_conversation()
-        if conversation is not None and conversation.is_mounted:
-            self.call_later(conversation.focus_input)
-
-    @on(Changed)
-    def _changed(self, event: Changed) -> None:
-        if event.conversation is self.active_conversation():
-            self.refresh_sidebar()
-
-    def refresh_sidebar(self) -> None:
-        try:
-            sidebar = self.sidebar
-        except (IndexError, NoMatches):  # the app is closing: nothing left to draw
-            return
-        conversation = self.active_conversation()
-        sidebar.info = CacheInfo.of(conversation) if conversation else None
-        self.refresh_bindings()
+        self.conflicts.ask(event.conversation)
 
     # ------------------------------------------------------------- actions
 
@@ -255,24 +200,14 @@ class KvChatApp(App):
     async def action_new_tab(self) -> None:
         await self.new_tab()
 
-    def idle_conversation(self):
-        """The active conversation, or None (saying why) when it is busy or there is none;
-        for the actions that must not run during a reply or a job."""
-        conversation = self.active_conversation()
-        if conversation is None or conversation.refuse_if_busy():
-            return None
-        return conversation
-
-    def action_next_tab(self) -> None:
-        self.tabs.query_one(Tabs).action_next_tab()
-
-    def action_previous_tab(self) -> None:
-        self.tabs.query_one(Tabs).action_previous_tab()
-
     def action_stop(self) -> None:
         conversation = self.active_conversation()
         if conversation is not None and conversation.turns.stop():
             self.notify("Stopping…", timeout=2)
+
+    def quitting(self) -> bool:
+        """True once a quit has begun (see :mod:`~kvchat.tui.quitting`): no message starts."""
+        return self.quitter.underway
 
     async def action_quit(self) -> None:
         """Quit, saving every tab with unsaved changes (autosave) or asking (see
@@ -305,11 +240,11 @@ class KvChatApp(App):
     def action_export(self) -> None:
         conversation = self.idle_conversation()
         if conversation is not None:
-            self.transfer.export(conversation.session, conversation.session_name)
+            self.exports.export(conversation.session, conversation.session_name)
 
     def action_import(self) -> None:
         if not self.one_tab_only():
-            self.transfer.import_(
+            self.exports.import_(
                 self.lm.model_id, lambda: [c.session_name for c in self.conversations()]
             )
 
@@ -327,7 +262,7 @@ class KvChatApp(App):
 
     async def action_close_tab(self) -> None:
         if not self.one_tab_only():
-            await self.tab_control.close_tab()
+            await self.tab_closer.close_tab()
 
     def action_new_tab_model(self) -> None:
         if not self.one_tab_only():
@@ -364,11 +299,6 @@ class KvChatApp(App):
     def action_settings(self) -> None:
         self.tab_actions.settings()
 
-    def action_toggle_sidebar(self) -> None:
-        shown = self.sidebar.display
-        self.main_screen.set_class(shown, "-hide-sidebar")
-        self.main_screen.set_class(not shown, "-show-sidebar")
-
     # ------------------------------------------------------------- a sharded run
 
     @property
@@ -380,7 +310,8 @@ class KvChatApp(App):
         Idle caches stay in memory (an offload is one rank's, not every rank's). Which
         cache kinds the model takes is found out now, on every rank together: the kind
         dialog and new sessions then ask rank 0's kept answers, running nothing."""
-        self.shards = ShardedRun(self, lm)
+        self.shards = ShardedRun(self, self.tab_control, lm)
+        self.tab_control.shards = self.shards
         self.shards.probe_kinds()
         self.lm = lm
         self.models.retain(lm)

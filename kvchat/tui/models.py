@@ -8,24 +8,26 @@ controller and its loading screen.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
-from .screens.loading import LoadingScreen
+from .screens.loading import LoadingScreen, loading_progress
 from .screens.settings import ModelDialog
 
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel
 
-    from .app import KvChatApp
+    from .app_view import AppView
+    from .tabs import TabController
 
 
 class ModelLoader:
-    """Loads the app's model at start, and the models of new tabs (Ctrl+N), for ``app``."""
+    """Loads the app's model at start, and the models of new tabs (Ctrl+N), for ``app``;
+    the tabs on them are opened through ``tabs``."""
 
-    def __init__(self, app: KvChatApp) -> None:
+    def __init__(self, app: AppView, tabs: TabController) -> None:
         self.app = app
+        self.tabs = tabs
 
     def load_default(self, spec: str) -> None:
         """Load the app's model in a worker; the app starts when it is ready."""
@@ -46,23 +48,12 @@ class ModelLoader:
         app = self.app
         try:
             with app.scheduler.turn(f"load:{spec}"):
-                lm = app.models.acquire(spec, self.progress_on(app.screen))
+                lm = app.models.acquire(spec, loading_progress(app.screen, app.call_from_thread))
                 self.ready_ahead(lm)
         except ModelLoadError as error:
             app.call_from_thread(app.exit, return_code=2, message=f"kvchat: {error}")
             return
         app.call_from_thread(self.model_ready, lm)
-
-    def progress_on(self, screen: object) -> Callable[[int, int, str], None] | None:
-        """A model's build and load progress (layers written or read, of how many: a demo
-        model's build first says the bytes it takes) for ``screen``, if it is a loading
-        screen; called on the loading thread."""
-        if not isinstance(screen, LoadingScreen):
-            return None
-        app = self.app
-        return lambda done, total, what: app.call_from_thread(
-            screen.set_progress, done, total, what
-        )
 
     def ready_ahead(self, lm: LoadedModel) -> None:
         """In the loading worker, what ``lm``'s first tab and first turn would otherwise
@@ -83,7 +74,7 @@ class ModelLoader:
         app.lm = lm
         if isinstance(app.screen, LoadingScreen):
             app.pop_screen()
-        app.tab_control.open_first()
+        self.tabs.open_first()
 
     def new_tab_model(self) -> None:
         """Ask for a model, then open a new tab on it."""
@@ -93,14 +84,15 @@ class ModelLoader:
                 self.open_model_tab(spec)
 
         app = self.app
-        app.push_screen(ModelDialog(list(app.models.holders()), app.lm.model_id), chosen)
+        current = app.lm.model_id if app.lm else app.config.model
+        app.push_screen(ModelDialog(list(app.models.holders()), current), chosen)
 
     def open_model_tab(self, spec: str) -> None:
         """A new tab on model ``spec``; the loading screen shows while it loads."""
         app = self.app
         if app.models.get(spec) is None:
             app.main_screen.set_focus(None)  # see TabController.open_saved
-            app.push_screen(LoadingScreen(f"Loading model {spec}…", keep=app.tab_control.hold))
+            app.push_screen(LoadingScreen(f"Loading model {spec}…", keep=self.tabs.hold))
         app.run_worker(
             partial(self.load_tab_model, spec), name="load_tab_model", group="load", thread=True
         )
@@ -116,18 +108,18 @@ class ModelLoader:
                 self.ready_ahead(lm)
                 offloaded = app.pool.enforce_budget()  # the new weights count too
         except ModelLoadError as error:
-            app.call_from_thread(app.tab_control.load_failed, str(error))  # type: ignore[arg-type]  # Textual infers Never for an async callback
+            app.call_from_thread(self.tabs.load_failed, str(error))
             return
-        app.call_from_thread(self.model_tab_ready, lm, offloaded)  # type: ignore[arg-type]  # Textual infers Never for an async callback
+        app.call_from_thread(self.model_tab_ready, lm, offloaded)
 
     async def model_tab_ready(self, lm: LoadedModel, offloaded: list[str]) -> None:
         app = self.app
         if isinstance(app.screen, LoadingScreen):
             app.pop_screen()
-        tabs = app.tab_control
+        tabs = self.tabs
         try:
             name = tabs.unique_name()
             await tabs.add_conversation(tabs.new_session(name, lm), name)
         finally:
             app.models.release(lm)  # the worker's hold; the tab's session holds it now
-        app.tab_control.mark_offloaded(offloaded)
+        self.tabs.mark_offloaded(offloaded)

@@ -22,7 +22,7 @@ from kvchat import store
 from .screens.close import CloseDialog
 
 if TYPE_CHECKING:
-    from .app import KvChatApp
+    from .app_view import AppView
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
@@ -30,7 +30,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 class Quitter:
     """The app's way out (a collaborator of :class:`~kvchat.tui.app.KvChatApp`)."""
 
-    def __init__(self, app: KvChatApp) -> None:
+    def __init__(self, app: AppView) -> None:
         self.app = app
         self.underway = False
         self.save_failed = False  # then the next Ctrl+Q quits at once

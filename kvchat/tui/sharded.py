@@ -1,15 +1,16 @@
 """The TUI on rank 0 of a sharded run (``kvchat launch -n 2 -- [TUI options]``).
 
 A sharded run has one tab, on its one model: the other ranks follow one
-session (kvchat/engine/distributed/driver.py). Its session is a
-:class:`~kvchat.engine.distributed.driver.DistributedSession`, which sends every
+session (kvchat/engine/sharding/driver.py). Its session is a
+:class:`~kvchat.engine.sharding.driver.ShardedSession`, which sends every
 operation that changes the cache to every rank; what it cannot send (switching
 a branch, deleting a pair) it refuses in one sentence, shown as a notification.
 The actions that would open, close or move a tab say so in one sentence too. A
 drop (from memory, or from disk on every rank) leaves the tab on a new session.
 
 The app holds a :class:`ShardedRun` (``app.shards``) once :meth:`KvChatApp.shard` has
-given it a model loaded over every rank; its tab controller and actions ask it first.
+given it a model loaded over every rank; its tab controller (whose
+:class:`~kvchat.tui.tabs.OneTabRun` it is) and actions ask it first.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from .screens.drop import DropDialog
 from .screens.loading import LoadingScreen
 
 if TYPE_CHECKING:
-    from .app import KvChatApp
+    from .app_view import AppView
+    from .tabs import TabController
 
 ONE_TAB = (
     "A sharded run has one tab, on its one model: other tabs, models and sessions, "
@@ -32,30 +34,32 @@ ONE_TAB = (
 
 
 class ShardedRun:
-    """The sharded side of ``app``: its one session over the ranks ``lm`` spans."""
+    """The sharded side of ``app``: its one session over the ranks ``lm`` spans, in the
+    tab that ``tabs`` shows."""
 
-    def __init__(self, app: KvChatApp, lm) -> None:
+    def __init__(self, app: AppView, tabs: TabController, lm) -> None:
         self.app = app
+        self.tabs = tabs
         self.lm = lm
 
     def probe_kinds(self) -> None:
         """Find out which cache kinds the model takes, on every rank together (before the
         app runs): the kind dialog and new sessions then ask rank 0's kept answers."""
         from kvchat.engine.caches.kinds import OFFERED_KINDS
-        from kvchat.engine.distributed.driver import probe_kinds
+        from kvchat.engine.sharding.driver import probe_kinds
 
         probe_kinds(self.lm, list(dict.fromkeys([*OFFERED_KINDS, self.app.config.cache])))
 
     def new_session(self, name=None):
         """A new session on every rank (in the app's pool as ``name`` when given)."""
-        from kvchat.engine.distributed.driver import new_session
+        from kvchat.engine.sharding.driver import new_session
         from kvchat.settings import generation_of
 
         app = self.app
         c = app.config
         session = new_session(
             self.lm,
-            kind=app.tab_control.fitting_kind(self.lm),
+            kind=self.tabs.fitting_kind(self.lm),
             system=c.system or None,
             settings=generation_of(c),
         )
@@ -82,13 +86,13 @@ class ShardedRun:
         """Worker: open saved session ``name`` on every rank (each its own cache shard)."""
         from kvchat.sharded.disk import load_session
 
-        tabs = self.app.tab_control
+        tabs = self.tabs
         try:
             loaded = load_session(name, self.lm)
         except store.StoreError as error:
-            self.app.call_from_thread(tabs.load_failed, str(error))  # type: ignore[arg-type]  # Textual infers Never for an async callback
+            self.app.call_from_thread(tabs.load_failed, str(error))
             return
-        self.app.call_from_thread(tabs.loaded, name, loaded, [])  # type: ignore[arg-type]  # Textual infers Never for an async callback
+        self.app.call_from_thread(tabs.loaded, name, loaded, [])
 
     def drop(self) -> None:
         """Drop the tab's session, from memory (saved on every rank first) or from disk
@@ -98,9 +102,10 @@ class ShardedRun:
         conversation = app.idle_conversation()
         if conversation is None:
             return
-        name, fresh = conversation.session_name, app.tab_control.unique_name()
+        name, fresh = conversation.session_name, self.tabs.unique_name()
 
         def drop(from_disk: bool):
+            from kvchat.engine.sharding.driver import ShardedSession
             from kvchat.sharded.disk import delete_session
 
             problem = None
@@ -109,7 +114,9 @@ class ShardedRun:
             else:
                 conversation.save_now()  # every rank's shard, through the pool
             app.pool.drop(name)
-            conversation.session.local.unload()  # rank 0's cache goes now, as the others' do
+            session = conversation.session  # made by new_session (or load): a sharded one
+            if isinstance(session, ShardedSession):
+                session.local.unload()  # rank 0's cache goes now, as the others' do
             return self.new_session(fresh), problem
 
         def chosen(where: str | None) -> None:
@@ -138,5 +145,5 @@ class ShardedRun:
         """Put ``session`` (new, as ``name``) in the place of ``conversation``'s tab."""
         app = self.app
         await app.tabs.remove_pane(conversation.parent.id)
-        await app.tab_control.add_conversation(session, name)
+        await self.tabs.add_conversation(session, name)
         app.notify(problem or said, severity="warning" if problem else "information", markup=False)

@@ -1,25 +1,25 @@
-"""Opening and closing conversations: the first tab when the app starts, new tabs, saved
-sessions loaded (cache included) in a worker, and closing a tab without losing unsaved
-messages.
+"""Opening conversations: the first tab when the app starts, new tabs, saved sessions
+loaded (cache included) in a worker (closing them is :mod:`~kvchat.tui.tab_closer`'s).
 
 The app holds a :class:`TabController` (``app.tab_control``); it uses the app's
-``tabs`` widget, ``pool``, ``models``, ``scheduler``, ``config`` and its dialogs.
+``tabs`` widget, ``pool``, ``models``, ``scheduler``, ``config`` and its dialogs (the app
+as an :class:`~kvchat.tui.app_view.AppView`), and in a sharded run asks its ``shards``
+first.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from textual.widgets import TabPane
 
 from kvchat import drafts, store
 from kvchat.settings import apply_overrides, generation_of
 
-from .conflict import Conflicts
-from .screens.close import CloseDialog
 from .screens.draft import DraftDialog
-from .screens.loading import LoadingScreen
+from .screens.loading import LoadingScreen, loading_progress
 from .screens.picker import UNSENT, SessionPicker, unsaved_drafts
 from .widgets.chat import Conversation
 
@@ -27,14 +27,28 @@ if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
     from kvchat.engine.models.model import LoadedModel
 
-    from .app import KvChatApp
+    from .app_view import AppView
+
+
+class OneTabRun(Protocol):
+    """What a sharded run decides for the tabs (see :class:`~kvchat.tui.sharded.ShardedRun`):
+    its one tab's session, made and opened on every rank."""
+
+    def new_session(self, name: str | None = None) -> Session: ...
+
+    def open_saved(self, name: str) -> None: ...
+
+    def refused(self) -> bool:
+        """True (after saying why) when the run has its tab already."""
+        ...
 
 
 class TabController:
     """New tabs, saved sessions opened into tabs, and tabs closed, for ``app``."""
 
-    def __init__(self, app: KvChatApp) -> None:
+    def __init__(self, app: AppView) -> None:
         self.app = app
+        self.shards: OneTabRun | None = None  # set in a sharded run
         self.numbers = 0  # tabs made so far: each pane's id is its number
         self.held = ""  # typed while a loading screen was up: for the next tab's box
 
@@ -49,9 +63,9 @@ class TabController:
         name = name or self.app.resume
         return LoadingScreen(message, keep=self.hold, transcript=saved_transcript(name))
 
-    def new_session(self, name: str | None = None, lm: LoadedModel | None = None) -> Session:
-        """A new session on ``lm`` (default: the app's model), in the pool under ``name``
-        when given.
+    def new_session(self, name: str | None, lm: LoadedModel) -> Session:
+        """A new session on ``lm`` (in a sharded run: on the run's model, over every rank),
+        in the pool under ``name`` when given.
 
         When the model is free, it starts from a copy of the cached system prompt
         of a live tab with the same model, kind and system prompt
@@ -61,10 +75,9 @@ class TabController:
         from kvchat.engine.conversation.session import Session
 
         app = self.app
-        if app.shards is not None:
-            return app.shards.new_session(name)
+        if self.shards is not None:
+            return self.shards.new_session(name)
         c = app.config
-        lm = lm or app.lm
         settings = generation_of(c)
         system = c.system or None
         kind = self.fitting_kind(lm)
@@ -134,10 +147,11 @@ class TabController:
     async def new_tab(self, name: str | None = None) -> Conversation | None:
         """A new tab on the app's model (none before it is loaded, or in a sharded run
         that has its tab), named ``name`` or the next free ``chat-N``."""
-        if self.app.lm is None or (self.app.shards is not None and self.app.shards.refused()):
+        lm = self.app.lm
+        if lm is None or (self.shards is not None and self.shards.refused()):
             return None
         name = name or self.unique_name()
-        return await self.add_conversation(self.new_session(name), name)
+        return await self.add_conversation(self.new_session(name, lm), name)
 
     async def add_conversation(
         self,
@@ -153,7 +167,9 @@ class TabController:
         app = self.app
         self.numbers += 1
         n = self.numbers
-        conversation = Conversation(session, name, app.scheduler, id=f"conv-{n}")
+        conversation = Conversation(
+            session, name, app.scheduler, keymap=app.keymap, quitting=app.quitting, id=f"conv-{n}"
+        )
         conversation.saved = saved
         conversation.autosave = app.config.autosave
         conversation.pool = app.pool
@@ -204,8 +220,8 @@ class TabController:
         """Show saved session ``name``: its tab if open, else a new tab once it is loaded
         (its model too, if no tab has it) behind the loading screen."""
         app = self.app
-        if app.shards is not None:
-            app.shards.open_saved(name)
+        if self.shards is not None:
+            self.shards.open_saved(name)
             return
         for conversation in app.conversations():
             if conversation.session_name == name:
@@ -238,22 +254,22 @@ class TabController:
             summary = store.summary(name)
             if summary.note:  # damaged: its model is unknown, and the file says why
                 raise store.StoreError(summary.note)
-            model_id = summary.model_id or app.lm.model_id
+            model_id = summary.model_id or (app.lm.model_id if app.lm else app.config.model)
             if screen is not None and app.models.get(model_id) is None:
                 app.call_from_thread(
                     screen.set_message, f"Loading model {model_id} for session {name}…"
                 )
             with app.scheduler.turn(f"load:{name}"):
-                lm = app.models.acquire(model_id, app.model_loader.progress_on(screen))
+                lm = app.models.acquire(model_id, loading_progress(screen, app.call_from_thread))
                 try:
                     loaded = app.pool.open(name, lm, progress)
                 finally:
                     app.models.release(lm)  # the pool holds it for the open session
                 offloaded = app.pool.enforce_budget()
         except (store.StoreError, ModelLoadError) as error:
-            app.call_from_thread(self.load_failed, str(error))  # type: ignore[arg-type]  # Textual infers Never for an async callback
+            app.call_from_thread(self.load_failed, str(error))
             return
-        app.call_from_thread(self.loaded, name, loaded, offloaded)  # type: ignore[arg-type]  # Textual infers Never for an async callback
+        app.call_from_thread(self.loaded, name, loaded, offloaded)
 
     async def loaded(self, name: str, loaded: store.Loaded, offloaded: list[str]) -> None:
         """UI thread: a saved session loaded (``offloaded`` made room for it) into a tab."""
@@ -261,7 +277,7 @@ class TabController:
         if isinstance(app.screen, LoadingScreen):
             app.pop_screen()
         self.mark_offloaded(offloaded)
-        Conflicts(app).warn_if_open_elsewhere(name)
+        warn_if_open_elsewhere(name, app.notify)
         if name not in app.pool:  # loaded outside the pool (a sharded run's)
             app.pool.add(name, loaded.session, loaded.generation)
         # the generation flags given (--temp, --top-k, ...): for this run, over the saved ones
@@ -288,77 +304,6 @@ class TabController:
         if not app.conversations():
             await self.new_tab()
 
-    async def close_tab(self) -> None:
-        """Close the active tab. Unsaved messages are saved first with ``autosave`` on
-        (the default); with it off a dialog asks: Save, Discard or Cancel."""
-        app = self.app
-        conversation = app.idle_conversation()
-        if conversation is None:
-            return
-        name = conversation.session_name
-        if not conversation.unsaved:
-            saved = any(m["role"] == "user" for m in conversation.session.messages)
-            await self.close_conversation(conversation)
-            if saved:
-                app.notify(f"Closed {name}; it is saved (Ctrl+O reopens it).", markup=False)
-            return
-        if app.config.autosave:
-            self.save_and_close(conversation)
-            return
-
-        async def chosen(choice: str | None) -> None:
-            if choice == "save":
-                self.save_and_close(conversation)
-            elif choice == "discard":
-                await self.close_conversation(conversation, disk="discard")
-                app.notify(f"Closed {name} without saving.", markup=False)
-
-        app.push_screen(CloseDialog({name: store.exists(name)}), chosen)
-
-    def save_and_close(self, conversation: Conversation) -> None:
-        """Save ``conversation`` in its worker, then close its tab."""
-        name = conversation.session_name
-
-        async def closed() -> None:
-            await self.close_conversation(conversation)
-            self.app.notify(f"Saved {name} and closed it; Ctrl+O reopens it.", markup=False)
-
-        # then: not from inside the tab's own handler, as removing the tab waits for it
-        conversation.save(lambda _: self.app.call_later(closed))
-
-    async def close_conversation(self, conversation: Conversation, disk: str = "keep") -> None:
-        """Remove a tab and its session from memory; its copy on disk stays (``keep``), goes
-        if only an offload wrote it (``discard``) or goes whatever wrote it (``delete``).
-        Its model is unloaded, in a worker, when no other tab uses it."""
-        app = self.app
-        if conversation.parent is not None and conversation.parent.id is not None:
-            await app.tabs.remove_pane(conversation.parent.id)
-        name = conversation.session_name
-        if disk == "discard":
-            held = app.pool.discard(name, keep_hold=True)
-        else:
-            held = app.pool.drop(name, delete_from_disk=disk == "delete", keep_hold=True)
-        model_id = held.model_id if held is not None else None
-        app.run_worker(
-            partial(self.let_go, conversation.session, model_id),
-            name="let_go",
-            group="close",
-            thread=True,
-        )
-        app.refresh_sidebar()
-
-    def let_go(self, session: Session, model_id: str | None) -> None:
-        """Worker: give back a closed tab's hold on model ``model_id`` (unloading it when no
-        other tab holds it) and free its cache, in turn with the other tabs. (Textual keeps
-        the last worker each thread ran, and with it its arguments, for a while: they
-        name the model rather than hold it.)"""
-        with self.app.scheduler.turn("closing a tab"):
-            lm = self.app.models.get(model_id) if model_id is not None else None
-            if lm is not None:
-                self.app.models.release(lm)
-            del lm
-            session.close()  # drops the session's own reference to the model last
-
     def mark_offloaded(self, offloaded: list[str]) -> None:
         """The tabs whose caches went to disk are saved; the sidebar says offloaded."""
         for conversation in self.app.conversations():
@@ -379,3 +324,17 @@ def saved_transcript(name: str | None, last: int = 40) -> list[tuple[str, str]]:
         return []
     shown = [m for m in messages if m.get("role") in ("system", "user", "assistant")]
     return [(m["role"], str(m.get("content") or "")) for m in shown[-last:]]
+
+
+def warn_if_open_elsewhere(name: str, notify: Callable[..., None]) -> None:
+    """Notify when session ``name`` is open in another live kvchat process."""
+    pids = store.open_elsewhere(name)
+    if pids:
+        which = ", ".join(str(p) for p in pids)
+        notify(
+            f"{name} is open in another kvchat process (pid {which}); saves from both are "
+            "kept (a change made elsewhere comes back as a branch).",
+            severity="warning",
+            markup=False,
+            timeout=10,
+        )

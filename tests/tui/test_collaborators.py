@@ -12,8 +12,8 @@ from kvchat.engine.conversation.session import GenerationSettings, Session
 from kvchat.engine.generation.scheduler import Scheduler
 from kvchat.pool import SessionPool
 from kvchat.tui.expiry import ExpiryTicker
-from kvchat.tui.screens.transfer import ExportDialog
-from kvchat.tui.transfer import TransferService
+from kvchat.tui.export_actions import ExportActions
+from kvchat.tui.screens.export_dialogs import ExportDialog
 from kvchat.tui.widgets.status import holder_name, progress_text, state_text, streaming_text
 
 
@@ -67,12 +67,12 @@ def test_the_expiry_ticker_offloads_idle_caches_and_spares_a_busy_tab(demo_model
     assert not store.exists("busy")
 
 
-def test_the_transfer_service_exports_through_its_dialog_and_never_replaces(
+def test_the_export_actions_export_through_its_dialog_and_never_replaces(
     demo_model, home, tmp_path
 ):
     session = chat(demo_model, "What is a cache?")
     shown, said = [], []
-    service = TransferService(
+    service = ExportActions(
         push_screen=lambda screen, then: shown.append((screen, then)),
         notify=lambda text, **options: said.append(text),
         open_saved=lambda name: None,

@@ -72,7 +72,7 @@ async def test_typing_in_the_filter_lists_only_the_matching_sessions(make_app, d
 async def test_a_damaged_index_is_rebuilt_when_the_picker_opens(make_app, demo_model):
     _save(demo_model, "zoo", "tell me about the zebras and quokkas")
     _save(demo_model, "farm", "the aardvark eats ants with quokkas")
-    store.search.index_path().write_bytes(b"this is no database" * 50)
+    store.search_index.index_path().write_bytes(b"this is no database" * 50)
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)

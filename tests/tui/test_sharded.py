@@ -39,7 +39,7 @@ from kvchat.engine.conversation.session import Session
 from kvchat.tui.sharded import ONE_TAB
 from kvchat.tui.widgets.sidebar import human_bytes
 from tests.helpers import run_bounded
-from tests.test_distributed import CLI, _free_port, in_this_process, kvchat, launched
+from tests.test_sharding import CLI, _free_port, in_this_process, kvchat, launched
 
 from .test_sidebar import flat
 

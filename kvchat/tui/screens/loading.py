@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from textual import events
 from textual.app import ComposeResult
@@ -74,3 +75,14 @@ class LoadingScreen(Screen):
         self.query_one("#loading-message", Static).update(
             f"{self.message} {done:,} of {total:,} {what}"
         )
+
+
+def loading_progress(
+    screen: object, call_from_thread: Callable[..., Any]
+) -> Callable[[int, int, str], None] | None:
+    """A model's build and load progress (layers written or read, of how many: a demo
+    model's build first says the bytes it takes) for ``screen``, if it is a loading
+    screen, reported from the loading thread through ``call_from_thread``."""
+    if not isinstance(screen, LoadingScreen):
+        return None
+    return lambda done, total, what: call_from_thread(screen.set_progress, done, total, what)

@@ -17,7 +17,7 @@ from textual.widgets import Button, DataTable, Input, Static
 
 from kvchat import drafts
 from kvchat.store import SessionSummary, StoreError, exists, matching_sessions
-from kvchat.store.search import REBUILT, sync
+from kvchat.store.search_index import REBUILT, sync
 
 # the widest name and model shown: with the last-used time as _when gives it, every column
 # fits an 80-column terminal (the filter finds a longer name; `sessions list` shows sizes)

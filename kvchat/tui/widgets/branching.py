@@ -21,16 +21,21 @@ if TYPE_CHECKING:
 
     from kvchat.engine.conversation.stats import Refilled
 
-    from .chat import Conversation
+    from .jobs import JobRunner
+    from .tab_view import TabView
+    from .turns import TurnRunner
 
 
 class BranchNavigator:
-    """The message actions of ``conversation`` (a
-    :class:`~kvchat.tui.widgets.chat.Conversation`): it uses the tab's session, its
-    transcript, its turns and jobs, and its notices."""
+    """The message actions of ``conversation`` (the tab, as a
+    :class:`~kvchat.tui.widgets.tab_view.TabView`): it uses the tab's session, its
+    transcript and its notices; it starts its edits and regenerations as turns through
+    ``turns``, its branch switches and deletions as jobs through ``jobs``."""
 
-    def __init__(self, conversation: Conversation) -> None:
+    def __init__(self, conversation: TabView, turns: TurnRunner, jobs: JobRunner) -> None:
         self.conversation = conversation
+        self.turns = turns
+        self.jobs = jobs
         self.code_copies: dict[int, int] = {}  # message index -> code blocks copied so far
 
     def select_last(self) -> None:
@@ -45,7 +50,7 @@ class BranchNavigator:
         copy, or leave the selection."""
         tab = self.conversation
         if event.action == "leave":
-            if not tab.turns.stop():
+            if not self.turns.stop():
                 tab.focus_input()
             return
         if event.action in ("copy", "copy_code"):
@@ -56,7 +61,7 @@ class BranchNavigator:
         message = tab.session.messages[event.index]
         if event.action == "edit":
             if message["role"] != "user":
-                tab.notify(
+                tab.app.notify(
                     "Only your own messages can be edited; r makes a new version of a reply.",
                     severity="warning",
                 )
@@ -72,7 +77,7 @@ class BranchNavigator:
         elif event.action == "delete":
             index = event.index - (message["role"] == "assistant")
             if index < 0 or tab.session.messages[index]["role"] != "user":
-                tab.notify(
+                tab.app.notify(
                     "That reply has no message of yours before it to delete with it.",
                     severity="warning",
                 )
@@ -90,22 +95,22 @@ class BranchNavigator:
         try:
             events = tab.session.edit(index, text)
         except SessionError as error:
-            tab.notify(str(error), severity="warning", markup=False)
+            tab.app.notify(str(error), severity="warning", markup=False)
             return
-        await tab.turns.start(events, text=text, upto=index)
+        await self.turns.start(events, text=text, upto=index)
 
     async def regenerate_at(self, index: int) -> None:
         """A new version of the reply at ``index`` (a new branch)."""
         tab = self.conversation
         if index >= len(tab.session.messages):
-            tab.notify("That message has no reply yet.", severity="warning")
+            tab.app.notify("That message has no reply yet.", severity="warning")
             return
         try:
             events = tab.session.regenerate(index)
         except SessionError as error:
-            tab.notify(str(error), severity="warning", markup=False)
+            tab.app.notify(str(error), severity="warning", markup=False)
             return
-        await tab.turns.start(events, upto=index)
+        await self.turns.start(events, upto=index)
 
     def switch(self, index: int, step: int) -> None:
         """Show the version ``step`` away of the message at ``index`` (a job)."""
@@ -113,7 +118,7 @@ class BranchNavigator:
         session = tab.session
         position = session.branch_position(index)
         if not 1 <= position[0] + step <= position[1]:
-            tab.notify(
+            tab.app.notify(
                 "No other version that way."
                 if position[1] > 1
                 else "This message has no other versions.",
@@ -123,14 +128,14 @@ class BranchNavigator:
 
         def switched(result: Refilled) -> Awaitable[None]:
             k, n = session.branch_position(index)
-            tab.notify(
+            tab.app.notify(
                 f"Version {k} of {n}: kept {result.reused:,} cached tokens, "
                 f"evaluated {result.evaluated:,}.",
                 timeout=6,
             )
             return self.redraw_selecting(index)
 
-        tab.run_job(
+        self.jobs.run(
             "switching branch",
             lambda progress: session.switch_branch(index, step, progress),
             switched,
@@ -142,14 +147,14 @@ class BranchNavigator:
         session = tab.session
 
         def deleted(result: Refilled) -> Awaitable[None]:
-            tab.notify(
+            tab.app.notify(
                 f"Deleted the exchange: kept {result.reused:,} cached tokens, "
                 f"evaluated {result.evaluated:,}.",
                 timeout=6,
             )
             return self.redraw_selecting(min(index, len(session.messages) - 1))
 
-        tab.run_job("deleting", lambda progress: session.delete_pair(index, progress), deleted)
+        self.jobs.run("deleting", lambda progress: session.delete_pair(index, progress), deleted)
 
     async def redraw_selecting(self, index: int) -> None:
         """Draw the transcript again and select the message at ``index`` (if any)."""
@@ -171,7 +176,7 @@ class BranchNavigator:
         if code:
             blocks = code_blocks(content)
             if not blocks:
-                tab.notify("No code block in this message.", severity="warning")
+                tab.app.notify("No code block in this message.", severity="warning")
                 return
             turn = self.code_copies.get(index, 0)
             self.code_copies[index] = turn + 1
@@ -182,4 +187,4 @@ class BranchNavigator:
             where = f"; also in {keep_copy(content)}"
         except OSError as error:
             where = f"; it could not also be written to a file ({error})"
-        tab.notify(f"Copied {what} ({len(content):,} characters){where}.", markup=False)
+        tab.app.notify(f"Copied {what} ({len(content):,} characters){where}.", markup=False)

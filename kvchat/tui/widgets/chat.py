@@ -11,6 +11,7 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
 from textual.reactive import reactive
 from textual.timer import Timer
 from textual.widgets import ProgressBar, Static, TextArea
@@ -21,7 +22,7 @@ from kvchat.tui import prompt_history as history
 
 from .branching import BranchNavigator
 from .chat_input import ChatInput
-from .jobs import JobRunner, Progress
+from .jobs import JobRunner
 from .messages import (
     MessageAction,
     NoticeMessage,
@@ -29,22 +30,32 @@ from .messages import (
 )
 from .status import holder_name, state_text
 from .transcript import selectable, transcript_widgets
-from .turn_events import (
-    Changed,
-    JobFinished,
-    PrefillProgress,
-    ReplyChunk,
-    SessionConflict,
-    Started,
-    TurnFinished,
-    Waiting,
-)
+from .turn_events import JobFinished, PrefillProgress, ReplyChunk, Started, TurnFinished, Waiting
 from .turns import TurnRunner
 
 if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
     from kvchat.engine.generation.scheduler import Scheduler
     from kvchat.pool import SessionPool
+
+    from .tab_view import Progress
+
+
+class Changed(Message):
+    """The conversation's session or state changed: the sidebar should redraw."""
+
+    def __init__(self, conversation: Conversation) -> None:
+        super().__init__()
+        self.conversation = conversation
+
+
+class SessionConflict(Message):
+    """A save of the conversation was refused: another kvchat saved its session since
+    this tab loaded or saved it. The app asks what to do (nothing was overwritten)."""
+
+    def __init__(self, conversation: Conversation) -> None:
+        super().__init__()
+        self.conversation = conversation
 
 
 class Conversation(Vertical):
@@ -73,7 +84,18 @@ class Conversation(Vertical):
     state: reactive[str] = reactive("idle")
     TYPED_DRAFT_S = 0.5  # the message box goes to disk this long after its last change
 
-    def __init__(self, session: Session, name: str, scheduler: Scheduler, *, id: str) -> None:
+    def __init__(
+        self,
+        session: Session,
+        name: str,
+        scheduler: Scheduler,
+        *,
+        keymap: dict[str, str] | None = None,
+        quitting: Callable[[], bool] = bool,
+        id: str,
+    ) -> None:
+        """``keymap``: the app's [keymap] entries in use (binding id -> keys), for the
+        message box's own keys; ``quitting()``: True once the app is quitting."""
         super().__init__(id=id, classes="conversation")
         self.session = session
         self.session_name = name
@@ -82,9 +104,11 @@ class Conversation(Vertical):
         self.figures: CacheFigures | None = None  # the session's, as its running turn began
         self.autosave = False
         self.pool: SessionPool | None = None  # set by the app: where the cache may be offloaded
-        self.branches = BranchNavigator(self)
+        self.keymap = {} if keymap is None else keymap
+        self.quitting = quitting
         self.jobs = JobRunner(self)
-        self.turns = TurnRunner(self)
+        self.turns = TurnRunner(self, self.jobs)
+        self.branches = BranchNavigator(self, self.turns, self.jobs)
         # the running turn's prompt evaluation: tokens done, of how many (for the sidebar)
         self.prefill: tuple[int, int] | None = None
         # the running reply's tokens so far and seconds since its first (for the sidebar)
@@ -130,6 +154,7 @@ class Conversation(Vertical):
             self.prompt_history,
             self.count_tokens,
             lambda: self.busy,
+            keymap=self.keymap,
             classes="input",
             placeholder="Message (Enter sends, Ctrl+J new line)",
         )
@@ -160,6 +185,14 @@ class Conversation(Vertical):
     def input(self) -> ChatInput:
         return self.query_one(ChatInput)
 
+    @property
+    def status_line(self) -> Static:
+        return self.query_one(".status", Static)
+
+    @property
+    def progress_bar(self) -> ProgressBar:
+        return self.query_one(".progress", ProgressBar)
+
     def focus_input(self) -> None:
         self.input.focus()
 
@@ -182,10 +215,16 @@ class Conversation(Vertical):
             else {t.owner: t.session_name for t in self.screen.query(Conversation)}
         )
         holder = holder_name(self.scheduler.running, tabs)
-        self.query_one(".status", Static).update(state_text(state, holder))
+        self.status_line.update(state_text(state, holder))
         if state == "idle":
-            self.query_one(".progress", ProgressBar).display = False
+            self.progress_bar.display = False
+        self.report_changed()
+
+    def report_changed(self) -> None:
         self.post_message(Changed(self))
+
+    def report_conflict(self) -> None:
+        self.post_message(SessionConflict(self))
 
     def refuse_if_busy(self) -> bool:
         """True, with a notice saying what to do, when a reply or a job is running here."""
@@ -205,7 +244,7 @@ class Conversation(Vertical):
         if widgets:
             await log.mount_all(widgets)
         log.scroll_end(animate=False)
-        self.post_message(Changed(self))
+        self.report_changed()
 
     async def add_notice(self, text: str, kind: str = "info") -> None:
         await self.log.mount(NoticeMessage(text, kind))
@@ -252,7 +291,7 @@ class Conversation(Vertical):
             try:
                 self.pool.save(self.session_name)  # the pool then knows it is clean
             except store.SessionChanged:  # another kvchat saved it: nothing was written
-                self.post_message(SessionConflict(self))
+                self.report_conflict()
                 raise
         else:
             store.save(self.session, self.session_name)

@@ -5,7 +5,7 @@ insert a file's text."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from textual import events, work
 from textual.actions import SkipAction
@@ -27,9 +27,6 @@ from kvchat.tui import prompt_history as history
 
 from ..keymap import keys_of
 from ..screens.file_name import FileDialog
-
-if TYPE_CHECKING:
-    from ..app import KvChatApp
 
 
 class ChatInput(TextArea):
@@ -105,12 +102,14 @@ class ChatInput(TextArea):
         prompts: Callable[[], list[str]] = list,
         count_tokens: Callable[[str], int] = len,
         busy: Callable[[], bool] = bool,
+        keymap: dict[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, **kwargs)
         self.prompts = prompts  # the prompts Up walks, newest first (TextArea.history is undo)
         self.count_tokens = count_tokens  # by the tab's tokenizer, for an inserted file
         self.busy = busy  # whether the tab is writing a reply (Esc then stops it first)
+        self.keymap = {} if keymap is None else keymap  # the app's [keymap]: binding id -> keys
         self._walk: list[str] = []  # the history as it was when the walk began
         self._at = -1  # index into _walk of the prompt shown; -1: not walking
 
@@ -134,7 +133,7 @@ class ChatInput(TextArea):
         # TextArea inserts a newline on Enter before bindings are looked at, and a
         # priority binding would run ahead of keys still queued (typed text), so these
         # two are dispatched here, in order with the typing. The others go the usual way.
-        keymap = cast("KvChatApp", self.app).keymap
+        keymap = self.keymap
         for binding in self.BINDINGS:
             if not isinstance(binding, Binding):
                 continue

@@ -11,19 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 from kvchat.engine.conversation.events import SessionError
 
-from .turn_events import Changed, JobFinished, PrefillProgress
+from .turn_events import JobFinished, PrefillProgress
 
 if TYPE_CHECKING:
-    from .chat import Conversation
-
-Progress = Callable[[int, int], None]
+    from .tab_view import Progress, TabView
 
 
 class JobRunner:
     """Runs ``conversation``'s jobs: it uses the tab's scheduler, owner, state, cache
     (loaded back when offloaded) and notices."""
 
-    def __init__(self, conversation: Conversation) -> None:
+    def __init__(self, conversation: TabView) -> None:
         self.conversation = conversation
         self.stopping: threading.Event | None = None  # the running job's stop, if it takes one
 
@@ -96,11 +94,11 @@ class JobRunner:
         tab.state = "idle"
         self.stopping = None
         if event.refusal:
-            tab.notify(event.refusal, severity="warning", markup=False)
+            tab.app.notify(event.refusal, severity="warning", markup=False)
         elif event.error:
             await tab.add_notice(f"{event.label.capitalize()} failed: {event.error}", "error")
         elif event.then is not None:
             outcome = event.then(event.result)
             if hasattr(outcome, "__await__"):
                 await outcome
-        tab.post_message(Changed(tab))
+        tab.report_changed()

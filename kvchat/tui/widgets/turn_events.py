@@ -1,18 +1,15 @@
-"""Messages a conversation's worker threads post back to the UI thread, and ``Changed``,
-which tells the app to redraw the sidebar."""
+"""Messages a conversation's worker threads post back to the UI thread (the messages the
+tab posts to the app are beside it, in ``chat.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from textual.message import Message
 
 from kvchat.engine.conversation.events import TurnDone
 from kvchat.engine.conversation.stats import CacheFigures
-
-if TYPE_CHECKING:
-    from .chat import Conversation
 
 
 class TurnEvent(Message):
@@ -63,22 +60,3 @@ class JobFinished(TurnEvent):
         super().__init__()
         self.label, self.result, self.error, self.then = label, result, error, then
         self.refusal = refusal  # the session refused the job, in one sentence
-
-
-class Changed(Message):
-    """The conversation's session or state changed: the sidebar should redraw.
-    (``conversation`` is the ``Conversation`` widget that posts it; this module, which
-    ``chat.py`` imports, imports it back for type checking only.)"""
-
-    def __init__(self, conversation: Conversation) -> None:
-        super().__init__()
-        self.conversation = conversation
-
-
-class SessionConflict(Message):
-    """A save of the conversation was refused: another kvchat saved its session since
-    this tab loaded or saved it. The app asks what to do (nothing was overwritten)."""
-
-    def __init__(self, conversation: Conversation) -> None:
-        super().__init__()
-        self.conversation = conversation

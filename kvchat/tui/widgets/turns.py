@@ -8,9 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
-
-from textual.widgets import ProgressBar, Static
+from typing import TYPE_CHECKING, Any
 
 from kvchat import drafts, store
 from kvchat.engine.conversation.events import Chunk, Prefill, SessionError, TurnDone
@@ -19,19 +17,11 @@ from kvchat.engine.generation.scheduler import Cancelled
 from .messages import AssistantMessage, BranchBar, UserMessage, Welcome, rebuild_note
 from .status import progress_text, streaming_text
 from .transcript import show_branches_from
-from .turn_events import (
-    Changed,
-    PrefillProgress,
-    ReplyChunk,
-    SessionConflict,
-    Started,
-    TurnFinished,
-    Waiting,
-)
+from .turn_events import PrefillProgress, ReplyChunk, Started, TurnFinished, Waiting
 
 if TYPE_CHECKING:
-    from ..app import KvChatApp
-    from .chat import Conversation
+    from .jobs import JobRunner
+    from .tab_view import TabView
 
 LIVE_S = 0.25  # a streaming reply's count and rate are drawn at most this often
 
@@ -40,8 +30,9 @@ class TurnRunner:
     """Runs ``conversation``'s turns: one at a time, its state (``waiting``,
     ``answering``, ``idle``) kept on the tab, the reply drawn as it comes."""
 
-    def __init__(self, conversation: Conversation) -> None:
+    def __init__(self, conversation: TabView, jobs: JobRunner) -> None:
         self.conversation = conversation
+        self.jobs = jobs  # the tab's: Esc stops a job that takes a stop
         self.reply: AssistantMessage | None = None  # the reply being written
         self.pending_text: str | None = None  # the message the running turn adds
         self.user_widget: UserMessage | None = None
@@ -56,24 +47,24 @@ class TurnRunner:
     async def send(self, text: str) -> bool:
         """Start a turn with ``text``; False (and a notice) if it cannot start now."""
         tab = self.conversation
-        if tab.refuse_if_busy() or cast("KvChatApp", tab.app).quitter.underway:
+        if tab.refuse_if_busy() or tab.quitting():
             return False
         if (
             tab.pool is not None
             and tab.session_name in tab.pool
             and tab.pool.changed_elsewhere(tab.session_name)
         ):
-            tab.post_message(SessionConflict(tab))  # the message stays in the box
+            tab.report_conflict()  # the message stays in the box
             return False
         try:
             events = tab.session.send(text)
         except SessionError as error:
-            tab.notify(str(error), severity="warning", markup=False)
+            tab.app.notify(str(error), severity="warning", markup=False)
             return False
         try:  # on disk before its prefill starts: a crash from now on loses no message
             drafts.keep(tab.session_name, text)
         except (store.StoreError, OSError) as error:
-            tab.notify(
+            tab.app.notify(
                 f"The message could not be kept on disk while it is sent: {error}",
                 severity="warning",
                 markup=False,
@@ -92,7 +83,7 @@ class TurnRunner:
         try:
             events = tab.session.regenerate()
         except SessionError as error:
-            tab.notify(str(error), severity="warning", markup=False)
+            tab.app.notify(str(error), severity="warning", markup=False)
             return False
         await self.start(events, upto=len(tab.session.messages) - 1, then=then)
         return True
@@ -141,7 +132,7 @@ class TurnRunner:
         if tab.state in ("waiting", "answering"):  # waiting, but not queued yet: stop it
             tab.session.stop()  # as soon as it starts
             return True
-        return tab.jobs.stop()  # a job that takes a stop (checking cache kinds)
+        return self.jobs.stop()  # a job that takes a stop (checking cache kinds)
 
     # ------------------------------------------------------- worker thread
 
@@ -211,7 +202,7 @@ class TurnRunner:
         if self.ending():
             return
         tab = self.conversation
-        bar = tab.query_one(".progress", ProgressBar)
+        bar = tab.progress_bar
         # a prefill of a few tokens is over before the bar could be read
         bar.display = (event.total >= 64 or event.unit != "tokens") and event.done < event.total
         bar.update(total=max(1, event.total), progress=event.done)
@@ -220,10 +211,10 @@ class TurnRunner:
         if bar.display:
             elapsed = time.monotonic() - self.since
             status = progress_text(event.label, event.done, event.total, elapsed, event.unit)
-            tab.query_one(".status", Static).update(status)
+            tab.status_line.update(status)
         if event.label == "prefill":
             tab.prefill = (event.done, event.total)
-            tab.post_message(Changed(tab))
+            tab.report_changed()
 
     async def chunk(self, event: ReplyChunk) -> None:
         if self.ending():
@@ -232,7 +223,7 @@ class TurnRunner:
         if self.reply is None:  # the first words: the whole prompt is evaluated
             total = tab.prefill[1] if tab.prefill else 0
             tab.prefill = (total, total)
-            tab.post_message(Changed(tab))
+            tab.report_changed()
             self.reply = AssistantMessage(index=self.reply_index)
             self.since = self.shown = time.monotonic()
             await tab.log.mount(self.reply)
@@ -242,8 +233,8 @@ class TurnRunner:
         if now - self.shown >= LIVE_S or event.tokens == 1:  # a few times a second
             self.shown = now
             tab.streamed = (event.tokens, now - (self.since or now))
-            tab.query_one(".status", Static).update(streaming_text(*tab.streamed))
-            tab.post_message(Changed(tab))
+            tab.status_line.update(streaming_text(*tab.streamed))
+            tab.report_changed()
 
     async def finished(self, event: TurnFinished) -> None:
         tab = self.conversation
@@ -258,7 +249,7 @@ class TurnRunner:
                 await tab.log.mount(Welcome(), before=0)
             if self.pending_text is not None and not tab.input.text:
                 tab.input.text = self.pending_text
-            tab.notify("Cancelled before it started.")
+            tab.app.notify("Cancelled before it started.")
         elif event.error:
             await tab.add_notice(event.error, "error")
         elif event.done is not None:

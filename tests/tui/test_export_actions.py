@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvchat import store
-from kvchat.tui.screens.transfer import ExportDialog, ImportDialog
+from kvchat.tui.screens.export_dialogs import ExportDialog, ImportDialog
 from kvchat.tui.textual_compat import notifications
 
 from .conftest import SIZE, send, settle

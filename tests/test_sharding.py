@@ -30,11 +30,11 @@ from kvchat.cli.launch import _run
 from kvchat.engine.caches.cache_check import Reference
 from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.engine.conversation.session import Session, SessionError, TurnDone
-from kvchat.engine.distributed.driver import LOCAL, UNSHARED, DistributedSession, bind, perform
-from kvchat.engine.distributed.link import Link, OpError, decode_op, encode_op
-from kvchat.engine.distributed.sharding import choose_mode, layout, layout_problem
 from kvchat.engine.models import demo
 from kvchat.engine.models.model import ModelLoadError
+from kvchat.engine.sharding.driver import LOCAL, UNSHARED, ShardedSession, bind, perform
+from kvchat.engine.sharding.link import Link, OpError, decode_op, encode_op
+from kvchat.engine.sharding.sharded_model import choose_mode, layout, layout_problem
 from kvchat.store.cache_file import read_cache
 from kvchat.store.shards import delete_shard, write_shard
 from tests.arch_models import TINY
@@ -326,9 +326,9 @@ def test_launch_runs_only_the_tui_ask_and_replay(args):
     assert "A sharded run runs the TUI (`kvchat launch -n N -- [options]`;" in result.output
 
 
-def test_a_distributed_session_shares_its_stop_and_refuses_what_it_cannot_send(demo_model):
+def test_a_sharded_session_shares_its_stop_and_refuses_what_it_cannot_send(demo_model):
     link = Link(mx.distributed.init())
-    chat = DistributedSession(link, bind(Session(demo_model), link))
+    chat = ShardedSession(link, bind(Session(demo_model), link))
     events = chat.send("hello there")
     chat.stop()  # before the first token: every rank reads rank 0's flag at the same check
     [done] = [e for e in events if isinstance(e, TurnDone)]
@@ -347,7 +347,7 @@ def test_a_restore_from_the_archive_is_an_op_every_rank_performs(demo_model):
     """Rank 0 sends it (the followers' caches follow theirs), and a follower performs it."""
     link = Link(mx.distributed.init())
     settings = GenerationSettings(max_tokens=4)
-    chat = DistributedSession(link, bind(Session(demo_model, settings=settings), link))
+    chat = ShardedSession(link, bind(Session(demo_model, settings=settings), link))
     follower = Session(demo_model, settings=settings)
     for session in (chat, follower):
         for text in ("one", "two"):
@@ -458,7 +458,7 @@ def test_every_public_name_of_a_session_is_sent_to_every_rank_read_locally_or_re
     property and attribute of a Session is one of the three, so that a new one cannot
     run on rank 0 alone unnoticed (``complete`` and ``answer`` once did)."""
     names = {n for n in dir(Session(demo_model)) if not n.startswith("_")}
-    sent = {n for n in vars(DistributedSession) if not n.startswith("_")} - {"count_bytes"}
+    sent = {n for n in vars(ShardedSession) if not n.startswith("_")} - {"count_bytes"}
     assert {"send", "edit", "regenerate", "undo", "reset", "settings"} <= sent
     assert not (sent & LOCAL) and not (sent & UNSHARED) and not (LOCAL & UNSHARED)
     assert names - sent - LOCAL - UNSHARED == set(), "say how a sharded run does these"

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 from kvchat import store
 from kvchat.safety import printable
 
-from .screens.transfer import ExportDialog, ImportDialog
+from .screens.export_dialogs import ExportDialog, ImportDialog
 
 if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
 
 
-class TransferService:
+class ExportActions:
     """Export (Markdown or JSON) and import, each behind its dialog.
 
     ``push_screen(screen, callback)`` shows a dialog, ``notify(text, **options)`` says

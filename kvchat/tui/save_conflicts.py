@@ -1,8 +1,7 @@
 """What a tab does when another kvchat saved its session meanwhile (a save refused with
 ``store.SessionChanged``, or a look before a send): nothing is overwritten; the user
 picks between reloading the session with this tab's turns kept as a branch of it, and
-saving this tab as a new session. Also the warning when a session opened here is open
-in another kvchat process."""
+saving this tab as a new session."""
 
 from __future__ import annotations
 
@@ -15,15 +14,18 @@ from kvchat import store
 from .screens.changed_on_disk import ConflictDialog
 
 if TYPE_CHECKING:
-    from .app import KvChatApp
+    from .app_view import AppView
+    from .tabs import TabController
     from .widgets.chat import Conversation
 
 
 class Conflicts:
-    """Resolves a tab's session conflicts for ``app`` (its pool, tabs and dialogs)."""
+    """Resolves a tab's session conflicts for ``app`` (its pool, tabs and dialogs), opening
+    the reloaded session through ``tabs``."""
 
-    def __init__(self, app: KvChatApp) -> None:
+    def __init__(self, app: AppView, tabs: TabController) -> None:
         self.app = app
+        self.tabs = tabs
 
     def ask(self, conversation: Conversation) -> None:
         """Show the dialog for ``conversation`` (once, however many saves were refused)."""
@@ -31,7 +33,7 @@ class Conflicts:
         if isinstance(app.screen, ConflictDialog):
             return
         name = conversation.session_name
-        new = app.tab_control.unique_name(name)
+        new = self.tabs.unique_name(name)
 
         def chosen(choice: str | None) -> None:
             if choice == "reload":
@@ -62,7 +64,7 @@ class Conflicts:
         draft = conversation.input.text
         if conversation.parent is not None and conversation.parent.id is not None:
             await app.tabs.remove_pane(conversation.parent.id)  # the pool holds the new one
-        shown = await app.tab_control.add_conversation(
+        shown = await self.tabs.add_conversation(
             loaded.session,
             name,
             saved=True,
@@ -103,16 +105,3 @@ class Conflicts:
             )
 
         conversation.run_job("saving", save, saved, needs_cache=False)
-
-    def warn_if_open_elsewhere(self, name: str) -> None:
-        """Notify when session ``name`` is open in another live kvchat process."""
-        pids = store.open_elsewhere(name)
-        if pids:
-            which = ", ".join(str(p) for p in pids)
-            self.app.notify(
-                f"{name} is open in another kvchat process (pid {which}); saves from both are "
-                "kept (a change made elsewhere comes back as a branch).",
-                severity="warning",
-                markup=False,
-                timeout=10,
-            )

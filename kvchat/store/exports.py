@@ -22,7 +22,7 @@ from kvchat.store.core import set_aside, transcript
 from kvchat.store.files import JSON_LIMIT, make_dir, read_regular
 from kvchat.store.lock import session_lock
 from kvchat.store.schema import parse_session
-from kvchat.store.search import index_session
+from kvchat.store.search_index import index_session
 from kvchat.store.session_file import read
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""``python -m kvchat.bench.distributed``: one turn on one rank against two local ranks.
+"""``python -m kvchat.bench.sharded``: one turn on one rank against two local ranks.
 
 The same replay script (one long message, a short reply) runs as ``kvchat replay``
 in one process, once as kvchat runs on one machine and once without the CPU fast
@@ -67,7 +67,7 @@ def run(model: str, chars: int, max_tokens: int, home: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvchat.bench.distributed")
+    parser = argparse.ArgumentParser(prog="python -m kvchat.bench.sharded")
     parser.add_argument("--model", default="demo:llama-3.2-1b")
     parser.add_argument("--chars", type=int, default=2000, help="length of the message")
     parser.add_argument("--max-tokens", type=int, default=16)

@@ -88,7 +88,7 @@ def save_as_branch(session: Session, name: str) -> Generation:
     saved there now, which stays the current path (its cache untouched); return the
     generation written. Messages both share are kept once; every path of ``session``'s
     tree is added, each reply with its turn's stats."""
-    from kvchat.store.search import index_session
+    from kvchat.store.search_index import index_session
 
     with session_lock(name) as folder:
         path = folder / SESSION_FILE

@@ -42,9 +42,9 @@ from kvchat.engine.conversation.events import (
     TurnDone,
 )
 from kvchat.engine.conversation.session import Session
-from kvchat.engine.distributed.link import Link, Op, OpError, SharedStop, linked
-from kvchat.engine.distributed.sharding import ShardedModel, load_sharded
 from kvchat.engine.generation.sampling import Sampler
+from kvchat.engine.sharding.link import Link, Op, OpError, SharedStop, linked
+from kvchat.engine.sharding.sharded_model import ShardedModel, load_sharded
 
 if TYPE_CHECKING:
     from kvchat.engine.caches.kinds import CacheKind
@@ -53,7 +53,7 @@ Progress = Callable[[int, int], None]
 T = TypeVar("T")
 
 # How a sharded run does each public name of a Session, besides the operations that
-# DistributedSession sends to every rank (its own methods). A name in neither set is
+# ShardedSession sends to every rank (its own methods). A name in neither set is
 # refused with AttributeError (tests/test_distributed.py fails on one): a new method
 # that changes the cache or the transcript must not run on rank 0 alone unnoticed.
 LOCAL = frozenset(  # read from rank 0's session: figures, the transcript, flags
@@ -165,10 +165,10 @@ def new_session(
         {"op": "new", "kind": parse_kind(kind).name, "system": system, "settings": asdict(settings)}
     )
     session = Session(lm, kind=kind, system=system, settings=settings)
-    return standing_in(DistributedSession(link, bind(session, link)).count_bytes())
+    return standing_in(ShardedSession(link, bind(session, link)).count_bytes())
 
 
-class DistributedSession:
+class ShardedSession:
     """Rank 0's :class:`Session` of a sharded run: each call that changes the cache is
     sent to every rank first; everything else is the local session's. ``rank_bytes``
     holds each rank's cache bytes as of the end of the last operation."""
@@ -185,7 +185,7 @@ class DistributedSession:
     def settings(self, value: GenerationSettings) -> None:
         self.local.settings = value
 
-    def count_bytes(self) -> DistributedSession:
+    def count_bytes(self) -> ShardedSession:
         """Ask every rank for its cache bytes (into ``rank_bytes``)."""
         self._send("bytes")
         self.rank_bytes = self._link.per_rank(self.local.cache_bytes)
@@ -251,8 +251,8 @@ class DistributedSession:
         return self._then_count("system", lambda: self.local.set_system(text), text=text)
 
 
-def standing_in(session: DistributedSession) -> Session:
-    """Rank 0's :class:`DistributedSession`, handed out where a :class:`Session` goes (the
+def standing_in(session: ShardedSession) -> Session:
+    """Rank 0's :class:`ShardedSession`, handed out where a :class:`Session` goes (the
     TUI's tabs, ``ask``): it sends the calls that change the cache to every rank, and
     every other attribute is its local session's."""
     return cast(Session, session)
