@@ -11,8 +11,8 @@ replies need no special cases.
 A Session is the one public face of its collaborators: ``keeper`` (the cache, the
 ledger, the checkpoints: :mod:`.maintenance`), ``history`` (the messages, their
 branches, the turns' stats: :mod:`.history`), ``runner`` (one turn at a time:
-:mod:`.turn`) and the work between turns (:mod:`.upkeep`). Every change of the
-transcript is a method here that makes the cache follow.
+:mod:`.turn`) and the work between turns (:mod:`.upkeep`); what it shows of them is in
+:mod:`.views`. Every change of the transcript is a method here that makes the cache follow.
 
 :meth:`Session.send` returns a generator of events, mlx-lm style: :class:`Prefill`
 while the prompt is evaluated, a :class:`Chunk` per piece of text and a final
@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from kvchat.engine.caches.checkpoints import Checkpoints
 from kvchat.engine.caches.kinds import CacheKind, parse_kind
 from kvchat.engine.conversation.branches import Branches
 from kvchat.engine.conversation.events import (
@@ -42,10 +41,11 @@ from kvchat.engine.conversation.events import (
 )
 from kvchat.engine.conversation.history import History, Message
 from kvchat.engine.conversation.maintenance import CacheKeeper, Progress, common_prefix
-from kvchat.engine.conversation.stats import CacheChange, CacheFigures, Refilled, TurnStats
+from kvchat.engine.conversation.stats import Refilled, TurnStats
 from kvchat.engine.conversation.template import Variables, render, turn_ends
 from kvchat.engine.conversation.turn import Asked, Plan, Runner
 from kvchat.engine.conversation.upkeep import Upkeep
+from kvchat.engine.conversation.views import SessionViews
 from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import Sampler
 from kvchat.engine.generation.sequence import StopFlag
@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 
-class Session:
+class Session(SessionViews):
     """One conversation with its own prompt cache (one cache object per model layer)."""
 
     def __init__(
@@ -134,123 +134,13 @@ class Session:
             child.attach(*copied)
         return child
 
-    # ----------------------------------------------------------------- views
-
-    @property
-    def messages(self) -> list[Message]:
-        """The transcript (a copy: it changes through this session's methods only)."""
-        return [dict(m) for m in self.history.messages]
-
-    @property
-    def ledger(self) -> list[int]:
-        """The tokens the cache holds, in order (a copy)."""
-        return list(self.keeper.ledger)
-
-    @property
-    def kind(self) -> CacheKind:
-        return self.keeper.kind
-
-    @property
-    def cache(self) -> list[Any]:
-        return self.keeper.cache
-
-    @property
-    def checkpoints(self) -> Checkpoints:
-        return self.keeper.checkpoints
-
-    @property
-    def turns(self) -> list[TurnStats]:
-        """One entry per reply on the current path, oldest first (a copy)."""
-        return list(self.history.turns)
-
-    @property
-    def archived(self) -> list[Message]:
-        """Exchanges :meth:`trim_history` and :meth:`undo` dropped, kept for the record and
-        for :meth:`restore_archived` (a copy)."""
-        return list(self.history.archived)
-
-    @property
-    def branches(self) -> Branches:
-        """Every path the messages have taken."""
-        return self.history.branches
-
-    @property
-    def system(self) -> str | None:
-        return self.history.system
-
-    @property
-    def answering(self) -> bool:
-        """Whether a turn of this session is running (its cache and ledger are the
-        turn's until it ends: views read :meth:`figures` taken before)."""
-        return self.runner.busy
-
-    @property
-    def cache_tokens(self) -> int:
-        """Tokens whose keys and values the cache holds now."""
-        return self.keeper.tokens
-
-    @property
-    def cache_bytes(self) -> int:
-        """Bytes the held tokens take (what a save writes)."""
-        return self.keeper.nbytes
-
-    @property
-    def allocated_bytes(self) -> int:
-        """Bytes the cache's buffers hold in memory, free slots included."""
-        return self.keeper.allocated
-
-    @property
-    def pending_rebuild(self) -> str | None:
-        """Why the cache was emptied since the last turn (reset, failed turn, ...), if it was."""
-        return self.keeper.pending_rebuild
-
-    @property
-    def last_change(self) -> CacheChange | None:
-        """Maintenance work on the cache since the last turn (undo, trim...), if any."""
-        return self.keeper.last_change
-
-    @property
-    def last_stats(self) -> TurnStats | None:
-        turns = self.history.turns
-        return turns[-1] if turns else None
-
-    @property
-    def prompt_logprobs(self) -> tuple[int, mx.array] | None:
-        """The log-probabilities at the end of the last prompt and its length: with the
-        checkpoint there, a regenerate samples from them and evaluates nothing."""
-        return self.keeper.prompt_logprobs
-
-    @prompt_logprobs.setter
-    def prompt_logprobs(self, value: tuple[int, mx.array]) -> None:
-        self.keeper.prompt_logprobs = value
-
-    def figures(self) -> CacheFigures:
-        """What the views show of this session, as of now (call it between turns)."""
-        return CacheFigures.of(self.keeper, self.history)
+    # ----------------------------------------------------------------- rendering
 
     def render(
         self, messages: list[Message], generation_prompt: bool, *, variables: Variables = None
     ) -> list[int]:
         """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
         return render(self.lm, messages, generation_prompt, self.tools, variables)
-
-    def talk(self) -> list[Message]:
-        """The messages without the system prompt: what the branches are made of."""
-        return self.history.talk()
-
-    def branch_record(self) -> dict[str, Any] | None:
-        """The branches as saved in ``session.json``; None while there is only one path.
-        Changes nothing (a save may read it while another thread holds the session)."""
-        return self.history.branch_record()
-
-    def branch_positions(self) -> list[tuple[int, int]]:
-        """(k, n) for each message of ``messages``: it is version k of n (1 of 1 for the
-        system prompt, and for all while the tree has not caught up with the messages)."""
-        return self.history.positions()
-
-    def branch_position(self, index: int) -> tuple[int, int]:
-        """(k, n): the message at ``index`` of ``messages`` is version k of n."""
-        return self.history.positions()[index]
 
     def turn_ends(
         self, messages: list[Message], tokens: list[int], after: int = 0
