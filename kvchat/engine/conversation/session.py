@@ -17,19 +17,22 @@ branches, the turns' stats: :mod:`.history`), ``runner`` (one turn at a time:
 :meth:`Session.send` returns a generator of events, mlx-lm style: :class:`Prefill`
 while the prompt is evaluated, a :class:`Chunk` per piece of text and a final
 :class:`TurnDone` with the reply and its stats. The TUI and the CLI read the same stream.
+A request's own inputs (its sampling, tools, template variables, logprobs, logits
+processors) are a :class:`TurnOptions` passed to the turn; the session keeps only its
+own ``settings``, which a turn without options samples with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
-
-import mlx.core as mx
 
 from kvchat.engine.caches.kinds import CacheKind, parse_kind
 from kvchat.engine.conversation.branches import Branches
 from kvchat.engine.conversation.events import (
+    ASK_NOTHING,
     Chunk,
     Event,
     GenerationSettings,
@@ -38,12 +41,13 @@ from kvchat.engine.conversation.events import (
     SessionError,
     Turn,
     TurnDone,
+    TurnOptions,
 )
 from kvchat.engine.conversation.history import History, Message
 from kvchat.engine.conversation.maintenance import CacheKeeper, Progress, common_prefix
 from kvchat.engine.conversation.stats import Refilled, TurnStats
 from kvchat.engine.conversation.template import Variables, render, turn_ends
-from kvchat.engine.conversation.turn import Asked, Plan, Runner
+from kvchat.engine.conversation.turn import Plan, Runner
 from kvchat.engine.conversation.upkeep import Upkeep
 from kvchat.engine.conversation.views import SessionViews
 from kvchat.engine.generation.per_model import core_for
@@ -63,6 +67,7 @@ __all__ = [
     "SessionBusy",
     "SessionError",
     "TurnDone",
+    "TurnOptions",
 ]
 
 
@@ -84,13 +89,7 @@ class Session(SessionViews):
         if system and not (messages and messages[0]["role"] == "system"):
             messages.insert(0, {"role": "system", "content": system})
         self.history = History(messages)
-        # the tools (OpenAI function specs) the chat template offers the model, if any
-        self.tools: list[dict[str, Any]] | None = None
         self.keeper = CacheKeeper(lm, parse_kind(kind), self._system_tokens)
-        # set to a count to have turns yield TokenLogprobs with that many alternatives
-        self.report_logprobs: int | None = None
-        # mlx-lm logits processors every sampled token goes through (constrained decoding)
-        self.logits_processors: list[Callable[[mx.array, mx.array], mx.array]] = []
         self.runner = Runner()  # one turn at a time, and its stop flag
 
     @classmethod
@@ -137,54 +136,65 @@ class Session(SessionViews):
     # ----------------------------------------------------------------- rendering
 
     def render(
-        self, messages: list[Message], generation_prompt: bool, *, variables: Variables = None
+        self,
+        messages: list[Message],
+        generation_prompt: bool,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        variables: Variables = None,
     ) -> list[int]:
-        """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
-        return render(self.lm, messages, generation_prompt, self.tools, variables)
+        """Token ids of ``messages`` through the model's chat template, offering ``tools``
+        (OpenAI's function specs) with the template's ``variables``, as a request asks."""
+        return render(self.lm, messages, generation_prompt, tools, variables)
 
     def turn_ends(
-        self, messages: list[Message], tokens: list[int], after: int = 0
+        self,
+        messages: list[Message],
+        tokens: list[int],
+        after: int = 0,
+        options: TurnOptions = ASK_NOTHING,
     ) -> frozenset[int]:
-        """Where in ``tokens`` (``messages`` rendered) the turns ending past token ``after`` end
-        (:func:`.template.turn_ends`): checkpoints go there; none for a cache that keeps none."""
+        """Where in ``tokens`` (``messages`` rendered, with the ``options``' tools and template
+        variables) the turns ending past token ``after`` end (:func:`.template.turn_ends`):
+        checkpoints go there; none for a cache that keeps none."""
         if not self.keeper.stateful:
             return frozenset()
-        return turn_ends(self.render, messages, tokens, after)
+        rendered = partial(self.render, tools=options.tools, variables=options.variables)
+        return turn_ends(rendered, messages, tokens, after)
 
     def _system_tokens(self) -> int:
         return len(self.render(self.history.messages[:1], False)) if self.system else 0
 
     # ----------------------------------------------------------------- turns
 
-    def send(self, text: str | Message, start: str = "", variables: Variables = None) -> Turn:
-        """Add a user message (text, or a message with a ``name``) and stream the reply (bad input
-        raises :class:`SessionError` here, before any change). ``start``: the reply's given start,
-        which the turn continues; ``variables``: the chat template's for this turn."""
-        return self._turn(self.history.asking(text), start, variables)
+    def send(self, text: str | Message, options: TurnOptions = ASK_NOTHING) -> Turn:
+        """Add a user message (text, or a message with a ``name``) and stream the reply, as the
+        request's ``options`` ask (bad input raises :class:`SessionError` here, before any
+        change)."""
+        return self._turn(self.history.asking(text), options)
 
-    def complete(self, text: str) -> Turn:
-        """Continue ``text`` as written, without the chat template. The transcript becomes
-        ``text`` as one user message, then the reply; the ledger is ``text``'s own tokens,
-        so a later prompt that extends ``text`` reuses the cache."""
-        return self._run(lambda: Plan.plain(self.lm, text))
+    def complete(self, text: str, options: TurnOptions = ASK_NOTHING) -> Turn:
+        """Continue ``text`` as written, without the chat template (so without the ``options``'
+        start, tools and template variables). The transcript becomes ``text`` as one user
+        message, then the reply; the ledger is ``text``'s own tokens, so a later prompt that
+        extends ``text`` reuses the cache."""
+        return self._run(lambda: Plan.plain(self.lm, text), options)
 
-    def answer(
-        self, results: Sequence[Message] = (), start: str = "", variables: Variables = None
-    ) -> Turn:
-        """Reply to the transcript with ``results`` added (``start``, ``variables``: as
-        :meth:`send`'s): its last message must be a tool's result (the caller ran the tool)."""
-        return self._turn(self.history.answering(results), start, variables)
+    def answer(self, results: Sequence[Message] = (), options: TurnOptions = ASK_NOTHING) -> Turn:
+        """Reply to the transcript with ``results`` added, as :meth:`send` does: its last
+        message must be a tool's result (the caller ran the tool)."""
+        return self._turn(self.history.answering(results), options)
 
-    def edit(self, index: int, text: str) -> Turn:
+    def edit(self, index: int, text: str, options: TurnOptions = ASK_NOTHING) -> Turn:
         """Replace the user message at ``index`` with ``text`` and stream a new reply; what
         followed it stays as another branch."""
-        return self._turn(self.history.edited(index, text))
+        return self._turn(self.history.edited(index, text), options)
 
-    def regenerate(self, index: int | None = None) -> Turn:
+    def regenerate(self, index: int | None = None, options: TurnOptions = ASK_NOTHING) -> Turn:
         """A new version of the reply at ``index`` (the last message by default); the old
         one and what followed it stay as another branch. For the last reply the prompt is
         in the cache already, with its logits: no prefill."""
-        return self._turn(self.history.regenerating(index))
+        return self._turn(self.history.regenerating(index), options)
 
     def stop(self) -> None:
         """Ask the running turn to stop after its current token (thread-safe)."""
@@ -209,10 +219,11 @@ class Session(SessionViews):
         branches record them at that turn (an old path stays as another branch)."""
         return self._upkeep.replace(messages)
 
-    def revise_reply(self, message: Message, variables: Variables = None) -> None:
+    def revise_reply(self, message: Message, options: TurnOptions = ASK_NOTHING) -> None:
         """Put ``message`` (the reply a client got: cut at a stop string, or with its tool calls)
-        in place of the last reply, on its branch too; the cache follows (``variables`` given)."""
-        self._upkeep.revise_reply(message, variables)
+        in place of the last reply, on its branch too; the cache follows (the transcript
+        rendered with the tools and template variables of the turn's ``options``)."""
+        self._upkeep.revise_reply(message, options)
 
     def sync(self) -> None:
         """Trim the cache to what the transcript renders to now."""
@@ -281,10 +292,13 @@ class Session(SessionViews):
 
     # ----------------------------------------------------------------- turns, run
 
-    def _turn(self, messages: list[Message], start: str = "", variables: Variables = None) -> Turn:
-        return self._run(lambda: Plan.chat(self.lm, messages, self.tools, start, variables))
+    def _turn(self, messages: list[Message], options: TurnOptions) -> Turn:
+        return self._run(lambda: Plan.chat(self.lm, messages, options), options)
 
-    def _run(self, plan: Callable[[], Plan]) -> Turn:
+    def _run(self, plan: Callable[[], Plan], options: TurnOptions) -> Turn:
         core_for(self.lm).expect()  # before the prompt is tokenized: turns sent at once
-        asked = Asked(self.settings, self.logits_processors, self.report_logprobs)
-        return self.runner.start(self.lm, self.keeper, self.history, plan(), asked, self.turn_ends)
+        settings = options.sampling(self.settings)
+        ends = partial(self.turn_ends, options=options)
+        return self.runner.start(
+            self.lm, self.keeper, self.history, plan(), settings, options, ends
+        )
