@@ -10,11 +10,11 @@ over the link (kvchat/engine/distributed/link.py), and rank 0 then performs it o
 carries the session's settings and the request's :class:`TurnOptions`, so that every rank
 samples, feeds and reports alike. Every rank thus runs the same forward passes on the same
 tokens, so the collectives inside the sharded model meet, every rank's cache shard holds
-the one ledger, and greedy
-sampling agrees (the logits are the same on every rank after the model's own all-sum
-or all-gather), and every rank takes rank 0's sampled token all the same (temperature
-sampling is seeded alike on every rank too). Loading, saving and dropping a session's
-files on every rank is the layer above the engine and the store (kvchat/sharded/disk.py).
+the one ledger, and greedy sampling agrees (the logits are the same on every rank after
+the model's own all-sum or all-gather), and every rank takes rank 0's sampled token all
+the same (temperature sampling is seeded alike on every rank too). Loading, saving and
+dropping a session's files on every rank is the layer above the engine and the store
+(kvchat/sharded/disk.py).
 
 A session's stop flag is shared (:class:`SharedStop`): each check of it during a
 turn is a collective carrying rank 0's flag, so a stop ends the turn after the
