@@ -30,6 +30,7 @@ from kvchat.engine.conversation.events import (
     GenerationSettings,
     TokenLogprobs,
     TurnDone,
+    TurnOptions,
 )
 from kvchat.engine.conversation.session import Session
 from kvchat.engine.generation.gate import GATE
@@ -119,10 +120,9 @@ def conversations(
 
 def _read(session: Session, conv: Conversation, pause: Callable[[], None]) -> Reply:
     """Run ``conv``'s turn in ``session``, reading its events as a client does."""
-    session.report_logprobs = conv.logprobs
     pieces, logprobs = 0, []
     done = None
-    for event in session.send(conv.text):
+    for event in session.send(conv.text, TurnOptions(report_logprobs=conv.logprobs)):
         pause()
         if isinstance(event, TokenLogprobs):
             logprobs.append(event.logprob)

@@ -8,7 +8,7 @@ import pytest
 from serve_helpers import Server, chat, chat_streamed
 
 from kvchat import store
-from kvchat.engine.conversation.events import GenerationSettings, TurnDone
+from kvchat.engine.conversation.events import GenerationSettings, TurnDone, TurnOptions
 from kvchat.engine.conversation.session import Session
 from kvchat.engine.conversation.template import render
 
@@ -30,7 +30,7 @@ def continued(lm, history: list[dict], question: str) -> tuple[list[int], TurnDo
         tokenize=False,
     )
     fresh = Session(lm, settings=GenerationSettings(max_tokens=12), messages=history)
-    *_, done = fresh.send(question, start=START)
+    *_, done = fresh.send(question, TurnOptions(start=START))
     assert isinstance(done, TurnDone) and done.stats.reused_tokens == 0
     return list(lm.tokenizer.encode(prompt, add_special_tokens=False)), done
 

@@ -15,7 +15,7 @@ import json
 import os
 import socket
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,11 +28,18 @@ from kvchat import sessions, store
 from kvchat.cli import app
 from kvchat.cli.launch import _run
 from kvchat.engine.caches.cache_check import Reference
-from kvchat.engine.conversation.events import GenerationSettings
+from kvchat.engine.conversation.events import GenerationSettings, TokenLogprobs, TurnOptions
 from kvchat.engine.conversation.session import Session, SessionError, TurnDone
 from kvchat.engine.models import demo
 from kvchat.engine.models.model import ModelLoadError
-from kvchat.engine.sharding.driver import LOCAL, UNSHARED, ShardedSession, bind, perform
+from kvchat.engine.sharding.driver import (
+    LOCAL,
+    UNSHARED,
+    ShardedSession,
+    bind,
+    options_from,
+    perform,
+)
 from kvchat.engine.sharding.link import Link, OpError, decode_op, encode_op
 from kvchat.engine.sharding.sharded_model import choose_mode, layout, layout_problem
 from kvchat.store.cache_file import read_cache
@@ -360,6 +367,54 @@ def test_a_restore_from_the_archive_is_an_op_every_rank_performs(demo_model):
     for session in (chat, follower):
         assert session.messages[-2:] == undone and session.archived == []
     assert chat.ledger == follower.ledger
+
+
+class Recording(Link):
+    """A link that keeps each operation rank 0 sends (as it travels: encoded, decoded)."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.sent: list[dict] = []
+
+    def broadcast(self, op=None):
+        received = super().broadcast(op)
+        self.sent.append(received)
+        return received
+
+
+def test_a_turns_options_go_to_every_rank_with_its_op(demo_model):
+    """Rank 0 sends the request's options with the turn's op (every rank samples, feeds and
+    reports alike); a follower's turn from that op is rank 0's, and neither session takes
+    the options as its own settings. Logits processors cannot travel: refused, nothing sent."""
+    link = Recording(mx.distributed.init())
+    own = GenerationSettings(max_tokens=6)
+    chat = ShardedSession(link, bind(Session(demo_model, settings=own), link))
+    follower = Session(demo_model, settings=replace(own))
+    options = TurnOptions(
+        settings=GenerationSettings(max_tokens=3, temp=1.0, seed=4, ignore_eos=True),
+        start="Well,",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        variables={"enable_thinking": False},
+        report_logprobs=2,
+    )
+    mine = list(chat.send("hello there", options))
+    [op] = [o for o in link.sent if o["op"] == "send"]
+    assert options_from(op["options"]) == options and op["settings"] == asdict(own)
+    theirs = list(perform(follower, op, link))
+    said = []
+    for events in (mine, theirs):
+        [done] = [e for e in events if isinstance(e, TurnDone)]
+        assert done.reply.startswith("Well,") and done.stats.generated_tokens == 3
+        reported = [(e.token, len(e.top)) for e in events if isinstance(e, TokenLogprobs)]
+        assert reported == [(t, 2) for t in done.tokens]
+        said.append((done.reply, done.tokens))
+    assert said[0] == said[1] and chat.ledger == follower.ledger
+    assert chat.settings == own == follower.settings == GenerationSettings(max_tokens=6)
+
+    sent = len(link.sent)
+    with pytest.raises(SessionError, match="^A sharded run cannot constrain a reply's tokens"):
+        chat.send("again", TurnOptions(logits_processors=(lambda tokens, logits: logits,)))
+    assert len(link.sent) == sent and chat.messages == follower.messages
 
 
 LOST = (  # what mlx.launch relays when rank 1 is killed mid-turn (a line of rank 0's cut)

@@ -57,7 +57,9 @@ def test_turn_ends_are_the_newest_of_every_prefixes_in_few_renderings(
 
     rendered = []
     render = session.render
-    monkeypatch.setattr(session, "render", lambda m, g: rendered.append(len(m)) or render(m, g))
+    monkeypatch.setattr(
+        session, "render", lambda m, g, **kw: rendered.append(len(m)) or render(m, g, **kw)
+    )
     for after in (0, every[len(every) // 2], every[-2], every[-1]):
         rendered.clear()
         want = [e for e in every if e > after][-limit:]
@@ -72,7 +74,9 @@ def test_a_rebuild_keeps_the_checkpoints_that_every_prefix_would_give(arch, monk
         turn(session, f"Question {i} about the fox?")
     reference = Session(lm, settings=session.settings, messages=list(session.messages))
     monkeypatch.setattr(
-        reference, "turn_ends", lambda m, t, after=0: frozenset(every_turn_end(reference, m, t))
+        reference,
+        "turn_ends",
+        lambda m, t, after=0, **_: frozenset(every_turn_end(reference, m, t)),
     )
     for s in (session, reference):
         s.rebuild("a test")

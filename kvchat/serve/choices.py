@@ -4,8 +4,8 @@ of them together in the generation core.
 
 Reply ``i`` is sampled with the request's ``seed`` + ``i`` (when it gives one), so reply
 0 is the reply the same request with ``n`` = 1 gets, and seeded replies differ from one
-another at a temperature above 0. The session keeps reply 0; the forks go with the
-request.
+another at a temperature above 0 (:func:`reply_options`). The session keeps reply 0; the
+forks go with the request.
 """
 
 from __future__ import annotations
@@ -19,26 +19,33 @@ from kvchat.engine.conversation.turn import prime
 from kvchat.engine.generation.threads import clear_mlx_at_thread_end
 
 if TYPE_CHECKING:
-    from kvchat.engine.conversation.events import Turn
+    from kvchat.engine.conversation.events import Turn, TurnOptions
     from kvchat.engine.conversation.session import Session
 
 T = TypeVar("T")
 
 
-def fork_replies(session: Session, prompt: list[int], n: int) -> tuple[list[Session], int, int]:
+def fork_replies(
+    session: Session, prompt: list[int], n: int, options: TurnOptions
+) -> tuple[list[Session], int, int]:
     """Evaluate ``prompt`` (its tokens, as the next turn renders them) but its last token
-    into ``session``'s cache and make ``n`` - 1 forks of it, each with the session's
-    settings and its own seed. Returns the forks, the prompt tokens the cache held before
-    and the tokens evaluated."""
-    kept, evaluated = prime(session.lm, session.keeper, prompt, session.settings.prefill_step)
-    forks = []
-    seed = session.settings.seed
-    for i in range(1, n):
-        fork = session.fork_prefix(session.messages, tokens=prompt)
-        fork.settings = replace(session.settings, seed=None if seed is None else seed + i)
-        fork.tools, fork.report_logprobs = session.tools, session.report_logprobs
-        forks.append(fork)
+    into ``session``'s cache, in chunks of the request's prefill step, and make ``n`` - 1
+    forks of it. Returns the forks, the prompt tokens the cache held before and the tokens
+    evaluated."""
+    step = options.sampling(session.settings).prefill_step
+    kept, evaluated = prime(session.lm, session.keeper, prompt, step)
+    forks = [session.fork_prefix(session.messages, tokens=prompt) for _ in range(1, n)]
     return forks, kept, evaluated
+
+
+def reply_options(options: TurnOptions, n: int) -> list[TurnOptions]:
+    """What each of ``n`` replies asks: ``options``, reply ``i`` with the request's seed + ``i``
+    (when it gives one)."""
+    settings = options.settings
+    if settings is None or settings.seed is None:
+        return [options] * n
+    seed = settings.seed
+    return [replace(options, settings=replace(settings, seed=seed + i)) for i in range(n)]
 
 
 def read_together(

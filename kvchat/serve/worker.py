@@ -25,37 +25,28 @@ from dataclasses import replace
 from itertools import count
 from typing import TYPE_CHECKING, cast
 
-from mlx_lm.sample_utils import make_logits_processors
-
 from kvchat import store
-from kvchat.engine.conversation.events import (
-    GenerationSettings,
-    SessionError,
-    Turn,
-    TurnDone,
-)
-from kvchat.engine.conversation.template import Variables, encode_plain, renders_names
+from kvchat.engine.conversation.events import GenerationSettings, SessionError, Turn
+from kvchat.engine.conversation.template import encode_plain, renders_names
 from kvchat.engine.conversation.turn import Plan
 from kvchat.engine.generation.scheduler import Scheduler
 from kvchat.engine.generation.threads import MlxThreadPool
-from kvchat.settings import GENERATION, apply_overrides
+from kvchat.settings import GENERATION
 
 from . import anonymous
-from .choices import fork_replies, read_together
-from .constrain import JsonConstraint
+from .choices import fork_replies, read_together, reply_options
 from .errors import ApiError
 from .jobs import Answer, Finished, Job, Started, finished, stream_reply, together
 from .matching import Match, Matcher
 from .schema import ChatRequest, CompletionRequest
 from .tools import marker as tool_marker
-from .tools import plain, split
+from .tools import plain
+from .turns import answer, processors, turn_of, turn_options
 
 if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
     from kvchat.engine.models.model import LoadedModel
     from kvchat.pool import SessionPool
-
-Request = ChatRequest | CompletionRequest
 
 
 class Engine:
@@ -240,29 +231,24 @@ class Engine:
 
     def _reply(self, job: Job, match: Match) -> Finished:
         req = job.request
-        tools = req.tool_specs() if isinstance(req, ChatRequest) else None
-        start = req.start() if isinstance(req, ChatRequest) else ""  # the reply continues it
-        variables = req.template_variables(self.lm) if isinstance(req, ChatRequest) else None
         session = match.session
-        kept_settings = session.settings
-        # the server's settings, then the request's: a field it leaves out is the server's
-        session.settings = apply_overrides(replace(kept_settings, **self.sampling), req.sampling())
-        session.report_logprobs = req.logprobs_wanted()
-        session.tools = tools
+        # the server's settings over the session's, then the request's
+        options = turn_options(self.lm, req, replace(session.settings, **self.sampling))
         sessions, primed = [session], None
         try:
             new = req.new_messages(renders_names(self.lm)) if isinstance(req, ChatRequest) else []
             if req.n > 1:  # one prompt, n replies: evaluated once, then forked
-                asked = [*session.messages, *new]
-                prompt = Plan.chat(self.lm, asked, tools, start, variables).prompt
+                prompt = Plan.chat(self.lm, [*session.messages, *new], options).prompt
                 with self._prompts:
-                    forks, *primed = fork_replies(session, prompt, req.n)
+                    forks, *primed = fork_replies(session, prompt, req.n, options)
                 sessions += forks
-            for each in sessions:
-                each.logits_processors = self._processors(job)
-            turns = [self._turn_of(each, req, new, start, variables) for each in sessions]
+            # each reply's own seed and processors (a constraint follows one reply's tokens)
+            asked = [
+                replace(each, logits_processors=processors(self.lm, req, job.grammar))
+                for each in reply_options(options, len(sessions))
+            ]
+            turns = [turn_of(*each, req, new) for each in zip(sessions, asked, strict=True)]
         except BaseException as exc:  # no reply ran: the session is as it was
-            self._unset(session, kept_settings)
             for fork in sessions[1:]:
                 fork.close()
             if not isinstance(exc, SessionError):
@@ -276,6 +262,7 @@ class Engine:
             raise ApiError(400, str(exc), param=param, code=code) from None
         job.sessions = sessions
         job.emit(Started(match))
+        tools = options.tools
         calls_wanted = (
             isinstance(req, ChatRequest) and tools is not None and req.tool_choice != "none"
         )
@@ -284,13 +271,14 @@ class Engine:
 
         def read(index: int, one: Session, turn: Turn) -> Answer:
             streamed = stream_reply(job, one, turn, stops, self._prompts, marker, index)
-            return self._answer(req, streamed, tools if calls_wanted else None)
+            return answer(self.lm, req, streamed, tools if calls_wanted else None)
 
         try:
             answers = read_together(sessions, turns, read)
             first = answers[0]
             # the transcript keeps what the client got after the start it gave (rendered
             # with this request's tools and variables), and the cache follows it
+            start = options.start
             with self.scheduler.turn(job.owner):
                 if first.calls:
                     session.revise_reply(
@@ -299,14 +287,13 @@ class Engine:
                             "content": start + first.content,
                             "tool_calls": plain(first.calls),
                         },
-                        variables,
+                        options,
                     )
                 elif first.hit_stop:
                     revised = {"role": "assistant", "content": start + first.reply}
-                    session.revise_reply(revised, variables)
+                    session.revise_reply(revised, options)
         finally:
             job.sessions = []
-            self._unset(session, kept_settings)
             for fork in sessions[1:]:
                 fork.close()
         saved, notice = self._save(job, match)
@@ -324,45 +311,6 @@ class Engine:
                 )
             )
         return together(summaries, primed)
-
-    def _turn_of(
-        self, session: Session, req: Request, new: list[dict], start: str, variables: Variables
-    ) -> Turn:
-        """The turn that answers ``req`` on ``session`` (``new``: the messages it adds;
-        ``variables``: the request's for the chat template)."""
-        if isinstance(req, CompletionRequest):
-            return session.complete(req.text())
-        if new[-1]["role"] == "user":
-            return session.send(new[-1], start, variables)
-        return session.answer(new, start, variables)  # tools' results: the model answers them
-
-    def _processors(self, job: Job) -> list:
-        """A reply's logits processors: the request's logit bias, its grammar (each reply's
-        own: a constraint follows the tokens of one reply)."""
-        biases = job.request.biases(self._vocab())
-        return [
-            *(make_logits_processors(logit_bias=biases) if biases else []),
-            *([JsonConstraint(self.lm, job.grammar)] if job.grammar else []),
-        ]
-
-    def _answer(
-        self,
-        req: Request,
-        streamed: tuple[TurnDone, str, str | None, list],
-        tools: list[dict] | None,
-    ) -> Answer:
-        """A reply streamed, its tool calls read out of it when ``tools`` are offered."""
-        done, reply, hit_stop, logprobs = streamed
-        if tools is None or not isinstance(req, ChatRequest):
-            return Answer(done, reply, hit_stop, logprobs, reply, reply, [])
-        content, calls = split(self.lm, reply, tools)
-        calls = calls if req.parallel_tool_calls else calls[:1]
-        if req.legacy:  # a legacy result names its call by the function's name
-            calls = [{**c, "id": c["function"]["name"]} for c in calls]
-        # a forced call cut short: the reply was all its unfinished markup, which the
-        # client never gets as content
-        shown = content if calls else ("" if req.forced_tools() else reply)
-        return Answer(done, reply, hit_stop, logprobs, content, shown, calls)
 
     def _save(self, job: Job, match: Match) -> tuple[bool, str | None]:
         """Save the request's session (whether it was saved, and what to tell the client)."""
@@ -386,9 +334,3 @@ class Engine:
                 held = set(self._in_use)  # this request's session and the others'
             anonymous.keep_within(self.pool, self.keep_anonymous, keep=held)
         return saved, notice
-
-    @staticmethod
-    def _unset(session: Session, settings: GenerationSettings) -> None:
-        """Give ``session`` back its own settings, without this request's extras."""
-        session.settings, session.report_logprobs, session.logits_processors = settings, None, []
-        session.tools = None

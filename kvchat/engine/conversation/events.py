@@ -1,17 +1,24 @@
-"""What a turn yields and how replies are sampled: the plain data of the engine's API.
+"""What a turn is asked and yields, and how replies are sampled: the plain data of the
+engine's API.
 
-:meth:`kvchat.engine.conversation.session.Session.send` yields :class:`Prefill` while the
-prompt is evaluated, :class:`Chunk` for each piece of streamed text (with a
-:class:`TokenLogprobs` per token when asked) and a final :class:`TurnDone`; :class:`SessionError` says, in one sentence, why a request
-cannot be carried out.
+:meth:`kvchat.engine.conversation.session.Session.send` takes the request's
+:class:`TurnOptions` and yields :class:`Prefill` while the prompt is evaluated,
+:class:`Chunk` for each piece of streamed text (with a :class:`TokenLogprobs` per token
+when asked) and a final :class:`TurnDone`; :class:`SessionError` says, in one sentence, why
+a request cannot be carried out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvchat.engine.conversation.stats import TurnStats
+
+if TYPE_CHECKING:
+    from kvchat.engine.conversation.template import Variables
+    from kvchat.engine.generation.sampling import LogitsProcessor
 
 
 @dataclass
@@ -37,6 +44,36 @@ class GenerationSettings:
 
 
 @dataclass(frozen=True)
+class TurnOptions:
+    """What one request asks of a turn besides its message: passed to the turn (never set
+    on the session), so the next request, and one running beside it, see the session as
+    it was. The default asks nothing: the session's own settings, no tools.
+
+    ``settings``: this turn's sampling in place of the session's (which stay as they are);
+    ``start``: the reply's given beginning, which the turn continues; ``tools``: the
+    function specs (OpenAI's) the chat template offers; ``variables``: the template's own
+    (a thinking switch); ``report_logprobs``: yield a :class:`TokenLogprobs` with that many
+    alternatives per token; ``logits_processors``: mlx-lm logits processors every sampled
+    token goes through after the settings' penalties (a logit bias, a grammar). A plain
+    completion has no chat template: it takes the settings, logprobs and processors only.
+    """
+
+    settings: GenerationSettings | None = None
+    start: str = ""
+    tools: list[dict[str, Any]] | None = None
+    variables: Variables = None
+    report_logprobs: int | None = None
+    logits_processors: tuple[LogitsProcessor, ...] = ()
+
+    def sampling(self, own: GenerationSettings) -> GenerationSettings:
+        """The settings the turn samples with: this request's, else the session's ``own``."""
+        return own if self.settings is None else self.settings
+
+
+ASK_NOTHING = TurnOptions()  # a turn as the session is: its own settings, no tools
+
+
+@dataclass(frozen=True)
 class Prefill:
     """Prompt evaluation progress: ``done`` of ``total`` new tokens are in the cache."""
 
@@ -57,8 +94,8 @@ class Chunk:
 class TokenLogprobs:
     """A generated token's log probability and the likeliest tokens' at its position
     (``top``: (token, log probability), most likely first). Yielded for each generated
-    token, before its text's :class:`Chunk`, by a turn of a session whose
-    ``report_logprobs`` is set (to how many alternatives to give)."""
+    token, before its text's :class:`Chunk`, by a turn whose :class:`TurnOptions` set
+    ``report_logprobs`` (to how many alternatives to give)."""
 
     token: int
     logprob: float

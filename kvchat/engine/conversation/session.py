@@ -11,26 +11,28 @@ replies need no special cases.
 A Session is the one public face of its collaborators: ``keeper`` (the cache, the
 ledger, the checkpoints: :mod:`.maintenance`), ``history`` (the messages, their
 branches, the turns' stats: :mod:`.history`), ``runner`` (one turn at a time:
-:mod:`.turn`) and the work between turns (:mod:`.upkeep`). Every change of the
-transcript is a method here that makes the cache follow.
+:mod:`.turn`) and the work between turns (:mod:`.upkeep`); what it shows of them is in
+:mod:`.views`. Every change of the transcript is a method here that makes the cache follow.
 
 :meth:`Session.send` returns a generator of events, mlx-lm style: :class:`Prefill`
 while the prompt is evaluated, a :class:`Chunk` per piece of text and a final
 :class:`TurnDone` with the reply and its stats. The TUI and the CLI read the same stream.
+A request's own inputs (its sampling, tools, template variables, logprobs, logits
+processors) are a :class:`TurnOptions` passed to the turn; the session keeps only its
+own ``settings``, which a turn without options samples with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-
-from kvchat.engine.caches.checkpoints import Checkpoints
 from kvchat.engine.caches.kinds import CacheKind, parse_kind
 from kvchat.engine.conversation.branches import Branches
 from kvchat.engine.conversation.events import (
+    ASK_NOTHING,
     Chunk,
     Event,
     GenerationSettings,
@@ -39,13 +41,15 @@ from kvchat.engine.conversation.events import (
     SessionError,
     Turn,
     TurnDone,
+    TurnOptions,
 )
 from kvchat.engine.conversation.history import History, Message
 from kvchat.engine.conversation.maintenance import CacheKeeper, Progress, common_prefix
-from kvchat.engine.conversation.stats import CacheChange, CacheFigures, Refilled, TurnStats
+from kvchat.engine.conversation.stats import Refilled, TurnStats
 from kvchat.engine.conversation.template import Variables, render, turn_ends
-from kvchat.engine.conversation.turn import Asked, Plan, Runner
+from kvchat.engine.conversation.turn import Plan, Runner
 from kvchat.engine.conversation.upkeep import Upkeep
+from kvchat.engine.conversation.views import SessionViews
 from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import Sampler
 from kvchat.engine.generation.sequence import StopFlag
@@ -63,10 +67,11 @@ __all__ = [
     "SessionBusy",
     "SessionError",
     "TurnDone",
+    "TurnOptions",
 ]
 
 
-class Session:
+class Session(SessionViews):
     """One conversation with its own prompt cache (one cache object per model layer)."""
 
     def __init__(
@@ -84,13 +89,7 @@ class Session:
         if system and not (messages and messages[0]["role"] == "system"):
             messages.insert(0, {"role": "system", "content": system})
         self.history = History(messages)
-        # the tools (OpenAI function specs) the chat template offers the model, if any
-        self.tools: list[dict[str, Any]] | None = None
         self.keeper = CacheKeeper(lm, parse_kind(kind), self._system_tokens)
-        # set to a count to have turns yield TokenLogprobs with that many alternatives
-        self.report_logprobs: int | None = None
-        # mlx-lm logits processors every sampled token goes through (constrained decoding)
-        self.logits_processors: list[Callable[[mx.array, mx.array], mx.array]] = []
         self.runner = Runner()  # one turn at a time, and its stop flag
 
     @classmethod
@@ -134,167 +133,68 @@ class Session:
             child.attach(*copied)
         return child
 
-    # ----------------------------------------------------------------- views
-
-    @property
-    def messages(self) -> list[Message]:
-        """The transcript (a copy: it changes through this session's methods only)."""
-        return [dict(m) for m in self.history.messages]
-
-    @property
-    def ledger(self) -> list[int]:
-        """The tokens the cache holds, in order (a copy)."""
-        return list(self.keeper.ledger)
-
-    @property
-    def kind(self) -> CacheKind:
-        return self.keeper.kind
-
-    @property
-    def cache(self) -> list[Any]:
-        return self.keeper.cache
-
-    @property
-    def checkpoints(self) -> Checkpoints:
-        return self.keeper.checkpoints
-
-    @property
-    def turns(self) -> list[TurnStats]:
-        """One entry per reply on the current path, oldest first (a copy)."""
-        return list(self.history.turns)
-
-    @property
-    def archived(self) -> list[Message]:
-        """Exchanges :meth:`trim_history` and :meth:`undo` dropped, kept for the record and
-        for :meth:`restore_archived` (a copy)."""
-        return list(self.history.archived)
-
-    @property
-    def branches(self) -> Branches:
-        """Every path the messages have taken."""
-        return self.history.branches
-
-    @property
-    def system(self) -> str | None:
-        return self.history.system
-
-    @property
-    def answering(self) -> bool:
-        """Whether a turn of this session is running (its cache and ledger are the
-        turn's until it ends: views read :meth:`figures` taken before)."""
-        return self.runner.busy
-
-    @property
-    def cache_tokens(self) -> int:
-        """Tokens whose keys and values the cache holds now."""
-        return self.keeper.tokens
-
-    @property
-    def cache_bytes(self) -> int:
-        """Bytes the held tokens take (what a save writes)."""
-        return self.keeper.nbytes
-
-    @property
-    def allocated_bytes(self) -> int:
-        """Bytes the cache's buffers hold in memory, free slots included."""
-        return self.keeper.allocated
-
-    @property
-    def pending_rebuild(self) -> str | None:
-        """Why the cache was emptied since the last turn (reset, failed turn, ...), if it was."""
-        return self.keeper.pending_rebuild
-
-    @property
-    def last_change(self) -> CacheChange | None:
-        """Maintenance work on the cache since the last turn (undo, trim...), if any."""
-        return self.keeper.last_change
-
-    @property
-    def last_stats(self) -> TurnStats | None:
-        turns = self.history.turns
-        return turns[-1] if turns else None
-
-    @property
-    def prompt_logprobs(self) -> tuple[int, mx.array] | None:
-        """The log-probabilities at the end of the last prompt and its length: with the
-        checkpoint there, a regenerate samples from them and evaluates nothing."""
-        return self.keeper.prompt_logprobs
-
-    @prompt_logprobs.setter
-    def prompt_logprobs(self, value: tuple[int, mx.array]) -> None:
-        self.keeper.prompt_logprobs = value
-
-    def figures(self) -> CacheFigures:
-        """What the views show of this session, as of now (call it between turns)."""
-        return CacheFigures.of(self.keeper, self.history)
+    # ----------------------------------------------------------------- rendering
 
     def render(
-        self, messages: list[Message], generation_prompt: bool, *, variables: Variables = None
+        self,
+        messages: list[Message],
+        generation_prompt: bool,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        variables: Variables = None,
     ) -> list[int]:
-        """Token ids of ``messages`` through the model's chat template (offering ``tools``)."""
-        return render(self.lm, messages, generation_prompt, self.tools, variables)
-
-    def talk(self) -> list[Message]:
-        """The messages without the system prompt: what the branches are made of."""
-        return self.history.talk()
-
-    def branch_record(self) -> dict[str, Any] | None:
-        """The branches as saved in ``session.json``; None while there is only one path.
-        Changes nothing (a save may read it while another thread holds the session)."""
-        return self.history.branch_record()
-
-    def branch_positions(self) -> list[tuple[int, int]]:
-        """(k, n) for each message of ``messages``: it is version k of n (1 of 1 for the
-        system prompt, and for all while the tree has not caught up with the messages)."""
-        return self.history.positions()
-
-    def branch_position(self, index: int) -> tuple[int, int]:
-        """(k, n): the message at ``index`` of ``messages`` is version k of n."""
-        return self.history.positions()[index]
+        """Token ids of ``messages`` through the model's chat template, offering ``tools``
+        (OpenAI's function specs) with the template's ``variables``, as a request asks."""
+        return render(self.lm, messages, generation_prompt, tools, variables)
 
     def turn_ends(
-        self, messages: list[Message], tokens: list[int], after: int = 0
+        self,
+        messages: list[Message],
+        tokens: list[int],
+        after: int = 0,
+        options: TurnOptions = ASK_NOTHING,
     ) -> frozenset[int]:
-        """Where in ``tokens`` (``messages`` rendered) the turns ending past token ``after`` end
-        (:func:`.template.turn_ends`): checkpoints go there; none for a cache that keeps none."""
+        """Where in ``tokens`` (``messages`` rendered, with the ``options``' tools and template
+        variables) the turns ending past token ``after`` end (:func:`.template.turn_ends`):
+        checkpoints go there; none for a cache that keeps none."""
         if not self.keeper.stateful:
             return frozenset()
-        return turn_ends(self.render, messages, tokens, after)
+        rendered = partial(self.render, tools=options.tools, variables=options.variables)
+        return turn_ends(rendered, messages, tokens, after)
 
     def _system_tokens(self) -> int:
         return len(self.render(self.history.messages[:1], False)) if self.system else 0
 
     # ----------------------------------------------------------------- turns
 
-    def send(self, text: str | Message, start: str = "", variables: Variables = None) -> Turn:
-        """Add a user message (text, or a message with a ``name``) and stream the reply (bad input
-        raises :class:`SessionError` here, before any change). ``start``: the reply's given start,
-        which the turn continues; ``variables``: the chat template's for this turn."""
-        return self._turn(self.history.asking(text), start, variables)
+    def send(self, text: str | Message, options: TurnOptions = ASK_NOTHING) -> Turn:
+        """Add a user message (text, or a message with a ``name``) and stream the reply, as the
+        request's ``options`` ask (bad input raises :class:`SessionError` here, before any
+        change)."""
+        return self._turn(self.history.asking(text), options)
 
-    def complete(self, text: str) -> Turn:
-        """Continue ``text`` as written, without the chat template. The transcript becomes
-        ``text`` as one user message, then the reply; the ledger is ``text``'s own tokens,
-        so a later prompt that extends ``text`` reuses the cache."""
-        return self._run(lambda: Plan.plain(self.lm, text))
+    def complete(self, text: str, options: TurnOptions = ASK_NOTHING) -> Turn:
+        """Continue ``text`` as written, without the chat template (so without the ``options``'
+        start, tools and template variables). The transcript becomes ``text`` as one user
+        message, then the reply; the ledger is ``text``'s own tokens, so a later prompt that
+        extends ``text`` reuses the cache."""
+        return self._run(lambda: Plan.plain(self.lm, text), options)
 
-    def answer(
-        self, results: Sequence[Message] = (), start: str = "", variables: Variables = None
-    ) -> Turn:
-        """Reply to the transcript with ``results`` added (``start``, ``variables``: as
-        :meth:`send`'s): its last message must be a tool's result (the caller ran the tool)."""
-        return self._turn(self.history.answering(results), start, variables)
+    def answer(self, results: Sequence[Message] = (), options: TurnOptions = ASK_NOTHING) -> Turn:
+        """Reply to the transcript with ``results`` added, as :meth:`send` does: its last
+        message must be a tool's result (the caller ran the tool)."""
+        return self._turn(self.history.answering(results), options)
 
-    def edit(self, index: int, text: str) -> Turn:
+    def edit(self, index: int, text: str, options: TurnOptions = ASK_NOTHING) -> Turn:
         """Replace the user message at ``index`` with ``text`` and stream a new reply; what
         followed it stays as another branch."""
-        return self._turn(self.history.edited(index, text))
+        return self._turn(self.history.edited(index, text), options)
 
-    def regenerate(self, index: int | None = None) -> Turn:
+    def regenerate(self, index: int | None = None, options: TurnOptions = ASK_NOTHING) -> Turn:
         """A new version of the reply at ``index`` (the last message by default); the old
         one and what followed it stay as another branch. For the last reply the prompt is
         in the cache already, with its logits: no prefill."""
-        return self._turn(self.history.regenerating(index))
+        return self._turn(self.history.regenerating(index), options)
 
     def stop(self) -> None:
         """Ask the running turn to stop after its current token (thread-safe)."""
@@ -319,10 +219,11 @@ class Session:
         branches record them at that turn (an old path stays as another branch)."""
         return self._upkeep.replace(messages)
 
-    def revise_reply(self, message: Message, variables: Variables = None) -> None:
+    def revise_reply(self, message: Message, options: TurnOptions = ASK_NOTHING) -> None:
         """Put ``message`` (the reply a client got: cut at a stop string, or with its tool calls)
-        in place of the last reply, on its branch too; the cache follows (``variables`` given)."""
-        self._upkeep.revise_reply(message, variables)
+        in place of the last reply, on its branch too; the cache follows (the transcript
+        rendered with the tools and template variables of the turn's ``options``)."""
+        self._upkeep.revise_reply(message, options)
 
     def sync(self) -> None:
         """Trim the cache to what the transcript renders to now."""
@@ -391,10 +292,13 @@ class Session:
 
     # ----------------------------------------------------------------- turns, run
 
-    def _turn(self, messages: list[Message], start: str = "", variables: Variables = None) -> Turn:
-        return self._run(lambda: Plan.chat(self.lm, messages, self.tools, start, variables))
+    def _turn(self, messages: list[Message], options: TurnOptions) -> Turn:
+        return self._run(lambda: Plan.chat(self.lm, messages, options), options)
 
-    def _run(self, plan: Callable[[], Plan]) -> Turn:
+    def _run(self, plan: Callable[[], Plan], options: TurnOptions) -> Turn:
         core_for(self.lm).expect()  # before the prompt is tokenized: turns sent at once
-        asked = Asked(self.settings, self.logits_processors, self.report_logprobs)
-        return self.runner.start(self.lm, self.keeper, self.history, plan(), asked, self.turn_ends)
+        settings = options.sampling(self.settings)
+        ends = partial(self.turn_ends, options=options)
+        return self.runner.start(
+            self.lm, self.keeper, self.history, plan(), settings, options, ends
+        )

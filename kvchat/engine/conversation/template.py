@@ -22,13 +22,14 @@ Variables = Mapping[str, Any] | None
 
 class Render(Protocol):
     """A session's chat template: token ids of ``messages`` (with the generation prompt or
-    not), with a request's template ``variables``."""
+    not), offering a request's ``tools``, with its template ``variables``."""
 
     def __call__(
         self,
         messages: list[dict[str, Any]],
         generation_prompt: bool,
         *,
+        tools: list[dict[str, Any]] | None = None,
         variables: Variables = None,
     ) -> list[int]: ...
 

@@ -2,8 +2,9 @@
 evaluate the rest and stream the reply through the generation core, then add the reply
 and its :class:`~kvchat.engine.conversation.stats.TurnStats` to the history.
 
-The :class:`~kvchat.engine.conversation.session.Session` checks the request; its
-:class:`Runner` holds it for the turn, which runs on the session's other collaborators, the
+The :class:`~kvchat.engine.conversation.session.Session` checks the request (its message
+and its :class:`~kvchat.engine.conversation.events.TurnOptions`); its :class:`Runner` holds
+it for the turn, which runs on the session's other collaborators, the
 :class:`~kvchat.engine.conversation.maintenance.CacheKeeper` and the
 :class:`~kvchat.engine.conversation.history.History`.
 """
@@ -48,7 +49,7 @@ from kvchat.engine.generation.sampling import (
 from kvchat.engine.generation.sequence import Left, Sequence
 
 if TYPE_CHECKING:
-    from kvchat.engine.conversation.events import GenerationSettings
+    from kvchat.engine.conversation.events import GenerationSettings, TurnOptions
     from kvchat.engine.conversation.history import History
     from kvchat.engine.conversation.maintenance import CacheKeeper
     from kvchat.engine.generation.sequence import StopFlag
@@ -72,17 +73,11 @@ class Plan:
     variables: Variables = None
 
     @classmethod
-    def chat(
-        cls,
-        lm: LoadedModel,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        start: str = "",
-        variables: Variables = None,
-    ) -> Plan:
-        """A turn answering ``messages`` through the chat template, offering ``tools``, with
-        the request's template ``variables`` (its thinking switch); a ``start`` is rendered as
-        the reply's open beginning, and the turn continues it."""
+    def chat(cls, lm: LoadedModel, messages: list[dict[str, Any]], options: TurnOptions) -> Plan:
+        """A turn answering ``messages`` through the chat template, with the request's tools
+        and template variables (its thinking switch); a ``start`` is rendered as the reply's
+        open beginning, and the turn continues it."""
+        start, tools, variables = options.start, options.tools, options.variables
         if not start:
             text = template_text(lm, messages, True, tools, variables=variables)
         else:
@@ -113,17 +108,6 @@ class Plan:
                 "trim the history or start a new session."
             )
         return self
-
-
-@dataclass(frozen=True)
-class Asked:
-    """What the session asks of a turn's decoding: its settings, the logits processors
-    beyond their penalties (constrained decoding, a logit bias), and how many alternatives
-    each token's log probabilities carry (None: no TokenLogprobs events)."""
-
-    settings: GenerationSettings
-    processors: list[LogitsProcessor]
-    report: int | None
 
 
 @dataclass(frozen=True)
@@ -163,15 +147,17 @@ class Runner:
         keeper: CacheKeeper,
         history: History,
         plan: Plan,
-        asked: Asked,
+        settings: GenerationSettings,
+        options: TurnOptions,
         turn_ends: TurnEnds,
     ) -> Turn:
-        """The turn's events, run as they are read. A :meth:`stop` from now on stops this
+        """The turn's events, sampled with ``settings`` and the request's ``options``, run
+        as they are read. A :meth:`stop` from now on stops this
         turn, even one that comes before its first event is read."""
         if not self._busy.locked():  # a running turn keeps its own stop request
             self.flag.clear()
             keeper.last_change = None  # from now on the turn's own figures describe it
-        return self._events(lm, keeper, history, plan, asked, turn_ends)
+        return self._events(lm, keeper, history, plan, settings, options, turn_ends)
 
     def _events(
         self,
@@ -179,19 +165,21 @@ class Runner:
         keeper: CacheKeeper,
         history: History,
         plan: Plan,
-        asked: Asked,
+        settings: GenerationSettings,
+        options: TurnOptions,
         turn_ends: TurnEnds,
     ) -> Turn:
         if not self._busy.acquire(blocking=False):
             raise SessionBusy("This session is already answering; wait or stop it first.")
         try:
-            # the settings' penalties, then the session's own processors (constrained
+            # the settings' penalties, then the request's processors (constrained
             # decoding, a logit bias); a sharded run makes every rank take rank 0's token
-            sampler, penalties = for_settings(asked.settings)
+            sampler, penalties = for_settings(settings)
             if self._share is not None:
                 sampler = self._share(sampler)
-            processors = [*penalties, *asked.processors]
-            decoding = Decoding(asked.settings, sampler, processors, self.flag, asked.report)
+            processors = [*penalties, *options.logits_processors]
+            report = options.report_logprobs
+            decoding = Decoding(settings, sampler, processors, self.flag, report)
             yield from run_turn(lm, keeper, history, plan, decoding, turn_ends)
         finally:
             self._busy.release()

@@ -13,20 +13,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvchat.engine.caches.kinds import CacheKind, parse_kind
+from kvchat.engine.conversation.events import ASK_NOTHING
 from kvchat.engine.conversation.maintenance import common_prefix
 from kvchat.engine.conversation.stats import Refilled
 
 if TYPE_CHECKING:
+    from kvchat.engine.conversation.events import TurnOptions
     from kvchat.engine.conversation.history import History, Message
     from kvchat.engine.conversation.maintenance import CacheKeeper, Progress
-    from kvchat.engine.conversation.template import Render, Variables
+    from kvchat.engine.conversation.template import Render
     from kvchat.engine.conversation.turn import TurnEnds
     from kvchat.engine.generation.sequence import StopFlag
 
 
 @dataclass(frozen=True)
 class Upkeep:
-    """``render(messages, generation_prompt)`` is the session's chat template; ``turn_ends``
+    """``render(messages, generation_prompt)`` is the session's chat template (a request's
+    tools and variables by keyword); ``turn_ends``
     where a refill keeps checkpoints; ``step`` the prefill's chunk; ``stop`` the
     session's stop flag (a refill ends early once it is set)."""
 
@@ -37,10 +40,11 @@ class Upkeep:
     step: int
     stop: StopFlag
 
-    def sync(self, variables: Variables = None) -> None:
-        """Trim the cache to what the transcript renders to now (with the template's
-        ``variables``, as the turn that filled it rendered it)."""
-        tokens = self.render(self.history.messages, False, variables=variables)
+    def sync(self, options: TurnOptions = ASK_NOTHING) -> None:
+        """Trim the cache to what the transcript renders to now (with the tools and template
+        variables of the turn's ``options``, as the turn that filled it rendered it)."""
+        messages = self.history.messages
+        tokens = self.render(messages, False, tools=options.tools, variables=options.variables)
         self.keeper.rewind(common_prefix(self.keeper.ledger, tokens))
 
     def refill(self, progress: Progress | None = None) -> Refilled:
@@ -91,11 +95,11 @@ class Upkeep:
         self.keeper.unload()
         return True
 
-    def revise_reply(self, message: Message, variables: Variables = None) -> None:
+    def revise_reply(self, message: Message, options: TurnOptions) -> None:
         """Put ``message`` in place of the last reply and trim the cache to match (the
-        transcript rendered with the turn's template ``variables``)."""
+        transcript rendered as the turn's ``options`` asked)."""
         self.history.revise_reply(message)
-        self.sync(variables)
+        self.sync(options)
 
     def undo(self, turns: int) -> None:
         self.history.undo(turns)

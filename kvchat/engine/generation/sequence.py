@@ -27,7 +27,7 @@ from kvchat.engine.generation.sampling import LogitsProcessor, Sampler, alike
 
 class StopFlag(Protocol):
     """A turn's stop request, as ``threading.Event`` has it (a sharded run's is shared by
-    every rank: kvchat/engine/distributed/driver.py)."""
+    every rank: kvchat/engine/sharding/driver.py)."""
 
     def set(self) -> None: ...
 

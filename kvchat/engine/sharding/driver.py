@@ -5,14 +5,16 @@ Rank 0 runs the command (``ask``, ``replay``, the TUI); every other rank runs
 :func:`~kvchat.sharded.follower.follow`. Each engine operation that changes a cache
 (load the model, new session, load, send, regenerate, edit, undo, a restore from
 the archive, reset, cache kind, trim, system prompt, save, drop) goes to every rank
-over the link (kvchat/engine/distributed/link.py), and rank 0 then performs it on its own
-:class:`Session`; each follower performs it on its own, in the same order. Every rank
-thus runs the same forward passes on the same tokens, so the collectives inside the
-sharded model meet, every rank's cache shard holds the one ledger, and greedy
-sampling agrees (the logits are the same on every rank after the model's own all-sum
-or all-gather), and every rank takes rank 0's sampled token all the same (temperature
-sampling is seeded alike on every rank too). Loading, saving and dropping a session's
-files on every rank is the layer above the engine and the store (kvchat/sharded/disk.py).
+over the link (kvchat/engine/sharding/link.py), and rank 0 then performs it on its own
+:class:`Session`; each follower performs it on its own, in the same order. A turn's op
+carries the session's settings and the request's :class:`TurnOptions`, so that every rank
+samples, feeds and reports alike. Every rank thus runs the same forward passes on the same
+tokens, so the collectives inside the sharded model meet, every rank's cache shard holds
+the one ledger, and greedy sampling agrees (the logits are the same on every rank after
+the model's own all-sum or all-gather), and every rank takes rank 0's sampled token all
+the same (temperature sampling is seeded alike on every rank too). Loading, saving and
+dropping a session's files on every rank is the layer above the engine and the store
+(kvchat/sharded/disk.py).
 
 A session's stop flag is shared (:class:`SharedStop`): each check of it during a
 turn is a collective carrying rank 0's flag, so a stop ends the turn after the
@@ -35,11 +37,13 @@ import mlx.core as mx
 
 from kvchat.engine.caches.kinds import applicable_kinds, parse_kind
 from kvchat.engine.conversation.events import (
+    ASK_NOTHING,
     Event,
     GenerationSettings,
     SessionError,
     Turn,
     TurnDone,
+    TurnOptions,
 )
 from kvchat.engine.conversation.session import Session
 from kvchat.engine.generation.sampling import Sampler
@@ -77,17 +81,14 @@ LOCAL = frozenset(  # read from rank 0's session: figures, the transcript, flags
         "last_stats",
         "ledger",
         "lm",
-        "logits_processors",
         "messages",
         "pending_rebuild",
         "prompt_logprobs",
         "render",
-        "report_logprobs",
         "runner",
         "stop",  # the stop flag is every rank's (SharedStop)
         "system",
         "talk",
-        "tools",
         "turn_ends",
         "turns",
     }
@@ -204,7 +205,15 @@ class ShardedSession:
     def _send(self, op: str, **fields: Any) -> None:
         self._link.broadcast({"op": op, **fields})
 
-    def _turn(self, op: str, **fields: Any) -> Turn:
+    def _turn(self, op: str, options: TurnOptions, **fields: Any) -> Turn:
+        """Send the turn ``op`` with the session's settings and the request's ``options``
+        (every rank samples, feeds and reports alike), then run it here."""
+        if options.logits_processors:  # functions: they cannot travel to the other ranks
+            raise SessionError(
+                "A sharded run cannot constrain a reply's tokens yet; run this session "
+                "on one machine for that."
+            )
+        fields["options"] = options_record(options)
         self._send(op, settings=asdict(self.local.settings), **fields)
         events: Turn = perform(self.local, {"op": op, **fields}, self._link)
         return self._counted(events)
@@ -213,14 +222,14 @@ class ShardedSession:
         yield from events
         self.count_bytes()
 
-    def send(self, text: str) -> Turn:
-        return self._turn("send", text=text)
+    def send(self, text: str, options: TurnOptions = ASK_NOTHING) -> Turn:
+        return self._turn("send", options, text=text)
 
-    def regenerate(self, index: int | None = None) -> Turn:
-        return self._turn("regenerate", index=index)
+    def regenerate(self, index: int | None = None, options: TurnOptions = ASK_NOTHING) -> Turn:
+        return self._turn("regenerate", options, index=index)
 
-    def edit(self, index: int, text: str) -> Turn:
-        return self._turn("edit", index=index, text=text)
+    def edit(self, index: int, text: str, options: TurnOptions = ASK_NOTHING) -> Turn:
+        return self._turn("edit", options, index=index, text=text)
 
     def _then_count(self, op: str, call: Callable[[], T], **fields: Any) -> T:
         """Send ``op``, make ``call()`` here, then count every rank's cache bytes."""
@@ -264,12 +273,13 @@ def perform(session: Session, op: Op, link: Link) -> Any:
     if "settings" in op:
         session.settings = GenerationSettings(**op["settings"])
     if name in ("send", "regenerate", "edit"):
+        options = options_from(op["options"])
         events = (
-            session.send(op["text"])
+            session.send(op["text"], options)
             if name == "send"
-            else session.regenerate(op["index"])
+            else session.regenerate(op["index"], options)
             if name == "regenerate"
-            else session.edit(op["index"], op["text"])
+            else session.edit(op["index"], op["text"], options)
         )
         return _watched(events, link)
     if name == "undo":
@@ -285,6 +295,29 @@ def perform(session: Session, op: Op, link: Link) -> Any:
     if name == "system":
         return session.set_system(op["text"])
     raise OpError(f"The ranks are out of step: {name!r} is not a session operation.")
+
+
+def options_record(options: TurnOptions) -> dict[str, Any]:
+    """A turn's ``options`` as an op carries them (JSON; logits processors never travel)."""
+    return {
+        "settings": None if options.settings is None else asdict(options.settings),
+        "start": options.start,
+        "tools": options.tools,
+        "variables": None if options.variables is None else dict(options.variables),
+        "report_logprobs": options.report_logprobs,
+    }
+
+
+def options_from(record: dict[str, Any]) -> TurnOptions:
+    """The :class:`TurnOptions` an op's ``record`` (:func:`options_record`) holds."""
+    settings = record["settings"]
+    return TurnOptions(
+        settings=None if settings is None else GenerationSettings(**settings),
+        start=record["start"],
+        tools=record["tools"],
+        variables=record["variables"],
+        report_logprobs=record["report_logprobs"],
+    )
 
 
 def _watched(events: Iterator[Event], link: Link) -> Turn:
