@@ -10,14 +10,14 @@ import sys
 import pytest
 
 from kvchat import locations
-from kvchat.prompt_tools import (
+from kvchat.tui import prompt_history as history
+from kvchat.tui.prompt_tools import (
     PromptToolError,
     edit_in_editor,
     editor_command,
     file_request,
     read_text_file,
 )
-from kvchat.tui import prompt_history as history
 from tests.helpers import wait_until
 
 

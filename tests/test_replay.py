@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from kvchat.cli.replay import ReplayError, load_script, parse_script, run_script
 from kvchat.engine.conversation.session import GenerationSettings
 from kvchat.engine.conversation.stats import STAT_FIELDS
-from kvchat.replay import ReplayError, load_script, parse_script, run_script
 
 SCRIPT = {
     "system": "You are terse.",

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvchat.cli import app
+from kvchat.cli.replay import ReplayError, load_script
 from kvchat.config import ConfigError, load_config, parse_config, parse_size
 from kvchat.engine.caches.kinds import CacheKindError, parse_kind
-from kvchat.replay import ReplayError, load_script
 from kvchat.safety import ascii_int, printable, read_limited
 
 

@@ -126,9 +126,9 @@ def replay(
     """Run a scripted conversation through one session and show what each turn cost."""
     from rich.console import Console
 
+    from kvchat.cli.replay import ReplayError, load_script, result_table, run_script
     from kvchat.engine.caches.kinds import CacheKindError, parse_kind
     from kvchat.engine.conversation.session import GenerationSettings
-    from kvchat.replay import ReplayError, load_script, result_table, run_script
 
     try:
         parsed = load_script(script)

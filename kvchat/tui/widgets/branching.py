@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvchat.clipboard import code_blocks, keep_copy
 from kvchat.engine.conversation.events import SessionError
+from kvchat.tui.clipboard import code_blocks, keep_copy
 
 from ..screens.message_dialogs import DeletePairDialog, EditDialog
 from .messages import MessageAction

@@ -14,16 +14,16 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
-from kvchat.prompt_tools import (
+from kvchat.safety import printable
+from kvchat.store import StoreError
+from kvchat.tui import prompt_history as history
+from kvchat.tui.prompt_tools import (
     PromptToolError,
     edit_in_editor,
     editor_command,
     file_request,
     read_text_file,
 )
-from kvchat.safety import printable
-from kvchat.store import StoreError
-from kvchat.tui import prompt_history as history
 
 from ..keymap import keys_of
 from ..screens.file_name import FileDialog

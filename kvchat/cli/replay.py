@@ -23,7 +23,7 @@ from kvchat.engine.caches.kinds import CacheKind, CacheKindError, parse_kind
 from kvchat.engine.conversation.session import GenerationSettings, SessionError, TurnDone
 from kvchat.sessions import new_session
 
-from .safety import printable, read_limited
+from ..safety import printable, read_limited
 
 OPS = ("regenerate", "undo", "cache", "reset")
 MAX_SCRIPT_BYTES = 16 << 20
