@@ -1,7 +1,7 @@
 """The kvchat Textual app: tabs of conversations, the cache sidebar, dialogs and key bindings.
 
 A thin layer: every action here is one engine or store call run through a
-conversation's worker (see ``widgets/turns.py`` and ``widgets/jobs.py``); replies of several tabs run at
+conversation's worker (see ``tab/turns.py`` and ``tab/jobs.py``); replies of several tabs run at
 once, and work that needs the model alone goes in the order the shared
 :class:`~kvchat.engine.generation.scheduler.Scheduler` decides. Every key is declared
 once, in a ``BINDINGS`` list; the footer, the help screen and the command

@@ -6,9 +6,9 @@ import pytest
 
 from kvchat.engine.conversation.session import TurnDone
 from kvchat.engine.conversation.stats import TurnStats
+from kvchat.tui.tab.events import ReplyChunk, TurnFinished
 from kvchat.tui.textual_compat import notifications
 from kvchat.tui.widgets.messages import AssistantMessage
-from kvchat.tui.widgets.turn_events import ReplyChunk, TurnFinished
 
 from .conftest import SIZE, settle
 

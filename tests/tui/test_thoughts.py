@@ -10,8 +10,8 @@ from textual.widgets import Footer, Static
 from kvchat.config import Config
 from kvchat.engine.conversation.session import TurnDone
 from kvchat.tui.app import KvChatApp
+from kvchat.tui.tab.events import ReplyChunk, TurnFinished
 from kvchat.tui.widgets.messages import AssistantMessage
-from kvchat.tui.widgets.turn_events import ReplyChunk, TurnFinished
 
 from .conftest import SIZE, screen_text, send, settle, until, widget_text
 from .test_safety import _stats

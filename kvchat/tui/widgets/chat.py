@@ -20,9 +20,11 @@ from kvchat import drafts, store
 from kvchat.engine.conversation.stats import CacheFigures
 from kvchat.tui import prompt_history as history
 
-from .branching import BranchNavigator
+from ..tab.branching import BranchNavigator
+from ..tab.events import JobFinished, PrefillProgress, ReplyChunk, Started, TurnFinished, Waiting
+from ..tab.jobs import JobRunner
+from ..tab.turns import TurnRunner
 from .chat_input import ChatInput
-from .jobs import JobRunner
 from .messages import (
     MessageAction,
     NoticeMessage,
@@ -30,15 +32,13 @@ from .messages import (
 )
 from .status import holder_name, state_text
 from .transcript import selectable, transcript_widgets
-from .turn_events import JobFinished, PrefillProgress, ReplyChunk, Started, TurnFinished, Waiting
-from .turns import TurnRunner
 
 if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
     from kvchat.engine.generation.scheduler import Scheduler
     from kvchat.pool import SessionPool
 
-    from .tab_view import Progress
+    from ..tab.view import Progress
 
 
 class Changed(Message):
@@ -63,9 +63,9 @@ class Conversation(Vertical):
 
     ``state`` is ``idle``, ``waiting`` (queued behind another tab), ``answering``
     or a short label of a running job (``rebuilding``...). Its message actions are its
-    ``branches`` (a :class:`~kvchat.tui.widgets.branching.BranchNavigator`), its jobs
-    its ``jobs`` (a :class:`~kvchat.tui.widgets.jobs.JobRunner`), its turns its ``turns``
-    (a :class:`~kvchat.tui.widgets.turns.TurnRunner`: ``turns.send(text)``,
+    ``branches`` (a :class:`~kvchat.tui.tab.branching.BranchNavigator`), its jobs
+    its ``jobs`` (a :class:`~kvchat.tui.tab.jobs.JobRunner`), its turns its ``turns``
+    (a :class:`~kvchat.tui.tab.turns.TurnRunner`: ``turns.send(text)``,
     ``turns.regenerate()``, ``turns.stop()``).
     """
 

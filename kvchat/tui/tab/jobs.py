@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvchat.engine.conversation.events import SessionError
 
-from .turn_events import JobFinished, PrefillProgress
+from .events import JobFinished, PrefillProgress
 
 if TYPE_CHECKING:
-    from .tab_view import Progress, TabView
+    from .view import Progress, TabView
 
 
 class JobRunner:

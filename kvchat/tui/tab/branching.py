@@ -14,7 +14,7 @@ from kvchat.engine.conversation.events import SessionError
 from kvchat.tui.clipboard import code_blocks, keep_copy
 
 from ..screens.message_dialogs import DeletePairDialog, EditDialog
-from .messages import MessageAction
+from ..widgets.messages import MessageAction
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -22,13 +22,13 @@ if TYPE_CHECKING:
     from kvchat.engine.conversation.stats import Refilled
 
     from .jobs import JobRunner
-    from .tab_view import TabView
     from .turns import TurnRunner
+    from .view import TabView
 
 
 class BranchNavigator:
     """The message actions of ``conversation`` (the tab, as a
-    :class:`~kvchat.tui.widgets.tab_view.TabView`): it uses the tab's session, its
+    :class:`~kvchat.tui.tab.view.TabView`): it uses the tab's session, its
     transcript and its notices; it starts its edits and regenerations as turns through
     ``turns``, its branch switches and deletions as jobs through ``jobs``."""
 

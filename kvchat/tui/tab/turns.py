@@ -14,14 +14,14 @@ from kvchat import drafts, store
 from kvchat.engine.conversation.events import Chunk, Prefill, SessionError, TurnDone
 from kvchat.engine.generation.scheduler import Cancelled
 
-from .messages import AssistantMessage, BranchBar, UserMessage, Welcome, rebuild_note
-from .status import progress_text, streaming_text
-from .transcript import show_branches_from
-from .turn_events import PrefillProgress, ReplyChunk, Started, TurnFinished, Waiting
+from ..widgets.messages import AssistantMessage, BranchBar, UserMessage, Welcome, rebuild_note
+from ..widgets.status import progress_text, streaming_text
+from ..widgets.transcript import show_branches_from
+from .events import PrefillProgress, ReplyChunk, Started, TurnFinished, Waiting
 
 if TYPE_CHECKING:
     from .jobs import JobRunner
-    from .tab_view import TabView
+    from .view import TabView
 
 LIVE_S = 0.25  # a streaming reply's count and rate are drawn at most this often
 

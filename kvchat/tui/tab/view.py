@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from kvchat.engine.generation.scheduler import Scheduler
     from kvchat.pool import SessionPool
 
-    from .chat_input import ChatInput
-    from .messages import Selectable
+    from ..widgets.chat_input import ChatInput
+    from ..widgets.messages import Selectable
 
 Progress = Callable[[int, int], None]
 
