@@ -111,6 +111,11 @@ def test_requests_at_once_on_one_session_each_get_their_own_options(tool_model, 
             {"role": "assistant", "content": first},
             {"role": "user", "content": "Why?"},
         ]
+        # the sampled request alone first: the session's settings, live and saved, stay
+        named = {"X-Session-Id": "s"}
+        alone, alone_body, _ = chat(server.client, follow, extra_headers=named, **special)
+        server.wait_idle()
+        assert server.pool.get("s").settings == own and store.read("s")["settings"] == saved
         with ThreadPoolExecutor(3) as threads:
             asked = [
                 threads.submit(
@@ -119,7 +124,6 @@ def test_requests_at_once_on_one_session_each_get_their_own_options(tool_model, 
                 for name, kw in (("s", special), ("s", {"max_tokens": 6}), ("t", {"max_tokens": 6}))
             ]
             (sampled, body, _), *plain = [a.result() for a in asked]
-        alone, alone_body, _ = chat(server.client, follow, **special)
         server.wait_idle()
         assert server.pool.get("s").settings == own and store.read("s")["settings"] == saved
 
