@@ -4,7 +4,7 @@ reply and each ledger compared with the same conversation run alone.
 A reply in a batch must be the reply alone, token for token, whoever decodes
 beside it: a token of another conversation in a reply is wrong and leaks. A round
 starts its conversations as a server does: each a new session of one pool
-(:meth:`~kvchat.pool.SessionPool.new_session`), started from a copy of another live
+(:meth:`~kvchat.runtime.pool.SessionPool.new_session`), started from a copy of another live
 session's cache cut to the shared system prompt where there is one; then sends
 them at once or one after another while the others decode (joins), some stopped
 by their reader, some with penalties, a seed or log probabilities. Alone, each runs
@@ -38,7 +38,7 @@ from kvchat.engine.generation.sampling import Draw, for_settings
 from kvchat.engine.generation.sequence import log_probs
 from kvchat.engine.generation.threads import clear_mlx_at_thread_end
 from kvchat.engine.models import demo
-from kvchat.pool import SessionPool
+from kvchat.runtime.pool import SessionPool
 
 if TYPE_CHECKING:
     from kvchat.engine.models.model import LoadedModel

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kvchat import batch_check
 from kvchat.engine.generation.gate import GATE
-from kvchat.pool import SessionPool
+from kvchat.runtime.pool import SessionPool
 
 # the families of tests/arch_models.py the harness runs (those of SHAPES and BATCHED)
 FAMILIES = [

@@ -16,7 +16,7 @@ import openai
 import uvicorn
 
 from kvchat.engine.conversation.events import GenerationSettings
-from kvchat.pool import SessionPool
+from kvchat.runtime.pool import SessionPool
 from kvchat.serve import DEFAULT_MAX_BODY, Engine, create_app
 
 START_TIMEOUT_S = 30

@@ -26,7 +26,7 @@ from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
 from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.per_model import core_for
-from kvchat.pool import SessionPool
+from kvchat.runtime.pool import SessionPool
 from tests.batch_stress import FAMILIES, stress
 
 SYSTEM = batch_check.SYSTEM

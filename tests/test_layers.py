@@ -4,7 +4,7 @@ statement, at module level or inside a function, type-checking imports included.
 Layers, lowest first: the engine (models, caches, sessions, decoding, the
 sharding link), which imports nothing above it but leaf modules (those that
 import nothing of kvchat: ``safety``, ``locations``...); the store (sessions on
-disk); the modules that join the two (``pool``, ``sessions``, ``sharded``...); the
+disk); the modules that join the two (``runtime``: its pool, sessions, sharded files); the
 front ends (cli, tui, serve, bench). No module imports from a layer above its own (a
 type it names for the checker counts too), and no two modules import each other at
 run time, directly or round a circle.
@@ -107,7 +107,11 @@ def test_the_store_imports_no_front_end_and_nothing_that_imports_the_store():
         for module, targets in GRAPH.items()
         if not within(module, STORE) and any(within(t, STORE) for t in targets)
     }
-    assert {"kvchat.pool", "kvchat.sessions", "kvchat.sharded.disk"} <= above
+    assert {
+        "kvchat.runtime.pool",
+        "kvchat.runtime.sessions",
+        "kvchat.runtime.sharded.disk",
+    } <= above
 
     def allowed(target: str) -> bool:
         return target not in above and not any(within(target, f) for f in FRONT_ENDS)

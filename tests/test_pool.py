@@ -7,7 +7,7 @@ from helpers import turn
 
 from kvchat import store
 from kvchat.engine.conversation.session import GenerationSettings, Session
-from kvchat.pool import SessionPool
+from kvchat.runtime.pool import SessionPool
 
 SYSTEM = "You are terse."
 TEXTS = ["Hello there.", "What is a cache?"]

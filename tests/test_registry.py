@@ -17,7 +17,7 @@ from kvchat.engine.conversation.session import GenerationSettings, Session
 from kvchat.engine.generation.scheduler import Scheduler
 from kvchat.engine.models.model import ModelLoadError
 from kvchat.engine.models.registry import ModelRegistry, weight_bytes
-from kvchat.pool import SessionPool
+from kvchat.runtime.pool import SessionPool
 
 OTHER = "demo@q4"  # the demo's shape with 4-bit weights: another model, built in a second
 

@@ -15,7 +15,7 @@ from kvchat.cli import app
 from kvchat.engine import cpu
 from kvchat.engine.conversation.maintenance import common_prefix
 from kvchat.engine.conversation.template import render
-from kvchat.pool import SessionPool
+from kvchat.runtime.pool import SessionPool
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(300)

@@ -140,7 +140,7 @@ def test_two_stores_racing_saves_of_one_session_lose_neither(demo_model, home):
 
 HELD_BEFORE_SAVE = """
 import sys
-import kvchat.sessions as sessions
+import kvchat.runtime.sessions as sessions
 from kvchat.cli import main
 real = sessions.save_session
 def held(*args, **kwargs):

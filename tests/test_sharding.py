@@ -24,7 +24,7 @@ from mlx_lm.models.cache import load_prompt_cache
 from mlx_lm.utils import load_model
 from typer.testing import CliRunner
 
-from kvchat import sessions, store
+from kvchat import store
 from kvchat.cli import app
 from kvchat.cli.launch import _run
 from kvchat.engine.caches.cache_check import Reference
@@ -42,6 +42,7 @@ from kvchat.engine.sharding.driver import (
 )
 from kvchat.engine.sharding.link import Link, OpError, decode_op, encode_op
 from kvchat.engine.sharding.sharded_model import choose_mode, layout, layout_problem
+from kvchat.runtime import sessions
 from kvchat.store.cache_file import read_cache
 from kvchat.store.shards import delete_shard, write_shard
 from tests.arch_models import TINY

@@ -46,7 +46,7 @@ def ask(
     from kvchat.config import ConfigError, load_config
     from kvchat.engine.caches.kinds import CacheKindError, parse_kind
     from kvchat.engine.conversation.session import SessionError
-    from kvchat.sessions import load_session, new_session, save_session
+    from kvchat.runtime.sessions import load_session, new_session, save_session
     from kvchat.settings import apply_overrides, generation_of
 
     text = as_text(sys.stdin.buffer.read() if text == "-" else text, "the message")

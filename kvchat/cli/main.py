@@ -198,7 +198,7 @@ def eval_cache(
 def main(on_token: Callable[[int], object] | None = None) -> None:
     """Console-script entry point. Under ``mlx.launch`` (``kvchat launch``), rank 0 runs the
     command and the other ranks follow it (kvchat/engine/sharding/driver.py); a follower
-    passes ``on_token`` to :func:`~kvchat.sharded.follower.follow`. A rank joins the ring
+    passes ``on_token`` to :func:`~kvchat.runtime.sharded.follower.follow`. A rank joins the ring
     before it imports mlx-lm (kvchat/engine/sharding/link.py says why).
 
     It first routes mlx's CPU matmul to OpenBLAS (:func:`kvchat.blas.preload`), which
@@ -218,7 +218,7 @@ def main(on_token: Callable[[int], object] | None = None) -> None:
         app()
         return
     if link.rank:
-        from kvchat.sharded.follower import follow
+        from kvchat.runtime.sharded.follower import follow
 
         sys.exit(follow(link, on_token))
     try:

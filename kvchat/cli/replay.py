@@ -21,7 +21,7 @@ from rich.text import Text
 
 from kvchat.engine.caches.kinds import CacheKind, CacheKindError, parse_kind
 from kvchat.engine.conversation.session import GenerationSettings, SessionError, TurnDone
-from kvchat.sessions import new_session
+from kvchat.runtime.sessions import new_session
 
 from ..safety import printable, read_limited
 

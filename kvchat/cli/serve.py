@@ -12,7 +12,7 @@ from .common import app, fail, load_or_exit
 if TYPE_CHECKING:
     from kvchat.config import Config
     from kvchat.engine.models.model import LoadedModel
-    from kvchat.pool import SessionPool
+    from kvchat.runtime.pool import SessionPool
 
 
 def is_loopback(host: str) -> bool:
@@ -29,7 +29,7 @@ def serve_pool(lm: LoadedModel, config: Config) -> SessionPool:
     """The server's pool, as the TUI's: the weights of its model (which the server holds
     for as long as it runs) count in the memory budget with the caches."""
     from kvchat.engine.models.registry import ModelRegistry
-    from kvchat.pool import SessionPool
+    from kvchat.runtime.pool import SessionPool
 
     models = ModelRegistry()
     models.retain(lm)

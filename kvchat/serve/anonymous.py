@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from kvchat import locations, store
 
 if TYPE_CHECKING:
-    from kvchat.pool import SessionPool
+    from kvchat.runtime.pool import SessionPool
 
 DEFAULT_BUDGET = 64
 _NAME = re.compile(r"serve-[0-9a-f]{8}")

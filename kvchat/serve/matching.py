@@ -41,7 +41,7 @@ from . import anonymous
 if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
     from kvchat.engine.models.model import LoadedModel
-    from kvchat.pool import SessionPool
+    from kvchat.runtime.pool import SessionPool
 
 
 @dataclass

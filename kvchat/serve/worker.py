@@ -46,7 +46,7 @@ from .turns import answer, processors, turn_of, turn_options
 if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
     from kvchat.engine.models.model import LoadedModel
-    from kvchat.pool import SessionPool
+    from kvchat.runtime.pool import SessionPool
 
 
 class Engine:

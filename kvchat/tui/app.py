@@ -22,7 +22,7 @@ from kvchat import store
 from kvchat.config import Config
 from kvchat.engine.generation.scheduler import Scheduler
 from kvchat.engine.models.registry import ModelRegistry
-from kvchat.pool import SessionPool
+from kvchat.runtime.pool import SessionPool
 
 from .actions import TabActions
 from .bindings import APP_BINDINGS, SYSTEM_BINDINGS, TAB_ACTIONS

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvchat.engine.generation.scheduler import Scheduler
     from kvchat.engine.models.model import LoadedModel
     from kvchat.engine.models.registry import ModelRegistry
-    from kvchat.pool import SessionPool
+    from kvchat.runtime.pool import SessionPool
 
     from .widgets.chat import Conversation
 

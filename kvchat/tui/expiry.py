@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from kvchat.engine.generation.scheduler import Scheduler
-from kvchat.pool import SessionPool
+from kvchat.runtime.pool import SessionPool
 
 
 class Tab(Protocol):

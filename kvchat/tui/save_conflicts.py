@@ -84,7 +84,7 @@ class Conflicts:
 
     def _save_as(self, conversation: Conversation, new: str) -> None:
         """Save ``conversation`` as the new session ``new`` and file the tab under it."""
-        from kvchat.sessions import save_session
+        from kvchat.runtime.sessions import save_session
 
         app = self.app
         old = conversation.session_name

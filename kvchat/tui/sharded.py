@@ -84,7 +84,7 @@ class ShardedRun:
 
     def load(self, name: str) -> None:
         """Worker: open saved session ``name`` on every rank (each its own cache shard)."""
-        from kvchat.sharded.disk import load_session
+        from kvchat.runtime.sharded.disk import load_session
 
         tabs = self.tabs
         try:
@@ -106,7 +106,7 @@ class ShardedRun:
 
         def drop(from_disk: bool):
             from kvchat.engine.sharding.driver import ShardedSession
-            from kvchat.sharded.disk import delete_session
+            from kvchat.runtime.sharded.disk import delete_session
 
             problem = None
             if from_disk:

@@ -10,7 +10,7 @@ from helpers import turn
 from kvchat import store
 from kvchat.engine.conversation.session import GenerationSettings, Session
 from kvchat.engine.generation.scheduler import Scheduler
-from kvchat.pool import SessionPool
+from kvchat.runtime.pool import SessionPool
 from kvchat.tui.expiry import ExpiryTicker
 from kvchat.tui.export_actions import ExportActions
 from kvchat.tui.screens.export_dialogs import ExportDialog

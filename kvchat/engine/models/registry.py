@@ -6,7 +6,7 @@ reference with :meth:`ModelRegistry.acquire` or :meth:`ModelRegistry.retain`
 and gives it back with :meth:`ModelRegistry.release`. A model nobody holds is
 unloaded: the registry drops its references and returns the memory to the
 system (``mx.clear_cache()``). The memory budget that models and caches share
-is the pool's (:class:`kvchat.pool.SessionPool`), which asks :meth:`weight_bytes`.
+is the pool's (:class:`kvchat.runtime.pool.SessionPool`), which asks :meth:`weight_bytes`.
 """
 
 from __future__ import annotations

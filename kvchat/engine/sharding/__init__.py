@@ -1,1 +1,1 @@
-"""One model over several ranks: the link between them, the model sharded over them, and rank 0's session that sends each operation to every rank (kvchat/sharded/ runs the followers and keeps the files)."""
+"""One model over several ranks: the link between them, the model sharded over them, and rank 0's session that sends each operation to every rank (kvchat/runtime/sharded/ runs the followers and keeps the files)."""

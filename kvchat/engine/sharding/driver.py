@@ -2,7 +2,7 @@
 whose every change of the cache goes to every rank first.
 
 Rank 0 runs the command (``ask``, ``replay``, the TUI); every other rank runs
-:func:`~kvchat.sharded.follower.follow`. Each engine operation that changes a cache
+:func:`~kvchat.runtime.sharded.follower.follow`. Each engine operation that changes a cache
 (load the model, new session, load, send, regenerate, edit, undo, a restore from
 the archive, reset, cache kind, trim, system prompt, save, drop) goes to every rank
 over the link (kvchat/engine/sharding/link.py), and rank 0 then performs it on its own
@@ -14,7 +14,7 @@ the one ledger, and greedy sampling agrees (the logits are the same on every ran
 the model's own all-sum or all-gather), and every rank takes rank 0's sampled token all
 the same (temperature sampling is seeded alike on every rank too). Loading, saving and
 dropping a session's files on every rank is the layer above the engine and the store
-(kvchat/sharded/disk.py).
+(kvchat/runtime/sharded/disk.py).
 
 A session's stop flag is shared (:class:`SharedStop`): each check of it during a
 turn is a collective carrying rank 0's flag, so a stop ends the turn after the
@@ -155,7 +155,7 @@ def new_session(
     settings: GenerationSettings | None = None,
 ) -> Session:
     """A new :class:`Session` on every rank (a session on one machine is a plain
-    :class:`Session`; kvchat/sessions.py picks).
+    :class:`Session`; kvchat/runtime/sessions.py picks).
 
     The ranks make it together: a kind other than ``standard`` runs the model once to
     see that it fits (:func:`~kvchat.engine.caches.kinds.make_cache`), a collective here.

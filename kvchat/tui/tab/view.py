@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
     from kvchat.engine.conversation.stats import CacheFigures
     from kvchat.engine.generation.scheduler import Scheduler
-    from kvchat.pool import SessionPool
+    from kvchat.runtime.pool import SessionPool
 
     from ..widgets.chat_input import ChatInput
     from ..widgets.messages import Selectable

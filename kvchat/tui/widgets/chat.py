@@ -36,7 +36,7 @@ from .transcript import selectable, transcript_widgets
 if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
     from kvchat.engine.generation.scheduler import Scheduler
-    from kvchat.pool import SessionPool
+    from kvchat.runtime.pool import SessionPool
 
     from ..tab.view import Progress
 

@@ -1,7 +1,7 @@
 """A follower rank of a sharded run (kvchat/engine/sharding/driver.py): it performs every
 operation rank 0 sends, in the same order, on its own part of the model and its own
 :class:`Session`, until rank 0 sends "end". Loads, saves and drops read and write this
-rank's cache shard (kvchat/sharded/disk.py is rank 0's side of them)."""
+rank's cache shard (kvchat/runtime/sharded/disk.py is rank 0's side of them)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvchat.engine.models.model import ModelLoadError
 from kvchat.engine.sharding.driver import bind, perform
 from kvchat.engine.sharding.link import ROW, Link, OpError
 from kvchat.engine.sharding.sharded_model import ShardedModel, load_sharded
-from kvchat.sharded.disk import load_here
+from kvchat.runtime.sharded.disk import load_here
 from kvchat.store import StoreError
 from kvchat.store.shards import delete_shard, write_shard
 

@@ -3,7 +3,7 @@
 On one machine a session is the conversation layer's :class:`Session` and the store
 loads and saves it. Under ``kvchat launch`` the model is a :class:`ShardedModel` and its
 session a :class:`ShardedSession`: those go to every rank (the engine's driver
-makes them; kvchat/sharded/disk.py loads and saves them). ``ask``, ``replay``, the
+makes them; kvchat/runtime/sharded/disk.py loads and saves them). ``ask``, ``replay``, the
 pool and the TUI call these three and need not know which kind of run they are in.
 """
 
@@ -19,7 +19,7 @@ from kvchat.engine.models.model import LoadedModel
 from kvchat.engine.sharding import driver
 from kvchat.engine.sharding.driver import ShardedSession
 from kvchat.engine.sharding.sharded_model import ShardedModel
-from kvchat.sharded import disk
+from kvchat.runtime.sharded import disk
 
 
 def new_session(

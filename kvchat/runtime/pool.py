@@ -1,4 +1,5 @@
-"""The live sessions of one process, and when their caches leave memory. Imports no Textual.
+"""The live sessions of one process, and when their caches leave memory (each one a
+:class:`~kvchat.runtime.pool_entry.PoolEntry`). Imports no Textual.
 
 Every open conversation keeps its transcript in memory; its prompt cache
 may be **offloaded**: saved to disk (if it changed since the last save) and
@@ -19,14 +20,12 @@ session that is answering is never offloaded (:meth:`SessionPool.offload` refuse
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from kvchat import store
+from kvchat.runtime.pool_entry import PoolEntry, signature
 
 if TYPE_CHECKING:
     from kvchat.config import Config
@@ -34,54 +33,6 @@ if TYPE_CHECKING:
     from kvchat.engine.conversation.session import GenerationSettings, Session
     from kvchat.engine.models.model import LoadedModel
     from kvchat.engine.models.registry import ModelRegistry
-
-
-@dataclass
-class PoolEntry:
-    """One open session as the pool sees it (what the TUI shows)."""
-
-    name: str
-    session: Session
-    last_used: float
-    in_memory: bool = True
-    saved_state: str | None = None  # signature at the last save or load; None: never saved
-    notice: str | None = None  # what the last load from disk said, if anything
-    kept: bool = False  # the copy on disk was asked for (opened from or saved to disk), not
-    # only written by an offload: :meth:`SessionPool.discard` leaves it
-    generation: store.Generation = field(default_factory=store.Generation)  # of the copy on
-    # disk this process last loaded or saved: a save refuses when another process saved since
-
-    @property
-    def cache_bytes(self) -> int:
-        """Memory its cache holds (allocated buffers, not only the live tokens, and its
-        checkpoints)."""
-        session = self.session
-        return session.allocated_bytes + session.checkpoints.nbytes if self.in_memory else 0
-
-    @property
-    def cache_tokens(self) -> int:
-        return self.session.cache_tokens if self.in_memory else 0
-
-    @property
-    def dirty(self) -> bool:
-        return self.saved_state != _signature(self.session)
-
-
-def _signature(session: Session) -> str:
-    """A digest of everything :func:`store.save` writes that can change."""
-    body = json.dumps(
-        [
-            session.kind.name,
-            session.messages,
-            session.archived,
-            session.ledger,
-            [t.to_dict() for t in session.turns],
-            asdict(session.settings),
-            session.branch_record(),
-        ],
-        ensure_ascii=False,
-    )
-    return hashlib.sha256(body.encode()).hexdigest()
 
 
 class SessionPool:
@@ -165,7 +116,7 @@ class SessionPool:
             kept=True,
             generation=loaded.generation,
         )
-        entry.saved_state = _signature(loaded.session) if loaded.notice is None else None
+        entry.saved_state = signature(loaded.session) if loaded.notice is None else None
         self._put(entry)
         return loaded
 
@@ -248,7 +199,7 @@ class SessionPool:
                     "rebuilt from this conversation."
                 )
             entry.in_memory = True
-            entry.saved_state = _signature(session) if entry.notice is None else None
+            entry.saved_state = signature(session) if entry.notice is None else None
         entry.last_used = self.clock()
         return entry.session
 
@@ -306,10 +257,10 @@ class SessionPool:
     def _write(self, name: str) -> None:
         entry = self.entry(name)
         if entry.in_memory and (entry.dirty or not store.exists(name)):
-            from kvchat.sessions import save_session  # a sharded run's: every rank's
+            from kvchat.runtime.sessions import save_session  # a sharded run's: every rank's
 
             save_session(entry.session, name, base=entry.generation)
-            entry.saved_state = _signature(entry.session)
+            entry.saved_state = signature(entry.session)
 
     # ------------------------------------------------------------- letting go
 

@@ -4,7 +4,7 @@ rank reading and writing its own cache shard (kvchat/store/shards.py).
 Rank 0 sends the operation ("load", "save", "drop") over the engine's link
 (kvchat/engine/sharding/link.py), does its own part with the store, and
 gathers one row from every rank saying how its part went; the followers do theirs
-in :func:`~kvchat.sharded.follower.follow`.
+in :func:`~kvchat.runtime.sharded.follower.follow`.
 """
 
 from __future__ import annotations
