@@ -22,7 +22,6 @@ feed several tokens: a short prompt joining the step).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -30,6 +29,7 @@ import mlx.nn as nn
 from mlx_lm.models import switch_layers
 
 from kvchat.engine.cpu import decode, experts, linear, stored
+from kvchat.engine.cpu.fast_path import MLX_MODE, FastPath
 from kvchat.engine.cpu.layers import MLP, Attention, Body
 from kvchat.engine.cpu.rope import rope_form
 
@@ -37,7 +37,6 @@ __all__ = ["ENV", "FastPath", "prepare", "held", "step_problem", "decode_batch",
 
 ENV = "KVCHAT_CPU_FASTPATH"  # "0" turns the fast path off (read when a model is loaded)
 FAMILY = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")  # the blocks layers.py computes
-MLX_MODE = "MLX's own kernels (the CPU fast path does not read this mode)"
 # the layers whose weights held() describes: linear, embedding and stacked experts'
 MATRICES = (
     nn.Linear,
@@ -46,36 +45,6 @@ MATRICES = (
     switch_layers.SwitchLinear,
     switch_layers.QuantizedSwitchLinear,
 )
-
-
-@dataclass(eq=False)
-class FastPath:
-    """What the CPU fast path gave one loaded model.
-
-    ``on`` switches that model's kvchat layers between numpy and mlx's own
-    arithmetic (the bench and tests compare both on one model); ``step`` is None
-    when its decoding step runs whole in numpy, else why not, in a phrase.
-    """
-
-    step: str | None = None
-    kept: tuple[str, ...] = ()  # packed modes left to MLX's own kernels (no kernel reads them)
-    on: bool = True
-
-    @property
-    def decodes(self) -> bool:
-        """Whether :func:`decode_batch` takes this model's decoding steps now."""
-        return self.on and self.step is None
-
-    def describe(self) -> str:
-        """One line: what this model runs through numpy."""
-        if not self.on:
-            return "off (switched off for this model)"
-        if self.step is None:
-            return "on (numpy decoding step, attention, SwiGLU and linear layers)"
-        line = f"on for linear layers only: no numpy decoding step, {self.step}"
-        if self.kept and MLX_MODE not in self.step:
-            line += f"; {'/'.join(self.kept)} layers on {MLX_MODE}"
-        return line
 
 
 def wanted() -> str | None:

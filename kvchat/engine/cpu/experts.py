@@ -26,7 +26,7 @@ from kvchat.engine.cpu.attention import as_numpy, swiglu_rows
 from kvchat.engine.cpu.stored import Stored, stored
 
 if TYPE_CHECKING:
-    from kvchat.engine.cpu import FastPath
+    from kvchat.engine.cpu.fast_path import FastPath
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # Slices' order
 

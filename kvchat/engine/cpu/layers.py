@@ -27,7 +27,7 @@ from kvchat.engine.caches.rotated import RotatedKVCache
 from kvchat.engine.cpu import attention, decode
 
 if TYPE_CHECKING:
-    from kvchat.engine.cpu import FastPath
+    from kvchat.engine.cpu.fast_path import FastPath
     from kvchat.engine.cpu.rope import RopeForm
 
 

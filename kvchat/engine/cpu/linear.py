@@ -33,7 +33,7 @@ from kvchat.engine.cpu.attention import as_numpy
 from kvchat.engine.cpu.stored import Stored, per_array, stored
 
 if TYPE_CHECKING:
-    from kvchat.engine.cpu import FastPath
+    from kvchat.engine.cpu.fast_path import FastPath
 
 # Up to this many rows (a cached turn's new tokens, the short prompts a batched step
 # takes), ``(W · xᵀ)ᵀ`` beats ``x · Wᵀ`` through numpy's OpenBLAS. qwen2.5-0.5b's
