@@ -189,7 +189,7 @@ async def _reply(
     headers = {**_headers(first), **_ignored(engine, req)}
     if req.stream:
         return StreamingResponse(
-            _sse(engine, job, gone, reply),
+            _sse(engine, job, first, gone, reply),
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache"},
         )
@@ -206,9 +206,11 @@ async def _reply(
     return JSONResponse(reply.whole(item), headers={**headers, **_stat_headers(item)})
 
 
-async def _sse(engine: Engine, job: Job, gone: asyncio.Future, reply: Reply) -> AsyncIterator[str]:
-    """The job's reports as ``reply``'s server-sent events; the job is cancelled if the
-    client leaves before its end."""
+async def _sse(
+    engine: Engine, job: Job, started: Started, gone: asyncio.Future, reply: Reply
+) -> AsyncIterator[str]:
+    """The job's reports after ``started`` as ``reply``'s server-sent events; the job is
+    cancelled if the client leaves before its end."""
     finished = False
 
     async def reports() -> AsyncIterator[Report]:
@@ -219,7 +221,7 @@ async def _sse(engine: Engine, job: Job, gone: asyncio.Future, reply: Reply) -> 
             yield item
 
     try:
-        async for event in reply.stream(reports()):
+        async for event in reply.stream(started, reports()):
             yield event
     except _ClientGone:
         pass

@@ -44,7 +44,7 @@ from . import anonymous
 from .choices import fork_replies, read_together
 from .constrain import JsonConstraint
 from .errors import ApiError
-from .jobs import Answer, Finished, Job, Started, finished, stream_reply, together
+from .jobs import Answer, Finished, Job, finished, started, stream_reply, together
 from .matching import Match, Matcher
 from .schema import ChatRequest, CompletionRequest
 from .tools import marker as tool_marker
@@ -252,9 +252,13 @@ class Engine:
         sessions, primed = [session], None
         try:
             new = req.new_messages(renders_names(self.lm)) if isinstance(req, ChatRequest) else []
+            prompt = (
+                Plan.chat(self.lm, [*session.messages, *new], tools, start, variables).prompt
+                if isinstance(req, ChatRequest)
+                else encode_plain(self.lm, req.text())
+            )
+            head = started(match, prompt)
             if req.n > 1:  # one prompt, n replies: evaluated once, then forked
-                asked = [*session.messages, *new]
-                prompt = Plan.chat(self.lm, asked, tools, start, variables).prompt
                 with self._prompts:
                     forks, *primed = fork_replies(session, prompt, req.n)
                 sessions += forks
@@ -275,7 +279,7 @@ class Engine:
             param = "prompt" if isinstance(req, CompletionRequest) else "messages"
             raise ApiError(400, str(exc), param=param, code=code) from None
         job.sessions = sessions
-        job.emit(Started(match))
+        job.emit(head)
         calls_wanted = (
             isinstance(req, ChatRequest) and tools is not None and req.tool_choice != "none"
         )
