@@ -10,7 +10,7 @@ import anthropic
 import pytest
 from serve_helpers import Server, chat
 from test_serve import SYSTEM, held_after
-from test_serve_tools import WEATHER, tool_model, valid_weather  # noqa: F401 (a fixture)
+from test_serve_tools import WEATHER, valid_weather
 
 from kvchat import store
 from kvchat.engine.conversation.template import render
@@ -333,13 +333,10 @@ def test_x_api_key_is_the_key_where_one_is_required(demo_model, home):
         assert status == 200 and reply == {"input_tokens": len(render(demo_model, ASK, True))}
 
 
-def test_a_forced_tool_call_streams_as_tool_use_and_its_result_is_answered(
-    tool_model,  # noqa: F811 (the fixture imported above)
-    home,
-):
+def test_a_forced_tool_call_streams_as_tool_use_and_its_result_is_answered(demo_model, home):
     ask = [{"role": "user", "content": "Weather in Oslo?"}]
     forced = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
-    with Server(tool_model) as server:
+    with Server(demo_model) as server:
         with client(server).messages.stream(
             model="demo",
             max_tokens=150,

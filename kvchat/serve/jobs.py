@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvchat.engine.conversation.events import Chunk, Event, Prefill, TokenLogprobs, TurnDone
 from kvchat.engine.conversation.maintenance import common_prefix
 
+from .constrain import Opened
 from .logprobs import chat_entry, text_of
 from .matching import Match
 from .schema import ChatRequest, CompletionRequest
@@ -100,7 +101,7 @@ class Job:
     name: str | None
     owner: str
     loop: asyncio.AbstractEventLoop
-    grammar: str | None = None
+    grammar: str | Opened | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sessions: list[Session] = field(default_factory=list)  # replying now: stopped on cancel

@@ -42,7 +42,7 @@ from kvchat.settings import GENERATION, apply_overrides
 
 from . import anonymous
 from .choices import fork_replies, read_together
-from .constrain import JsonConstraint
+from .constrain import Opened, constraint
 from .errors import ApiError
 from .jobs import Answer, Finished, Job, finished, started, stream_reply, together
 from .matching import Match, Matcher
@@ -117,7 +117,7 @@ class Engine:
             self._waiting -= 1
 
     def submit(
-        self, request: ChatRequest | CompletionRequest, name: str | None, grammar: str | None = None
+        self, request: Request, name: str | None, grammar: str | Opened | None = None
     ) -> Job:
         """Queue ``request`` (call from the event loop), its reply held to ``grammar`` (an
         llguidance grammar) if given; raise 429 when the queue is full."""
@@ -346,7 +346,7 @@ class Engine:
         biases = job.request.biases(self._vocab())
         return [
             *(make_logits_processors(logit_bias=biases) if biases else []),
-            *([JsonConstraint(self.lm, job.grammar)] if job.grammar else []),
+            *([constraint(self.lm, job.grammar)] if job.grammar else []),
         ]
 
     def _answer(
@@ -363,9 +363,10 @@ class Engine:
         calls = calls if req.parallel_tool_calls else calls[:1]
         if req.legacy:  # a legacy result names its call by the function's name
             calls = [{**c, "id": c["function"]["name"]} for c in calls]
-        # a forced call cut short: the reply was all its unfinished markup, which the
-        # client never gets as content
-        shown = content if calls else ("" if req.forced_tools() else reply)
+        # a call cut short: its unfinished markup (a forced call's: the whole reply) is
+        # never content, as it is never streamed
+        opened = reply.partition(self.lm.tokenizer.tool_call_start)[0]
+        shown = content if calls else ("" if req.forced_tools() else opened)
         return Answer(done, reply, hit_stop, logprobs, content, shown, calls)
 
     def _save(self, job: Job, match: Match) -> tuple[bool, str | None]:
