@@ -10,7 +10,7 @@ import anthropic
 import pytest
 from serve_helpers import Server, chat
 from test_serve import SYSTEM, held_after
-from test_serve_tools import WEATHER, tool_model, valid_weather  # noqa: F401 (a fixture)
+from test_serve_tools import WEATHER, valid_weather
 
 from kvchat import store
 from kvchat.engine.conversation.template import render
@@ -157,12 +157,17 @@ def test_a_reply_counts_its_prompt_as_the_chat_route_does_and_shares_its_session
 def test_a_streamed_two_turn_chat_reads_turn_one_from_the_cache(demo_model, home):
     with Server(demo_model) as server:
         with client(server).messages.stream(**GREEDY, max_tokens=12, messages=ASK) as stream:
+            start1 = next(iter(stream))
             text1 = "".join(stream.text_stream)
             first = stream.get_final_message()
             name = stream.response.headers["x-kvchat-session"]
         prompt1 = render(demo_model, [SYSTEM, *ASK], True)
         assert first.usage.input_tokens == len(prompt1)
         assert first.usage.cache_read_input_tokens == 0
+        # message_start says the prompt before any of the reply, as Anthropic's does
+        assert start1.type == "message_start"
+        assert start1.message.usage.input_tokens == len(prompt1)
+        assert start1.message.usage.cache_read_input_tokens == 0
 
         second = [
             *ASK,
@@ -170,6 +175,7 @@ def test_a_streamed_two_turn_chat_reads_turn_one_from_the_cache(demo_model, home
             {"role": "user", "content": "And three mountains?"},
         ]
         with client(server).messages.stream(**GREEDY, max_tokens=12, messages=second) as stream:
+            start2 = next(iter(stream))
             text2 = "".join(stream.text_stream)
             usage2 = stream.get_final_message().usage
             assert stream.response.headers["x-kvchat-session"] == name
@@ -180,6 +186,9 @@ def test_a_streamed_two_turn_chat_reads_turn_one_from_the_cache(demo_model, home
         assert held > 0 and usage2.cache_read_input_tokens == held
         assert usage2.input_tokens == len(prompt2) - held
         assert usage2.cache_creation_input_tokens == 0
+        assert start2.type == "message_start"
+        assert start2.message.usage.cache_read_input_tokens == held
+        assert start2.message.usage.input_tokens == len(prompt2) - held
         session = server.pool.entry(name).session
         assert [m["content"] for m in session.messages] == [
             SYSTEM["content"],
@@ -221,6 +230,11 @@ def test_a_stop_sequence_ends_the_reply_and_is_named_in_every_event(demo_model, 
         assert prompt == len(render(demo_model, [SYSTEM, *ASK], True))
         assert delta["usage"]["input_tokens"] + delta["usage"]["cache_read_input_tokens"] == prompt
         assert delta["usage"]["output_tokens"] == cut.usage.output_tokens
+        # message_start said the prompt as the reply's end says it (the same prompt again:
+        # all of it cached, with its logits)
+        opened = streamed[0][1]["message"]["usage"]
+        assert opened == {**delta["usage"], "output_tokens": 0}
+        assert opened["cache_read_input_tokens"] == prompt
 
 
 def test_output_config_holds_the_reply_to_a_json_schema(demo_model, home):
@@ -319,13 +333,10 @@ def test_x_api_key_is_the_key_where_one_is_required(demo_model, home):
         assert status == 200 and reply == {"input_tokens": len(render(demo_model, ASK, True))}
 
 
-def test_a_forced_tool_call_streams_as_tool_use_and_its_result_is_answered(
-    tool_model,  # noqa: F811 (the fixture imported above)
-    home,
-):
+def test_a_forced_tool_call_streams_as_tool_use_and_its_result_is_answered(demo_model, home):
     ask = [{"role": "user", "content": "Weather in Oslo?"}]
     forced = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
-    with Server(tool_model) as server:
+    with Server(demo_model) as server:
         with client(server).messages.stream(
             model="demo",
             max_tokens=150,

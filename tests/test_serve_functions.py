@@ -7,20 +7,19 @@ import json
 import openai
 import pytest
 from serve_helpers import Server, chat
-from test_serve_tools import TIME, WEATHER, tool_model, valid_weather
+from test_serve_tools import TIME, WEATHER, valid_weather
 
 pytestmark = pytest.mark.timeout(300)
 
-__all__ = ["tool_model"]  # the fixture, shared with the tools' tests
 
 FUNCTIONS = [WEATHER["function"], TIME["function"]]
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]
 
 
 def test_a_forced_function_call_comes_back_in_the_legacy_shape_and_its_result_is_answered(
-    tool_model, home
+    demo_model, home
 ):
-    with Server(tool_model) as server:
+    with Server(demo_model) as server:
         _, body, _ = chat(
             server.client,
             ASK,
@@ -54,8 +53,8 @@ def test_a_forced_function_call_comes_back_in_the_legacy_shape_and_its_result_is
         assert cached > body["usage"]["prompt_tokens"]
 
 
-def test_a_streamed_forced_function_call_is_one_function_call_delta(tool_model, home):
-    with Server(tool_model) as server:
+def test_a_streamed_forced_function_call_is_one_function_call_delta(demo_model, home):
+    with Server(demo_model) as server:
         stream = server.client.chat.completions.create(
             model="demo",
             messages=ASK,
@@ -80,8 +79,8 @@ def test_a_streamed_forced_function_call_is_one_function_call_delta(tool_model, 
         assert json.loads(call.arguments)["zone"] in ("UTC", "CET")
 
 
-def test_function_call_none_reads_no_call_and_both_spellings_at_once_are_refused(tool_model, home):
-    with Server(tool_model) as server:
+def test_function_call_none_reads_no_call_and_both_spellings_at_once_are_refused(demo_model, home):
+    with Server(demo_model) as server:
         _, body, _ = chat(
             server.client, ASK, max_tokens=6, functions=FUNCTIONS, function_call="none"
         )

@@ -1,11 +1,7 @@
-"""`kvchat serve` through langchain-openai's ``ChatOpenAI``, unmodified: a named human
-message, ``reasoning_effort``, a bound tool's round trip, structured output in both of
-its methods, and streaming.
-
-The plain ``demo`` has no chat template with tools (issue 40 item 5 is not done), so the
-tool tests and ``method="function_calling"`` run on the copy of demo with the Hermes-style
-tool template that tests/test_serve_tools.py uses (its ``tool_model`` fixture).
-"""
+"""`kvchat serve` through langchain-openai's ``ChatOpenAI``, unmodified, on the built-in
+demo: a named human message, ``reasoning_effort``, a bound tool forced (its round
+trip), structured output in both of its methods, and streaming. The demo calling a
+bound tool on its own: tests/test_serve_demo_tools.py."""
 
 from __future__ import annotations
 
@@ -21,13 +17,12 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 from serve_helpers import Server
 from test_serve_template_fields import thinking_model
-from test_serve_tools import tool_model
 
 from kvchat import store
 
 pytestmark = pytest.mark.timeout(300)
 
-__all__ = ["thinking_model", "tool_model"]  # fixtures shared with the serve tests
+__all__ = ["thinking_model"]  # a fixture shared with the serve tests
 
 
 def client(server: Server, **kw) -> ChatOpenAI:
@@ -81,8 +76,8 @@ def test_reasoning_effort_is_answered_and_said_to_be_ignored(demo_model, home):
         assert reply.response_metadata["headers"]["x-kvchat-ignored"] == "reasoning_effort"
 
 
-def test_a_bound_tool_is_called_and_its_result_answered(tool_model, home):
-    with Server(tool_model) as server:
+def test_a_bound_tool_forced_is_called_and_its_result_answered(demo_model, home):
+    with Server(demo_model) as server:
         chat = client(server, max_tokens=150).bind_tools([get_weather], tool_choice="get_weather")
         ask = [HumanMessage("Weather in Oslo?")]
         called = chat.invoke(ask)
@@ -125,8 +120,8 @@ def test_structured_output_as_a_json_schema(demo_model, home, schema):
     assert isinstance(found["rivers"], int) and 0 <= found["rivers"] <= 9
 
 
-def test_structured_output_by_a_function_call(tool_model, home):
-    with Server(tool_model) as server:
+def test_structured_output_by_a_function_call(demo_model, home):
+    with Server(demo_model) as server:
         chat = client(server, max_tokens=150, include_response_headers=True)
         city = chat.with_structured_output(City, method="function_calling", include_raw=True)
         found = city.invoke("A city with rivers.")

@@ -14,34 +14,10 @@ from kvchat.engine.conversation.template import render
 
 pytestmark = pytest.mark.timeout(300)
 
-# A Hermes/Qwen-style template: tools offered in the system turn, calls as JSON between
-# <tool_call> tags (mlx-lm reads it as its json_tools format), results as tool_response.
-TOOLS_TEMPLATE = (
-    "{%- if tools -%}"
-    "{{- '<|im_start|>system\\n' -}}"
-    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n' -}}{%- endif -%}"
-    "{{- 'Tools:\\n' -}}"
-    "{%- for tool in tools -%}{{- tool | tojson + '\\n' -}}{%- endfor -%}"
-    '{{- \'Call one as <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call><|im_end|>\\n\' -}}'
-    "{%- elif messages[0]['role'] == 'system' -%}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
+# ChatML without tools (the demo's template before it offered them)
+PLAIN_CHATML = (
     "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}"
-    "{%- elif message['role'] == 'assistant' and message.tool_calls -%}"
-    "{{- '<|im_start|>assistant\\n' + message['content'] -}}"
-    "{%- for tool_call in message.tool_calls -%}"
-    "{%- set tool_call = tool_call.function -%}"
-    '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' -}}'
-    "{{- tool_call.arguments | tojson + '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif message['role'] == 'tool' -%}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] -}}"
-    "{{- '\\n</tool_response><|im_end|>\\n' -}}"
-    "{%- else -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
@@ -77,11 +53,11 @@ TIME = {
 
 
 @pytest.fixture(scope="module")
-def tool_model(demo_model, tmp_path_factory):
-    """The demo model with a chat template that offers tools."""
-    return with_template(
-        demo_model, tmp_path_factory.mktemp("models") / "demo-tools", TOOLS_TEMPLATE
-    )
+def random_model(kvchat_dirs):
+    """``demo:random``: the demo's shape and template with random weights (never taught)."""
+    from kvchat.engine.models.model import load_model
+
+    return load_model("demo:random")
 
 
 def follow_plain(messages: list[dict]) -> list[dict]:
@@ -119,21 +95,43 @@ def valid_weather(arguments: dict) -> bool:
     )
 
 
-def test_the_template_offers_tools_and_mlx_lm_reads_its_call_format(tool_model):
-    assert tool_model.tokenizer.has_tool_calling
-    assert tool_model.tokenizer.tool_call_start == "<tool_call>"
-    with_tools = tool_model.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}],
-        tools=[WEATHER],
-        tokenize=False,
-        add_generation_prompt=True,
+def test_the_demo_offers_tools_as_qwen_does_and_mlx_lm_reads_its_call_format(demo_model):
+    """The built-in demo's template is Qwen2.5's ChatML with tools: offered in the system
+    turn between <tools> tags, calls as JSON between <tool_call> tags, results between
+    <tool_response> tags in one user turn."""
+    tokenizer = demo_model.tokenizer
+    assert tokenizer.has_tool_calling
+    assert (tokenizer.tool_call_start, tokenizer.tool_call_end) == ("<tool_call>", "</tool_call>")
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {}}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "09:30"},
+        {"role": "tool", "tool_call_id": "c2", "content": "10:30"},
+    ]
+    text = tokenizer.apply_chat_template(
+        messages, tools=[TIME], tokenize=False, add_generation_prompt=True
     )
-    assert '"name": "get_weather"' in with_tools
+    head, tools, tail = text.partition("<tools>\n" + json.dumps(TIME) + "\n</tools>")
+    assert tools and head.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert tail.endswith(
+        "<|im_end|>\n<|im_start|>user\nWhat time is it?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n09:30\n</tool_response>"
+        "\n<tool_response>\n10:30\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    # without tools the system prompt is a turn of its own, as before
+    plain = tokenizer.apply_chat_template(messages[:2], tokenize=False)
+    assert (
+        plain
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat time is it?<|im_end|>\n"
+    )
 
 
-def test_a_forced_call_validates_then_its_result_is_answered_from_the_cache(tool_model, home):
+def test_a_forced_call_validates_then_its_result_is_answered_from_the_cache(demo_model, home):
     ask = [{"role": "user", "content": "Weather in Oslo?"}]
-    with Server(tool_model) as server:
+    with Server(demo_model) as server:
         _, body, _ = chat(
             server.client,
             ask,
@@ -166,7 +164,7 @@ def test_a_forced_call_validates_then_its_result_is_answered_from_the_cache(tool
         # from the template in other tokens than the constrained sampler chose
         cached = body2["usage"]["prompt_tokens_details"]["cached_tokens"]
         head = render(
-            tool_model,
+            demo_model,
             [
                 *ask,
                 {
@@ -187,7 +185,7 @@ def test_a_forced_call_validates_then_its_result_is_answered_from_the_cache(tool
         assert (
             cached >= first_prompt + 10
             and cached
-            >= common_prefix(head, render(tool_model, follow_plain(follow), True, [WEATHER, TIME]))
+            >= common_prefix(head, render(demo_model, follow_plain(follow), True, [WEATHER, TIME]))
             - 1
         ), cached
         assert [m["role"] for m in store.read(session)["messages"]] == [
@@ -199,11 +197,11 @@ def test_a_forced_call_validates_then_its_result_is_answered_from_the_cache(tool
         assert store.read(session)["messages"][-1]["content"] == reply
 
 
-def test_a_forced_call_cut_by_the_length_limit_leaves_no_markup_in_the_content(tool_model, home):
+def test_a_forced_call_cut_by_the_length_limit_leaves_no_markup_in_the_content(demo_model, home):
     """The limit falls inside the call: finish_reason "length", no call, and the content
     is not the template's unfinished <tool_call> text."""
     ask = [{"role": "user", "content": "Weather in Oslo?"}]
-    with Server(tool_model) as server:
+    with Server(demo_model) as server:
         _, body, _ = chat(
             server.client,
             ask,
@@ -217,8 +215,8 @@ def test_a_forced_call_cut_by_the_length_limit_leaves_no_markup_in_the_content(t
     assert not choice["message"]["content"]  # it held '<tool_call' (the tag cut short)
 
 
-def test_required_picks_one_of_the_tools_and_streams_the_call_as_a_delta(tool_model, home):
-    with Server(tool_model) as server:
+def test_required_picks_one_of_the_tools_and_streams_the_call_as_a_delta(demo_model, home):
+    with Server(demo_model) as server:
         stream = server.client.chat.completions.create(
             model="demo",
             messages=[{"role": "user", "content": "What time is it?"}],
@@ -243,9 +241,9 @@ def test_required_picks_one_of_the_tools_and_streams_the_call_as_a_delta(tool_mo
             assert call.function.name == "get_weather" and valid_weather(arguments)
 
 
-def test_auto_and_none_answer_in_text_when_no_call_is_made(tool_model, home):
+def test_auto_and_none_answer_in_text_when_no_call_is_made(demo_model, home):
     ask = [{"role": "user", "content": "Say hello."}]
-    with Server(tool_model) as server:
+    with Server(demo_model) as server:
         for choice in ("auto", "none"):
             reply, body, _ = chat(
                 server.client, ask, max_tokens=8, tools=[WEATHER], tool_choice=choice
@@ -269,18 +267,83 @@ def test_auto_and_none_answer_in_text_when_no_call_is_made(tool_model, home):
         ),
     ],
 )
-def test_bad_tool_requests_are_refused(tool_model, home, extra, param):
+def test_bad_tool_requests_are_refused(demo_model, home, extra, param):
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], **extra}).encode()
-    with Server(tool_model) as server:
+    with Server(demo_model) as server:
         status, _, reply = server.raw("/v1/chat/completions", body)
         assert status == 400 and reply["error"]["param"] == param, reply
 
 
-def test_tools_for_a_model_without_tool_calls_are_refused(demo_model, home):
+def test_tools_for_a_model_without_tool_calls_are_refused(demo_model, home, tmp_path):
+    plain = with_template(demo_model, tmp_path / "plain", PLAIN_CHATML)
     body = json.dumps(
         {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
     ).encode()
-    with Server(demo_model) as server:
+    with Server(plain) as server:
         status, _, reply = server.raw("/v1/chat/completions", body)
         assert status == 400 and reply["error"]["param"] == "tools"
         assert "has no tool calls" in reply["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
+)
+def test_a_forced_call_of_the_untrained_random_demo_is_valid(random_model, home, choice):
+    """``demo:random`` was never taught to call a tool; forced, the grammar still makes
+    every sampled reply one valid call."""
+    ask = [{"role": "user", "content": "What time is it?"}]
+    with Server(random_model) as server:
+        for seed in range(5):
+            _, body, _ = chat(
+                server.client,
+                ask,
+                max_tokens=150,
+                temperature=1.0,
+                seed=seed,
+                tools=[WEATHER, TIME],
+                tool_choice=choice,
+            )
+            reply = body["choices"][0]
+            assert reply["finish_reason"] == "tool_calls", reply
+            [call] = reply["message"]["tool_calls"]
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "get_time":
+                assert arguments in ({"zone": "UTC"}, {"zone": "CET"})
+            else:
+                assert choice == "required" and call["function"]["name"] == "get_weather"
+                assert valid_weather(arguments), arguments
+
+
+def test_a_call_the_model_opens_is_held_to_the_tools_from_its_marker_on(demo_model):
+    """With ``auto``, the reply is free until it writes ``<tool_call>``; from there only a
+    valid call of an offered tool can follow (whatever the weights would rather say)."""
+    import mlx.core as mx
+
+    from kvchat.serve.constrain import constraint
+    from kvchat.serve.messages import Tool
+    from kvchat.serve.tools import opened_grammar
+
+    opened = opened_grammar(demo_model, [Tool.model_validate(TIME)])
+    assert opened is not None
+    held = constraint(demo_model, opened)
+    tokenizer = demo_model.tokenizer
+    flat = mx.zeros((1, len(tokenizer.get_vocab())))
+    tokens = tokenizer.encode("Let me see.\n<tool_call>", add_special_tokens=False)
+    reply: list[int] = []
+    for token in [*tokens, None]:  # each call sees the previous sample last
+        out = held(mx.array([0, *reply]), flat)
+        if token is None:
+            break
+        assert mx.all(out == 0).item(), "masked before the marker"
+        reply.append(token)
+    for _ in range(100):
+        best = int(mx.argmax(out, axis=-1).item())  # the first token the grammar allows
+        if best in tokenizer.eos_token_ids:
+            break
+        reply.append(best)
+        out = held(mx.array([0, *reply]), flat)
+    call = tokenizer.decode(reply[len(tokens) :])
+    assert call in (
+        '\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
+        '\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+    ), call

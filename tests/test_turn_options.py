@@ -11,7 +11,7 @@ import pytest
 from helpers import with_template
 from mlx_lm.sample_utils import make_logits_processors
 from serve_helpers import Server, chat
-from test_serve_tools import WEATHER, tool_model
+from test_serve_tools import WEATHER
 
 from kvchat import store
 from kvchat.engine.conversation.events import TokenLogprobs
@@ -27,14 +27,11 @@ from kvchat.engine.models.demo import CHAT_TEMPLATE
 pytestmark = pytest.mark.timeout(300)
 
 SYSTEM = "You are terse."
-# the demo's template, offering tools (it has no tool calls) and reading a variable of its own
+# the demo's template (it offers tools), reading a variable of its own
 TEMPLATE = (
-    "{%- if tools -%}{{- '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
     "{%- if terse -%}{{- '<|im_start|>system\\nOne line.<|im_end|>\\n' -}}{%- endif -%}"
     + CHAT_TEMPLATE
 )
-__all__ = ["tool_model"]  # the fixture (a template with tool calls), shared with the tools' tests
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +85,11 @@ def test_a_turn_takes_its_options_and_leaves_the_session_as_it_was(options_model
     assert done_of(later).stats.prompt_tokens == again.stats.prompt_tokens
 
 
-def test_requests_at_once_on_one_session_each_get_their_own_options(tool_model, home):
+def test_requests_at_once_on_one_session_each_get_their_own_options(demo_model, home):
     """A request with sampling, logprobs and tools, and plain ones sent at the same time
     (one to the same session, which waits for it, one to another): each reply is the one
     it gets alone, and the session's settings, live and saved, are as they were."""
-    lm = tool_model
+    lm = demo_model
     ask = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name rivers."}]
     special = {
         "temperature": 1.5,

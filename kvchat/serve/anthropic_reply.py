@@ -7,9 +7,9 @@ error shape.
 Usage counts as Anthropic's does: ``input_tokens`` are the prompt's tokens evaluated
 for this request, ``cache_read_input_tokens`` those its cache already held (their sum is
 the prompt, OpenAI's ``prompt_tokens``); kvchat keeps every prefix without being asked,
-so ``cache_creation_input_tokens`` is 0. A stream's figures come in its
-``message_delta`` (the prompt is evaluated after ``message_start`` goes out, whose usage
-is 0).
+so ``cache_creation_input_tokens`` is 0. A stream's ``message_start`` says the prompt's
+tokens as its turn starts (those the cache holds, and the rest, to be evaluated); its
+``message_delta`` says them again when the reply is done, with the tokens generated.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from .errors import ApiError
-from .jobs import Finished, Piece
+from .jobs import Finished, Piece, Started
 from .shapes import Report
 
 # Anthropic's error types by the HTTP statuses kvchat answers with
@@ -100,9 +100,15 @@ class AnthropicReply:
             kvchat=done.kvchat,
         )
 
-    async def stream(self, reports: AsyncIterator[Report]) -> AsyncIterator[str]:
-        nothing = {"input_tokens": 0, "output_tokens": 0}
-        message = self._message([], stop_reason=None, stop_sequence=None, usage=nothing)
+    async def stream(self, started: Started, reports: AsyncIterator[Report]) -> AsyncIterator[str]:
+        cached = started.cached_tokens
+        prompt = {
+            "input_tokens": started.prompt_tokens - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": 0,
+        }
+        message = self._message([], stop_reason=None, stop_sequence=None, usage=prompt)
         yield _event("message_start", message=message)
         yield _event("ping")
         blocks = 0  # content blocks opened so far; a text block is open while texting

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from . import tools
 from .anthropic import CountRequest, MessagesRequest, input_tokens
 from .anthropic_reply import AnthropicReply, anthropic_error
-from .constrain import schema_grammar
+from .constrain import Opened, schema_grammar
 from .errors import ApiError
 from .jobs import Finished, Job, Started
 from .schema import (
@@ -142,7 +142,8 @@ class _ClientGone(Exception):
 async def _answer(engine: Engine, request: Request, req: ChatRequest, reply: Reply) -> Response:
     """Answer a chat request in ``reply``'s format: the session it names (``X-Session-Id``
     or ``prompt_cache_key``; else the one prefix matching finds), its tools, the grammar
-    its forced tool call or ``response_format`` holds it to. Every chat route's way in."""
+    its forced tool call or ``response_format`` holds it to (or a call it opens on its own).
+    Every chat route's way in."""
     name = session_name(request.headers.get("x-session-id"))
     if name is None and req.prompt_cache_key is not None:
         name = cache_key_session(req.prompt_cache_key)
@@ -150,13 +151,14 @@ async def _answer(engine: Engine, request: Request, req: ChatRequest, reply: Rep
     if req.tool_specs() is not None:
         tools.check_offered(engine.lm)
     schema = req.response_format.required_schema() if req.response_format else None
+    grammar: str | Opened | None = None
     if forced := req.forced_tools():
         grammar = tools.forced_grammar(engine.lm, forced)
     elif schema is not None:
         grammar = schema_grammar(schema, "response_format.json_schema.schema")
-    else:
-        grammar = None
-    if grammar is not None and req.start():
+    elif req.tools and req.tool_choice != "none":  # a call the model opens comes out valid
+        grammar = tools.opened_grammar(engine.lm, req.tools)
+    if isinstance(grammar, str) and req.start():
         raise ApiError(
             400,
             "A trailing assistant message cannot be continued under a forced "
@@ -172,7 +174,7 @@ async def _reply(
     req: ChatRequest | CompletionRequest,
     name: str | None,
     reply: Reply,
-    grammar: str | None = None,
+    grammar: str | Opened | None = None,
 ) -> Response:
     """Queue ``req`` and answer with its reply in ``reply``'s format, whole or streamed
     (held to ``grammar`` if given)."""
@@ -189,7 +191,7 @@ async def _reply(
     headers = {**_headers(first), **_ignored(engine, req)}
     if req.stream:
         return StreamingResponse(
-            _sse(engine, job, gone, reply),
+            _sse(engine, job, first, gone, reply),
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache"},
         )
@@ -206,9 +208,11 @@ async def _reply(
     return JSONResponse(reply.whole(item), headers={**headers, **_stat_headers(item)})
 
 
-async def _sse(engine: Engine, job: Job, gone: asyncio.Future, reply: Reply) -> AsyncIterator[str]:
-    """The job's reports as ``reply``'s server-sent events; the job is cancelled if the
-    client leaves before its end."""
+async def _sse(
+    engine: Engine, job: Job, started: Started, gone: asyncio.Future, reply: Reply
+) -> AsyncIterator[str]:
+    """The job's reports after ``started`` as ``reply``'s server-sent events; the job is
+    cancelled if the client leaves before its end."""
     finished = False
 
     async def reports() -> AsyncIterator[Report]:
@@ -219,7 +223,7 @@ async def _sse(engine: Engine, job: Job, gone: asyncio.Future, reply: Reply) -> 
             yield item
 
     try:
-        async for event in reply.stream(reports()):
+        async for event in reply.stream(started, reports()):
             yield event
     except _ClientGone:
         pass

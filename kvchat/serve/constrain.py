@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from copy import copy
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
@@ -83,11 +84,23 @@ def _checked(text: str, param: str) -> str:
     return text
 
 
-class JsonConstraint:
-    """An mlx-lm logits processor that allows only tokens continuing ``grammar``."""
+@dataclass(frozen=True)
+class Opened:
+    """A grammar that holds a reply from the moment its text holds ``marker`` (a tool
+    call's opening) on: ``grammar`` is what may follow the marker."""
 
-    def __init__(self, lm: LoadedModel, grammar_text: str):
+    marker: str
+    grammar: str
+
+
+class JsonConstraint:
+    """An mlx-lm logits processor that allows only tokens continuing ``grammar``, after
+    ``said`` (text the reply holds already, which the grammar must start with)."""
+
+    def __init__(self, lm: LoadedModel, grammar_text: str, said: str = ""):
         self._matcher = llguidance.LLMatcher(_tokenizer(lm), grammar_text, log_level=0)
+        if said:
+            self._matcher.consume_tokens(lm.tokenizer.encode(said, add_special_tokens=False))
         self._started = False
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
@@ -101,6 +114,41 @@ class JsonConstraint:
         vocab = logits.shape[-1]
         allowed = np.pad(allowed[:vocab], (0, max(0, vocab - allowed.size)))
         return mx.where(mx.array(allowed), logits, -mx.inf)
+
+
+class OpenedConstraint:
+    """An mlx-lm logits processor that leaves the reply free until its text holds the
+    ``opened`` marker, then holds the rest to ``opened.grammar`` (llama.cpp's lazy
+    grammars): a tool call the model opens on its own comes out valid."""
+
+    def __init__(self, lm: LoadedModel, opened: Opened):
+        self._lm, self._opened = lm, opened
+        self._reply: list[int] = []  # the tokens sampled so far
+        self._started = False
+        self._held: JsonConstraint | None = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._held is None and self._started:  # the previous call's sample is the last
+            self._reply.append(cast(int, tokens[-1].item()))
+            said = self._after_marker()
+            if said is not None:
+                self._held = JsonConstraint(self._lm, self._opened.grammar, said)
+        self._started = True
+        return logits if self._held is None else self._held(tokens, logits)
+
+    def _after_marker(self) -> str | None:
+        """The text after the marker if the last token completed it, else None."""
+        marker = self._opened.marker
+        tail = self._lm.tokenizer.decode(self._reply[-len(marker) - 1 :])
+        at = tail.find(marker)
+        return None if at < 0 else tail[at + len(marker) :]
+
+
+def constraint(lm: LoadedModel, grammar: str | Opened) -> JsonConstraint | OpenedConstraint:
+    """The logits processor that holds a reply to ``grammar``."""
+    if isinstance(grammar, Opened):
+        return OpenedConstraint(lm, grammar)
+    return JsonConstraint(lm, grammar)
 
 
 def _tokenizer(lm: LoadedModel):

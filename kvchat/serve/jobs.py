@@ -11,7 +11,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvchat.engine.conversation.events import Chunk, Event, Prefill, TokenLogprobs, TurnDone
+from kvchat.engine.conversation.maintenance import common_prefix
 
+from .constrain import Opened
 from .logprobs import chat_entry, text_of
 from .matching import Match
 from .schema import ChatRequest, CompletionRequest
@@ -22,9 +24,25 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Started:
-    """The job has its session and its prompt is about to be evaluated."""
+    """The job has its session and its prompt is about to be evaluated: ``prompt_tokens``
+    long, ``cached_tokens`` of it in the session's cache (what the turn reuses, unless a
+    cache that cannot be trimmed goes back further)."""
 
     match: Match
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def started(match: Match, prompt: list[int]) -> Started:
+    """``match``'s job about to evaluate ``prompt``, reusing the prefix its session's cache
+    holds (all of it with the logits there kept, as for a regenerate; else all but the last
+    token, evaluated for its logits)."""
+    session = match.session
+    held = common_prefix(session.ledger, prompt)
+    logits = session.prompt_logprobs
+    if held == len(prompt) and logits is not None and logits[0] == held:
+        return Started(match, len(prompt), held)
+    return Started(match, len(prompt), min(held, len(prompt) - 1))
 
 
 @dataclass(frozen=True)
@@ -83,7 +101,7 @@ class Job:
     name: str | None
     owner: str
     loop: asyncio.AbstractEventLoop
-    grammar: str | None = None
+    grammar: str | Opened | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sessions: list[Session] = field(default_factory=list)  # replying now: stopped on cancel

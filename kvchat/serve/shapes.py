@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from .errors import ApiError
-from .jobs import Finished, Piece
+from .jobs import Finished, Piece, Started
 from .logprobs import completion_shape
 
 Report = Piece | Finished | ApiError  # what a job reports once it has started
@@ -28,8 +28,9 @@ class Reply(Protocol):
 
     def whole(self, done: Finished) -> dict: ...
 
-    def stream(self, reports: AsyncIterator[Report]) -> AsyncIterator[str]:
-        """The events of ``reports`` (which end after a Finished or an ApiError)."""
+    def stream(self, started: Started, reports: AsyncIterator[Report]) -> AsyncIterator[str]:
+        """The events of the job ``started`` and its ``reports`` (which end after a
+        Finished or an ApiError)."""
         ...
 
 
@@ -147,7 +148,7 @@ class OpenAIReply:
             "kvchat": done.kvchat,
         }
 
-    async def stream(self, reports: AsyncIterator[Report]) -> AsyncIterator[str]:
+    async def stream(self, started: Started, reports: AsyncIterator[Report]) -> AsyncIterator[str]:
         base, shape = self._envelope(self.shape.chunk_object), self.shape
 
         def event(choices: list, **extra) -> str:

@@ -16,7 +16,7 @@ import json
 import secrets
 from typing import TYPE_CHECKING, Any
 
-from .constrain import closed, lark_grammar
+from .constrain import Opened, closed, lark_grammar
 from .errors import ApiError
 
 if TYPE_CHECKING:
@@ -109,18 +109,9 @@ def _sorted(schema):
     return out
 
 
-def forced_grammar(lm: LoadedModel, tools: list[Tool]) -> str:
-    """The grammar of one call of one of ``tools``, its arguments valid against the
-    function's parameters schema, in this model's format."""
-    check_offered(lm)
-    tokenizer = lm.tokenizer
-    if tokenizer.tool_call_start != "<tool_call>" or tokenizer.tool_call_end != "</tool_call>":
-        raise ApiError(
-            400,
-            f"'tool_choice': {lm.model_id}'s tool-call format "
-            f"({tokenizer.tool_call_start}) cannot be forced; use 'auto'.",
-            param="tool_choice",
-        )
+def _call_schema(tools: list[Tool]) -> dict:
+    """The JSON of one call of one of ``tools``, its arguments valid against the
+    function's parameters schema, written as templates write it."""
     choices = [
         {
             "type": "object",
@@ -134,9 +125,43 @@ def forced_grammar(lm: LoadedModel, tools: list[Tool]) -> str:
         for t in tools
     ]
     schema = choices[0] if len(choices) == 1 else {"anyOf": choices}
-    call = {**schema, "x-guidance": _AS_TEMPLATES_WRITE}
+    return {**schema, "x-guidance": _AS_TEMPLATES_WRITE}
+
+
+def _holds_calls(lm: LoadedModel) -> bool:
+    """Whether this model's calls are JSON between ``<tool_call>`` tags (a grammar can
+    hold them)."""
+    tokenizer = lm.tokenizer
+    return (tokenizer.tool_call_start, tokenizer.tool_call_end) == ("<tool_call>", "</tool_call>")
+
+
+def forced_grammar(lm: LoadedModel, tools: list[Tool]) -> str:
+    """The grammar of one call of one of ``tools``, its arguments valid against the
+    function's parameters schema, in this model's format."""
+    check_offered(lm)
+    if not _holds_calls(lm):
+        raise ApiError(
+            400,
+            f"'tool_choice': {lm.model_id}'s tool-call format "
+            f"({lm.tokenizer.tool_call_start}) cannot be forced; use 'auto'.",
+            param="tool_choice",
+        )
     return lark_grammar(
-        f"start: {json.dumps(tokenizer.tool_call_start + chr(10))} call "
-        f"{json.dumps(chr(10) + tokenizer.tool_call_end)}\ncall: %json {json.dumps(call)}",
+        f"start: {json.dumps('<tool_call>' + chr(10))} call "
+        f"{json.dumps(chr(10) + '</tool_call>')}\ncall: %json {json.dumps(_call_schema(tools))}",
         "tool_choice",
     )
+
+
+def opened_grammar(lm: LoadedModel, tools: list[Tool]) -> Opened | None:
+    """What holds a call the model opens on its own (``tool_choice`` ``auto``) to one
+    valid call of one of ``tools``, from its ``<tool_call>`` marker on; None where the
+    model's format is not one a grammar holds (its calls are then read as written)."""
+    if not _holds_calls(lm):
+        return None
+    rest = lark_grammar(
+        f"start: {json.dumps(chr(10))} call {json.dumps(chr(10) + '</tool_call>')}\n"
+        f"call: %json {json.dumps(_call_schema(tools))}",
+        "tools",
+    )
+    return Opened("<tool_call>", rest)

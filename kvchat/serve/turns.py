@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from kvchat.engine.conversation.events import TurnOptions
 from kvchat.settings import apply_overrides
 
-from .constrain import JsonConstraint
+from .constrain import Opened, constraint
 from .jobs import Answer
 from .schema import ChatRequest, CompletionRequest
 from .tools import split
@@ -42,13 +42,15 @@ def turn_options(lm: LoadedModel, req: Request, settings: GenerationSettings) ->
     return replace(options, start=req.start(), tools=req.tool_specs(), variables=variables)
 
 
-def processors(lm: LoadedModel, req: Request, grammar: str | None) -> tuple[LogitsProcessor, ...]:
+def processors(
+    lm: LoadedModel, req: Request, grammar: str | Opened | None
+) -> tuple[LogitsProcessor, ...]:
     """A reply's logits processors: the request's logit bias, its ``grammar`` (each reply's
     own: a constraint follows the tokens of one reply)."""
     biases = req.biases(len(lm.tokenizer.get_vocab()))
     return (
         *(make_logits_processors(logit_bias=biases) if biases else []),
-        *([JsonConstraint(lm, grammar)] if grammar else []),
+        *([constraint(lm, grammar)] if grammar else []),
     )
 
 
@@ -76,7 +78,8 @@ def answer(
     calls = calls if req.parallel_tool_calls else calls[:1]
     if req.legacy:  # a legacy result names its call by the function's name
         calls = [{**c, "id": c["function"]["name"]} for c in calls]
-    # a forced call cut short: the reply was all its unfinished markup, which the
-    # client never gets as content
-    shown = content if calls else ("" if req.forced_tools() else reply)
+    # a call cut short: its unfinished markup (a forced call's: the whole reply) is
+    # never content, as it is never streamed
+    opened = reply.partition(lm.tokenizer.tool_call_start)[0]
+    shown = content if calls else ("" if req.forced_tools() else opened)
     return Answer(done, reply, hit_stop, logprobs, content, shown, calls)

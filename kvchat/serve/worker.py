@@ -35,13 +35,14 @@ from kvchat.settings import GENERATION
 
 from . import anonymous
 from .choices import fork_replies, read_together, reply_options
+from .constrain import Opened
 from .errors import ApiError
-from .jobs import Answer, Finished, Job, Started, finished, stream_reply, together
+from .jobs import Answer, Finished, Job, finished, started, stream_reply, together
 from .matching import Match, Matcher
 from .schema import ChatRequest, CompletionRequest
 from .tools import marker as tool_marker
 from .tools import plain
-from .turns import answer, processors, turn_of, turn_options
+from .turns import Request, answer, processors, turn_of, turn_options
 
 if TYPE_CHECKING:
     from kvchat.engine.conversation.session import Session
@@ -108,7 +109,7 @@ class Engine:
             self._waiting -= 1
 
     def submit(
-        self, request: ChatRequest | CompletionRequest, name: str | None, grammar: str | None = None
+        self, request: Request, name: str | None, grammar: str | Opened | None = None
     ) -> Job:
         """Queue ``request`` (call from the event loop), its reply held to ``grammar`` (an
         llguidance grammar) if given; raise 429 when the queue is full."""
@@ -237,8 +238,13 @@ class Engine:
         sessions, primed = [session], None
         try:
             new = req.new_messages(renders_names(self.lm)) if isinstance(req, ChatRequest) else []
+            prompt = (
+                Plan.chat(self.lm, [*session.messages, *new], options).prompt
+                if isinstance(req, ChatRequest)
+                else encode_plain(self.lm, req.text())
+            )
+            head = started(match, prompt)
             if req.n > 1:  # one prompt, n replies: evaluated once, then forked
-                prompt = Plan.chat(self.lm, [*session.messages, *new], options).prompt
                 with self._prompts:
                     forks, *primed = fork_replies(session, prompt, req.n, options)
                 sessions += forks
@@ -261,7 +267,7 @@ class Engine:
             param = "prompt" if isinstance(req, CompletionRequest) else "messages"
             raise ApiError(400, str(exc), param=param, code=code) from None
         job.sessions = sessions
-        job.emit(Started(match))
+        job.emit(head)
         tools = options.tools
         calls_wanted = (
             isinstance(req, ChatRequest) and tools is not None and req.tool_choice != "none"

@@ -31,9 +31,10 @@ import mlx.core as mx
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from kvchat.engine.models.demo_build import VARIANTS, Progress, write_json, write_weights
+from kvchat.engine.models.demo_template import CHAT_TEMPLATE
 from kvchat.locations import models_dir
 
-BUILD_VERSION = "v3"  # bump when a build changes, so old folders are not reused
+BUILD_VERSION = "v4"  # bump when a build changes, so old folders are not reused
 PREFIX = "demo"
 VOCAB_SIZE = 2048
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -47,13 +48,6 @@ PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
-
 # Qwen3-30B-A3B's attention and depth, halved (the MoE shape and its dense twin share it).
 QWEN3_HALF = {
     "num_hidden_layers": 24,
