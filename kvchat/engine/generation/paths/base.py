@@ -123,6 +123,8 @@ class Path(ABC):
         """One decode step of every row (fed ahead by the step before, or fed here), its
         tokens sampled and posted; the sequences that ended. ``newcomers``: sequences
         wait to join."""
+        if not self.seqs:  # prompts going in, nobody decoding yet
+            return []
         rows = self.forward(model)
         for seq, _ in rows:
             seq.state.batch_peak = max(seq.state.batch_peak, self.width(seq), 1)
