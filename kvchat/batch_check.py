@@ -286,7 +286,7 @@ def check_round(
 class PathCheck:
     """The rounds run on one decoding path of a model, and how they came out."""
 
-    path: str  # how its batches decode (kvchat.engine.generation.batch.decoding_path)
+    path: str  # how its batches decode (kvchat.engine.generation.paths.decoding_path)
     outcomes: tuple[Outcome, ...]
 
     @property
@@ -323,10 +323,10 @@ def check_paths(
     """``rounds`` rounds of ``count`` conversations on each path ``lm``'s batches can take
     here: the CPU fast path's numpy rows, where it decodes, and MLX's own (merged into
     mlx-lm's batch caches, or a forward pass a row where the model cannot merge)."""
-    from kvchat.engine.generation.batch import decoding_path, separate_batches
+    from kvchat.engine.generation.paths import NumpyRows, choose, decoding_path
 
     fast = lm.fast_path
-    switches: list[bool | None] = [True, False] if separate_batches(fast) else [None]
+    switches: list[bool | None] = [True, False] if choose(True, fast) is NumpyRows else [None]
     checks = []
     for on in switches:
         if on is not None:

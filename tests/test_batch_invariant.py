@@ -10,24 +10,18 @@ import mlx.core as mx
 import pytest
 
 from kvchat.engine.caches.kinds import make_cache, parse_kind
-from kvchat.engine.generation.batch import Merged, feed_ahead
+from kvchat.engine.generation.batch import Merged
 from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.invariant import debugging
+from kvchat.engine.generation.paths.batched import feed_ahead
 from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import greedy_sampler
-from kvchat.engine.generation.sequence import Left, Sequence
+from kvchat.engine.generation.sequence import Left, Request, Sequence, State
 
 
 def _sequence(lm, prompt: list[int], max_tokens: int = 12) -> Sequence:
-    return Sequence(
-        prompt=prompt,
-        cache=make_cache(lm.model, parse_kind("standard")),
-        ledger=[],
-        sampler=greedy_sampler,
-        processors=[],
-        max_tokens=max_tokens,
-        stop=threading.Event(),
-    )
+    request = Request(prompt, greedy_sampler, [], max_tokens, threading.Event())
+    return Sequence(request, State(make_cache(lm.model, parse_kind("standard")), []))
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
@@ -40,13 +34,13 @@ def test_a_ledger_that_drifts_from_its_cache_fails_the_turn(demo_model, monkeypa
         messages.append(message)
         if posted is None and isinstance(message, int):
             with GATE.exclusive():  # between two steps: the ledger claims a token not fed
-                seq.ledger.append(seq.ledger[-1])
-                posted = len(seq.tokens)
+                seq.state.ledger.append(seq.state.ledger[-1])
+                posted = len(seq.state.tokens)
     left = messages[-1]
     assert isinstance(left, Left) and isinstance(left.error, RuntimeError)
     assert "cache holds" in str(left.error)
     # the step after the break posted its token, then its check ended the turn
-    assert sum(isinstance(m, int) for m in messages) == posted + 1 < seq.max_tokens
+    assert sum(isinstance(m, int) for m in messages) == posted + 1 < seq.request.max_tokens
 
 
 def test_tokens_fed_ahead_go_to_their_rows_by_identity(demo_model):
@@ -54,10 +48,10 @@ def test_tokens_fed_ahead_go_to_their_rows_by_identity(demo_model):
     token would be fed to another's cache."""
     a, b = (_sequence(demo_model, p) for p in ([5, 6, 7], [8, 9]))
     for seq in (a, b):
-        demo_model.model(mx.array([seq.prompt]), cache=seq.cache)
-        seq.ledger.extend(seq.prompt)
+        demo_model.model(mx.array([seq.request.prompt]), cache=seq.state.cache)
+        seq.state.ledger.extend(seq.request.prompt)
     merged = Merged([a, b])
     with pytest.raises(RuntimeError, match="merged batch"):
         feed_ahead(demo_model.model, merged, [], mx.array([1, 2]), [b, a])
     feed_ahead(demo_model.model, merged, [], mx.array([1, 2]), [a, b])
-    assert a.ahead is not None and b.ahead is not None
+    assert a.state.ahead is not None and b.state.ahead is not None

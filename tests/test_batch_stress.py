@@ -60,7 +60,7 @@ def test_a_new_session_never_starts_from_a_cache_a_merged_batch_holds(merged_dem
 
     def merged_now() -> bool:
         with GATE.exclusive():  # between two steps
-            if core._merged is None or len(core._merged.seqs) < 2:
+            if core.path.merged is None or len(core.path.merged.seqs) < 2:
                 return False
             merged_now.made = (  # type: ignore[attr-defined]
                 pool.new_session(merged_demo, "standard", SYSTEM, SETTINGS, name="c"),

@@ -18,7 +18,7 @@ from kvchat.cli import app
 from kvchat.engine import cpu
 from kvchat.engine.caches.kinds import CacheKindError, make_cache, parse_kind
 from kvchat.engine.cpu import decode, native, rope
-from kvchat.engine.generation.batch import decoding_path
+from kvchat.engine.generation.paths import decoding_path
 from kvchat.engine.models.model import load_model
 from tests.test_cpu_fastpath import TINY  # the same tiny llama-family shape
 

@@ -14,7 +14,7 @@ from kvchat.engine.conversation.session import Session
 from kvchat.engine.generation.core import GenerationCore
 from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import for_settings
-from kvchat.engine.generation.sequence import Left, Sequence
+from kvchat.engine.generation.sequence import Left, Request, Sequence, State
 from tests.helpers import run_all, start_together
 
 QUESTIONS = [
@@ -93,16 +93,15 @@ class Recorder:
 
 def _sequence(lm, prompt: list[int], max_tokens: int, stop=None, processors=(), step=64):
     sampler, _ = for_settings(GenerationSettings(temp=0.0))
-    return Sequence(
+    request = Request(
         prompt=prompt,
-        cache=make_cache(lm.model, parse_kind("standard")),
-        ledger=[],
         sampler=sampler,
         processors=list(processors),
         max_tokens=max_tokens,
         stop=stop or threading.Event(),
         prefill_step=step,
     )
+    return Sequence(request, State(make_cache(lm.model, parse_kind("standard")), []))
 
 
 def _prompts(lm, n: int) -> list[list[int]]:
@@ -123,9 +122,13 @@ def test_batched_log_probabilities_agree_with_alone(arch, family):
     seqs = [_sequence(lm, p, 6, processors=[r]) for p, r in zip(prompts, recs)]
     run_all(core, seqs)
     if family == "gemma2":  # its attention does not take a batch cache's mask: rows apart
-        assert [(s.batch_peak, s.not_batched) for s in seqs] == [(1, "model gemma2")] * 4
+        assert [(s.state.batch_peak, s.state.not_batched) for s in seqs] == [
+            (1, "model gemma2")
+        ] * 4
     else:
-        assert [(s.batch_peak, s.not_batched) for s in seqs] == [(len(prompts), None)] * 4
+        assert [(s.state.batch_peak, s.state.not_batched) for s in seqs] == [
+            (len(prompts), None)
+        ] * 4
     for one, many in zip(alone, recs):
         assert len(one.rows) == len(many.rows) == 6
         for a, b in zip(one.rows, many.rows):
@@ -149,7 +152,7 @@ def test_join_leave_cancel_and_abandon_leave_the_others_as_alone(demo_model, mon
     for p in prompts:
         seq = _sequence(lm, p, limit)
         list(core.run(seq))
-        alone.append(seq.tokens)
+        alone.append(seq.state.tokens)
     stop = threading.Event()
     seqs = [
         _sequence(lm, p, limit if i != 1 else 4, stop=stop if i == 2 else None)
@@ -168,17 +171,17 @@ def test_join_leave_cancel_and_abandon_leave_the_others_as_alone(demo_model, mon
         return seq is seqs[3] and len(tokens) == 2  # a consumer that walks away
 
     out = run_all(core, seqs, on_token)
-    late.left.wait(60)
-    assert seqs[0].tokens == alone[0] and late.tokens == alone[4]
-    assert seqs[1].tokens == alone[1][:4]  # it left early (its length limit)
-    assert seqs[2].tokens == alone[2][: len(seqs[2].tokens)] and len(seqs[2].tokens) < limit
-    assert seqs[3].tokens == alone[3][: len(seqs[3].tokens)] and len(seqs[3].tokens) < limit
+    late.channel.left.wait(60)
+    assert seqs[0].state.tokens == alone[0] and late.state.tokens == alone[4]
+    assert seqs[1].state.tokens == alone[1][:4]  # it left early (its length limit)
+    for seq, row in ((seqs[2], alone[2]), (seqs[3], alone[3])):  # stopped, walked away
+        assert seq.state.tokens == row[: len(seq.state.tokens)] and len(seq.state.tokens) < limit
     lefts = [m for m in out[id(seqs[2])] if isinstance(m, Left)]
     assert lefts == [Left(stopped=True)]
     for seq, prompt in zip([*seqs, late], prompts):
-        assert seq.left.is_set()
-        assert seq.ledger == [*prompt, *seq.tokens[:-1]]
-        assert held_tokens(seq.cache) == len(seq.ledger)
+        assert seq.channel.left.is_set()
+        assert seq.state.ledger == [*prompt, *seq.state.tokens[:-1]]
+        assert held_tokens(seq.state.cache) == len(seq.state.ledger)
 
 
 def test_a_sequence_its_reader_leaves_on_the_callers_thread_runs_no_further_step(demo_model):
@@ -196,9 +199,9 @@ def test_a_sequence_its_reader_leaves_on_the_callers_thread_runs_no_further_step
             read += [message] if isinstance(message, int) else []
             if len(read) == 3:
                 raise RuntimeError("the reader failed")
-    assert seq.left.is_set() and seq.tokens == read == alone.tokens[:3]
-    assert seq.ledger == [*prompt, *read[:-1]]  # the last sampled token never fed
-    assert held_tokens(seq.cache) == len(seq.ledger)
+    assert seq.channel.left.is_set() and seq.state.tokens == read == alone.state.tokens[:3]
+    assert seq.state.ledger == [*prompt, *read[:-1]]  # the last sampled token never fed
+    assert held_tokens(seq.state.cache) == len(seq.state.ledger)
 
 
 def _drain(core: GenerationCore, seq: Sequence, out: list) -> threading.Thread:

@@ -21,7 +21,7 @@ from kvchat.engine.conversation.events import GenerationSettings
 from kvchat.engine.generation.gate import GATE
 from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import for_settings
-from kvchat.engine.generation.sequence import Sequence
+from kvchat.engine.generation.sequence import Request, Sequence, State
 from tests.helpers import run_all
 
 PROMPT_TEXT = "Tell me about the sea and the ships on it."
@@ -33,18 +33,13 @@ def mlx_path(demo_model, monkeypatch):
     return demo_model
 
 
-def _sequence(lm, prompt, max_tokens, eos=frozenset(), stop=None) -> Sequence:
-    sampler, _ = for_settings(GenerationSettings(temp=0.0))
-    return Sequence(
-        prompt=list(prompt),
-        cache=make_cache(lm.model, parse_kind("standard")),
-        ledger=[],
-        sampler=sampler,
-        processors=[],
-        max_tokens=max_tokens,
-        stop=stop or threading.Event(),
-        eos=eos,
+def _sequence(lm, prompt, max_tokens, eos=frozenset(), stop=None, **asked) -> Sequence:
+    """A greedy sequence on a fresh cache; ``asked``: the request's other fields."""
+    asked = {"sampler": for_settings(GenerationSettings(temp=0.0))[0], "processors": []} | asked
+    request = Request(
+        list(prompt), max_tokens=max_tokens, stop=stop or threading.Event(), eos=eos, **asked
     )
+    return Sequence(request, State(make_cache(lm.model, parse_kind("standard")), []))
 
 
 def _mlx_lm_tokens(lm, prompt, n: int) -> list[int]:
@@ -55,9 +50,9 @@ def _mlx_lm_tokens(lm, prompt, n: int) -> list[int]:
 
 
 def _contract(seq: Sequence, prompt: list[int]) -> None:
-    assert seq.left.is_set() and seq.ahead is None
-    assert seq.ledger == [*prompt, *seq.tokens[:-1]]  # the token it ended on is not fed
-    assert held_tokens(seq.cache) == len(seq.ledger)
+    assert seq.channel.left.is_set() and seq.state.ahead is None
+    assert seq.state.ledger == [*prompt, *seq.state.tokens[:-1]]  # the token it ended on is not fed
+    assert held_tokens(seq.state.cache) == len(seq.state.ledger)
 
 
 def test_replies_are_mlx_lms_and_the_cache_holds_one_token_more_between_steps(mlx_path):
@@ -70,9 +65,14 @@ def test_replies_are_mlx_lms_and_the_cache_holds_one_token_more_between_steps(ml
             tokens.append(message)
             if len(tokens) == 3:
                 with GATE.exclusive():  # the core is between two steps
-                    between = (held_tokens(seq.cache), len(seq.ledger), seq.ahead, seq.drawn)
-                    between += (len(seq.tokens),)
-    assert tokens == seq.tokens == reference
+                    between = (
+                        held_tokens(seq.state.cache),
+                        len(seq.state.ledger),
+                        seq.state.ahead,
+                        seq.state.drawn,
+                    )
+                    between += (len(seq.state.tokens),)
+    assert tokens == seq.state.tokens == reference
     held, ledger, ahead, drawn, read = between
     assert ahead is not None and held == ledger + 1  # the last token read, fed before it was
     # and the token after it sampled in the same graph: the step after reads it at once
@@ -94,18 +94,18 @@ def test_a_sequence_that_leaves_has_the_token_fed_ahead_trimmed(mlx_path, ending
     )
     stream = core_for(mlx_path).run(seq)
     for message in stream:
-        if isinstance(message, int) and len(seq.tokens) >= 4:
+        if isinstance(message, int) and len(seq.state.tokens) >= 4:
             if ending == "stop":
                 stop.set()
             elif ending == "consumer gone":
                 stream.close()  # cancels, and returns once the sequence has left
                 break
-    assert seq.tokens == reference[: len(seq.tokens)]
+    assert seq.state.tokens == reference[: len(seq.state.tokens)]
     expected = {"length": 9, "end token": reference.index(reference[6]) + 1}
     if ending in expected:
-        assert len(seq.tokens) == expected[ending]
+        assert len(seq.state.tokens) == expected[ending]
     else:
-        assert 4 <= len(seq.tokens) < 20
+        assert 4 <= len(seq.state.tokens) < 20
     _contract(seq, prompt)
 
 
@@ -117,14 +117,15 @@ def test_rows_merged_and_fed_ahead_leave_one_by_one_each_as_alone(mlx_path):
     core = core_for(mlx_path)
     run_all(core, seqs)  # all three submitted before the first step
     for seq, prompt, tokens in zip(seqs, prompts, alone):
-        assert seq.tokens == tokens and seq.batch_peak == len(seqs)
+        assert seq.state.tokens == tokens and seq.state.batch_peak == len(seqs)
         _contract(seq, prompt)
     # the caches given back are each sequence's own: a next turn continues from them
-    again = _sequence(mlx_path, [*prompts[2], *seqs[2].tokens], 4)
-    again.cache, again.ledger, again.fed = seqs[2].cache, list(seqs[2].ledger), len(seqs[2].ledger)
+    again = _sequence(mlx_path, [*prompts[2], *seqs[2].state.tokens], 4)
+    held = seqs[2].state
+    again.state = State(held.cache, list(held.ledger), fed=len(held.ledger))
     list(core.run(again))
-    fresh = _mlx_lm_tokens(mlx_path, [*prompts[2], *seqs[2].tokens], 4)
-    assert again.tokens == fresh
+    fresh = _mlx_lm_tokens(mlx_path, [*prompts[2], *seqs[2].state.tokens], 4)
+    assert again.state.tokens == fresh
 
 
 def test_a_sequence_with_penalties_is_fed_ahead_but_samples_once_its_token_is_known(mlx_path):
@@ -144,14 +145,13 @@ def test_a_sequence_with_penalties_is_fed_ahead_but_samples_once_its_token_is_kn
         )
     ]
     assert reference != _mlx_lm_tokens(mlx_path, prompt, 24)  # the penalty does change it
-    seq = _sequence(mlx_path, prompt, 24)
-    seq.sampler, seq.processors = sampler, processors
+    seq = _sequence(mlx_path, prompt, 24, sampler=sampler, processors=processors)
     seen = []
     for message in core_for(mlx_path).run(seq):
-        if isinstance(message, int) and len(seq.tokens) == 3:
+        if isinstance(message, int) and len(seq.state.tokens) == 3:
             with GATE.exclusive():
-                seen.append((seq.ahead is not None, seq.drawn))
-    assert seq.tokens == reference
+                seen.append((seq.state.ahead is not None, seq.state.drawn))
+    assert seq.state.tokens == reference
     assert seen == [(True, None)]
     _contract(seq, prompt)
 
@@ -161,14 +161,13 @@ def test_a_row_reporting_log_probabilities_beside_rows_drawn_ahead(mlx_path):
     the rows merged with it draw ahead; each reply is still mlx-lm's alone."""
     prompts = [mlx_path.tokenizer.encode(f"{PROMPT_TEXT} " * (i + 1)) for i in range(3)]
     alone = [_mlx_lm_tokens(mlx_path, p, 12) for p in prompts]
-    seqs = [_sequence(mlx_path, p, 12) for p in prompts]
-    seqs[1].report_logprobs = True
+    seqs = [_sequence(mlx_path, p, 12, report_logprobs=i == 1) for i, p in enumerate(prompts)]
     run_all(core_for(mlx_path), seqs)
     for seq, prompt, tokens in zip(seqs, prompts, alone):
-        assert seq.tokens == tokens and seq.batch_peak == len(seqs)
+        assert seq.state.tokens == tokens and seq.state.batch_peak == len(seqs)
         _contract(seq, prompt)
-    reported = seqs[1].sampled_logprobs
+    reported = seqs[1].state.sampled_logprobs
     assert len(reported) == 12
-    assert [int(mx.argmax(row).item()) for row in reported] == seqs[1].tokens
+    assert [int(mx.argmax(row).item()) for row in reported] == seqs[1].state.tokens
     assert all(abs(mx.logsumexp(row).item()) < 1e-4 for row in reported)
-    assert seqs[0].sampled_logprobs == seqs[2].sampled_logprobs == []
+    assert seqs[0].state.sampled_logprobs == seqs[2].state.sampled_logprobs == []

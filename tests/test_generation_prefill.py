@@ -11,31 +11,27 @@ import pytest
 
 from kvchat.engine.caches.kinds import held_tokens, make_cache, parse_kind
 from kvchat.engine.conversation.events import GenerationSettings, Prefill
-from kvchat.engine.generation import batch, prefill
+from kvchat.engine.generation import prefill
 from kvchat.engine.generation.core import GenerationCore
 from kvchat.engine.generation.pace import FLOOR, Pace
+from kvchat.engine.generation.paths import numpy_rows
 from kvchat.engine.generation.prefill import feed, plan
 from kvchat.engine.generation.sampling import for_settings
-from kvchat.engine.generation.sequence import Left, Sequence
+from kvchat.engine.generation.sequence import Left, Request, Sequence, State
 from tests.helpers import run_all
 
 
-def _sequence(lm, prompt: list[int], step: int = 512, history: list[int] = ()) -> Sequence:
+def _sequence(lm, prompt: list[int], step: int = 512, history: list[int] = (), **asked) -> Sequence:
+    """A greedy sequence of 4 tokens on a cache holding ``history``; ``asked``: the
+    request's other fields."""
     sampler, _ = for_settings(GenerationSettings(temp=0.0))
     cache = make_cache(lm.model, parse_kind("standard"))
     if history:
         lm.model(mx.array(list(history))[None], cache=cache)
         mx.eval([c.state for c in cache])
-    return Sequence(
-        prompt=prompt,
-        cache=cache,
-        ledger=list(history),
-        sampler=sampler,
-        processors=[],
-        max_tokens=4,
-        stop=threading.Event(),
-        prefill_step=step,
-    )
+    asked = {"max_tokens": 4} | asked
+    request = Request(prompt, sampler, [], stop=threading.Event(), prefill_step=step, **asked)
+    return Sequence(request, State(cache, list(history)))
 
 
 def test_short_prompts_go_together_and_a_long_one_goes_on_beside_them(demo_model):
@@ -45,9 +41,9 @@ def test_short_prompts_go_together_and_a_long_one_goes_on_beside_them(demo_model
     # in line order; every chunk but the paste's is its whole body (the last token waits)
     assert [(s, len(t)) for s, t in chunks] == [
         (paste, 20),
-        *((s, len(s.prompt) - 1) for s in shorts),
+        *((s, len(s.request.prompt) - 1) for s in shorts),
     ]
-    assert chunks[0][1] == paste.prompt[:20]
+    assert chunks[0][1] == paste.request.prompt[:20]
     # alone, the paste gets a chunk of its prefill step
     assert [len(t) for _, t in plan([paste], budget=512)] == [512]
     # what the budget does not hold, padded to the widest, waits for the next step (the
@@ -65,30 +61,36 @@ def test_chunks_fed_together_equal_chunks_fed_apart(demo_model):
     specs = [([5, 6, 7, 8, 9, 10], list(range(30, 47))), ([], list(range(50, 55))), ([3], [61, 62])]
     runs = {}
     for together in (False, True):
-        seqs = [_sequence(lm, prompt, history=history) for history, prompt in specs]
-        seqs[0].marks = frozenset({6 + 9})  # a checkpoint mark inside the first chunk
         marked: list[tuple[int, int]] = []
-        seqs[0].on_mark = lambda n, seq=seqs[0], out=marked: out.append((n, held_tokens(seq.cache)))
-        while any(s.fed < len(s.prompt) - 1 for s in seqs):
+        seqs: list[Sequence] = []
+
+        def on_mark(n: int, out=marked, seqs=seqs) -> None:
+            out.append((n, held_tokens(seqs[0].state.cache)))
+
+        # a checkpoint mark inside the first chunk
+        (history, prompt), *others = specs
+        seqs.append(_sequence(lm, prompt, history=history, marks=frozenset({15}), on_mark=on_mark))
+        seqs += [_sequence(lm, prompt, history=history) for history, prompt in others]
+        while any(s.state.fed < len(s.request.prompt) - 1 for s in seqs):
             feed(lm.model, plan(seqs, budget=512), together)
         runs[together] = seqs, marked
     (apart, marked_apart), (joined, marked_joined) = runs[False], runs[True]
     assert marked_apart == marked_joined == [(15, 15)]
     for a, b, (history, prompt) in zip(apart, joined, specs):
-        assert a.ledger == b.ledger == [*history, *prompt[:-1]]
-        assert held_tokens(b.cache) == len(b.ledger) == b.cache[0].offset
-        for x, y in zip(a.cache, b.cache):
+        assert a.state.ledger == b.state.ledger == [*history, *prompt[:-1]]
+        assert held_tokens(b.state.cache) == len(b.state.ledger) == b.state.cache[0].offset
+        for x, y in zip(a.state.cache, b.state.cache):
             assert mx.abs(x.keys[..., : x.offset, :] - y.keys[..., : y.offset, :]).max() < 1e-5
             assert mx.abs(x.values[..., : x.offset, :] - y.values[..., : y.offset, :]).max() < 1e-5
         got = []
-        while not b.messages.empty():
-            got.append(b.messages.get())
+        while not b.channel.messages.empty():
+            got.append(b.channel.messages.get())
         assert got[0] == Prefill(0, len(prompt)) and got[-1] == Prefill(
             len(prompt) - 1, len(prompt)
         )
         # the next token decodes as it does after the prefill apart
-        la = lm.model(mx.array([[prompt[-1]]]), cache=a.cache)
-        lb = lm.model(mx.array([[prompt[-1]]]), cache=b.cache)
+        la = lm.model(mx.array([[prompt[-1]]]), cache=a.state.cache)
+        lb = lm.model(mx.array([[prompt[-1]]]), cache=b.state.cache)
         assert mx.abs(la - lb).max() < 1e-4
 
 
@@ -101,9 +103,14 @@ def test_short_prompts_go_whole_into_the_numpy_decode_step(demo_model, monkeypat
     history = demo_model.tokenizer.encode("The sea is wide and the sky is blue.")
     specs = [([], list(range(3, 203))), (history, list(range(40, 52))), ([], list(range(7, 27)))]
     fed, rows = [], []
-    real_feed, real_step = prefill.feed, batch.decode_batch
+    real_feed, real_step = prefill.feed, numpy_rows.decode_batch
     monkeypatch.setattr(prefill, "feed", lambda m, c, t: fed.extend(c) or real_feed(m, c, t))
-    monkeypatch.setattr(batch, "decode_batch", lambda m, t, c: rows.append(t) or real_step(m, t, c))
+
+    def step(model, tokens, caches):
+        rows.append(tokens)
+        return real_step(model, tokens, caches)
+
+    monkeypatch.setattr(numpy_rows, "decode_batch", step)
     runs = {}
     for fast in (None, demo_model.fast_path):  # the separate prefill, then the folded one
         seqs = [_sequence(demo_model, p, step=64, history=h) for h, p in specs]
@@ -114,10 +121,10 @@ def test_short_prompts_go_whole_into_the_numpy_decode_step(demo_model, monkeypat
     short = sorted([specs[1][1], specs[2][1]])  # in whichever order their threads joined
     assert short in [sorted(r for r in step if len(r) > 1) for step in rows]
     for a, b, got, (h, p) in zip(apart, folded, messages, specs):
-        assert b.tokens == a.tokens and len(b.tokens) == 4
-        assert b.ledger == [*h, *p, *b.tokens[:-1]] == a.ledger
-        assert held_tokens(b.cache) == len(b.ledger)
-        assert got[0] == Prefill(0, len(p)) and got[-5:] == [*b.tokens, Left(stopped=False)]
+        assert b.state.tokens == a.state.tokens and len(b.state.tokens) == 4
+        assert b.state.ledger == [*h, *p, *b.state.tokens[:-1]] == a.state.ledger
+        assert held_tokens(b.state.cache) == len(b.state.ledger)
+        assert got[0] == Prefill(0, len(p)) and got[-5:] == [*b.state.tokens, Left(stopped=False)]
     assert not any(isinstance(m, Prefill) for m in messages[2][1:])
 
 
@@ -141,7 +148,7 @@ def test_a_step_takes_a_paced_share_of_prompt_while_others_decode():
 
 def _long_sequence() -> Sequence:
     sampler, _ = for_settings(GenerationSettings(temp=0.0))
-    return Sequence(list(range(3, 303)), [], [], sampler, [], 4, threading.Event())
+    return Sequence(Request(list(range(3, 303)), sampler, [], 4, threading.Event()), State([], []))
 
 
 def test_a_long_prompt_goes_in_beside_a_streaming_reply_not_before_it(demo_model):
@@ -154,8 +161,7 @@ def test_a_long_prompt_goes_in_beside_a_streaming_reply_not_before_it(demo_model
     run_all(GenerationCore(lm.model), [alone])
     core = GenerationCore(lm.model)
     core.pace = Pace(seconds=1e-9)  # every paced step: the floor
-    streaming = _sequence(lm, list(range(40, 52)))
-    streaming.max_tokens = 60
+    streaming = _sequence(lm, list(range(40, 52)), max_tokens=60)
     second = _sequence(lm, paste, step=512)
     order: list[tuple[str, object]] = []
     reading = threading.Event()
@@ -180,10 +186,10 @@ def test_a_long_prompt_goes_in_beside_a_streaming_reply_not_before_it(demo_model
         for i, j in _gaps(order, "paste", Prefill)
     ]
     assert sum(1 for n in between if n) >= len(between) // 2, between
-    assert second.tokens == alone.tokens and len(second.tokens) == 4
+    assert second.state.tokens == alone.state.tokens and len(second.state.tokens) == 4
     for seq in (second, streaming):
-        assert held_tokens(seq.cache) == len(seq.ledger)
-    assert second.ledger == [*paste, *second.tokens[:-1]]
+        assert held_tokens(seq.state.cache) == len(seq.state.ledger)
+    assert second.state.ledger == [*paste, *second.state.tokens[:-1]]
 
 
 def _gaps(order: list[tuple[str, object]], who: str, kind: type) -> list[tuple[int, int]]:
@@ -199,6 +205,7 @@ def test_a_sharded_cores_chunks_are_not_paced_by_its_own_clock(demo_model, threa
     core = GenerationCore(demo_model.model, threaded=threaded)
     core.pace = Pace(seconds=1e-9)
     paste = _sequence(demo_model, list(range(3, 303)), step=128)
-    assert core._prefill([paste], others_decoding=True) == []
-    assert paste.fed == len(paste.ledger) == (FLOOR if threaded else 128)
-    assert held_tokens(paste.cache) == paste.fed
+    core.path.apart.append(_sequence(demo_model, [5, 6]))  # a row decoding meanwhile
+    assert core.path.prefill(demo_model.model, [paste], core.pace) == ([], [])
+    assert paste.state.fed == len(paste.state.ledger) == (FLOOR if threaded else 128)
+    assert held_tokens(paste.state.cache) == paste.state.fed

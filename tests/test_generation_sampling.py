@@ -14,7 +14,7 @@ from kvchat.engine.conversation.events import GenerationSettings, TurnDone
 from kvchat.engine.conversation.session import Session
 from kvchat.engine.generation.per_model import core_for
 from kvchat.engine.generation.sampling import for_settings
-from kvchat.engine.generation.sequence import Sequence, sample_rows
+from kvchat.engine.generation.sequence import Request, Sequence, State, sample_rows
 from tests.helpers import start_together
 
 SETTINGS = [
@@ -31,16 +31,8 @@ SETTINGS = [
 
 def _sequence(settings: GenerationSettings, report: bool = False) -> Sequence:
     sampler, processors = for_settings(settings)
-    return Sequence(
-        prompt=[1],
-        cache=[],
-        ledger=[1, 2, 3],
-        sampler=sampler,
-        processors=processors,
-        max_tokens=1,
-        stop=threading.Event(),
-        report_logprobs=report,
-    )
+    request = Request([1], sampler, processors, 1, threading.Event(), report_logprobs=report)
+    return Sequence(request, State([], [1, 2, 3]))
 
 
 def test_which_rows_sample_alike():

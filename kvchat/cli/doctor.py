@@ -119,7 +119,7 @@ def _model_report(spec: str | None) -> dict[str, str]:
     gets the CPU fast path and what it runs through numpy, or why not; and which path
     decodes its batches, and why."""
     from kvchat.config import ConfigError, load_config
-    from kvchat.engine.generation.batch import decoding_path
+    from kvchat.engine.generation.paths import decoding_path
     from kvchat.engine.models.model import ModelLoadError, load_model
 
     try:

@@ -34,7 +34,7 @@ from kvchat.engine.caches.kinds import (
 from kvchat.engine.conversation.events import Prefill
 from kvchat.engine.conversation.stats import CacheChange
 from kvchat.engine.generation.sampling import LogitsProcessor, Sampler
-from kvchat.engine.generation.sequence import Sequence
+from kvchat.engine.generation.sequence import Request, Sequence, State
 
 if TYPE_CHECKING:
     from kvchat.engine.generation.sequence import StopFlag
@@ -155,24 +155,22 @@ class CacheKeeper:
         """A :class:`Sequence` evaluating ``prompt`` into this cache (the core appends what
         it feeds to the ledger), then sampling; once the prompt is in, a checkpoint and the
         log probabilities there are kept, and a checkpoint at each ledger length in
-        ``marks``. The other fields are :class:`Sequence`'s."""
-        return Sequence(
+        ``marks``. The other arguments are :class:`Request`'s."""
+        request = Request(
             prompt=prompt,
-            cache=self._cache,
-            ledger=self._ledger,
             sampler=sampler,
             processors=processors,
             max_tokens=max_tokens,
             stop=stop,
             eos=eos,
             prefill_step=prefill_step,
-            logprobs=logprobs,
-            on_prompt=self._prompt_done,
             marks=marks,
-            on_mark=self._mark,
             report_logprobs=report_logprobs,
             kind=self._kind.name,
+            on_prompt=self._prompt_done,
+            on_mark=self._mark,
         )
+        return Sequence(request, State(self._cache, self._ledger, logprobs=logprobs))
 
     def prefill(
         self,

@@ -188,8 +188,8 @@ class Runner:
 def _last_left(seq: Sequence) -> Left:
     """The :class:`Left` a sequence's reader stopped reading before."""
     left = Left(stopped=True)
-    while not seq.messages.empty():
-        message = seq.messages.get()
+    while not seq.channel.messages.empty():
+        message = seq.channel.messages.get()
         if isinstance(message, Left):
             left = message
     return left
@@ -266,10 +266,12 @@ def run_turn(
                         first_at = time.perf_counter()
                         prompt_eval_s = first_at - prefill_started
                     tokens.append(message)
-                    if message in seq.eos:
+                    if message in seq.request.eos:
                         continue
                     if report is not None:
-                        yield token_logprobs(message, seq.sampled_logprobs[len(tokens) - 1], report)
+                        yield token_logprobs(
+                            message, seq.state.sampled_logprobs[len(tokens) - 1], report
+                        )
                     piece = text.add(message)
                     if piece:
                         yield Chunk(piece, len(tokens))
@@ -330,8 +332,8 @@ def run_turn(
         rebuilt=rebuilt or keeper.pending_rebuild,
         reevaluated_reply_tokens=reevaluated,
         stopped=stopped,
-        not_batched=seq.not_batched,
-        batch_size=seq.batch_peak,
+        not_batched=seq.state.not_batched,
+        batch_size=seq.state.batch_peak,
     )
     keeper.pending_rebuild = None
     history.add_turn(stats)

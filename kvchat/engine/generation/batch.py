@@ -17,8 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from kvchat.engine.cpu import decode_batch, native
-from kvchat.engine.generation.sequence import Sequence, sample_rows
+from kvchat.engine.generation.sequence import Sequence
 
 
 def blocker(model: nn.Module, cache: list[Any], kind: str) -> str | None:
@@ -83,109 +82,19 @@ def _probe(model: nn.Module) -> bool:
     return True
 
 
-def separate_batches(fast_path: Any) -> bool:
-    """Whether decoding sequences keep their caches apart and go through the CPU fast
-    path's batched numpy step (``fast_path``, the model's, decodes in numpy), rather
-    than merge into mlx-lm's batch caches."""
-    return fast_path is not None and fast_path.decodes
-
-
-def decoding_path(lm: Any) -> str:
-    """One line: how loaded model ``lm``'s core decodes a batch of sequences, and why."""
-    if getattr(lm, "group", None) is not None:
-        return "one sequence at a time (a sharded model: every rank runs the same steps)"
-    fast = getattr(lm, "fast_path", None)
-    if separate_batches(fast):
-        return (
-            "CPU fast path: its batched numpy step decodes every row at once, each on its "
-            f"own cache (the model's decoding step runs whole in numpy; {native.route()})"
-        )
-    if fast is None:
-        why = f"CPU fast path {getattr(lm, 'fast_path_off', 'off')}"
-    elif not fast.on:
-        why = "CPU fast path switched off for this model"
-    else:
-        why = f"no numpy decoding step: {fast.step}"
-    if merges(lm.model):
-        return f"MLX: rows merged into mlx-lm's batch caches, one forward pass a step ({why})"
-    return (
-        "MLX, one forward pass a row: this model does not decode a merged batch as it "
-        f"decodes each row alone ({why})"
-    )
-
-
-def separate(model: nn.Module, seqs: list[Sequence], fast_path: Any) -> list[mx.array]:
-    """Feed each sequence's pending tokens (:attr:`Sequence.feeding`) into its own cache;
-    each one's logits after its last ``(1, V)``: on the CPU fast path through its numpy
-    step, one sequence too (a short prompt folded into the step computes the output
-    projection of its last token only, where the model's forward pass would leave the
-    others' to MLX)."""
-    if separate_batches(fast_path):
-        logits = decode_batch(model, [s.feeding for s in seqs], [s.cache for s in seqs])
-        if logits is not None:
-            return [logits[i : i + 1] for i in range(len(seqs))]
-    return [model(mx.array([s.feeding]), cache=s.cache)[:, -1, :] for s in seqs]
-
-
-def feeds_ahead(fast_path: Any, decoding: list[Sequence]) -> bool:
-    """Whether a decode step of ``decoding`` also feeds the tokens it samples, before they
-    are read, so that the next step computes while this one's tokens are read and posted
-    (as mlx-lm's ``generate_step`` does): on MLX's own path (the CPU fast path's numpy
-    step computes as it goes) and on plain caches (``KVCache``), from which a sequence
-    that ends has that token trimmed again (other kinds trim differently, or not at all:
-    recurrent layers' state). The core also asks that nobody waits to join (a step fed
-    ahead has no row for a newcomer) and that the model is not sharded."""
-    return not separate_batches(fast_path) and all(
-        type(c) is KVCache for s in decoding for c in s.cache
-    )
-
-
-def feed_ahead(
-    model: nn.Module,
-    merged: Merged | None,
-    alone: list[Sequence],
-    tokens: mx.array,
-    order: list[Sequence],
-) -> None:
-    """Feed each decoding sequence the token just sampled for it (``tokens[i]`` for
-    ``order[i]``, not evaluated yet), keeping the logits after it as the sequence's
-    :attr:`~.sequence.Sequence.ahead`; for those that :meth:`~.sequence.Sequence.draws_ahead`,
-    sample the token after from them too (:attr:`~.sequence.Sequence.drawn`), so that
-    what the next step reads was computed by this one's graph, while the next computes
-    (reading a token sampled at the head of the next step's graph waits for that whole
-    graph where the device signals a graph's outputs when it completes)."""
-    row = {seq: i for i, seq in enumerate(order)}
-    if merged and merged.seqs:
-        # the core lists a step's rows with the batch's together, in the batch's order:
-        # checked, by identity, before the batch's tokens are cut from them
-        first = row[merged.seqs[0]]
-        if order[first : first + len(merged.seqs)] != merged.seqs:
-            raise RuntimeError("A step's rows are not its merged batch's, in its order.")
-        logits = merged.step(model, tokens[first : first + len(merged.seqs)][:, None])
-        for i, seq in enumerate(merged.seqs):
-            seq.ahead = logits[i : i + 1]
-    for seq in alone:
-        i = row[seq]
-        seq.ahead = model(tokens[i : i + 1].reshape(1, 1), cache=seq.cache)[:, -1, :]
-    drawing = [seq for seq in order if seq.draws_ahead()]
-    if drawing:
-        drawn = sample_rows([(seq, cast(mx.array, seq.ahead)) for seq in drawing])
-        for i, seq in enumerate(drawing):
-            seq.drawn = drawn[i : i + 1]
-
-
 class Merged:
     """Sequences decoding in one forward pass over one batch cache, row i for ``seqs[i]``."""
 
     def __init__(self, seqs: list[Sequence]):
         self.seqs = list(seqs)
-        self.cache = [merge([s.cache[i] for s in seqs]) for i in range(len(seqs[0].cache))]
+        layers = len(seqs[0].state.cache)
+        self.cache = [merge([s.state.cache[i] for s in seqs]) for i in range(layers)]
         _lend(self.cache, seqs)
 
     def join(self, seqs: list[Sequence]) -> None:
         """Add ``seqs`` (their own caches hold their prompts) at the end of the batch."""
         for i, layer in enumerate(self.cache):
-            layer.extend(merge([s.cache[i] for s in seqs]))
+            layer.extend(merge([s.state.cache[i] for s in seqs]))
         _lend(self.cache, seqs)
         self.seqs.extend(seqs)
 
@@ -201,11 +110,11 @@ class Merged:
         """Give ``gone`` their caches back (and, when one row is left, that one too)."""
         rows = [i for i, s in enumerate(self.seqs) if s in gone]
         for i in rows:
-            give_back(self.cache, i, self.seqs[i].cache)
+            give_back(self.cache, i, self.seqs[i].state.cache)
         kept = [i for i in range(len(self.seqs)) if i not in rows]
         self.seqs = [self.seqs[i] for i in kept]
         if len(self.seqs) == 1:
-            give_back(self.cache, kept[0], self.seqs[0].cache)
+            give_back(self.cache, kept[0], self.seqs[0].state.cache)
             self.seqs = []
         elif rows and self.seqs:
             index = mx.array(kept)
@@ -229,7 +138,7 @@ def _lend(batch: list[Any], seqs: list[Sequence]) -> None:
     prefix (issue 37)."""
     mx.eval([c.state for c in batch])
     for seq in seqs:
-        for mine in seq.cache:
+        for mine in seq.state.cache:
             if isinstance(mine, ArraysCache):
                 mine.cache = [None] * len(mine.cache)
             else:

@@ -13,11 +13,12 @@ on from a cache that is not its own.
 from __future__ import annotations
 
 import os
-from typing import Any, cast
+from typing import cast
 
 from mlx_lm.models.cache import BatchKVCache
 
 from kvchat.engine.caches.kinds import cache_offset
+from kvchat.engine.generation.batch import Merged
 from kvchat.engine.generation.sequence import Sequence
 
 
@@ -26,11 +27,12 @@ def debugging() -> bool:
     return os.environ.get("KVCHAT_DEBUG_BATCH", "") not in ("", "0")
 
 
-def check(joining: list[Sequence], alone: list[Sequence], merged: Any) -> None:
+def check(own: list[Sequence], merged: Merged | None) -> None:
     """Raise RuntimeError where a sequence's cache and ledger disagree (see the module's
-    docstring); ``merged`` is the core's :class:`~.batch.Merged`, or None."""
-    for seq in [*joining, *alone]:
-        _agree(seq, cache_offset(seq.cache))
+    docstring): ``own``, those on their own caches (joining, or decoding apart), and
+    those of the ``merged`` batch, if any."""
+    for seq in own:
+        _agree(seq, cache_offset(seq.state.cache))
     if merged is None or not merged.seqs:
         return
     rows = [layer for layer in merged.cache if isinstance(layer, BatchKVCache)]
@@ -38,20 +40,21 @@ def check(joining: list[Sequence], alone: list[Sequence], merged: Any) -> None:
     if offsets and len(offsets) != len(merged.seqs):
         raise RuntimeError(f"A batch cache has {len(offsets)} rows for {len(merged.seqs)}.")
     for i, seq in enumerate(merged.seqs):
-        if cache_offset(seq.cache) not in (None, 0):
+        if cache_offset(seq.state.cache) not in (None, 0):
             raise RuntimeError("A merged sequence's own cache holds tokens the batch holds.")
         _agree(seq, offsets[i] if offsets else None)
 
 
 def _agree(seq: Sequence, held: int | None) -> None:
     """``held`` (None where the cache has no position: recurrent state) against the ledger."""
-    expected = len(seq.ledger) + (seq.ahead is not None)
+    state, prompt = seq.state, seq.request.prompt
+    expected = len(state.ledger) + (state.ahead is not None)
     if held is not None and held != expected:
         raise RuntimeError(
             f"A sequence's cache holds {held} tokens where its ledger says {expected}."
         )
-    fed = seq.tokens[-2] if len(seq.tokens) > 1 else None
-    if len(seq.tokens) == 1 and seq.prompt:
-        fed = seq.prompt[-1]
-    if fed is not None and seq.ledger[-1:] != [fed]:
+    fed = state.tokens[-2] if len(state.tokens) > 1 else None
+    if len(state.tokens) == 1 and prompt:
+        fed = prompt[-1]
+    if fed is not None and state.ledger[-1:] != [fed]:
         raise RuntimeError("A sequence's ledger does not end with the token it was fed last.")

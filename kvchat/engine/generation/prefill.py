@@ -23,7 +23,7 @@ row than those of a few. The others go one forward pass each.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,7 +39,13 @@ Chunk = tuple[Sequence, list[int]]
 def body_left(seq: Sequence) -> int:
     """Prompt tokens still to evaluate before the last one (which goes alone, or with a
     decode step, for its log probabilities)."""
-    return max(0, len(seq.prompt) - 1 - seq.fed)
+    return max(0, seq.prompt_left() - 1)
+
+
+def started(seq: Sequence) -> None:
+    """Tell the turn its prompt's evaluation begins, if none of it is in yet."""
+    if seq.state.fed == 0:
+        seq.channel.post(Prefill(0, len(seq.request.prompt)))
 
 
 FOLD = 64  # a remaining prompt this short goes whole into the decode step (CPU fast path)
@@ -54,13 +60,13 @@ def folded(joining: list[Sequence], budget: int) -> list[Sequence]:
     extends no other kind by several tokens) and prompts that pass no checkpoint mark."""
     chosen, used = [], 0
     for seq in joining:
-        left = len(seq.prompt) - seq.fed
-        held = len(seq.ledger)
+        left = seq.prompt_left()
+        held = len(seq.state.ledger)
         if (
             1 < left <= FOLD
             and used + left <= budget
-            and all(type(c) is KVCache for c in seq.cache)
-            and not any(held < m < held + left for m in seq.marks)
+            and all(type(c) is KVCache for c in seq.state.cache)
+            and not any(held < m < held + left for m in seq.request.marks)
         ):
             chosen.append(seq)
             used += left
@@ -79,7 +85,7 @@ def plan(joining: list[Sequence], budget: int) -> list[Chunk]:
     chosen: list[Sequence] = []
     width = evaluated = 0
     for seq in sorted(waiting, key=body_left):
-        size = min(body_left(seq), max(1, seq.prefill_step), budget)
+        size = min(body_left(seq), max(1, seq.request.prefill_step), budget)
         wider, padded = max(width, size), (len(chosen) + 1) * max(width, size)
         if chosen and (padded > budget or 3 * (evaluated + size) < 2 * padded):
             break  # over the budget, or a third of the pass would be padding
@@ -91,9 +97,10 @@ def plan(joining: list[Sequence], budget: int) -> list[Chunk]:
     for seq in joining:  # in line order
         if seq in chosen:
             size = min(width, body_left(seq))
-            held = len(seq.ledger)
-            size = min([size, *(m - held for m in seq.marks if held < m < held + size)])
-            chunks.append((seq, seq.prompt[seq.fed : seq.fed + size]))
+            held = len(seq.state.ledger)
+            size = min([size, *(m - held for m in seq.request.marks if held < m < held + size)])
+            fed = seq.state.fed
+            chunks.append((seq, seq.request.prompt[fed : fed + size]))
     return chunks
 
 
@@ -101,20 +108,20 @@ def feed(model: nn.Module, chunks: list[Chunk], together: bool) -> None:
     """Evaluate each chunk into its sequence's cache and ledger (in one forward pass when
     ``together`` and there are several), reporting progress and checkpoint marks."""
     for seq, _ in chunks:
-        if seq.fed == 0:
-            seq.post(Prefill(0, len(seq.prompt)))
+        started(seq)
     if together and len(chunks) > 1:
         _forward_together(model, chunks)
     else:
         for seq, tokens in chunks:
-            model(mx.array(tokens)[None], cache=seq.cache)
-            mx.eval([c.state for c in seq.cache])
+            model(mx.array(tokens)[None], cache=seq.state.cache)
+            mx.eval([c.state for c in seq.state.cache])
     for seq, tokens in chunks:
-        seq.ledger.extend(tokens)
-        seq.fed += len(tokens)
-        if seq.on_mark is not None and len(seq.ledger) in seq.marks:
-            seq.on_mark(len(seq.ledger))
-        seq.post(Prefill(seq.fed, len(seq.prompt)))
+        state, request = seq.state, seq.request
+        state.ledger.extend(tokens)
+        state.fed += len(tokens)
+        if request.on_mark is not None and len(state.ledger) in request.marks:
+            request.on_mark(len(state.ledger))
+        seq.channel.post(Prefill(state.fed, len(request.prompt)))
     mx.clear_cache()
 
 
@@ -123,8 +130,8 @@ def _forward_together(model: nn.Module, chunks: list[Chunk]) -> None:
     lengths = [len(tokens) for _, tokens in chunks]
     width = max(lengths)
     padding = [width - n for n in lengths]
-    layers = len(chunks[0][0].cache)
-    batch: list[Any] = [merge([seq.cache[i] for seq, _ in chunks]) for i in range(layers)]
+    layers = len(chunks[0][0].state.cache)
+    batch: list[Any] = [merge([seq.state.cache[i] for seq, _ in chunks]) for i in range(layers)]
     if max(padding):
         for layer in batch:
             layer.prepare(lengths=lengths, right_padding=padding)
@@ -135,20 +142,27 @@ def _forward_together(model: nn.Module, chunks: list[Chunk]) -> None:
             layer.finalize()
     mx.eval([layer.state for layer in batch])
     for i, (seq, _) in enumerate(chunks):
-        give_back(batch, i, seq.cache)
+        give_back(batch, i, seq.state.cache)
 
 
-def feed_last(model: nn.Module, seq: Sequence) -> None:
-    """Evaluate the prompt's last token alone, keeping its log probabilities (a sharded
-    core's prefill, which samples the first token itself)."""
-    if seq.fed == 0:
-        seq.post(Prefill(0, len(seq.prompt)))
-    last = seq.prompt[-1]
-    logits = model(mx.array([[last]]), cache=seq.cache)[:, -1, :]
-    logprobs = (logits - mx.logsumexp(logits, keepdims=True)).squeeze(0)
-    mx.eval(logprobs, [c.state for c in seq.cache])
-    seq.ledger.append(last)
-    seq.fed += 1
-    seq.logprobs = logprobs
-    if seq.on_prompt is not None:
-        seq.on_prompt(logprobs)
+def first_token(model: nn.Module, seq: Sequence) -> None:
+    """Sample and post the first token from the log probabilities at the prompt's end:
+    those kept from an earlier turn for an empty prompt, else after the prompt's last
+    token, fed here alone (a sharded core's prefill, which samples the first token
+    itself)."""
+    request, state = seq.request, seq.state
+    if seq.prompt_left() > 0:
+        started(seq)
+        last = request.prompt[-1]
+        logits = model(mx.array([[last]]), cache=state.cache)[:, -1, :]
+        logprobs = (logits - mx.logsumexp(logits, keepdims=True)).squeeze(0)
+        mx.eval(logprobs, [c.state for c in state.cache])
+        state.ledger.append(last)
+        state.fed += 1
+        seq.prompt_done(logprobs)
+    elif not request.prompt and state.logprobs is not None:
+        seq.prompt_done(state.logprobs)  # the logits kept from an earlier turn
+    if state.logprobs is None:  # the prompt is all in: its end's logits are kept
+        raise RuntimeError("A prompt was evaluated without its last logits.")
+    state.tokens.append(cast(int, seq.sample(state.logprobs[None]).item()))  # a token id
+    seq.channel.post(state.tokens[-1])
