@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING, Any
 from kvchat.engine.conversation.stats import TurnStats
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import mlx.core as mx
+
     from kvchat.engine.conversation.template import Variables
-    from kvchat.engine.generation.sampling import LogitsProcessor
 
 
 @dataclass
@@ -63,7 +66,7 @@ class TurnOptions:
     tools: list[dict[str, Any]] | None = None
     variables: Variables = None
     report_logprobs: int | None = None
-    logits_processors: tuple[LogitsProcessor, ...] = ()
+    logits_processors: tuple[Callable[[mx.array, mx.array], mx.array], ...] = ()  # mlx-lm's
 
     def sampling(self, own: GenerationSettings) -> GenerationSettings:
         """The settings the turn samples with: this request's, else the session's ``own``."""

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kvchat.engine.conversation.history import History
-    from kvchat.engine.conversation.maintenance import CacheKeeper
+from typing import Any
 
 
 @dataclass
@@ -85,21 +81,6 @@ class CacheFigures:
     last: TurnStats | None
     prompt_eval_history: tuple[float, ...]
     pending_rebuild: str | None
-
-    @classmethod
-    def of(cls, keeper: CacheKeeper, history: History) -> CacheFigures:
-        """The figures of the session whose cache is ``keeper`` and history ``history``,
-        as of now (call it between turns)."""
-        turns = history.turns
-        return cls(
-            cache_tokens=keeper.tokens,
-            cache_bytes=keeper.nbytes,
-            checkpoints=(len(keeper.checkpoints), keeper.checkpoints.nbytes),
-            user_turns=sum(1 for m in history.messages if m["role"] == "user"),
-            last=turns[-1] if turns else None,
-            prompt_eval_history=tuple(t.prompt_eval_s for t in turns),
-            pending_rebuild=keeper.pending_rebuild,
-        )
 
 
 STAT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(TurnStats))

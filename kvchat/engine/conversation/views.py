@@ -123,7 +123,17 @@ class SessionViews:
 
     def figures(self) -> CacheFigures:
         """What the views show of this session, as of now (call it between turns)."""
-        return CacheFigures.of(self.keeper, self.history)
+        keeper, history = self.keeper, self.history
+        turns = history.turns
+        return CacheFigures(
+            cache_tokens=keeper.tokens,
+            cache_bytes=keeper.nbytes,
+            checkpoints=(len(keeper.checkpoints), keeper.checkpoints.nbytes),
+            user_turns=sum(1 for m in history.messages if m["role"] == "user"),
+            last=turns[-1] if turns else None,
+            prompt_eval_history=tuple(t.prompt_eval_s for t in turns),
+            pending_rebuild=keeper.pending_rebuild,
+        )
 
     def talk(self) -> list[Message]:
         """The messages without the system prompt: what the branches are made of."""
