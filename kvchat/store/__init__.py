@@ -49,7 +49,6 @@ from kvchat.store.base import (
     ledger_hash,
     session_dir,
 )
-from kvchat.store.core import Progress, load, save, set_aside
 from kvchat.store.exports import (
     FORMATS,
     export,
@@ -68,6 +67,7 @@ from kvchat.store.manage import (
     prune,
     summary,
 )
+from kvchat.store.save_load import Progress, load, save, set_aside
 from kvchat.store.search import Found, Hit, matching_sessions, search_sessions
 from kvchat.store.search_index import reindex
 from kvchat.store.session_file import read, read_with_generation

@@ -18,9 +18,9 @@ from kvchat import __version__
 from kvchat.atomic import write_atomic
 from kvchat.safety import dumps_json
 from kvchat.store.base import FORMAT, NAME_RE, SESSION_FILE, StoreError, exists, now, one_line
-from kvchat.store.core import set_aside, transcript
 from kvchat.store.files import JSON_LIMIT, make_dir, read_regular
 from kvchat.store.lock import session_lock
+from kvchat.store.save_load import set_aside, transcript
 from kvchat.store.schema import parse_session
 from kvchat.store.search_index import index_session
 from kvchat.store.session_file import read

@@ -1,7 +1,7 @@
 """Cache shards of a sharded run: each rank's part of the prompt cache, beside ``session.json``.
 
 Rank 0 writes ``cache.safetensors`` and ``session.json`` as on one machine
-(:func:`kvchat.store.core.save`); rank ``r`` > 0 writes ``cache.rank<r>.safetensors``
+(:func:`kvchat.store.save_load.save`); rank ``r`` > 0 writes ``cache.rank<r>.safetensors``
 in its own sessions folder (the same one when the ranks share a machine) with
 :func:`write_shard`, atomically, *before* rank 0 writes ``session.json``, which
 records each shard's sha256 under ``cache.shards``. A shard is read by
