@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvchat.engine.conversation.events import Chunk, Event, Prefill, TokenLogprobs, TurnDone
-from kvchat.engine.conversation.maintenance import common_prefix
+from kvchat.engine.conversation.turn import reusable
 
 from .constrain import Opened
 from .logprobs import chat_entry, text_of
@@ -34,15 +34,10 @@ class Started:
 
 
 def started(match: Match, prompt: list[int]) -> Started:
-    """``match``'s job about to evaluate ``prompt``, reusing the prefix its session's cache
-    holds (all of it with the logits there kept, as for a regenerate; else all but the last
-    token, evaluated for its logits)."""
-    session = match.session
-    held = common_prefix(session.ledger, prompt)
-    logits = session.prompt_logprobs
-    if held == len(prompt) and logits is not None and logits[0] == held:
-        return Started(match, len(prompt), held)
-    return Started(match, len(prompt), min(held, len(prompt) - 1))
+    """``match``'s job about to evaluate ``prompt``, reusing what its session's cache holds
+    of it (as the turn will: :func:`~kvchat.engine.conversation.turn.reusable`)."""
+    held, _ = reusable(match.session.keeper, prompt)
+    return Started(match, len(prompt), held)
 
 
 @dataclass(frozen=True)

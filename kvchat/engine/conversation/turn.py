@@ -195,6 +195,17 @@ def _last_left(seq: Sequence) -> Left:
     return left
 
 
+def reusable(keeper: CacheKeeper, prompt: list[int]) -> tuple[int, bool]:
+    """How much of ``prompt`` a turn takes from ``keeper``'s cache, and whether it evaluates
+    nothing: all of it when the cache holds it with the log-probabilities at its end (a
+    regenerate), else the shared prefix but the last prompt token, evaluated for its
+    logits. (A cache that cannot be trimmed may go back further, to a checkpoint.)"""
+    n = common_prefix(keeper.ledger, prompt)
+    if n == len(prompt) and keeper.logprobs_at(n) is not None:
+        return n, True
+    return min(n, len(prompt) - 1), False
+
+
 def run_turn(
     lm: LoadedModel,
     keeper: CacheKeeper,
@@ -210,11 +221,8 @@ def run_turn(
     messages, prompt = plan.messages, plan.prompt
     history.begin(messages)
 
-    n = common_prefix(keeper.ledger, prompt)
-    logits = keeper.logprobs_at(len(prompt))
-    zero_prefill = n == len(prompt) and logits is not None
-    if not zero_prefill:
-        n = min(n, len(prompt) - 1)  # the last prompt token is evaluated for its logits
+    n, zero_prefill = reusable(keeper, prompt)
+    logits = keeper.logprobs_at(len(prompt)) if zero_prefill else None
     kept, rebuilt = keeper.rewind(n)
     if kept < n:  # back to a checkpoint, or to nothing
         n, zero_prefill = kept, False
