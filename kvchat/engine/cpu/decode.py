@@ -40,7 +40,7 @@ from kvchat.engine.caches import rotated
 from kvchat.engine.caches.rotated import RotatedKVCache
 from kvchat.engine.cpu import native
 from kvchat.engine.cpu.attention import swiglu_rows
-from kvchat.engine.cpu.linear import multiply, param_view, projections, through_kernel
+from kvchat.engine.cpu.linear import multiply_each, param_view, projections, through_kernel
 from kvchat.engine.cpu.rope import RopeForm, RopeKey, Turn, rotate, rotations
 from kvchat.engine.cpu.stored import Stored, stored
 
@@ -80,13 +80,21 @@ def _rms(x: np.ndarray, norm: nn.RMSNorm) -> np.ndarray:
 
 
 def _linear(layer: nn.Module, x: np.ndarray) -> np.ndarray:
-    y = multiply(matrix(layer), x)
-    return y + vector(layer, "bias") if "bias" in layer else y
+    return _linears((layer,), x)[0]
+
+
+def _linears(layers: tuple[nn.Module, ...], x: np.ndarray) -> list[np.ndarray]:
+    """Each of ``layers`` applied to the same rows ``x`` (their products in one native
+    call where the kernels take them all: :func:`~.linear.multiply_each`), biases added."""
+    ys = multiply_each([matrix(layer) for layer in layers], x)
+    for layer, y in zip(layers, ys):
+        if "bias" in layer:
+            y += vector(layer, "bias")  # the product's own fresh array
+    return ys
 
 
 def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
-    gate = _linear(mlp.gate_proj, x)
-    up = _linear(mlp.up_proj, x)
+    gate, up = _linears((mlp.gate_proj, mlp.up_proj), x)
     return _linear(mlp.down_proj, swiglu_rows(gate, up))
 
 
@@ -323,7 +331,7 @@ def hidden(
     for i, (layer, form) in enumerate(zip(layers, forms)):
         attn = layer.self_attn
         h = _rms(x, layer.input_layernorm)
-        q, k, v = (_linear(p, h) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k, v = _linears((attn.q_proj, attn.k_proj, attn.v_proj), h)
         rows: list[np.ndarray] = [np.empty(0)] * len(tokens)
         # rows on plain caches: the native kernel, all in one call
         quick = [b for b, row in enumerate(caches) if _in_place(row[i])] if fused else []
