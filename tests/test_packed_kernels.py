@@ -180,18 +180,18 @@ def held(form: tuple, out: int, width: int) -> stored.Stored:
 
 
 Q4, Q8, BF16 = (4, 64, mx.bfloat16), (8, 64, mx.bfloat16), (mx.bfloat16,)
-SHARED = {  # each case's matrices, a layer's q, k and v (k and v smaller, as under GQA)
-    "q4": (Q4, Q4, Q4),
-    "q8": (Q8, Q8),
-    "bf16": (BF16, BF16, BF16),
+# each case's matrices, their rows (a layer's q, k and v: k and v smaller, as under GQA;
+# none a multiple of the kernel's 4 weight rows, some fewer than 4) and their input width
+SHARED = {
+    "q4": ((Q4, Q4, Q4), (13, 5, 3), 192),
+    "q8": ((Q8, Q8), (13, 5), 192),
+    "bf16": ((BF16, BF16, BF16), (13, 5, 3), 203),  # 203: values past the last whole chunk
     "mixed": (
-        Q4,
-        (3, 32, mx.float32),
-        (8, 128, mx.float16),
-        (mx.float16,),
-        BF16,
-        (2, 64, mx.bfloat16),
+        (Q4, (3, 32, mx.float32), (8, 128, mx.float16), (mx.float16,), BF16, (2, 64, mx.bfloat16)),
+        (13, 5, 3, 2, 9, 7),
+        384,
     ),
+    "threads": ((Q4, Q8, BF16), (517, 130, 67), 512),  # enough work for OpenMP's threads
 }
 
 
@@ -199,12 +199,10 @@ SHARED = {  # each case's matrices, a layer's q, k and v (k and v smaller, as un
 @pytest.mark.parametrize("case", SHARED)
 def test_products_of_one_x_equal_each_alone(case, n):
     """Several weights times the same rows in one call (``products_t``: q, k and v; gate and
-    up) give each weight's own product, bit for bit, whatever their formats and row counts
-    (none a multiple of the kernel's 4 weight rows, one smaller than 4)."""
+    up) give each weight's own product, bit for bit, whatever their formats and sizes."""
     module = kernels()
-    width = 384 if case == "mixed" else 203 if case == "bf16" else 192  # 203: a 16-bit tail
-    sizes = (13, 5, 3, 2, 9, 7)
-    matrices = [held(form, out, width) for form, out in zip(SHARED[case], sizes)]
+    forms, sizes, width = SHARED[case]
+    matrices = [held(form, out, width) for form, out in zip(forms, sizes, strict=True)]
     x = rows(n, width, seed=n)
     outs = [np.full((n, m.out_features), np.nan, dtype=np.float32) for m in matrices]
     module.products_t([m.kernel_args for m in matrices], x, outs)
@@ -212,7 +210,9 @@ def test_products_of_one_x_equal_each_alone(case, n):
         assert np.array_equal(out, matrix.product(x))
         for i in range(n):  # and each row as when it is multiplied alone
             assert np.array_equal(out[i : i + 1], matrix.product(x[i : i + 1]))
-    assert all(np.array_equal(a, b) for a, b in zip(stored.products(matrices, x), outs))
+    together = stored.products(matrices, x)
+    assert together is not None
+    assert all(np.array_equal(a, b) for a, b in zip(together, outs, strict=True))
 
 
 def test_products_refused():

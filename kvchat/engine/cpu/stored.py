@@ -10,8 +10,9 @@ bits, since numpy has no bfloat16), and :func:`stored` makes it once per array.
 Its products take float32 rows and give float32 rows: decoding's few rows through the
 native kernels (:mod:`.native`'s ``packed``, dequantizing in registers, the weights read
 once for all rows), a prompt's many rows a tile of weight rows at a time (widened into a
-small float32 buffer, then BLAS). Where the kernels were not built, the tiles serve every
-row count: correct, and slower (``kvchat doctor`` says so).
+small float32 buffer, then BLAS); several weights' products of the same rows (a layer's
+q, k and v) in one call of the kernels (:func:`products`). Where the kernels were not
+built, the tiles serve every row count: correct, and slower (``kvchat doctor`` says so).
 """
 
 from __future__ import annotations
