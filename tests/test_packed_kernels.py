@@ -160,3 +160,71 @@ def test_refused():
         module.affine_t(w, scales, biases, 1, bits, group, rows(1, 192), out)
     with pytest.raises(IndexError):
         module.affine_rows(w, scales, biases, kind, bits, group, np.array([OUT]), rows(1, 192))
+
+
+def held(form: tuple, out: int, width: int) -> stored.Stored:
+    """A weight of ``out`` rows by ``width``: ``(bits, group, scale dtype)`` packed, or
+    ``(dtype,)`` float16 / bfloat16."""
+    mx.random.seed(out * 100 + width + len(form))
+    layer = nn.Linear(width, out, bias=False)
+    if len(form) == 1:
+        layer.weight = (layer.weight * 0.02).astype(form[0])
+        matrix = stored.stored(layer)
+    else:
+        bits, group, scale = form
+        packed = nn.QuantizedLinear.from_linear(layer, group_size=group, bits=bits)
+        packed.scales, packed.biases = packed.scales.astype(scale), packed.biases.astype(scale)
+        matrix = stored.stored(packed)
+    assert matrix is not None and matrix.form != "float32"
+    return matrix
+
+
+Q4, Q8, BF16 = (4, 64, mx.bfloat16), (8, 64, mx.bfloat16), (mx.bfloat16,)
+# each case's matrices, their rows (a layer's q, k and v: k and v smaller, as under GQA;
+# none a multiple of the kernel's 4 weight rows, some fewer than 4) and their input width
+SHARED = {
+    "q4": ((Q4, Q4, Q4), (13, 5, 3), 192),
+    "q8": ((Q8, Q8), (13, 5), 192),
+    "bf16": ((BF16, BF16, BF16), (13, 5, 3), 203),  # 203: values past the last whole chunk
+    "mixed": (
+        (Q4, (3, 32, mx.float32), (8, 128, mx.float16), (mx.float16,), BF16, (2, 64, mx.bfloat16)),
+        (13, 5, 3, 2, 9, 7),
+        384,
+    ),
+    "threads": ((Q4, Q8, BF16), (517, 130, 67), 512),  # enough work for OpenMP's threads
+}
+
+
+@pytest.mark.parametrize("n", [1, 8, 11])
+@pytest.mark.parametrize("case", SHARED)
+def test_products_of_one_x_equal_each_alone(case, n):
+    """Several weights times the same rows in one call (``products_t``: q, k and v; gate and
+    up) give each weight's own product, bit for bit, whatever their formats and sizes."""
+    module = kernels()
+    forms, sizes, width = SHARED[case]
+    matrices = [held(form, out, width) for form, out in zip(forms, sizes, strict=True)]
+    x = rows(n, width, seed=n)
+    outs = [np.full((n, m.out_features), np.nan, dtype=np.float32) for m in matrices]
+    module.products_t([m.kernel_args for m in matrices], x, outs)
+    for matrix, out in zip(matrices, outs, strict=True):
+        assert np.array_equal(out, matrix.product(x))
+        for i in range(n):  # and each row as when it is multiplied alone
+            assert np.array_equal(out[i : i + 1], matrix.product(x[i : i + 1]))
+    together = stored.products(matrices, x)
+    assert together is not None
+    assert all(np.array_equal(a, b) for a, b in zip(together, outs, strict=True))
+
+
+def test_products_refused():
+    """A call of several products with a wrong shape, count or matrix is refused whole."""
+    module = kernels()
+    matrices = [held(Q4, 8, 128), held(BF16, 4, 128)]
+    args, x = [m.kernel_args for m in matrices], rows(2, 128)
+    with pytest.raises(ValueError, match="shapes"):
+        module.products_t(args, x, [np.empty((2, 8), np.float32), np.empty((2, 5), np.float32)])
+    with pytest.raises(ValueError, match="one out each"):
+        module.products_t(args, x, [np.empty((2, 8), np.float32)])
+    with pytest.raises(ValueError, match="one out each"):
+        module.products_t(args * 5, x, [np.empty((2, 8), np.float32)] * 10)
+    with pytest.raises(TypeError, match="tuple"):
+        module.products_t([args[0][:3]], x, [np.empty((2, 8), np.float32)])

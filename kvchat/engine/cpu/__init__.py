@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import switch_layers
 
-from kvchat.engine.cpu import decode, experts, linear, stored
+from kvchat.engine.cpu import decode, experts, linear, step_weights, stored
 from kvchat.engine.cpu.fast_path import MLX_MODE, FastPath
 from kvchat.engine.cpu.layers import MLP, Attention, Body
 from kvchat.engine.cpu.rope import rope_form
@@ -193,4 +193,4 @@ def decode_batch(
     h = decode.hidden(body, [[int(t) for t in row] for row in tokens], caches, extra=(head,))
     if h is None:
         return None
-    return mx.array(linear.multiply(decode.matrix(head), h))
+    return mx.array(linear.multiply(step_weights.matrix(head), h))

@@ -28,6 +28,7 @@ The rotary embedding's cosines and sines are the model's own RoPE module's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -38,11 +39,11 @@ from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
 from kvchat.engine.caches import rotated
 from kvchat.engine.caches.rotated import RotatedKVCache
-from kvchat.engine.cpu import native
+from kvchat.engine.cpu import native, step_weights
 from kvchat.engine.cpu.attention import swiglu_rows
-from kvchat.engine.cpu.linear import multiply, param_view, projections, through_kernel
+from kvchat.engine.cpu.linear import multiply_each, through_kernel
 from kvchat.engine.cpu.rope import RopeForm, RopeKey, Turn, rotate, rotations
-from kvchat.engine.cpu.stored import Stored, stored
+from kvchat.engine.cpu.step_weights import Layer, Linear, Norm
 
 # caches whose single-token mask is None
 CACHES = (KVCache, ConcatenateKVCache, QuantizedKVCache, RotatedKVCache)
@@ -53,41 +54,28 @@ def takes(cache: list[Any]) -> bool:
     return all(type(c) in CACHES for c in cache)
 
 
-def matrix(module: nn.Module) -> Stored:
-    """A linear layer's or embedding's weight as stored, where :func:`numpy_inputs` found
-    one for every layer read."""
-    weights = stored(module)
-    if weights is None:
-        raise TypeError(f"{type(module).__name__}'s weight is not one numpy reads")
-    return weights
-
-
-def vector(module: nn.Module, name: str = "weight") -> np.ndarray:
-    """A norm's weight or a bias as float32 (:func:`param_view`), where
-    :func:`numpy_inputs` found one for every vector read."""
-    array = param_view(module, name)
-    if array is None:
-        raise TypeError(f"{type(module).__name__}.{name} has no float32 numpy form")
-    return array
-
-
-def _rms(x: np.ndarray, norm: nn.RMSNorm) -> np.ndarray:
+def _rms(x: np.ndarray, norm: Norm) -> np.ndarray:
     """RMSNorm of each row of ``x`` (rows × features)."""
+    weight, eps = norm
     mean = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[-1])
-    scale = np.float32(1) / np.sqrt(mean + np.float32(norm.eps))
-    out: np.ndarray = (x * scale[:, None]) * vector(norm)
+    scale = np.float32(1) / np.sqrt(mean + np.float32(eps))
+    out: np.ndarray = (x * scale[:, None]) * weight
     return out
 
 
-def _linear(layer: nn.Module, x: np.ndarray) -> np.ndarray:
-    y = multiply(matrix(layer), x)
-    return y + vector(layer, "bias") if "bias" in layer else y
+def _linears(layers: Sequence[Linear], x: np.ndarray) -> list[np.ndarray]:
+    """Each of ``layers`` applied to the same rows ``x`` (their products in one native
+    call where the kernels take them all: :func:`~.linear.multiply_each`), biases added."""
+    ys = multiply_each([layer.weights for layer in layers], x)
+    for layer, y in zip(layers, ys):
+        if layer.bias is not None:
+            y += layer.bias  # the product's own fresh array
+    return ys
 
 
-def _mlp(mlp: nn.Module, x: np.ndarray) -> np.ndarray:
-    gate = _linear(mlp.gate_proj, x)
-    up = _linear(mlp.up_proj, x)
-    return _linear(mlp.down_proj, swiglu_rows(gate, up))
+def _mlp(layer: Layer, x: np.ndarray) -> np.ndarray:
+    gate, up = _linears(layer.gate_up, x)
+    return _linears((layer.down,), swiglu_rows(gate, up))[0]
 
 
 def _attention(
@@ -265,30 +253,6 @@ def _dequantized(
     return values
 
 
-def numpy_inputs(
-    body: nn.Module, caches: list[list[Any]], extra: tuple[nn.Module, ...] = ()
-) -> bool:
-    """Every weight the step reads (and those of the ``extra`` modules) is one numpy reads
-    as stored, every norm's weight and bias has a float32 form, and the caches hold
-    float32 (checked before the step touches a cache, so a refusal leaves nothing half
-    done)."""
-    if any(c.keys is not None and _dtype(c.keys) != mx.float32 for row in caches for c in row):
-        return False
-    matrices = [body.embed_tokens, *extra]
-    vectors = [param_view(body.norm)]
-    for layer in body.layers:
-        matrices.extend(projections(layer))
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            vectors.append(param_view(norm))
-        vectors.extend(param_view(m, "bias") for m in projections(layer) if "bias" in m)
-    return all(stored(m) is not None for m in matrices) and all(v is not None for v in vectors)
-
-
-def _dtype(keys: mx.array | tuple[mx.array, ...]) -> mx.Dtype:
-    """The dtype of a cache's keys: a quantized cache's scales (its values' dtype)."""
-    return keys[1].dtype if isinstance(keys, (tuple, list)) else keys.dtype
-
-
 def hidden(
     body: nn.Module,
     tokens: list[list[int]],
@@ -303,7 +267,10 @@ def hidden(
     several = [cache for row, cache in zip(tokens, caches) if len(row) > 1]
     if any(type(c) is not KVCache for cache in several for c in cache):
         return None
-    if not tokens or any(not row for row in tokens) or not numpy_inputs(body, caches, extra):
+    if not tokens or any(not row for row in tokens):
+        return None
+    read = step_weights.gather(body, caches, extra)
+    if read is None:
         return None
     layers = body.layers
     forms = [layer.self_attn.rope_form for layer in layers]
@@ -314,16 +281,15 @@ def hidden(
         for layer, form, c in zip(layers, forms, cache):
             needed.setdefault((form.key, c.offset, n), (layer.self_attn.rope, form))
     turns = rotations(needed)
-    x = matrix(body.embed_tokens).gather(np.asarray([t for row in tokens for t in row]))
+    x = read.embedding.gather(np.asarray([t for row in tokens for t in row]))
     new: list[list[Turn | None]] = [[None] * len(layers) for _ in tokens]
     fused = native.module("fused")
     # attention over the cores only where the products are the native kernel's too:
     # BLAS's threads and OpenMP's would share them (see fused.c's SPREAD)
     spread = through_kernel(len(x))
-    for i, (layer, form) in enumerate(zip(layers, forms)):
+    for i, (layer, form, weights) in enumerate(zip(layers, forms, read.layers)):
         attn = layer.self_attn
-        h = _rms(x, layer.input_layernorm)
-        q, k, v = (_linear(p, h) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k, v = _linears(weights.qkv, _rms(x, weights.attention_norm))
         rows: list[np.ndarray] = [np.empty(0)] * len(tokens)
         # rows on plain caches: the native kernel, all in one call
         quick = [b for b, row in enumerate(caches) if _in_place(row[i])] if fused else []
@@ -355,8 +321,8 @@ def hidden(
         mixed = np.concatenate(rows)
         if i == len(layers) - 1 and len(x) > len(tokens):  # only rows' last tokens go on
             x, mixed = x[starts[1:] - 1], mixed[starts[1:] - 1]
-        x = x + _linear(attn.o_proj, mixed)
-        x = x + _mlp(layer.mlp, _rms(x, layer.post_attention_layernorm))
+        x = x + _linears((weights.o,), mixed)[0]
+        x = x + _mlp(weights, _rms(x, weights.mlp_norm))
     # The caches grow once all layers have read them: one evaluation for the step.
     mx.eval(
         [
@@ -366,4 +332,4 @@ def hidden(
             if kv is not None
         ]
     )
-    return _rms(x, body.norm)
+    return _rms(x, read.norm)

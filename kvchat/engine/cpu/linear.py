@@ -20,7 +20,7 @@ A packed mode no kernel reads (``mxfp4``, ``nvfp4``, ``mxfp8``) keeps mlx-lm's l
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
@@ -30,7 +30,7 @@ from mlx.utils import tree_map_with_path
 
 from kvchat.engine.cpu import native
 from kvchat.engine.cpu.attention import as_numpy
-from kvchat.engine.cpu.stored import Stored, per_array, stored
+from kvchat.engine.cpu.stored import Stored, per_array, products, stored
 
 if TYPE_CHECKING:
     from kvchat.engine.cpu.fast_path import FastPath
@@ -109,6 +109,14 @@ def multiply(weights: Stored, rows: np.ndarray) -> np.ndarray:
     """``rows @ Wᵀ`` for float32 rows ``(n, in)``: a float32 weight by :func:`product`'s
     routes, any other as stored (:meth:`Stored.product`)."""
     return product(weights.data, rows) if weights.form == "float32" else weights.product(rows)
+
+
+def multiply_each(weights: Sequence[Stored], rows: np.ndarray) -> list[np.ndarray]:
+    """``rows @ Wᵀ`` for each of several weights that share their rows: in one native call
+    where the kernels take them all (:func:`~.stored.products`), else one by one
+    (:func:`multiply`); the same figures either way."""
+    together = products(weights, rows)
+    return together if together is not None else [multiply(w, rows) for w in weights]
 
 
 def _product(layer: nn.Module, x: mx.array) -> mx.array | None:

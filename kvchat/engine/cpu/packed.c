@@ -21,6 +21,9 @@
  * of x) dot product is the same sequence of operations whatever the tile, the band or
  * the number of rows: a row's result does not depend on the rows beside it, bit for bit.
  *
+ * products_t: several such products of one x (a layer's q, k and v; its gate and up) in one
+ * call, each matrix's rows banded as if it were alone, every band in one parallel region.
+ *
  * affine_rows / half_rows: chosen weight rows widened to float32 (an embedding's lookup;
  * a prompt's products widen a tile of weight rows at a time for BLAS).
  *
@@ -57,6 +60,7 @@
 /* 4 bits: groups whose tables a tile makes at a time, ahead of their products (4 rows' of
  * them, 4 KiB, stay in L1). */
 #define SEG 16
+#define MAX_PARTS 8 /* matrices one call of products_t multiplies */
 
 /* A weight matrix as handed over. */
 typedef struct {
@@ -212,25 +216,49 @@ CLONES static void band(const Matrix *m, const float *xs, const float *sx, float
     }
 }
 
-/* Every row of x (arranged in xs, group sums in sx) times every weight row: bands of
- * weight rows handed out to the threads as they come free (a thread slowed by another
- * process takes fewer), on the calling thread alone for a small product. */
-static void product(const Matrix *m, const float *xs, const float *sx, Py_ssize_t n, float *y) {
-    Py_ssize_t full = m->out / 4 * 4, work = m->out * m->in * n;
+/* One matrix's product within a call: the matrix, x arranged for it (xs, group sums in sx),
+ * and its out. */
+typedef struct {
+    const Matrix *m;
+    const float *xs, *sx;
+    float *y;
+} Part;
+
+/* Weight rows lo … hi − 1 of a part's matrix times every row of x, MB rows of x at a time. */
+static void rows_of(const Part *p, Py_ssize_t n, Py_ssize_t lo, Py_ssize_t hi, int single) {
+    const Matrix *m = p->m;
+    for (Py_ssize_t b0 = 0; b0 < n; b0 += MB)
+        band(m, p->xs + b0 * m->in, p->sx + b0 * m->groups, p->y + b0 * m->out,
+             n - b0 < MB ? (int)(n - b0) : MB, lo, hi, single);
+}
+
+/* Every row of x times every weight row of each part's matrix, in one parallel region (a
+ * layer's q, k and v, or its gate and up, wake OpenMP's sleeping threads once, not three
+ * times or twice): each matrix cut into bands as if it were alone, about four a thread,
+ * handed out to the threads as they come free (a thread slowed by another process takes
+ * fewer); a matrix's last rows past a multiple of 4, and a small product, on the calling
+ * thread. */
+static void product(const Part *parts, int count, Py_ssize_t n) {
+    Py_ssize_t work = 0, chunk[MAX_PARTS], first[MAX_PARTS + 1] = {0};
+    for (int p = 0; p < count; p++) work += parts[p].m->out * parts[p].m->in * n;
     int threads = 1;
 #ifdef _OPENMP
     threads = work >= PARALLEL_WORK ? omp_get_max_threads() : 1;
 #endif
-    Py_ssize_t chunk = (full / (4 * threads) + 3) / 4 * 4;
-    if (chunk < 4) chunk = 4;
+    for (int p = 0; p < count; p++) {
+        Py_ssize_t full = parts[p].m->out / 4 * 4;
+        chunk[p] = (full / (4 * threads) + 3) / 4 * 4;
+        if (chunk[p] < 4) chunk[p] = 4;
+        first[p + 1] = first[p] + (full + chunk[p] - 1) / chunk[p];
+    }
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)
-    for (Py_ssize_t lo = 0; lo < full; lo += chunk)
-        for (Py_ssize_t b0 = 0; b0 < n; b0 += MB)
-            band(m, xs + b0 * m->in, sx + b0 * m->groups, y + b0 * m->out,
-                 n - b0 < MB ? (int)(n - b0) : MB, lo, lo + chunk < full ? lo + chunk : full, 0);
-    for (Py_ssize_t b0 = 0; b0 < n; b0 += MB)
-        band(m, xs + b0 * m->in, sx + b0 * m->groups, y + b0 * m->out,
-             n - b0 < MB ? (int)(n - b0) : MB, full, m->out, 1);
+    for (Py_ssize_t t = 0; t < first[count]; t++) {
+        int p = 0;
+        while (t >= first[p + 1]) p++;
+        Py_ssize_t lo = (t - first[p]) * chunk[p], full = parts[p].m->out / 4 * 4;
+        rows_of(&parts[p], n, lo, lo + chunk[p] < full ? lo + chunk[p] : full, 0);
+    }
+    for (int p = 0; p < count; p++) rows_of(&parts[p], n, parts[p].m->out / 4 * 4, parts[p].m->out, 1);
 }
 
 /* x laid out as chunk() widens its chunks (xs; the values after the last whole chunk as
@@ -350,35 +378,60 @@ static int half_matrix(PyObject *obj, int kind, Py_buffer *v, Matrix *m) {
     return 0;
 }
 
-/* out = x · mᵀ: None, or NULL with the exception set. */
-static PyObject *multiply(const Matrix *m, PyObject *x_obj, PyObject *y_obj) {
-    Py_buffer x, y;
-    if (floats(x_obj, &x, 2, 0, "x") < 0) return NULL;
-    if (floats(y_obj, &y, 2, 1, "out") < 0) {
-        PyBuffer_Release(&x);
-        return NULL;
-    }
-    Py_ssize_t n = x.shape[0];
+/* outs[i] = x · m[i]ᵀ for `count` matrices, x arranged once for each format among them:
+ * None, or NULL with the exception set. */
+static PyObject *multiply_all(const Matrix *m, int count, PyObject *x_obj,
+                              PyObject *const *y_objs) {
+    Py_buffer x, y[MAX_PARTS];
+    Part parts[MAX_PARTS];
+    float *xs[MAX_PARTS] = {NULL}, *sx[MAX_PARTS] = {NULL};
+    int held = 0;
     PyObject *result = NULL;
-    float *xs = NULL, *sx = NULL;
-    if (x.shape[1] != m->in || y.shape[0] != n || y.shape[1] != m->out || n < 1)
-        PyErr_SetString(PyExc_ValueError, "shapes do not match: w (out, in), x (n ≥ 1, in), "
-                                          "out (n, out)");
-    else if (!(xs = malloc(sizeof(float) * n * m->in))
-             || !(sx = malloc(sizeof(float) * (n * m->groups + 1))))
-        PyErr_NoMemory();
-    else {
-        Py_BEGIN_ALLOW_THREADS
-        arrange(m, x.buf, n, xs, sx);
-        product(m, xs, sx, n, y.buf);
-        Py_END_ALLOW_THREADS
-        result = Py_NewRef(Py_None);
+    if (floats(x_obj, &x, 2, 0, "x") < 0) return NULL;
+    Py_ssize_t n = x.shape[0];
+    for (; held < count; held++) {
+        if (floats(y_objs[held], &y[held], 2, 1, "out") < 0) goto done;
+        if (x.shape[1] != m[held].in || y[held].shape[0] != n || y[held].shape[1] != m[held].out
+            || n < 1) {
+            PyErr_SetString(PyExc_ValueError, "shapes do not match: w (out, in), x (n ≥ 1, in), "
+                                              "out (n, out)");
+            held++;
+            goto done;
+        }
     }
-    free(xs);
-    free(sx);
+    for (int i = 0; i < count; i++) {
+        int same = 0; /* an earlier matrix that reads x arranged the same way */
+        while (same < i && (m[same].fmt != m[i].fmt || m[same].group != m[i].group)) same++;
+        if (same < i) {
+            parts[i] = (Part){&m[i], parts[same].xs, parts[same].sx, y[i].buf};
+            continue;
+        }
+        if (!(xs[i] = malloc(sizeof(float) * n * m[i].in))
+            || !(sx[i] = malloc(sizeof(float) * (n * m[i].groups + 1)))) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        parts[i] = (Part){&m[i], xs[i], sx[i], y[i].buf};
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < count; i++)
+        if (xs[i]) arrange(&m[i], x.buf, n, xs[i], sx[i]);
+    product(parts, count, n);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < count; i++) {
+        free(xs[i]);
+        free(sx[i]);
+    }
+    release(y, held);
     PyBuffer_Release(&x);
-    PyBuffer_Release(&y);
     return result;
+}
+
+/* out = x · mᵀ. */
+static PyObject *multiply(const Matrix *m, PyObject *x_obj, PyObject *y_obj) {
+    return multiply_all(m, 1, x_obj, &y_obj);
 }
 
 /* out[i] = row ids[i] of m, widened: None, or NULL with the exception set. */
@@ -445,6 +498,52 @@ static PyObject *with_half(PyObject *args, const char *format, Then then) {
     return result;
 }
 
+/* The matrix of `spec`, the arguments affine_t (six) or half_t (two) take before x (their
+ * views held in v[0 … 2]): 0, or -1 with the exception set and nothing held. */
+static int matrix_of(PyObject *spec, Py_buffer *v, Matrix *m) {
+    PyObject *objs[3];
+    int kind, bits;
+    Py_ssize_t group;
+    memset(v, 0, 3 * sizeof *v);
+    if (!PyTuple_Check(spec) || (PyTuple_GET_SIZE(spec) != 6 && PyTuple_GET_SIZE(spec) != 2)) {
+        PyErr_SetString(PyExc_TypeError, "each matrix must be a tuple of affine_t's six first "
+                                         "arguments or half_t's two");
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(spec) == 2)
+        return PyArg_ParseTuple(spec, "Oi", &objs[0], &kind) ? half_matrix(objs[0], kind, v, m)
+                                                             : -1;
+    if (!PyArg_ParseTuple(spec, "OOOiin", &objs[0], &objs[1], &objs[2], &kind, &bits, &group))
+        return -1;
+    return affine_matrix(objs, kind, bits, group, v, m);
+}
+
+static PyObject *products_t(PyObject *self, PyObject *args) {
+    PyObject *specs_obj, *x, *outs_obj;
+    if (!PyArg_ParseTuple(args, "OOO:products_t", &specs_obj, &x, &outs_obj)) return NULL;
+    PyObject *specs = PySequence_Fast(specs_obj, "matrices must be a sequence");
+    if (!specs) return NULL;
+    PyObject *outs = PySequence_Fast(outs_obj, "outs must be a sequence"), *result = NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(specs);
+    Py_buffer v[MAX_PARTS][3];
+    Matrix m[MAX_PARTS];
+    int held = 0;
+    if (!outs)
+        goto done;
+    if (count < 1 || count > MAX_PARTS || PySequence_Fast_GET_SIZE(outs) != count) {
+        PyErr_Format(PyExc_ValueError, "1 to %d matrices, and one out each", MAX_PARTS);
+        goto done;
+    }
+    for (; held < count; held++)
+        if (matrix_of(PySequence_Fast_GET_ITEM(specs, held), v[held], &m[held]) < 0) goto done;
+    result = multiply_all(m, (int)count, x, PySequence_Fast_ITEMS(outs));
+done:
+    for (int i = 0; i < held; i++) release(v[i], 3);
+    Py_XDECREF(outs);
+    Py_DECREF(specs);
+    return result;
+}
+
 static PyObject *affine_t(PyObject *self, PyObject *args) {
     return with_affine(args, "OOOiinOO:affine_t", multiply);
 }
@@ -470,6 +569,10 @@ static PyMethodDef methods[] = {
     {"half_t", half_t, METH_VARARGS,
      "half_t(w, kind, x, out): out = x @ Wᵀ for W the uint16 bits (out, in) of float16 "
      "(kind 1) or bfloat16 (kind 2) weights; x float32 (n, in), out float32 (n, out)."},
+    {"products_t", products_t, METH_VARARGS,
+     "products_t(matrices, x, outs): outs[i] = x @ W_iᵀ for up to 8 matrices that share x "
+     "(a layer's q, k and v), each given as the arguments affine_t or half_t takes before x; "
+     "the same figures as their calls one by one, in one parallel region."},
     {"affine_rows", affine_rows, METH_VARARGS,
      "affine_rows(w, scales, biases, kind, bits, group_size, ids, out): out[i] = row ids[i] "
      "of the affine packed W as float32; ids int64 (m,), out float32 (m, in)."},

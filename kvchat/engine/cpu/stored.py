@@ -10,14 +10,16 @@ bits, since numpy has no bfloat16), and :func:`stored` makes it once per array.
 Its products take float32 rows and give float32 rows: decoding's few rows through the
 native kernels (:mod:`.native`'s ``packed``, dequantizing in registers, the weights read
 once for all rows), a prompt's many rows a tile of weight rows at a time (widened into a
-small float32 buffer, then BLAS). Where the kernels were not built, the tiles serve every
-row count: correct, and slower (``kvchat doctor`` says so).
+small float32 buffer, then BLAS); several weights' products of the same rows (a layer's
+q, k and v) in one call of the kernels (:func:`products`). Where the kernels were not
+built, the tiles serve every row count: correct, and slower (``kvchat doctor`` says so).
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -84,10 +86,8 @@ class Stored:
         if kernels is None or self.form == "float32":
             return self._gathered(ids)
         out = np.empty((len(ids), self.in_features), dtype=np.float32)
-        if self.form == "affine":
-            kernels.affine_rows(*self._affine(), ids, out)
-        else:
-            kernels.half_rows(self.data, SCALE_KINDS[self.form], ids, out)
+        widen = kernels.affine_rows if self.form == "affine" else kernels.half_rows
+        widen(*self.kernel_args, ids, out)
         return out
 
     def product(self, x: np.ndarray) -> np.ndarray:
@@ -96,10 +96,8 @@ class Stored:
         out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
         kernels = native.module("packed")
         if kernels is not None and self.form != "float32" and 0 < x.shape[0] <= KERNEL_ROWS:
-            if self.form == "affine":
-                kernels.affine_t(*self._affine(), x, out)
-            else:
-                kernels.half_t(self.data, SCALE_KINDS[self.form], x, out)
+            multiply = kernels.affine_t if self.form == "affine" else kernels.half_t
+            multiply(*self.kernel_args, x, out)
             return out
         tiles = -(-self.out_features * self.in_features // TILE_FLOATS)  # even tiles
         step = max(1, -(-self.out_features // max(1, tiles)))
@@ -108,8 +106,12 @@ class Stored:
             np.matmul(x, self.widened(lo, hi).T, out=out[:, lo:hi])
         return out
 
-    def _affine(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]:
-        """The packed kernels' first arguments: the matrix and how it is packed."""
+    @functools.cached_property
+    def kernel_args(self) -> tuple[np.ndarray | int, ...]:
+        """The native kernels' first arguments, the matrix and how it is held: ``affine_t``'s
+        six (a packed matrix), ``half_t``'s two (a 16-bit one)."""
+        if self.form != "affine":
+            return self.data, SCALE_KINDS[self.form]
         assert self.scales is not None and self.biases is not None
         kind = SCALE_KINDS[self.scale_form]
         return self.data, self.scales, self.biases, kind, self.bits, self.group_size
@@ -127,6 +129,21 @@ class Stored:
         biases = _widen(self.biases[ids], self.scale_form)[..., None]
         out: np.ndarray = (groups * scales + biases).reshape(len(ids), self.in_features)
         return out
+
+
+def products(weights: Sequence[Stored], x: np.ndarray) -> list[np.ndarray] | None:
+    """``x @ Wᵀ`` for each of several weights that share their rows ``x`` (a layer's q, k
+    and v; its gate and up) in one call of the native kernels, which wakes their threads
+    once (each result the same, bit for bit, as :meth:`Stored.product`'s); None where the
+    kernels do not take them all (not built, a float32 weight, too many rows)."""
+    kernels = native.module("packed")
+    n = x.shape[0]
+    if kernels is None or not 0 < n <= KERNEL_ROWS or any(w.form == "float32" for w in weights):
+        return None
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    outs = [np.empty((n, w.out_features), dtype=np.float32) for w in weights]
+    kernels.products_t([w.kernel_args for w in weights], x, outs)
+    return outs
 
 
 def _widen(bits16: np.ndarray, form: str) -> np.ndarray:
