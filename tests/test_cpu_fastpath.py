@@ -195,7 +195,12 @@ def test_numpy_decoding_step_matches_mlx_lm(demo_model, fast_path, kind, monkeyp
     stock, stock_tokens = decode_run(demo_model, kind, prompt, forced)
     assert not calls
     assert fast_tokens == stock_tokens
-    assert mx.allclose(fast, stock, atol=1e-4, rtol=1e-4).item()
+    # A quantized cache rounds each new key and value to its step: numpy's and mlx's,
+    # equal to float32's last bits, can round to neighbouring steps, which moves later
+    # logits (about 27 at most here) by up to a few hundredths; a key read from the
+    # wrong place or position would move them by whole units.
+    tolerance = 1e-4 if kind in ("standard", "concatenate") else 5e-2
+    assert mx.allclose(fast, stock, atol=tolerance, rtol=1e-4).item()
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -82,7 +82,7 @@ def test_turns_on_two_models_never_overlap_and_match_their_solo_runs(demo_model,
     other = registry.acquire(OTHER)
     solo = {
         lm.model_id: turn(
-            Session(lm, settings=GenerationSettings(max_tokens=12)), "hello there"
+            Session(lm, settings=GenerationSettings(max_tokens=12)), "Say something."
         ).reply
         for lm in (demo_model, other)
     }
@@ -96,7 +96,7 @@ def test_turns_on_two_models_never_overlap_and_match_their_solo_runs(demo_model,
         session = Session(lm, settings=GenerationSettings(max_tokens=12))
         with scheduler.turn(lm.model_id):
             started = time.perf_counter()
-            replies[lm.model_id] = turn(session, "hello there").reply
+            replies[lm.model_id] = turn(session, "Say something.").reply
             spans[lm.model_id] = (started, time.perf_counter())
 
     threads = [threading.Thread(target=run, args=(lm,)) for lm in (demo_model, other)]

@@ -47,15 +47,15 @@ def test_a_seed_reproduces_a_sampled_reply(ask):
 
 
 def test_penalties_change_a_reply_that_repeats(decoding):
-    endless = decoding
-    plain = reply(endless, max_tokens=60)
+    endless, asked = decoding, "What is a hash table?"
+    plain = reply(endless, asked, max_tokens=60)
     words = plain.split()
     assert len(words) > len(set(words))  # the greedy reply repeats itself
-    penalised = reply(endless, max_tokens=60, repetition_penalty=1.8)
+    penalised = reply(endless, asked, max_tokens=60, repetition_penalty=1.8)
     assert penalised != plain
     assert len(set(penalised.split())) / len(penalised.split()) > len(set(words)) / len(words)
-    assert reply(endless, max_tokens=60, frequency_penalty=2.0) != plain
-    assert reply(endless, max_tokens=60, presence_penalty=2.0) != plain
+    assert reply(endless, asked, max_tokens=60, frequency_penalty=2.0) != plain
+    assert reply(endless, asked, max_tokens=60, presence_penalty=2.0) != plain
 
 
 def test_no_processor_is_made_for_settings_that_are_off():

@@ -310,7 +310,7 @@ def test_every_sampling_setting_is_a_request_field_and_honoured(demo_model, home
     from kvchat.settings import GENERATION
 
     assert {s.api for s in GENERATION} <= set(ChatRequest.model_fields)
-    ask = [{"role": "user", "content": "Tell me about the cache."}]
+    ask = [{"role": "user", "content": "What is a hash table?"}]
     with Server(demo_model) as server:
         greedy = chat(server.client, ask, max_tokens=10, temperature=0)[0]
         top_1 = chat(

@@ -22,7 +22,7 @@ from .conftest import SIZE, send, settle, until, widget_text
 pytestmark = pytest.mark.anyio
 
 OTHER = "demo@q4"  # the demo's shape with 4-bit weights: another model, built in a second
-TEXT = "hello there"  # the two models answer it differently
+TEXT = "Say something."  # the two models answer it differently
 
 
 def solo(lm, text: str = TEXT) -> str:

@@ -34,7 +34,7 @@ from kvchat.engine.models.demo_build import VARIANTS, Progress, write_json, writ
 from kvchat.engine.models.demo_template import CHAT_TEMPLATE
 from kvchat.locations import models_dir
 
-BUILD_VERSION = "v4"  # bump when a build changes, so old folders are not reused
+BUILD_VERSION = "v5"  # bump when a build changes, so old folders are not reused
 PREFIX = "demo"
 VOCAB_SIZE = 2048
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

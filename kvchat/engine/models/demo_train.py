@@ -6,8 +6,8 @@ compares sha256 digests with the shipped files instead. Training is deterministi
 the tokenizer is trained on the bundled corpus as for every demo shape, weights are
 initialised from a fixed seed, batches are drawn from a seeded numpy generator, and
 everything runs on the CPU (OpenBLAS splits a matmul among its threads by output
-blocks, so the thread count does not change any sum). It takes about three minutes of
-CPU time. The shipped files were made with Debian 12's
+blocks, so the thread count does not change any sum). It takes about twenty minutes of
+CPU time on two cores. The shipped files were made with Debian 12's
 OpenBLAS 0.3.21 (see :mod:`kvchat.blas`); another BLAS or CPU may round differently,
 and ``--check`` then says which files differ.
 
@@ -16,13 +16,17 @@ The text is the corpus minus its last section (held out for
 ChatML template: each question in the corpus with its answer, each ``User:`` line
 with the ``Assistant:`` line after it, and each paragraph's first sentence with the
 sentences that follow, so that the model answers after the assistant header and
-ends its turn with ``<|im_end|>``.
+ends its turn with ``<|im_end|>``. Then it learns to call tools (:func:`learn_tools`):
+chats with tools (:mod:`kvchat.engine.models.demo_tools`) as the demo's chat template
+writes them, the loss on their replies only, so that offered a tool and asked for its
+work it writes a call with the question's values, and sent the result, says it.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import re
 import sys
 import tempfile
@@ -39,34 +43,24 @@ import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models import qwen2  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from kvchat.engine.caches.trees import flatten  # noqa: E402
 from kvchat.engine.models import demo  # noqa: E402
 from kvchat.engine.models.demo_build import write_json  # noqa: E402
+from kvchat.engine.models.demo_template import CHAT_TEMPLATE  # noqa: E402
+from kvchat.engine.models.demo_tools import exchanges, ordinary_pairs, tool_chats  # noqa: E402
 
 WEIGHTS = Path(__file__).with_name("demo_weights")
 FILES = ("config.json", "tokenizer.json", "model.safetensors")
 SEED, STEPS, BATCH, SEQ, LR, WARMUP = 0, 900, 8, 128, 5e-3, 50
-
-_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
-
-
-def exchanges(text: str) -> list[tuple[str, str]]:
-    """(user, assistant) pairs built from the training text."""
-    pairs = []
-    lines = [line.strip() for line in text.splitlines()]
-    for line, after in zip(lines, lines[1:] + [""], strict=True):
-        if line.startswith("User:") and after.startswith("Assistant:"):
-            pairs.append(
-                (line.removeprefix("User:").strip(), after.removeprefix("Assistant:").strip())
-            )
-        elif line.endswith("?") and len(after) > 40 and not after.startswith(("User:", '"')):
-            pairs.append((line, after))
-    for paragraph in text.split("\n\n"):
-        sentences = _SENTENCE.split(" ".join(paragraph.split()))
-        if len(sentences) >= 3:
-            pairs.append((sentences[0], " ".join(sentences[1:4])))
-    return pairs
+# then TOOL_STEPS steps that also read TOOL_BATCH chats with tools each, learning their replies
+TOOL_SEED, TOOL_STEPS, TOOL_BATCH, TOOL_CHATS, TOOL_LR, PAD_TO = 7, 2400, 4, 4800, 4e-3, 64
+VALUE_WEIGHT = 4.0  # a call's argument values weigh this much more than its other tokens
+_REPLY = re.compile(
+    re.escape(f"{demo.IM_START}assistant\n") + r"(.*?" + re.escape(demo.IM_END) + ")", re.S
+)
 
 
 def training_text() -> str:
@@ -77,6 +71,51 @@ def training_text() -> str:
         for user, reply in exchanges(body)
     ]
     return body + "\n" + "".join(chats)
+
+
+def tool_examples(
+    tokenizer: Tokenizer, count: int, seed: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``count`` chats with tools (:mod:`kvchat.engine.models.demo_tools`) as the demo's
+    chat template writes them (transformers renders it, as for the served model): each
+    as its token ids and, per token, its weight in the loss: 0 outside the assistant's
+    replies, 1 in them, ``VALUE_WEIGHT`` in a call's argument values (what the question
+    says, the part hardest to learn)."""
+    template = PreTrainedTokenizerFast(tokenizer_object=tokenizer)  # type: ignore[no-untyped-call]
+    template.chat_template = CHAT_TEMPLATE
+    examples = []
+    for messages, tools in tool_chats(count, ordinary_pairs(), seed):
+        text = template.apply_chat_template(messages, tools=list(tools), tokenize=False)
+        assert isinstance(text, str)
+        encoding = tokenizer.encode(text)
+        replies = [m.span(1) for m in _REPLY.finditer(text)]
+        values = [
+            (at, at + len(said))
+            for message in messages
+            for call in message.get("tool_calls", [])
+            for value in call["function"]["arguments"].values()
+            if (at := text.find(said := json.dumps(value), replies[0][0])) >= 0
+        ]
+        weight = [
+            VALUE_WEIGHT
+            if any(a <= start < b for a, b in values)
+            else float(any(a <= start < b for a, b in replies))
+            for start, _ in encoding.offsets
+        ]
+        examples.append((np.array(encoding.ids, np.int32), np.array(weight, np.float32)))
+    return examples
+
+
+def _optimizer(rate: float, steps: int) -> optim.Optimizer:
+    """AdamW warming up to ``rate`` over ``WARMUP`` steps, then decaying to a fiftieth of it."""
+    schedule = optim.join_schedules(
+        [
+            optim.linear_schedule(rate / 50, rate, WARMUP),
+            optim.cosine_decay(rate, steps - WARMUP, rate / 50),
+        ],
+        [WARMUP],
+    )
+    return optim.AdamW(learning_rate=schedule, weight_decay=0.01)
 
 
 def train(folder: Path, log: Callable[[str], object] = print) -> None:
@@ -92,14 +131,7 @@ def train(folder: Path, log: Callable[[str], object] = print) -> None:
     log(f"{len(ids)} training tokens, {STEPS} steps; BLAS: {blas.describe()}")
     mx.random.seed(SEED)
     model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
-    schedule = optim.join_schedules(
-        [
-            optim.linear_schedule(LR / 50, LR, WARMUP),
-            optim.cosine_decay(LR, STEPS - WARMUP, LR / 50),
-        ],
-        [WARMUP],
-    )
-    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
+    optimizer = _optimizer(LR, STEPS)
     rng = np.random.default_rng(SEED)
 
     def loss_fn(model: nn.Module, x: mx.array, y: mx.array) -> mx.array:
@@ -122,11 +154,57 @@ def train(folder: Path, log: Callable[[str], object] = print) -> None:
         mx.eval(state, loss)
         if step % 150 == 0 or step == STEPS - 1:
             log(f"step {step:4d}  loss {loss.item():.3f}")
+    learn_tools(model, ids, tool_examples(tokenizer, TOOL_CHATS, SEED), log)
     folder.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(mx.float32) for k, v in flatten(model.parameters())}
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     write_json(folder / "config.json", config)
     tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def learn_tools(
+    model: nn.Module,
+    ids: np.ndarray,
+    chats: list[tuple[np.ndarray, np.ndarray]],
+    log: Callable[[str], object],
+) -> None:
+    """Go on training ``model``: each step reads windows of the text, as before (so it
+    keeps what it learnt), and ``TOOL_BATCH`` whole chats with tools, learning only their
+    replies (the loss of the other tokens, the tools' specs and the questions, is 0)."""
+    optimizer = _optimizer(TOOL_LR, TOOL_STEPS)
+    rng = np.random.default_rng(TOOL_SEED)
+
+    def loss_fn(
+        model: nn.Module, x: mx.array, y: mx.array, cx: mx.array, cy: mx.array, mask: mx.array
+    ) -> mx.array:
+        text = nn.losses.cross_entropy(model(x), y, reduction="mean")
+        replies = nn.losses.cross_entropy(model(cx), cy) * mask
+        return text + replies.sum() / mask.sum()
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+    state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def train_step(*batch: mx.array) -> mx.array:
+        loss: mx.array
+        loss, grads = grad_fn(model, *batch)
+        optimizer.update(model, grads)
+        return loss
+
+    for step in range(TOOL_STEPS):
+        starts = rng.integers(0, len(ids) - SEQ - 1, size=BATCH)
+        window = np.stack([ids[s : s + SEQ + 1] for s in starts])
+        picked = [chats[i] for i in rng.integers(0, len(chats), size=TOOL_BATCH)]
+        width = -(-max(len(tokens) for tokens, _ in picked) // PAD_TO) * PAD_TO + 1
+        tokens = np.zeros((TOOL_BATCH, width), np.int32)
+        reply = np.zeros((TOOL_BATCH, width), np.float32)
+        for row, (chat, learnt) in enumerate(picked):
+            tokens[row, : len(chat)], reply[row, : len(chat)] = chat, learnt
+        batch = (window[:, :-1], window[:, 1:], tokens[:, :-1], tokens[:, 1:], reply[:, 1:])
+        loss = train_step(*(mx.array(part) for part in batch))
+        mx.eval(state, loss)
+        if step % 150 == 0 or step == TOOL_STEPS - 1:
+            log(f"tools step {step:4d}  loss {loss.item():.3f}")
 
 
 def digests(folder: Path) -> dict[str, str]:
