@@ -118,6 +118,37 @@ def _optimizer(rate: float, steps: int) -> optim.Optimizer:
     return optim.AdamW(learning_rate=schedule, weight_decay=0.01)
 
 
+def _windows(ids: np.ndarray, rng: np.random.Generator) -> tuple[mx.array, mx.array]:
+    """``BATCH`` windows of ``SEQ`` tokens of the text, drawn by ``rng``, and the tokens
+    each position should predict."""
+    starts = rng.integers(0, len(ids) - SEQ - 1, size=BATCH)
+    window = np.stack([ids[s : s + SEQ + 1] for s in starts])
+    return mx.array(window[:, :-1]), mx.array(window[:, 1:])
+
+
+def _stepper(
+    model: nn.Module, optimizer: optim.Optimizer, loss_fn: Callable[..., mx.array]
+) -> Callable[..., mx.array]:
+    """One compiled training step of ``model`` on ``loss_fn(model, *batch)``: it updates
+    the model, evaluates, and gives the step's loss."""
+    grad_fn = nn.value_and_grad(model, loss_fn)
+    state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def train_step(*batch: mx.array) -> mx.array:
+        loss: mx.array
+        loss, grads = grad_fn(model, *batch)
+        optimizer.update(model, grads)
+        return loss
+
+    def step(*batch: mx.array) -> mx.array:
+        loss = train_step(*batch)
+        mx.eval(state, loss)
+        return loss
+
+    return step
+
+
 def train(folder: Path, log: Callable[[str], object] = print) -> None:
     """Train the demo model and write its three files into ``folder``."""
     mx.set_default_device(mx.cpu)
@@ -131,27 +162,14 @@ def train(folder: Path, log: Callable[[str], object] = print) -> None:
     log(f"{len(ids)} training tokens, {STEPS} steps; BLAS: {blas.describe()}")
     mx.random.seed(SEED)
     model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
-    optimizer = _optimizer(LR, STEPS)
     rng = np.random.default_rng(SEED)
 
     def loss_fn(model: nn.Module, x: mx.array, y: mx.array) -> mx.array:
         return nn.losses.cross_entropy(model(x), y, reduction="mean")
 
-    grad_fn = nn.value_and_grad(model, loss_fn)
-    state = [model.state, optimizer.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def train_step(x: mx.array, y: mx.array) -> mx.array:
-        loss: mx.array
-        loss, grads = grad_fn(model, x, y)
-        optimizer.update(model, grads)
-        return loss
-
+    step_with = _stepper(model, _optimizer(LR, STEPS), loss_fn)
     for step in range(STEPS):
-        starts = rng.integers(0, len(ids) - SEQ - 1, size=BATCH)
-        window = np.stack([ids[s : s + SEQ + 1] for s in starts])
-        loss = train_step(mx.array(window[:, :-1]), mx.array(window[:, 1:]))
-        mx.eval(state, loss)
+        loss = step_with(*_windows(ids, rng))
         if step % 150 == 0 or step == STEPS - 1:
             log(f"step {step:4d}  loss {loss.item():.3f}")
     learn_tools(model, ids, tool_examples(tokenizer, TOOL_CHATS, SEED), log)
@@ -171,7 +189,6 @@ def learn_tools(
     """Go on training ``model``: each step reads windows of the text, as before (so it
     keeps what it learnt), and ``TOOL_BATCH`` whole chats with tools, learning only their
     replies (the loss of the other tokens, the tools' specs and the questions, is 0)."""
-    optimizer = _optimizer(TOOL_LR, TOOL_STEPS)
     rng = np.random.default_rng(TOOL_SEED)
 
     def loss_fn(
@@ -181,28 +198,18 @@ def learn_tools(
         replies = nn.losses.cross_entropy(model(cx), cy) * mask
         return text + replies.sum() / mask.sum()
 
-    grad_fn = nn.value_and_grad(model, loss_fn)
-    state = [model.state, optimizer.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def train_step(*batch: mx.array) -> mx.array:
-        loss: mx.array
-        loss, grads = grad_fn(model, *batch)
-        optimizer.update(model, grads)
-        return loss
-
+    step_with = _stepper(model, _optimizer(TOOL_LR, TOOL_STEPS), loss_fn)
     for step in range(TOOL_STEPS):
-        starts = rng.integers(0, len(ids) - SEQ - 1, size=BATCH)
-        window = np.stack([ids[s : s + SEQ + 1] for s in starts])
+        x, y = _windows(ids, rng)
         picked = [chats[i] for i in rng.integers(0, len(chats), size=TOOL_BATCH)]
         width = -(-max(len(tokens) for tokens, _ in picked) // PAD_TO) * PAD_TO + 1
         tokens = np.zeros((TOOL_BATCH, width), np.int32)
         reply = np.zeros((TOOL_BATCH, width), np.float32)
         for row, (chat, learnt) in enumerate(picked):
             tokens[row, : len(chat)], reply[row, : len(chat)] = chat, learnt
-        batch = (window[:, :-1], window[:, 1:], tokens[:, :-1], tokens[:, 1:], reply[:, 1:])
-        loss = train_step(*(mx.array(part) for part in batch))
-        mx.eval(state, loss)
+        loss = step_with(
+            x, y, *(mx.array(part) for part in (tokens[:, :-1], tokens[:, 1:], reply[:, 1:]))
+        )
         if step % 150 == 0 or step == TOOL_STEPS - 1:
             log(f"tools step {step:4d}  loss {loss.item():.3f}")
 
