@@ -20,6 +20,8 @@
  * 8 rows 0.83-1.14 against 1.19-1.41 ms); other codes are scaled. Every (weight row, row
  * of x) dot product is the same sequence of operations whatever the tile, the band or
  * the number of rows: a row's result does not depend on the rows beside it, bit for bit.
+ * Where the CPU has AVX-512 VNNI, 4-bit products in groups of 32, 64 or 128 run in 8-bit
+ * integers instead, x split into three 8-bit digits (packed_int.h: twice as fast again).
  *
  * products_t: several such products of one x (a layer's q, k and v; its gate and up) in one
  * call, each matrix's rows banded as if it were alone, every band in one parallel region.
@@ -102,6 +104,8 @@ static inline __attribute__((always_inline)) void ahead(const Matrix *m, int NR,
     const uint8_t *p = m->w + o * m->row_bytes + NR * done + AHEAD;
     for (Py_ssize_t k = 0; k < NR * bytes; k += 64) __builtin_prefetch(p + k, 0, 3);
 }
+
+#include "packed_int.h" /* 4 bits in 8-bit integers, where the CPU has AVX-512 VNNI */
 
 /* 4 bits: row `row`'s groups g0 … g1 − 1 as tables of their 16 values, lane q of
  * table[g − g0] holding s·q + b. The product is rounded before the sum in every clone (a
@@ -216,20 +220,32 @@ CLONES static void band(const Matrix *m, const float *xs, const float *sx, float
     }
 }
 
-/* One matrix's product within a call: the matrix, x arranged for it (xs, group sums in sx),
- * and its out. */
+/* One matrix's product within a call: the matrix, x arranged for it (xs: floats, or
+ * Digits where `ints`, int4_takes(m) when the call began; group sums in sx), its out. */
 typedef struct {
     const Matrix *m;
-    const float *xs, *sx;
+    int ints;
+    const void *xs;
+    const float *sx;
     float *y;
 } Part;
+
+/* Bytes of a row of x arranged for m, in Digits or floats. */
+static Py_ssize_t arranged_bytes(const Matrix *m, int ints) {
+    return ints ? int4_chunks(m) * (Py_ssize_t)sizeof(Digits) : m->in * (Py_ssize_t)sizeof(float);
+}
 
 /* Weight rows lo … hi − 1 of a part's matrix times every row of x, MB rows of x at a time. */
 static void rows_of(const Part *p, Py_ssize_t n, Py_ssize_t lo, Py_ssize_t hi, int single) {
     const Matrix *m = p->m;
-    for (Py_ssize_t b0 = 0; b0 < n; b0 += MB)
-        band(m, p->xs + b0 * m->in, p->sx + b0 * m->groups, p->y + b0 * m->out,
-             n - b0 < MB ? (int)(n - b0) : MB, lo, hi, single);
+    for (Py_ssize_t b0 = 0; b0 < n; b0 += MB) {
+        const void *xs = (const char *)p->xs + b0 * arranged_bytes(m, p->ints);
+        int nb = n - b0 < MB ? (int)(n - b0) : MB;
+        if (p->ints)
+            int4_band(m, xs, p->sx + b0 * m->groups, p->y + b0 * m->out, nb, lo, hi, single);
+        else
+            band(m, xs, p->sx + b0 * m->groups, p->y + b0 * m->out, nb, lo, hi, single);
+    }
 }
 
 /* Every row of x times every weight row of each part's matrix, in one parallel region (a
@@ -384,7 +400,8 @@ static PyObject *multiply_all(const Matrix *m, int count, PyObject *x_obj,
                               PyObject *const *y_objs) {
     Py_buffer x, y[MAX_PARTS];
     Part parts[MAX_PARTS];
-    float *xs[MAX_PARTS] = {NULL}, *sx[MAX_PARTS] = {NULL};
+    void *xs[MAX_PARTS] = {NULL};
+    float *sx[MAX_PARTS] = {NULL};
     int held = 0;
     PyObject *result = NULL;
     if (floats(x_obj, &x, 2, 0, "x") < 0) return NULL;
@@ -403,19 +420,23 @@ static PyObject *multiply_all(const Matrix *m, int count, PyObject *x_obj,
         int same = 0; /* an earlier matrix that reads x arranged the same way */
         while (same < i && (m[same].fmt != m[i].fmt || m[same].group != m[i].group)) same++;
         if (same < i) {
-            parts[i] = (Part){&m[i], parts[same].xs, parts[same].sx, y[i].buf};
+            parts[i] = (Part){&m[i], parts[same].ints, parts[same].xs, parts[same].sx, y[i].buf};
             continue;
         }
-        if (!(xs[i] = malloc(sizeof(float) * n * m[i].in))
+        int ints = int4_takes(&m[i]);
+        if (!(xs[i] = malloc(n * arranged_bytes(&m[i], ints)))
             || !(sx[i] = malloc(sizeof(float) * (n * m[i].groups + 1)))) {
             PyErr_NoMemory();
             goto done;
         }
-        parts[i] = (Part){&m[i], xs[i], sx[i], y[i].buf};
+        parts[i] = (Part){&m[i], ints, xs[i], sx[i], y[i].buf};
     }
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < count; i++)
-        if (xs[i]) arrange(&m[i], x.buf, n, xs[i], sx[i]);
+        if (xs[i] && parts[i].ints)
+            int4_arrange(&m[i], x.buf, n, xs[i], sx[i]);
+        else if (xs[i])
+            arrange(&m[i], x.buf, n, xs[i], sx[i]);
     product(parts, count, n);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
@@ -560,6 +581,13 @@ static PyObject *half_rows(PyObject *self, PyObject *args) {
     return with_half(args, "OiOO:half_rows", widen);
 }
 
+static PyObject *integer(PyObject *self, PyObject *args) {
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|p:integer", &on)) return NULL;
+    if (on >= 0) int4_on = on;
+    return PyBool_FromLong(int4_on && int4_available());
+}
+
 static PyMethodDef methods[] = {
     {"affine_t", affine_t, METH_VARARGS,
      "affine_t(w, scales, biases, kind, bits, group_size, x, out): out = x @ Wᵀ for MLX's "
@@ -573,6 +601,10 @@ static PyMethodDef methods[] = {
      "products_t(matrices, x, outs): outs[i] = x @ W_iᵀ for up to 8 matrices that share x "
      "(a layer's q, k and v), each given as the arguments affine_t or half_t takes before x; "
      "the same figures as their calls one by one, in one parallel region."},
+    {"integer", integer, METH_VARARGS,
+     "integer([on]) -> bool: whether 4-bit products (groups of 32, 64 or 128) run in 8-bit "
+     "integers, as they do where the CPU has AVX-512 VNNI; integer(False) the float tiles "
+     "instead (to compare them), integer(True) back."},
     {"affine_rows", affine_rows, METH_VARARGS,
      "affine_rows(w, scales, biases, kind, bits, group_size, ids, out): out[i] = row ids[i] "
      "of the affine packed W as float32; ids int64 (m,), out float32 (m, in)."},

@@ -37,3 +37,8 @@ def affine_rows(
 
 def half_rows(w: np.ndarray, kind: int, ids: np.ndarray, out: np.ndarray, /) -> None:
     """``out[i] = W[ids[i]]`` widened to float32 for 16-bit ``w``."""
+
+def integer(on: bool = ..., /) -> bool:
+    """Whether 4-bit products (groups of 32, 64 or 128) run in 8-bit integers, as they do
+    where the CPU has AVX-512 VNNI; ``integer(False)`` the float tiles instead (to compare
+    them), ``integer(True)`` back."""
