@@ -96,7 +96,7 @@ class TabActions:
                     )
                     return conversation.reload()
 
-                conversation.run_job("undoing", lambda progress: session.undo(choice.undo), undone)
+                conversation.jobs.run("undoing", lambda progress: session.undo(choice.undo), undone)
             elif choice.max_tokens is not None:
                 limit = choice.max_tokens
 
@@ -107,7 +107,7 @@ class TabActions:
                     )
                     return conversation.reload()
 
-                conversation.run_job(
+                conversation.jobs.run(
                     "trimming",
                     lambda progress: session.trim_history(limit, progress),
                     trimmed,
@@ -134,7 +134,7 @@ class TabActions:
                 self.notify("Restored the exchange at the end; the next turn evaluates it.")
                 return conversation.reload()
 
-            conversation.run_job(
+            conversation.jobs.run(
                 "restoring", lambda progress: session.restore_archived(index), restored
             )
 
@@ -163,7 +163,7 @@ class TabActions:
                 how = f"rebuilt ({reason})" if reason else "converted in place"
                 self.notify(f"Cache is now {session.kind.name}: {how}.", markup=False)
 
-            conversation.run_job(
+            conversation.jobs.run(
                 "switching cache", lambda progress: session.set_kind(kind, progress), switched
             )
 
@@ -195,7 +195,7 @@ class TabActions:
             else:
                 show(applicable)
 
-        conversation.run_job(
+        conversation.jobs.run(
             "checking cache kinds", check, checked, needs_cache=False, stop=stop, unit="kinds"
         )
 
@@ -211,7 +211,7 @@ class TabActions:
                 else "The cache is empty already."
             )
 
-        conversation.run_job("resetting", lambda progress: conversation.session.reset(), done)
+        conversation.jobs.run("resetting", lambda progress: conversation.session.reset(), done)
 
     async def regenerate(self) -> None:
         conversation = self.app.idle_conversation()
@@ -272,7 +272,7 @@ class TabActions:
                 # not from inside the tab's own handler: removing it waits for that handler
                 self.app.call_later(closed)
 
-            conversation.run_job("saving", save, saved, needs_cache=False)
+            conversation.jobs.run("saving", save, saved, needs_cache=False)
 
         self.push_screen(DropDialog(name, store.exists(name)), chosen)
 
@@ -315,7 +315,7 @@ class TabActions:
                     self.app.tabs.get_tab(conversation.parent.id).label = new
                 self.app.refresh_sidebar()
 
-            conversation.run_job("renaming", move, moved, needs_cache=False)
+            conversation.jobs.run("renaming", move, moved, needs_cache=False)
 
         self.push_screen(RenameDialog(old), chosen)
 
@@ -345,7 +345,7 @@ class TabActions:
                 )
                 return conversation.reload()
 
-            conversation.run_job(
+            conversation.jobs.run(
                 "applying",
                 lambda progress: session.set_system(result.system),
                 done,

@@ -38,7 +38,7 @@ class Conflicts:
         def chosen(choice: str | None) -> None:
             if choice == "reload":
                 mine = conversation.unsaved  # turns of this tab that the disk lacks
-                conversation.run_job(
+                conversation.jobs.run(
                     "reloading",
                     lambda progress: app.pool.keep_as_branch(name, progress),
                     lambda loaded: app.call_later(self._reloaded, conversation, loaded, mine),
@@ -104,4 +104,4 @@ class Conflicts:
                 f"Saved this tab as {new}; {old} stays as the other kvchat saved it.", markup=False
             )
 
-        conversation.run_job("saving", save, saved, needs_cache=False)
+        conversation.jobs.run("saving", save, saved, needs_cache=False)

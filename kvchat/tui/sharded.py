@@ -128,7 +128,7 @@ class ShardedRun:
                 else f"Saved {name} on every rank and dropped it from memory "
                 f"(kvchat launch -- --resume {name} reopens it)."
             )
-            conversation.run_job(
+            conversation.jobs.run(
                 "dropping",
                 lambda progress: drop(where == "disk"),
                 lambda made: app.call_later(self.swap_tab, conversation, fresh, *made, said),

@@ -122,13 +122,13 @@ def main() -> None:
             await settle(pilot, conversation)
             seen["dialog"] = type(app.screen).__name__
             await pilot.press("escape")
-            conversation.run_job(
+            conversation.jobs.run(
                 "switching cache", lambda progress: session.set_kind("quantized:8", progress)
             )
             await settle(pilot, conversation)
             seen["quantized_bytes"] = session.rank_bytes
             await pilot.press("ctrl+t")  # a second tab: refused in one sentence
-            conversation.run_job("switching", lambda progress: session.switch_branch(0, 1))
+            conversation.jobs.run("switching", lambda progress: session.switch_branch(0, 1))
             await settle(pilot, conversation)
             seen["tabs"] = len(app.conversations())
             seen["notices"] = [str(n.message) for n in notifications(app)]

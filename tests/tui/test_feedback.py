@@ -190,7 +190,7 @@ async def test_regenerate_after_a_kind_switch_says_the_reply_can_differ(make_app
         conversation = app.active_conversation()
         session = conversation.session
         await send(pilot, "hello")
-        conversation.run_job(
+        conversation.jobs.run(
             "switching cache", lambda progress: session.set_kind("quantized:8", progress)
         )
         await settle(pilot, conversation)

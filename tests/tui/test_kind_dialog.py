@@ -8,8 +8,8 @@ import pytest
 from kvchat.engine.caches import fit, kinds
 from kvchat.engine.caches.sizes import kind_bytes_per_token
 from kvchat.tui.screens.kind import KindDialog
+from kvchat.tui.tab.jobs import JobRunner
 from kvchat.tui.textual_compat import notifications
-from kvchat.tui.widgets.chat import Conversation
 from kvchat.tui.widgets.messages import NoticeMessage
 
 from .conftest import SIZE, send, settle, until, widget_text
@@ -116,7 +116,7 @@ async def test_kinds_a_model_cannot_take_are_refused_and_not_listed(arch, home):
 async def test_the_kinds_are_found_once_then_the_dialog_opens_without_a_job(make_app, monkeypatch):
     monkeypatch.setattr(fit, "_FOUND", {})  # nothing found about the model yet
     made, jobs = [], []
-    real_make, real_job = kinds.make_cache, Conversation.run_job
+    real_make, real_job = kinds.make_cache, JobRunner.run
 
     def make(model, kind, keep=0):
         made.append(kind.name)
@@ -127,7 +127,7 @@ async def test_the_kinds_are_found_once_then_the_dialog_opens_without_a_job(make
         return real_job(self, label, *args, **kwargs)
 
     monkeypatch.setattr(kinds, "make_cache", make)
-    monkeypatch.setattr(Conversation, "run_job", job)
+    monkeypatch.setattr(JobRunner, "run", job)
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)

@@ -3,7 +3,6 @@ collaborators that act on its session (its turns, jobs and message actions)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -341,22 +340,9 @@ class Conversation(Vertical):
     def save(self, then: Callable[[Any], Any] | None = None) -> bool:
         """Save the session in the tab's worker (in turn with the other tabs), then call
         ``then(None)``; False (and a notice) if the tab is busy."""
-        return self.run_job("saving", lambda progress: self.save_now(), then, needs_cache=False)
+        return self.jobs.run("saving", lambda progress: self.save_now(), then, needs_cache=False)
 
     # ---------------------------------------------------------------- jobs
-
-    def run_job(
-        self,
-        label: str,
-        job: Callable[[Progress], Any],
-        then: Callable[[Any], Any] | None = None,
-        *,
-        needs_cache: bool = True,
-        stop: threading.Event | None = None,
-        unit: str = "tokens",
-    ) -> bool:
-        """Run ``job(progress)`` in the tab's worker (see :meth:`JobRunner.run`)."""
-        return self.jobs.run(label, job, then, needs_cache=needs_cache, stop=stop, unit=unit)
 
     @on(JobFinished)
     async def _job_finished(self, event: JobFinished) -> None:
