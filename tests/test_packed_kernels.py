@@ -63,13 +63,13 @@ def rows(n: int, width: int, seed: int = 0) -> np.ndarray:
 
 
 @pytest.fixture(params=["integers", "floats"])
-def four_bits(request):
-    """4-bit products in 8-bit integers (where the CPU has AVX-512 VNNI), then in the float
-    tiles every other CPU runs; the setting restored after."""
+def path(request):
+    """4 and 8-bit products in 8-bit integers (where the CPU has AVX-512 VNNI), then in the
+    float tiles every other CPU runs; the setting restored after."""
     module = kernels()
     before = module.integer()
     if request.param == "integers" and not before:
-        pytest.skip("this CPU has no AVX-512 VNNI: 4-bit products run in the float tiles")
+        pytest.skip("this CPU has no AVX-512 VNNI: 4 and 8-bit products run in the float tiles")
     module.integer(request.param == "integers")
     yield request.param
     module.integer(before)
@@ -78,7 +78,7 @@ def four_bits(request):
 @pytest.mark.parametrize("scale", SCALES, ids=str)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("bits", BITS)
-def test_affine_product(bits, group, scale, four_bits):
+def test_affine_product(bits, group, scale, path):
     """Each row count's product is within 1e-5 of float64's, and each row is the same bit
     for bit as when it is multiplied alone."""
     module = kernels()
@@ -103,13 +103,14 @@ def matrix_args(matrix: stored.Stored) -> tuple:
     return matrix.data, matrix.scales, matrix.biases, kind, matrix.bits, matrix.group_size
 
 
-def test_four_bits_in_integers(four_bits):
-    """A 4-bit product in integers is as close to float64 as the float tiles' (a quarter of
+@pytest.mark.parametrize("bits", [4, 8])
+def test_products_in_integers(bits, path):
+    """A 4 or 8-bit product in integers is as close to float64 as the float tiles' (a quarter of
     the tolerance), and not the float tiles' figures under another name; a group whose x
     has an infinity gives NaN, as the float tiles' inf − inf does; an outlier of 1e4 among
     values of 1e-3 (a large activation) loses nothing the tolerance sees; x of zeros, 0."""
     module = kernels()
-    layer = quantized(4, 64, mx.bfloat16)
+    layer = quantized(bits, 64, mx.bfloat16)
     weight, matrix = reference(layer), stored.stored(layer)
     x = rows(8, 192, seed=4) * np.float32(1e-3)
     x[1, 70] = 1e4
@@ -124,7 +125,7 @@ def test_four_bits_in_integers(four_bits):
             assert error(out[row], want[i]) <= TOLERANCE / 4
     assert not out[2].any()
     assert not np.isfinite(out[3]).all()
-    module.integer(four_bits == "floats")  # the other way
+    module.integer(path == "floats")  # the other way
     other = np.empty_like(out)
     module.affine_t(*matrix_args(matrix), x, other)
     assert not np.array_equal(out[finite], other[finite])

@@ -162,7 +162,7 @@ typedef struct {
  * row's cache and to its new tokens up to i. */
 static int attend_all(const float *q, const float *k, const float *v, const Row *rows,
                       Py_ssize_t n_rows, Py_ssize_t n_tokens, int heads, int kv_heads, int dim,
-                      float scale, int spread, float *out) {
+                      float scale, int threads, float *out) {
     int group = heads / kv_heads, failed = 0;
     Py_ssize_t work = 0, *row_of = malloc(sizeof(Py_ssize_t) * (n_tokens ? n_tokens : 1));
     if (!row_of) return 1;
@@ -170,7 +170,8 @@ static int attend_all(const float *q, const float *k, const float *v, const Row 
         work += 2 * (rows[r].span + rows[r].count) * rows[r].count * kv_heads * dim;
         for (Py_ssize_t i = 0; i < rows[r].count; i++) row_of[rows[r].first + i] = r;
     }
-#pragma omp parallel for schedule(dynamic) reduction(| : failed) if (spread && work > SPREAD)
+#pragma omp parallel for schedule(dynamic) reduction(| : failed) num_threads(threads) \
+    if (threads > 1 && work > SPREAD)
     for (Py_ssize_t t = 0; t < n_tokens * kv_heads; t++) {
         Py_ssize_t token = t / kv_heads, h = t % kv_heads;
         const Row *row = rows + row_of[token];
@@ -296,10 +297,10 @@ static PyObject *attend(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
     else if (cache_rows(keys, values, spans, counts, n_rows, n_tokens, kv_heads, dim, rows,
                         held) == 0) {
-        int failed;
+        int failed, threads = spread ? free_threads() : 1;
         Py_BEGIN_ALLOW_THREADS
         failed = attend_all(b[0].buf, b[1].buf, b[2].buf, rows, n_rows, n_tokens, heads,
-                            kv_heads, dim, scale, spread, b[3].buf);
+                            kv_heads, dim, scale, threads, b[3].buf);
         Py_END_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < 2 * n_rows; i++)
             if (held[i].obj) PyBuffer_Release(&held[i]);

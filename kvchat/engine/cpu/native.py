@@ -13,13 +13,16 @@ import importlib
 import os
 from types import ModuleType
 
-# The kernels' OpenMP threads sleep while they wait rather than spin (libgomp reads this
-# when it loads: with the first kernel module imported, in built()); their number is
+# The kernels' OpenMP threads wait for the next parallel region awake for 2000 rounds (tens
+# of µs: libgomp reads this when it loads, with the first kernel module imported, in
+# built()), then sleep. A decoding step starts a region every few tens of µs, and waking a
+# sleeping thread took 25-40 µs on a 2-core VM: qwen2.5-0.5b@q4's step 17-18 ms sleeping
+# at once, 13.5-14.5 ms awake 1000-3000 rounds (libgomp's default, 300000, ~8 ms, kept a
+# core busy between steps). Where other programs keep the cores busy the regions take one
+# thread (kernels.h's free_threads: nobody waits awake then). Their number is otherwise
 # libgomp's default, the cores this process may run on (its affinity mask), and the
-# kernels hand work out as threads come free. On this 2-core machine with other work
-# running, qwen2.5-0.5b's q4 projections for one token took 69-82 ms passive, 68-571 ms
-# spinning (libgomp's default), 38-186 ms spinning 10000 rounds.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# kernels hand work out as threads come free.
+os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 ENV = "KVCHAT_NATIVE"  # "0": kvchat's native kernels off, numpy and its BLAS instead
 # each kernel module, and what it does in the numpy step, for kvchat doctor

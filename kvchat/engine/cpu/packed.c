@@ -20,8 +20,8 @@
  * 8 rows 0.83-1.14 against 1.19-1.41 ms); other codes are scaled. Every (weight row, row
  * of x) dot product is the same sequence of operations whatever the tile, the band or
  * the number of rows: a row's result does not depend on the rows beside it, bit for bit.
- * Where the CPU has AVX-512 VNNI, 4-bit products in groups of 32, 64 or 128 run in 8-bit
- * integers instead, x split into three 8-bit digits (packed_int.h: twice as fast again).
+ * Where the CPU has AVX-512 VNNI, 4 and 8-bit products in groups of 32, 64 or 128 run in
+ * 8-bit integers instead, x split into three 8-bit digits (packed_int.h: twice as fast).
  *
  * products_t: several such products of one x (a layer's q, k and v; its gate and up) in one
  * call, each matrix's rows banded as if it were alone, every band in one parallel region.
@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void ahead(const Matrix *m, int NR,
     for (Py_ssize_t k = 0; k < NR * bytes; k += 64) __builtin_prefetch(p + k, 0, 3);
 }
 
-#include "packed_int.h" /* 4 bits in 8-bit integers, where the CPU has AVX-512 VNNI */
+#include "packed_int.h" /* 4 and 8 bits in 8-bit integers, where the CPU has AVX-512 VNNI */
 
 /* 4 bits: row `row`'s groups g0 … g1 − 1 as tables of their 16 values, lane q of
  * table[g − g0] holding s·q + b. The product is rounded before the sum in every clone (a
@@ -221,7 +221,8 @@ CLONES static void band(const Matrix *m, const float *xs, const float *sx, float
 }
 
 /* One matrix's product within a call: the matrix, x arranged for it (xs: floats, or
- * Digits where `ints`, int4_takes(m) when the call began; group sums in sx), its out. */
+ * where `ints` (ints_take(m) when the call began) digits, packed_int.h's; group sums in
+ * sx), and its out. */
 typedef struct {
     const Matrix *m;
     int ints;
@@ -230,9 +231,9 @@ typedef struct {
     float *y;
 } Part;
 
-/* Bytes of a row of x arranged for m, in Digits or floats. */
+/* Bytes of a row of x arranged for m, as digits or floats. */
 static Py_ssize_t arranged_bytes(const Matrix *m, int ints) {
-    return ints ? int4_chunks(m) * (Py_ssize_t)sizeof(Digits) : m->in * (Py_ssize_t)sizeof(float);
+    return ints ? ints_row_bytes(m) : m->in * (Py_ssize_t)sizeof(float);
 }
 
 /* Weight rows lo … hi − 1 of a part's matrix times every row of x, MB rows of x at a time. */
@@ -242,7 +243,7 @@ static void rows_of(const Part *p, Py_ssize_t n, Py_ssize_t lo, Py_ssize_t hi, i
         const void *xs = (const char *)p->xs + b0 * arranged_bytes(m, p->ints);
         int nb = n - b0 < MB ? (int)(n - b0) : MB;
         if (p->ints)
-            int4_band(m, xs, p->sx + b0 * m->groups, p->y + b0 * m->out, nb, lo, hi, single);
+            ints_band(m, xs, p->sx + b0 * m->groups, p->y + b0 * m->out, nb, lo, hi, single);
         else
             band(m, xs, p->sx + b0 * m->groups, p->y + b0 * m->out, nb, lo, hi, single);
     }
@@ -254,13 +255,10 @@ static void rows_of(const Part *p, Py_ssize_t n, Py_ssize_t lo, Py_ssize_t hi, i
  * handed out to the threads as they come free (a thread slowed by another process takes
  * fewer); a matrix's last rows past a multiple of 4, and a small product, on the calling
  * thread. */
-static void product(const Part *parts, int count, Py_ssize_t n) {
+static void product(const Part *parts, int count, Py_ssize_t n, int team) {
     Py_ssize_t work = 0, chunk[MAX_PARTS], first[MAX_PARTS + 1] = {0};
     for (int p = 0; p < count; p++) work += parts[p].m->out * parts[p].m->in * n;
-    int threads = 1;
-#ifdef _OPENMP
-    threads = work >= PARALLEL_WORK ? omp_get_max_threads() : 1;
-#endif
+    int threads = work >= PARALLEL_WORK ? team : 1;
     for (int p = 0; p < count; p++) {
         Py_ssize_t full = parts[p].m->out / 4 * 4;
         chunk[p] = (full / (4 * threads) + 3) / 4 * 4;
@@ -423,7 +421,7 @@ static PyObject *multiply_all(const Matrix *m, int count, PyObject *x_obj,
             parts[i] = (Part){&m[i], parts[same].ints, parts[same].xs, parts[same].sx, y[i].buf};
             continue;
         }
-        int ints = int4_takes(&m[i]);
+        int ints = ints_take(&m[i]);
         if (!(xs[i] = malloc(n * arranged_bytes(&m[i], ints)))
             || !(sx[i] = malloc(sizeof(float) * (n * m[i].groups + 1)))) {
             PyErr_NoMemory();
@@ -431,13 +429,14 @@ static PyObject *multiply_all(const Matrix *m, int count, PyObject *x_obj,
         }
         parts[i] = (Part){&m[i], ints, xs[i], sx[i], y[i].buf};
     }
+    int team = free_threads();
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < count; i++)
         if (xs[i] && parts[i].ints)
-            int4_arrange(&m[i], x.buf, n, xs[i], sx[i]);
+            ints_arrange(&m[i], x.buf, n, xs[i], sx[i]);
         else if (xs[i])
             arrange(&m[i], x.buf, n, xs[i], sx[i]);
-    product(parts, count, n);
+    product(parts, count, n, team);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
@@ -476,8 +475,9 @@ static PyObject *widen(const Matrix *m, PyObject *ids_obj, PyObject *out_obj) {
                          m->out);
         else {
             float *o = out.buf;
+            int team = free_threads();
             Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for schedule(dynamic) if (count * m->in >= PARALLEL_WORK)
+#pragma omp parallel for schedule(dynamic) num_threads(team) if (count * m->in >= PARALLEL_WORK)
             for (Py_ssize_t r = 0; r < count; r++) widen_row(m, id[r], o + r * m->in);
             Py_END_ALLOW_THREADS
             result = Py_NewRef(Py_None);
@@ -584,9 +584,11 @@ static PyObject *half_rows(PyObject *self, PyObject *args) {
 static PyObject *integer(PyObject *self, PyObject *args) {
     int on = -1;
     if (!PyArg_ParseTuple(args, "|p:integer", &on)) return NULL;
-    if (on >= 0) int4_on = on;
-    return PyBool_FromLong(int4_on && int4_available());
+    if (on >= 0) ints_on = on;
+    return PyBool_FromLong(ints_on && ints_available());
 }
+
+static PyObject *threads(PyObject *self, PyObject *args) { return PyLong_FromLong(free_threads()); }
 
 static PyMethodDef methods[] = {
     {"affine_t", affine_t, METH_VARARGS,
@@ -602,9 +604,13 @@ static PyMethodDef methods[] = {
      "(a layer's q, k and v), each given as the arguments affine_t or half_t takes before x; "
      "the same figures as their calls one by one, in one parallel region."},
     {"integer", integer, METH_VARARGS,
-     "integer([on]) -> bool: whether 4-bit products (groups of 32, 64 or 128) run in 8-bit "
+     "integer([on]) -> bool: whether 4 and 8-bit products (groups of 32, 64 or 128) run in 8-bit "
      "integers, as they do where the CPU has AVX-512 VNNI; integer(False) the float tiles "
      "instead (to compare them), integer(True) back."},
+    {"threads", threads, METH_NOARGS,
+     "threads() -> int: the threads a product's parallel region takes now: the cores this "
+     "process may run on while the calling thread gets a core whenever it wants one, 1 while "
+     "other programs keep the cores busy (see kernels.h)."},
     {"affine_rows", affine_rows, METH_VARARGS,
      "affine_rows(w, scales, biases, kind, bits, group_size, ids, out): out[i] = row ids[i] "
      "of the affine packed W as float32; ids int64 (m,), out float32 (m, in)."},

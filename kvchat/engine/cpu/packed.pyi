@@ -39,6 +39,11 @@ def half_rows(w: np.ndarray, kind: int, ids: np.ndarray, out: np.ndarray, /) -> 
     """``out[i] = W[ids[i]]`` widened to float32 for 16-bit ``w``."""
 
 def integer(on: bool = ..., /) -> bool:
-    """Whether 4-bit products (groups of 32, 64 or 128) run in 8-bit integers, as they do
+    """Whether 4 and 8-bit products (groups of 32, 64 or 128) run in 8-bit integers, as they do
     where the CPU has AVX-512 VNNI; ``integer(False)`` the float tiles instead (to compare
     them), ``integer(True)`` back."""
+
+def threads() -> int:
+    """The threads a product's parallel region takes now: the cores this process may run on
+    while the calling thread gets a core whenever it wants one, 1 while other programs keep
+    the cores busy."""

@@ -84,16 +84,17 @@ CLONES static void band(
 }
 
 /* A band of tiles for each thread (OpenMP's outlined region is not cloned: band is). */
-static void product(
-    const float *w, Py_ssize_t n, Py_ssize_t k_len, const float *x, Py_ssize_t rows, float *y) {
+static void product(const float *w, Py_ssize_t n, Py_ssize_t k_len, const float *x,
+                    Py_ssize_t rows, float *y, int team) {
     Py_ssize_t tiles = n / NR;
 #ifdef _OPENMP
-#pragma omp parallel
+#pragma omp parallel num_threads(team)
     {
         Py_ssize_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         band(w, n, k_len, x, rows, y, tiles * t / nt * NR, tiles * (t + 1) / nt * NR);
     }
 #else
+    (void)team;
     band(w, n, k_len, x, rows, y, 0, tiles * NR);
 #endif
     for (Py_ssize_t o = tiles * NR; o < n; o++) row_by_row(w, k_len, x, rows, y, n, o);
@@ -113,8 +114,9 @@ static PyObject *matmul_t(PyObject *self, PyObject *args) {
     else if (rows < 1 || rows > MAX_ROWS)
         PyErr_Format(PyExc_ValueError, "x must have 1 to %d rows", MAX_ROWS);
     else {
+        int team = free_threads();
         Py_BEGIN_ALLOW_THREADS
-        product(w.buf, n, k_len, x.buf, rows, y.buf);
+        product(w.buf, n, k_len, x.buf, rows, y.buf, team);
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }

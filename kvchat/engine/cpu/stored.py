@@ -250,7 +250,9 @@ def kernels() -> str:
     """How :meth:`Stored.product` multiplies decoding's rows here, for ``kvchat doctor``."""
     module = native.module("packed")
     if module is not None and module.integer():
-        return "native kernels (dequantized in registers; 4-bit in 8-bit integers, AVX-512 VNNI)"
+        return (
+            "native kernels (dequantized in registers; 4 and 8-bit in 8-bit integers, AVX-512 VNNI)"
+        )
     if module is not None:
         return "native kernels (dequantized in registers)"
     return "numpy tiles (slow: kvchat's native kernels were not built)"
