@@ -180,6 +180,9 @@ class KvChatApp(TabbedLayout):
 
     # ------------------------------------------------------------- actions
 
+    def footer_inputs(self) -> tuple[object, ...]:
+        return (self.lm is None, *super().footer_inputs())
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in TAB_ACTIONS:
             if self.lm is None:

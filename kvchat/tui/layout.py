@@ -24,6 +24,7 @@ class TabbedLayout(App):
     ``volatile=False`` hides the sidebar's timings and memory figures."""
 
     volatile: bool
+    _footer_shown: tuple[object, ...] = ()  # footer_inputs() when the footer was last refreshed
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
@@ -78,7 +79,18 @@ class TabbedLayout(App):
             return
         conversation = self.active_conversation()
         sidebar.info = CacheInfo.of(conversation) if conversation else None
-        self.refresh_bindings()
+        # Rebuilding the footer's keys a few times a second while a reply streams took most
+        # of a core on a 2-core machine (half its CPU decoding speed): only when they change.
+        shown = self.footer_inputs()
+        if shown != self._footer_shown:
+            self._footer_shown = shown
+            self.refresh_bindings()
+
+    def footer_inputs(self) -> tuple[object, ...]:
+        """What the footer's keys depend on besides the screens (``check_action``'s inputs):
+        the active conversation and whether it is busy."""
+        conversation = self.active_conversation()
+        return (conversation, conversation is not None and conversation.busy)
 
     def idle_conversation(self) -> Conversation | None:
         """The active conversation, or None (saying why) when it is busy or there is none;

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from textual.widgets import Markdown
+from textual.widgets import Footer, Markdown
 
 from kvchat import store
 from kvchat.config import Config
@@ -24,7 +24,7 @@ from kvchat.engine.conversation.thoughts import split_thoughts
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.widgets.messages import AssistantMessage
 
-from .conftest import SIZE, settle, until
+from .conftest import SIZE, settle, until, widget_text
 
 pytestmark = pytest.mark.anyio
 
@@ -213,3 +213,28 @@ def test_quit_always_exits_cleanly_in_a_real_terminal(tmp_path):
         code, out = run_tui_and_quit(str(tmp_path / f"home{i}"), wait_s)
         assert b"terminate called" not in out, out[-400:]
         assert code == 0, (wait_s, out[-2000:].decode(errors="replace"))
+
+
+async def test_the_footer_is_rebuilt_when_its_keys_change_not_for_figures(make_app):
+    """The sidebar's figures, redrawn a few times a second while a reply streams, do not
+    rebuild the footer's keys (that took most of a core on a 2-core machine); the reply's
+    end, which changes what the keys offer (the tab is no longer busy), does."""
+    app = make_app(max_tokens=48)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        footer = app.screen.query_one(Footer)
+        conversation = app.active_conversation()
+        first, go_on = gate_after_first_chunk(conversation.session)
+        assert await conversation.turns.send("Hello there.")
+        await until(pilot, first.is_set)
+        await until(pilot, lambda: conversation.busy and bool(shown_text(conversation)))
+        await pilot.pause()
+        keys = list(footer.children)
+        for _ in range(5):  # as the streaming reply does a few times a second
+            conversation.report_changed()
+            await pilot.pause()
+        assert keys and list(footer.children) == keys  # the same widgets: not recomposed
+        go_on.set()
+        await settle(pilot, conversation)
+        await until(pilot, lambda: list(footer.children) != keys)
+        assert "^s Save" in widget_text(footer)

@@ -177,6 +177,7 @@ class AssistantMessage(Selectable, Vertical):
         self.border_title = "assistant"
         self._initial = safe(content)
         self._shown = ""  # the answer as the Markdown has it
+        self._thought_shown = ""  # the thoughts as their Static has them
         self._flush_timer: Timer | None = None
         self._done = False
         self._has_thoughts = False
@@ -187,6 +188,7 @@ class AssistantMessage(Selectable, Vertical):
 
     def compose(self) -> ComposeResult:
         parts = split_thoughts(self._initial)
+        self._thought_shown = parts.thought
         thoughts = Collapsible(
             Static(Text(parts.thought), classes="thought-text", markup=False),
             title=thought_title(parts),
@@ -229,7 +231,9 @@ class AssistantMessage(Selectable, Vertical):
         (appended to while it only grows, as a stream does, unless ``whole``)."""
         parts = split_thoughts(text)
         thoughts = self.thoughts
-        thoughts.query_one(".thought-text", Static).update(Text(parts.thought))
+        if parts.thought != self._thought_shown:  # an update lays the whole screen out again
+            self._thought_shown = parts.thought
+            thoughts.query_one(".thought-text", Static).update(Text(parts.thought))
         thoughts.title = thought_title(parts)
         if self._has_thoughts != bool(parts.thought or parts.thinking):
             thoughts.display = self._has_thoughts = not self._has_thoughts
