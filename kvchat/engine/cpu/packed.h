@@ -42,13 +42,26 @@ static inline __attribute__((always_inline)) wf widen_f16(wu h) {
     return (wf)(v | ((h & 0x8000) << 16));
 }
 
-static inline float scalar16(uint16_t h, int fmt) {
-    wu v = {h};
-    return fmt == HALF_BF16 ? ((wf)(v << 16))[0] : widen_f16(v)[0];
+/* One value, in scalar code: widen_f16 on a vector of one lane, compiled for the baseline
+ * instruction set, made a 4-bit product with float16 scales 2.4 times as long as with
+ * bfloat16 scales (4864×896, one row, one core: 0.63 against 0.26 ms; now 0.35-0.38). */
+static inline __attribute__((always_inline)) float scalar16(uint16_t h, int fmt) {
+    uint32_t bits = (uint32_t)h << 16;
+    if (fmt != HALF_BF16) {
+        uint32_t sign = bits & 0x80000000u, e = h & 0x7c00, mantissa = h & 0x3ff;
+        if (e == 0) { /* zero or subnormal: exact */
+            float tiny = (float)mantissa * 0x1p-24f;
+            return sign ? -tiny : tiny;
+        }
+        bits = sign | mantissa << 13 | (e == 0x7c00 ? 0x7f800000u : (e + (112 << 10)) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* Element i of a scale or bias array held as `kind`. */
-static inline float value(const void *p, int kind, Py_ssize_t i) {
+static inline __attribute__((always_inline)) float value(const void *p, int kind, Py_ssize_t i) {
     if (kind == F32) return ((const float *)p)[i];
     return scalar16(((const uint16_t *)p)[i], kind == F16 ? HALF_F16 : HALF_BF16);
 }
