@@ -217,8 +217,8 @@ def test_quit_always_exits_cleanly_in_a_real_terminal(tmp_path):
 
 async def test_the_footer_is_rebuilt_when_its_keys_change_not_for_figures(make_app):
     """The sidebar's figures, redrawn a few times a second while a reply streams, do not
-    rebuild the footer's keys (that took most of a core on a 2-core machine); the reply's
-    end, which changes what the keys offer (the tab is no longer busy), does."""
+    rebuild the footer's keys (a third of the UI thread's work while a reply streamed); the
+    reply's end, which changes what the keys offer (the tab is no longer busy), does."""
     app = make_app(max_tokens=48)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
