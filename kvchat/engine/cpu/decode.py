@@ -41,7 +41,7 @@ from kvchat.engine.caches import rotated
 from kvchat.engine.caches.rotated import RotatedKVCache
 from kvchat.engine.cpu import native, step_weights
 from kvchat.engine.cpu.attention import swiglu_rows
-from kvchat.engine.cpu.linear import multiply_each, through_kernel
+from kvchat.engine.cpu.linear import KERNEL_ROWS, multiply_each, through_kernel
 from kvchat.engine.cpu.rope import RopeForm, RopeKey, Turn, rotate, rotations
 from kvchat.engine.cpu.step_weights import Layer, Linear, Norm
 
@@ -213,6 +213,46 @@ def _attend(
     return out.reshape(n, -1), k, v
 
 
+def _whole(
+    packed: ModuleType,
+    weights: Layer,
+    attn: nn.Module,
+    form: RopeForm,
+    x: np.ndarray,
+    own: list[Any],
+    counts: list[int],
+    turns: dict[tuple[RopeKey, int, int], Turn],
+) -> tuple[np.ndarray, np.ndarray]:
+    """A whole layer in one native call (``packed.layer``, see layer.h) for rows all on
+    plain caches (``own``, read in place), ``x`` updated in place: the rows' turned new keys
+    and their values ``(tokens, kv heads, head dim)``, for the caller to hand on."""
+    assert weights.whole is not None
+    tables = [turns[form.key, c.offset, n] for c, n in zip(own, counts)]
+    cos, sin = tables[0] if len(tables) == 1 else (np.concatenate(t) for t in zip(*tables))
+    kv_heads = attn.n_kv_heads
+    dim = weights.qkv[1].weights.out_features // kv_heads
+    new_k, new_v = (np.empty((len(x), kv_heads, dim), dtype=np.float32) for _ in "kv")
+    packed.layer(
+        x,
+        weights.whole.matrices,
+        weights.whole.biases,
+        weights.attention_norm,
+        weights.mlp_norm,
+        cos,
+        sin,
+        form.traditional,
+        attn.n_heads,
+        float(attn.scale),
+        [np.asarray(c.keys) if c.offset else None for c in own],
+        [np.asarray(c.values) if c.offset else None for c in own],
+        [c.offset for c in own],
+        counts,
+        new_k,
+        new_v,
+    )
+    return new_k, new_v
+
+
 def _stored(cache: QuantizedKVCache, k: np.ndarray, v: np.ndarray) -> Turn:
     """Store a token's key and value in a quantized cache, then read every key and value
     it holds back, dequantized (float32 for a float32 model), as ``(kv heads, tokens,
@@ -282,19 +322,30 @@ def hidden(
             needed.setdefault((form.key, c.offset, n), (layer.self_attn.rope, form))
     turns = rotations(needed)
     x = read.embedding.gather(np.asarray([t for row in tokens for t in row]))
+    x = np.ascontiguousarray(x, dtype=np.float32)  # packed.layer's, updated in place
     new: list[list[Turn | None]] = [[None] * len(layers) for _ in tokens]
     fused = native.module("fused")
+    # whole layers in one native call: every row on a plain cache, few tokens (the
+    # products' kernels, see linear.KERNEL_ROWS), matrices the kernels read
+    packed = native.module("packed") if len(x) <= KERNEL_ROWS else None
+    spans_of = [slice(starts[b], starts[b + 1]) for b in range(len(tokens))]
     # attention over the cores only where the products are the native kernel's too:
     # BLAS's threads and OpenMP's would share them (see fused.c's SPREAD)
     spread = through_kernel(len(x))
     for i, (layer, form, weights) in enumerate(zip(layers, forms, read.layers)):
         attn = layer.self_attn
+        if packed and weights.whole and all(_in_place(row[i]) for row in caches):
+            own = [row[i] for row in caches]
+            ks, vs = _whole(packed, weights, attn, form, x, own, counts, turns)
+            for b, part in enumerate(spans_of):
+                new[b][i] = ks[part].transpose(1, 0, 2), vs[part].transpose(1, 0, 2)
+            continue
         q, k, v = _linears(weights.qkv, _rms(x, weights.attention_norm))
         rows: list[np.ndarray] = [np.empty(0)] * len(tokens)
         # rows on plain caches: the native kernel, all in one call
         quick = [b for b, row in enumerate(caches) if _in_place(row[i])] if fused else []
         if fused is not None and quick:
-            spans = [slice(starts[b], starts[b + 1]) for b in quick]
+            spans = [spans_of[b] for b in quick]
             own = [caches[b][i] for b in quick]
             outs, ks, vs = _attend(fused, attn, form, (q, k, v), spans, own, turns, spread)
             done = 0
@@ -323,6 +374,8 @@ def hidden(
             x, mixed = x[starts[1:] - 1], mixed[starts[1:] - 1]
         x = x + _linears((weights.o,), mixed)[0]
         x = x + _mlp(weights, _rms(x, weights.mlp_norm))
+    if len(x) > len(tokens):  # the last layer was whole: only rows' last tokens go on
+        x = x[starts[1:] - 1]
     # The caches grow once all layers have read them: one evaluation for the step.
     mx.eval(
         [

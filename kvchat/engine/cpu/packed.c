@@ -41,6 +41,7 @@
 #endif
 
 #include "kernels.h"
+#include "attend.h"
 #include "packed.h"
 
 /* Bytes ahead of a tile's reading that it asks the cache for. A tile's rows are one
@@ -394,18 +395,52 @@ static int half_matrix(PyObject *obj, int kind, Py_buffer *v, Matrix *m) {
 
 /* outs[i] = x · m[i]ᵀ for `count` matrices, x arranged once for each format among them:
  * None, or NULL with the exception set. */
-static PyObject *multiply_all(const Matrix *m, int count, PyObject *x_obj,
-                              PyObject *const *y_objs) {
-    Py_buffer x, y[MAX_PARTS];
+/* ys[i] = x · m[i]ᵀ for the n rows of x, without the GIL: 0, or -1 where memory ran out. */
+static int products_into(const Matrix *m, int count, const float *x, Py_ssize_t n,
+                         float *const *ys, int team) {
     Part parts[MAX_PARTS];
     void *xs[MAX_PARTS] = {NULL};
     float *sx[MAX_PARTS] = {NULL};
-    int held = 0;
+    int failed = 0;
+    for (int i = 0; i < count && !failed; i++) {
+        int same = 0; /* an earlier matrix that reads x arranged the same way */
+        while (same < i && (m[same].fmt != m[i].fmt || m[same].group != m[i].group)) same++;
+        if (same < i) {
+            parts[i] = (Part){&m[i], parts[same].ints, parts[same].xs, parts[same].sx, ys[i]};
+            continue;
+        }
+        int ints = ints_take(&m[i]);
+        xs[i] = malloc(n * arranged_bytes(&m[i], ints));
+        sx[i] = malloc(sizeof(float) * (n * m[i].groups + 1));
+        if (!xs[i] || !sx[i]) {
+            failed = 1;
+            break;
+        }
+        parts[i] = (Part){&m[i], ints, xs[i], sx[i], ys[i]};
+        if (ints)
+            ints_arrange(&m[i], x, n, xs[i], sx[i]);
+        else
+            arrange(&m[i], x, n, xs[i], sx[i]);
+    }
+    if (!failed) product(parts, count, n, team);
+    for (int i = 0; i < count; i++) {
+        free(xs[i]);
+        free(sx[i]);
+    }
+    return failed ? -1 : 0;
+}
+
+static PyObject *multiply_all(const Matrix *m, int count, PyObject *x_obj,
+                              PyObject *const *y_objs) {
+    Py_buffer x, y[MAX_PARTS];
+    float *ys[MAX_PARTS];
+    int held = 0, failed;
     PyObject *result = NULL;
     if (floats(x_obj, &x, 2, 0, "x") < 0) return NULL;
     Py_ssize_t n = x.shape[0];
     for (; held < count; held++) {
         if (floats(y_objs[held], &y[held], 2, 1, "out") < 0) goto done;
+        ys[held] = y[held].buf;
         if (x.shape[1] != m[held].in || y[held].shape[0] != n || y[held].shape[1] != m[held].out
             || n < 1) {
             PyErr_SetString(PyExc_ValueError, "shapes do not match: w (out, in), x (n ≥ 1, in), "
@@ -414,36 +449,12 @@ static PyObject *multiply_all(const Matrix *m, int count, PyObject *x_obj,
             goto done;
         }
     }
-    for (int i = 0; i < count; i++) {
-        int same = 0; /* an earlier matrix that reads x arranged the same way */
-        while (same < i && (m[same].fmt != m[i].fmt || m[same].group != m[i].group)) same++;
-        if (same < i) {
-            parts[i] = (Part){&m[i], parts[same].ints, parts[same].xs, parts[same].sx, y[i].buf};
-            continue;
-        }
-        int ints = ints_take(&m[i]);
-        if (!(xs[i] = malloc(n * arranged_bytes(&m[i], ints)))
-            || !(sx[i] = malloc(sizeof(float) * (n * m[i].groups + 1)))) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        parts[i] = (Part){&m[i], ints, xs[i], sx[i], y[i].buf};
-    }
     int team = free_threads();
     Py_BEGIN_ALLOW_THREADS
-    for (int i = 0; i < count; i++)
-        if (xs[i] && parts[i].ints)
-            ints_arrange(&m[i], x.buf, n, xs[i], sx[i]);
-        else if (xs[i])
-            arrange(&m[i], x.buf, n, xs[i], sx[i]);
-    product(parts, count, n, team);
+    failed = products_into(m, count, x.buf, n, ys, team);
     Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
+    result = failed ? PyErr_NoMemory() : Py_NewRef(Py_None);
 done:
-    for (int i = 0; i < count; i++) {
-        free(xs[i]);
-        free(sx[i]);
-    }
     release(y, held);
     PyBuffer_Release(&x);
     return result;
@@ -581,6 +592,8 @@ static PyObject *half_rows(PyObject *self, PyObject *args) {
     return with_half(args, "OiOO:half_rows", widen);
 }
 
+#include "layer.h" /* a whole decoder layer in one call */
+
 static PyObject *integer(PyObject *self, PyObject *args) {
     int on = -1;
     if (!PyArg_ParseTuple(args, "|p:integer", &on)) return NULL;
@@ -603,6 +616,13 @@ static PyMethodDef methods[] = {
      "products_t(matrices, x, outs): outs[i] = x @ W_iᵀ for up to 8 matrices that share x "
      "(a layer's q, k and v), each given as the arguments affine_t or half_t takes before x; "
      "the same figures as their calls one by one, in one parallel region."},
+    {"layer", layer, METH_VARARGS,
+     "layer(x, matrices, biases, (norm, eps), (norm, eps), cos, sin, traditional, heads, scale, "
+     "keys, values, spans, counts, new_k, new_v): one decoder layer of a llama-family model for "
+     "the step's tokens x (tokens, features), updated in place (see layer.h); matrices and "
+     "biases: q, k, v, o, gate, up, down (as products_t takes them; a bias None where there is "
+     "none); cos, sin (tokens, turned pairs); keys … counts as fused.attend takes them; the "
+     "turned new keys and the values written to new_k and new_v (tokens, kv heads, dim)."},
     {"integer", integer, METH_VARARGS,
      "integer([on]) -> bool: whether 4 and 8-bit products (groups of 32, 64 or 128) run in 8-bit "
      "integers, as they do where the CPU has AVX-512 VNNI; integer(False) the float tiles "

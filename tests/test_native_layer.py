@@ -1,0 +1,190 @@
+"""Whole decoder layers in one native call (packed.c's ``layer``, layer.h): the numpy step
+takes it for models whose matrices the packed kernels read, rows on plain caches; each
+row's logits and new keys and values are mlx-lm's own, a row's figures do not depend on
+the rows beside it, and bad arguments are refused in a sentence."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvchat.engine import cpu
+from kvchat.engine.cpu import decode, native, step_weights
+from tests.test_cpu_batch import LLAMA3, assert_same_content, prefilled, tiny
+
+pytestmark = [
+    pytest.mark.cpu_only,
+    pytest.mark.skipif(native.module("packed") is None, reason="the native kernels were not built"),
+]
+
+SHAPES = {
+    "llama3-rope": ("llama", LLAMA3),
+    "traditional-rope": ("llama", {"rope_traditional": True}),
+    "qwen2-biases": ("qwen2", {}),
+}
+
+
+def packed_twins(model_type: str, bits: int, **extra):
+    """A tiny model of mlx-lm's class with its matrices packed (``nn.quantize``, float32
+    scales) and the fast path, and its untouched twin holding the same packed arrays, which
+    mlx computes in float32 too."""
+    model, stock = tiny(model_type, **extra)
+    for m in (model, stock):
+        nn.quantize(m, group_size=32, bits=bits)
+    fast = cpu.prepare(model)
+    assert isinstance(fast, cpu.FastPath) and fast.step is None, fast
+    return model, stock
+
+
+@pytest.fixture
+def whole_calls(monkeypatch):
+    """The rows each whole-layer call took, one entry a call."""
+    calls: list[int] = []
+    real = decode._whole
+    monkeypatch.setattr(
+        decode,
+        "_whole",
+        lambda *a: calls.append(len(a[5])) or real(*a),  # a[5]: the caches
+    )
+    return calls
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_whole_layers_decode_as_mlx_lm(shape, bits, whole_calls):
+    """Rows of different lengths, one of several new tokens (a short prompt joining the
+    step), one on an empty cache: two steps through the whole-layer call give mlx-lm's own
+    logits within 1e-4 and its keys and values within 1e-5, each cache grown by its
+    row's tokens."""
+    model_type, extra = SHAPES[shape]
+    model, stock = packed_twins(model_type, bits, **extra)
+    layers = len(model.model.layers)
+    prompts = [[(i * 13) % 400 + 3 for i in range(14)], [], [(i * 7) % 300 + 5 for i in range(5)]]
+    ours = [prefilled(model, p, "standard") if p else make_prompt_cache(model) for p in prompts]
+    theirs = [prefilled(stock, p, "standard") if p else make_prompt_cache(stock) for p in prompts]
+    for feeds in ([[7], [3, 9, 12, 40], [5]], [[11], [2], [60]]):
+        wants = [stock(mx.array([f]), cache=c)[0, -1] for f, c in zip(feeds, theirs)]
+        mx.eval(wants)
+        whole_calls.clear()
+        logits = cpu.decode_batch(model, feeds, ours)
+        assert whole_calls == [len(feeds)] * layers  # every layer, all rows in one call
+        for b, want in enumerate(wants):
+            assert mx.allclose(logits[b], want, atol=1e-4, rtol=1e-4).item(), b
+            for mine, twin in zip(ours[b], theirs[b]):
+                assert mine.offset == twin.offset
+                assert_same_content(mine, twin)
+    assert [c[0].offset for c in ours] == [16, 5, 7]
+
+
+def test_a_row_gets_the_same_figures_whatever_rows_are_beside_it(whole_calls):
+    """Three rows decoded together, then each alone on a copy of its cache: the same
+    logits bit for bit, and the same new keys and values."""
+    model, _ = packed_twins("qwen2", 4)
+    prompts = [[(i * 11 + 3 * b) % 400 + 3 for i in range(4 + 9 * b)] for b in range(3)]
+    tokens = [[21], [8], [99]]
+    together = [prefilled(model, p, "standard") for p in prompts]
+    alone = [prefilled(model, p, "standard") for p in prompts]
+    batched = np.asarray(cpu.decode_batch(model, tokens, together))
+    assert whole_calls and set(whole_calls) == {3}
+    for b in range(3):
+        one = np.asarray(cpu.decode_batch(model, [tokens[b]], [alone[b]]))
+        assert np.array_equal(batched[b], one[0]), b
+        for mine, single in zip(together[b], alone[b]):
+            n = mine.offset
+            assert np.array_equal(
+                np.asarray(mine.keys[..., :n, :]), np.asarray(single.keys[..., :n, :])
+            )
+            assert np.array_equal(
+                np.asarray(mine.values[..., :n, :]), np.asarray(single.values[..., :n, :])
+            )
+
+
+def test_a_row_on_a_quantized_cache_keeps_the_layer_by_layer_step(whole_calls):
+    """The native call reads plain caches in place; a batch with a row on a quantized cache
+    goes layer by layer through numpy and the attention kernel, still mlx-lm's figures."""
+    model, stock = packed_twins("llama", 4, **LLAMA3)
+    prompt = [(i * 5) % 400 + 3 for i in range(9)]
+    kinds = ["standard", "quantized:8"]
+    ours = [prefilled(model, prompt, k) for k in kinds]
+    theirs = [prefilled(stock, prompt, k) for k in kinds]
+    wants = [stock(mx.array([[4]]), cache=c)[0, -1] for c in theirs]
+    whole_calls.clear()  # (the plain cache's prompt went through it)
+    logits = cpu.decode_batch(model, [[4], [4]], ours)
+    assert whole_calls == []
+    for got, want in zip(logits, wants):
+        assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
+def test_float32_matrices_keep_their_own_kernels():
+    """A float32 model's layers go through rows.c and BLAS (their products' own routes),
+    not the packed kernels' whole-layer call."""
+    model, _ = tiny("llama")
+    cpu.prepare(model)
+    read = step_weights.gather(model.model, [])
+    assert read is not None and all(layer.whole is None for layer in read.layers)
+
+
+def test_the_step_reads_new_weights_when_a_layer_gets_them():
+    """What the step reads is made once a model and kept while its modules hold the same
+    arrays: a layer given a new packed matrix is read anew."""
+    model, _ = packed_twins("qwen2", 4)
+    first = step_weights.gather(model.model, [])
+    assert step_weights.gather(model.model, []) is first
+    down = model.model.layers[1].mlp.down_proj
+    down.update({"weight": down.weight ^ mx.array(0x11111111, dtype=mx.uint32)})
+    second = step_weights.gather(model.model, [])
+    assert second is not first
+    held = second.layers[1].whole.matrices[6][0]
+    assert np.array_equal(held, np.asarray(down.weight))
+    assert not np.array_equal(held, first.layers[1].whole.matrices[6][0])
+
+
+def test_bad_arguments_are_refused_in_a_sentence():
+    """Matrices of the wrong shapes or count, keys of the wrong shape: ValueError, nothing
+    computed."""
+    model, _ = packed_twins("qwen2", 4)
+    read = step_weights.gather(model.model, [])
+    layer = read.layers[0]
+    attn = model.model.layers[0].self_attn
+    x = np.ones((1, 128), dtype=np.float32)
+    before = x.copy()
+    cos = np.ones((1, 16), dtype=np.float32)
+    new = [np.empty((1, 2, 32), dtype=np.float32) for _ in "kv"]
+    kernels = native.module("packed")
+
+    def call(matrices, biases, new_k):
+        kernels.layer(
+            x,
+            matrices,
+            biases,
+            layer.attention_norm,
+            layer.mlp_norm,
+            cos,
+            cos * 0,
+            False,
+            attn.n_heads,
+            float(attn.scale),
+            [None],
+            [None],
+            [0],
+            [1],
+            new_k,
+            new[1],
+        )
+
+    whole = layer.whole
+    swapped = (whole.matrices[1], whole.matrices[0], *whole.matrices[2:])
+    with pytest.raises(
+        ValueError, match=r"the q matrix is \(64, 128\), the layer wants \(128, 128\)"
+    ):
+        call(swapped, whole.biases, new[0])
+    with pytest.raises(ValueError, match="seven matrices and seven biases"):
+        call(whole.matrices[:6], whole.biases[:6], new[0])
+    with pytest.raises(ValueError, match=r"new_k and new_v \(tokens, kv heads, dim\)"):
+        call(whole.matrices, whole.biases, np.empty((1, 2, 16), dtype=np.float32))
+    assert np.array_equal(x, before)
+    call(whole.matrices, whole.biases, new[0])  # the same arguments, right: x changes
+    assert not np.array_equal(x, before)
