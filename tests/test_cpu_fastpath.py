@@ -287,6 +287,30 @@ def test_numpy_rotary_embedding_matches_mlx(traditional, dims):
         assert mx.allclose(mx.array(got), want, atol=1e-5).item(), (name, "five")
 
 
+def test_rotation_tables_are_kept_and_sliced_for_each_step():
+    """A step's tables are slices of one table kept per RoPE form (made once, grown where
+    a step goes past it), with the figures the module gives at those positions."""
+    rope = nn.RoPE(32, base=10000.0)
+    form = rope_module.rope_form(rope)
+    assert not isinstance(form, str)
+    far = rope_module.TABLE_STEP * 3 + 5
+    got = {
+        (offset, count): rope_module.rotations({(form.key, offset, count): (rope, form)})[
+            form.key, offset, count
+        ]
+        for offset, count in ((3, 1), (4, 2), (far, 1))
+    }
+    assert got[3, 1][0].base is got[4, 2][0].base is not None  # the same kept table
+    for (offset, count), (cos, sin) in got.items():
+        assert cos.shape == sin.shape == (count, 16)
+        assert cos.flags.c_contiguous and sin.flags.c_contiguous
+        probe = np.zeros((count, 32), dtype=np.float32)
+        probe[:, :16] = 1
+        exact = np.asarray(rope(mx.array(probe)[None, None], offset=offset))[0, 0]
+        assert np.allclose(cos, exact[:, :16], atol=1e-6), offset
+        assert np.allclose(sin, exact[:, 16:], atol=1e-6), offset
+
+
 def test_numpy_decoding_step_leaves_other_caches_to_mlx_lm(demo_model, fast_path, monkeypatch):
     kinds = ("rotating:64", "chunked:64")
     # made first: making a kind's cache may run the model once on a standard cache
