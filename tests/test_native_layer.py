@@ -129,7 +129,7 @@ def test_float32_matrices_keep_their_own_kernels():
 
 def test_the_step_reads_new_weights_when_a_layer_gets_them():
     """What the step reads is made once a model and kept while its modules hold the same
-    arrays: a layer given a new packed matrix is read anew."""
+    arrays: a layer given a new packed matrix, or a norm a new weight, is read anew."""
     model, _ = packed_twins("qwen2", 4)
     first = step_weights.gather(model.model, [])
     assert step_weights.gather(model.model, []) is first
@@ -140,6 +140,11 @@ def test_the_step_reads_new_weights_when_a_layer_gets_them():
     held = second.layers[1].whole.matrices[6][0]
     assert np.array_equal(held, np.asarray(down.weight))
     assert not np.array_equal(held, first.layers[1].whole.matrices[6][0])
+    norm = model.model.layers[0].post_attention_layernorm
+    norm.weight = norm.weight * 2
+    third = step_weights.gather(model.model, [])
+    assert np.array_equal(third.layers[0].mlp_norm[0], 2 * second.layers[0].mlp_norm[0])
+    assert step_weights.gather(model.model, []) is third
 
 
 def test_bad_arguments_are_refused_in_a_sentence():
