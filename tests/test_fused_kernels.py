@@ -191,7 +191,7 @@ def test_the_route_says_which_kernels_are_used(monkeypatch):
     assert native.module("fused") is fused
     assert native.route() == (
         "kvchat's native kernels: weights read once for 2 to 16 rows, fused attention, "
-        "packed and 16-bit weights widened in registers"
+        "packed and 16-bit weights widened in registers, their layers whole in one call"
     )
     built = native.built
     with monkeypatch.context() as patched:  # only rows.c built: the phrase names it alone

@@ -1,6 +1,7 @@
 """kvchat's optional native kernels: ``rows`` (rows.c, a few rows' products reading the
 weights once), ``fused`` (fused.c, every row's attention in one call, SwiGLU in one
-pass) and ``packed`` (packed.c, products with packed and 16-bit weights as stored).
+pass) and ``packed`` (packed.c, products with packed and 16-bit weights as stored, and
+such a model's decoder layers whole in one call).
 
 pyproject.toml builds them at install where a C compiler is found; where none was, or
 with ``KVCHAT_NATIVE=0`` (to compare), the numpy step computes the same without them.
@@ -29,7 +30,7 @@ ENV = "KVCHAT_NATIVE"  # "0": kvchat's native kernels off, numpy and its BLAS in
 KERNELS = {
     "rows": "weights read once for 2 to 16 rows",
     "fused": "fused attention",
-    "packed": "packed and 16-bit weights widened in registers",
+    "packed": "packed and 16-bit weights widened in registers, their layers whole in one call",
 }
 
 

@@ -29,6 +29,8 @@
  * affine_rows / half_rows: chosen weight rows widened to float32 (an embedding's lookup;
  * a prompt's products widen a tile of weight rows at a time for BLAS).
  *
+ * layer: a llama-family decoder layer whole, its products these (layer.h).
+ *
  * The build (pyproject.toml's ext-modules) is optional: without it kvchat.engine.cpu.stored
  * computes the same with numpy.
  */
