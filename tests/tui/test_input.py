@@ -201,6 +201,28 @@ async def test_escape_stops_the_reply_before_it_empties_a_recalled_prompt(make_a
         assert box.text == ""
 
 
+async def test_the_footer_offers_escape_to_stop_while_a_reply_is_written(make_app):
+    """While a reply is written the footer shows Esc "Stop" (the message box's own Esc,
+    which empties a recalled prompt, stands aside then), and once it is done, not."""
+    from textual.widgets import Footer
+
+    from .test_stream_and_quit import gate_after_first_chunk
+
+    app = make_app(max_tokens=48)
+    async with app.run_test(size=(160, 30)) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        footer = app.screen.query_one(Footer)
+        assert conversation.input.has_focus and "Stop" not in widget_text(footer)
+        first, go_on = gate_after_first_chunk(conversation.session)
+        assert await conversation.turns.send("Tell me a story.")
+        await until(pilot, first.is_set)
+        await until(pilot, lambda: "esc Stop" in widget_text(footer))
+        go_on.set()
+        await settle(pilot, conversation)
+        await until(pilot, lambda: "Stop" not in widget_text(footer))
+
+
 async def test_sending_while_another_kvchat_holds_the_history_lock_waits_off_the_ui(make_app):
     """The history lock is taken in a worker: a send returns at once while another kvchat
     holds it, and the prompt is saved once that one lets go (on the UI thread, the send

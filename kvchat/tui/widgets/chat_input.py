@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 from textual import events, work
-from textual.actions import SkipAction
 from textual.app import SuspendNotSupported
 from textual.binding import Binding
 from textual.message import Message
@@ -165,9 +164,12 @@ class ChatInput(TextArea):
         self._at = at
         self._show(self._walk[at] if at >= 0 else "")
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "leave_history":  # else Esc is the app's (stop the reply), in the footer too
+            return self.recalled and not self.busy()
+        return super().check_action(action, parameters)
+
     def action_leave_history(self) -> None:
-        if not self.recalled or self.busy():
-            raise SkipAction()  # Esc is then the app's: stop the reply
         self._at = -1
         self._show("")
 
