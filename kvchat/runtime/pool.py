@@ -224,6 +224,12 @@ class SessionPool:
             self.save(name)
         return names
 
+    def let_go_all(self) -> None:
+        """Record that this process closed every session it has open (on quitting: other
+        kvchats see them closed at once, not only once they find this process gone)."""
+        for name in self._entries:
+            store.let_go(name)
+
     def save(self, name: str) -> None:
         """Save ``name`` to disk now if it changed since the last save; the copy on disk is
         then one the user keeps (see :meth:`discard`). :class:`store.SessionChanged` when

@@ -59,16 +59,20 @@ def run_app(app: KvChatApp) -> int:
 
 def after_exit(app: KvChatApp) -> int:
     """Once ``app`` has ended and every worker with it: save what is still unsaved (after a
-    signal, or a crash of the UI) where autosave is on, on the app's thread; return the
+    signal, or a crash of the UI) where autosave is on, on the app's thread, and let go of
+    the sessions it had open (their leases: see :mod:`kvchat.store.lease`); return the
     exit status. (A sharded run saves through its ring, which is gone by now.)"""
     import sys
 
-    if app.config.autosave and not app.sharded:
-        try:
-            app.pool.save_unsaved()
-        except (store.StoreError, OSError) as error:
-            print(f"kvchat: could not save before quitting: {error}", file=sys.stderr)
-            return 1
+    try:
+        if app.config.autosave and not app.sharded:
+            try:
+                app.pool.save_unsaved()
+            except (store.StoreError, OSError) as error:
+                print(f"kvchat: could not save before quitting: {error}", file=sys.stderr)
+                return 1
+    finally:
+        app.pool.let_go_all()
     if app.quitter.signalled is not None:
         return 0
     return app.return_code or 0

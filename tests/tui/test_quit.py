@@ -4,12 +4,14 @@ listing them; a signal saves once the app and its workers have ended (autosave).
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import pytest
 
 from kvchat import drafts, store
 from kvchat.config import Config
+from kvchat.store.lock import lock_file
 from kvchat.tui.app import KvChatApp
 from kvchat.tui.run import after_exit
 from kvchat.tui.screens.close import CloseDialog
@@ -124,8 +126,11 @@ async def test_a_signal_ends_the_app_and_its_changes_are_saved_after(demo_model,
         app.quitter.on_signal(signal.SIGTERM)
         await until(pilot, lambda: app.return_code is not None)
     assert talk(name) != kept  # not saved by the app itself: it ended at once
+    leases = lock_file(name).parent
+    assert [p.name for p in leases.glob("*.open")] == [f"{name}.{os.getpid()}.open"]
     assert after_exit(app) == 0
     assert talk(name) == kept
+    assert list(leases.glob("*.open")) == []  # let go of: closed, for other kvchats
 
 
 @pytest.mark.parametrize("end", [signal.SIGTERM, signal.SIGHUP])
