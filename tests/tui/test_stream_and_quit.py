@@ -238,3 +238,28 @@ async def test_the_footer_is_rebuilt_when_its_keys_change_not_for_figures(make_a
         await settle(pilot, conversation)
         await until(pilot, lambda: list(footer.children) != keys)
         assert "^s Save" in widget_text(footer)
+
+
+def test_streamed_words_reach_the_ui_in_batches_and_none_is_lost():
+    """Words that come faster than CHUNK_S apart go to the UI thread together (one message
+    for several tokens), a word after a pause goes at once, and the last wait is sent at
+    the end: the messages' texts make the reply, their counts the tokens so far."""
+    import time
+
+    from kvchat.tui.tab.events import ReplyChunk
+    from kvchat.tui.tab.turns import CHUNK_S, Words
+
+    sent: list[ReplyChunk] = []
+    words = Words(sent.append)
+    for i in range(1, 41):  # 40 tokens at once: the first goes, the rest wait
+        words.add(f"w{i} ", i)
+    assert [(m.text, m.tokens) for m in sent] == [("w1 ", 1)]
+    time.sleep(CHUNK_S * 1.5)
+    words.add("after ", 41)  # after a pause: at once, with what waited
+    assert len(sent) == 2 and sent[1].tokens == 41 and sent[1].text.endswith("w40 after ")
+    words.add("last", 42)
+    words.flush()
+    assert "".join(m.text for m in sent) == "".join(f"w{i} " for i in range(1, 41)) + "after last"
+    assert [m.tokens for m in sent] == [1, 41, 42]
+    words.flush()  # nothing waits: nothing sent
+    assert len(sent) == 3

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from .view import TabView
 
 LIVE_S = 0.25  # a streaming reply's count and rate are drawn at most this often
+# A reply's words reach the UI thread at most this often: what comes sooner waits for the
+# next word after it (a word after a pause goes at once). One message a token cost the
+# UI thread more than its drawing: qwen2.5-0.5b@q4 streamed at 38 tok/s in the TUI
+# against 89 decoding alone, on 2 cores.
+CHUNK_S = 0.03
 
 
 class TurnRunner:
@@ -157,13 +162,15 @@ class TurnRunner:
                 figures = replace(figures, user_turns=figures.user_turns + 1)
             post(Started(figures))
             done = None
+            words = Words(post)
             for event in events:
                 if isinstance(event, Prefill):
                     post(PrefillProgress(event.done, event.total, "prefill"))
                 elif isinstance(event, Chunk):
-                    post(ReplyChunk(event.text, event.tokens))
+                    words.add(event.text, event.tokens)
                 elif isinstance(event, TurnDone):
                     done = event
+            words.flush()
             if done is not None and tab.autosave:
                 with tab.scheduler.turn(tab.owner):
                     try:
@@ -273,3 +280,28 @@ class TurnRunner:
         tab.log.scroll_end(animate=False)
         tab.touch_pool()
         tab.state = "idle"
+
+
+class Words:
+    """A reply's streamed words on their way to the UI thread, in ReplyChunk messages at
+    most every CHUNK_S seconds (see there)."""
+
+    def __init__(self, post: Callable[[Any], Any]) -> None:
+        self.post = post
+        self.text = ""
+        self.tokens = 0
+        self.sent = -CHUNK_S  # when the last message went
+
+    def add(self, text: str, tokens: int) -> None:
+        self.text += text
+        self.tokens = tokens
+        now = time.monotonic()
+        if now - self.sent >= CHUNK_S:
+            self.sent = now
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what waits, if anything."""
+        if self.text:
+            self.post(ReplyChunk(self.text, self.tokens))
+            self.text = ""
