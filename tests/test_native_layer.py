@@ -41,14 +41,15 @@ def packed_twins(model_type: str, bits: int, **extra):
 
 @pytest.fixture
 def whole_calls(monkeypatch):
-    """The rows each whole-layer call took, one entry a call."""
-    calls: list[int] = []
+    """Each whole-layer call's (layers, rows), one entry a call."""
+    calls: list[tuple[int, int]] = []
     real = decode._whole
-    monkeypatch.setattr(
-        decode,
-        "_whole",
-        lambda *a: calls.append(len(a[5])) or real(*a),  # a[5]: the caches
-    )
+
+    def spy(packed, run, *rest):
+        calls.append((len(run), len(run[0][3])))  # run[0][3]: the first layer's caches
+        return real(packed, run, *rest)
+
+    monkeypatch.setattr(decode, "_whole", spy)
     return calls
 
 
@@ -70,7 +71,7 @@ def test_whole_layers_decode_as_mlx_lm(shape, bits, whole_calls):
         mx.eval(wants)
         whole_calls.clear()
         logits = cpu.decode_batch(model, feeds, ours)
-        assert whole_calls == [len(feeds)] * layers  # every layer, all rows in one call
+        assert whole_calls == [(layers, len(feeds))]  # every layer and row in one call
         for b, want in enumerate(wants):
             assert mx.allclose(logits[b], want, atol=1e-4, rtol=1e-4).item(), b
             for mine, twin in zip(ours[b], theirs[b]):
@@ -88,7 +89,7 @@ def test_a_row_gets_the_same_figures_whatever_rows_are_beside_it(whole_calls):
     together = [prefilled(model, p, "standard") for p in prompts]
     alone = [prefilled(model, p, "standard") for p in prompts]
     batched = np.asarray(cpu.decode_batch(model, tokens, together))
-    assert whole_calls and set(whole_calls) == {3}
+    assert whole_calls == [(2, 3)]
     for b in range(3):
         one = np.asarray(cpu.decode_batch(model, [tokens[b]], [alone[b]]))
         assert np.array_equal(batched[b], one[0]), b
@@ -148,23 +149,21 @@ def test_the_step_reads_new_weights_when_a_layer_gets_them():
 
 
 def test_bad_arguments_are_refused_in_a_sentence():
-    """Matrices of the wrong shapes or count, keys of the wrong shape: ValueError, nothing
-    computed."""
+    """Matrices of the wrong shapes or count, new keys of the wrong shape, in any layer of
+    a call: ValueError, and x unchanged (no layer ran)."""
     model, _ = packed_twins("qwen2", 4)
     read = step_weights.gather(model.model, [])
-    layer = read.layers[0]
     attn = model.model.layers[0].self_attn
     x = np.ones((1, 128), dtype=np.float32)
     before = x.copy()
     cos = np.ones((1, 16), dtype=np.float32)
-    new = [np.empty((1, 2, 32), dtype=np.float32) for _ in "kv"]
     kernels = native.module("packed")
 
-    def call(matrices, biases, new_k):
-        kernels.layer(
-            x,
-            matrices,
-            biases,
+    def spec(layer, matrices=None, biases=None, new_k=None):
+        whole = layer.whole
+        return (
+            whole.matrices if matrices is None else matrices,
+            whole.biases if biases is None else biases,
             layer.attention_norm,
             layer.mlp_norm,
             cos,
@@ -175,21 +174,23 @@ def test_bad_arguments_are_refused_in_a_sentence():
             [None],
             [None],
             [0],
-            [1],
-            new_k,
-            new[1],
+            np.empty((1, 2, 32), dtype=np.float32) if new_k is None else new_k,
+            np.empty((1, 2, 32), dtype=np.float32),
         )
 
-    whole = layer.whole
-    swapped = (whole.matrices[1], whole.matrices[0], *whole.matrices[2:])
+    first, second = read.layers
+    m = second.whole.matrices
+    swapped = (m[1], m[0], *m[2:])
     with pytest.raises(
         ValueError, match=r"the q matrix is \(64, 128\), the layer wants \(128, 128\)"
     ):
-        call(swapped, whole.biases, new[0])
+        kernels.layers(x, [1], [spec(first), spec(second, matrices=swapped)])
     with pytest.raises(ValueError, match="seven matrices and seven biases"):
-        call(whole.matrices[:6], whole.biases[:6], new[0])
-    with pytest.raises(ValueError, match=r"new_k and new_v \(tokens, kv heads, dim\)"):
-        call(whole.matrices, whole.biases, np.empty((1, 2, 16), dtype=np.float32))
+        kernels.layers(x, [1], [spec(first, m[:6], second.whole.biases[:6])])
+    with pytest.raises(ValueError, match=r"new_k and new_v must be \(tokens, kv heads, dim\)"):
+        kernels.layers(x, [1], [spec(first, new_k=np.empty((1, 2, 16), dtype=np.float32))])
+    with pytest.raises(ValueError, match="counts must be at least 1 and add up to the tokens"):
+        kernels.layers(x, [2], [spec(first)])
     assert np.array_equal(x, before)
-    call(whole.matrices, whole.biases, new[0])  # the same arguments, right: x changes
+    kernels.layers(x, [1], [spec(first), spec(second)])  # right: x changes
     assert not np.array_equal(x, before)

@@ -26,10 +26,11 @@ The rotary embedding's cosines and sines are the model's own RoPE module's
 (whatever its variant: it is applied to ones and zeros at each row's offset).
 
 Where the packed kernels read all of a layer's matrices (a 16-bit or packed model), every
-row is on a plain cache and the step has few tokens, the layer runs whole in one native
-call instead (``packed.layer``, layer.h: norms, products, rotation, attention, SwiGLU
-and residuals, the same arithmetic in C), which took qwen2.5-0.5b@q4's step on 2 cores
-from 17 to 11-12 ms: the numpy glue between the products was a third of it.
+row is on a plain cache and the step has few tokens, the layer runs whole in native code
+instead, with the layers after it that do too, in one call (``packed.layers``, layer.h:
+norms, products, rotation, attention, SwiGLU and residuals, the same arithmetic in C),
+which took qwen2.5-0.5b@q4's step on 2 cores from 17 to 11-12 ms: the numpy glue between
+the products was a third of it.
 """
 
 from __future__ import annotations
@@ -221,42 +222,44 @@ def _attend(
 
 def _whole(
     packed: ModuleType,
-    weights: Layer,
-    attn: nn.Module,
-    form: RopeForm,
+    run: list[tuple[nn.Module, RopeForm, Layer, list[Any]]],
     x: np.ndarray,
-    own: list[Any],
     counts: list[int],
     turns: dict[tuple[RopeKey, int, int], Turn],
-) -> tuple[np.ndarray, np.ndarray]:
-    """A whole layer in one native call (``packed.layer``, see layer.h) for rows all on
-    plain caches (``own``, read in place), ``x`` updated in place: the rows' turned new keys
-    and their values ``(tokens, kv heads, head dim)``, for the caller to hand on."""
-    assert weights.whole is not None
-    tables = [turns[form.key, c.offset, n] for c, n in zip(own, counts)]
-    cos, sin = tables[0] if len(tables) == 1 else (np.concatenate(t) for t in zip(*tables))
-    kv_heads = attn.n_kv_heads
-    dim = weights.qkv[1].weights.out_features // kv_heads
-    new_k, new_v = (np.empty((len(x), kv_heads, dim), dtype=np.float32) for _ in "kv")
-    packed.layer(
-        x,
-        weights.whole.matrices,
-        weights.whole.biases,
-        weights.attention_norm,
-        weights.mlp_norm,
-        cos,
-        sin,
-        form.traditional,
-        attn.n_heads,
-        float(attn.scale),
-        [np.asarray(c.keys) if c.offset else None for c in own],
-        [np.asarray(c.values) if c.offset else None for c in own],
-        [c.offset for c in own],
-        counts,
-        new_k,
-        new_v,
-    )
-    return new_k, new_v
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Consecutive layers whole in one native call (``packed.layers``, see layer.h), each
+    given as (its attention module, RoPE form, weights, every row's cache for it: plain
+    caches, read in place), ``x`` updated in place: each layer's turned new keys and the
+    values ``(tokens, kv heads, head dim)``, for the caller to hand on."""
+    specs, out = [], []
+    for attn, form, weights, own in run:
+        assert weights.whole is not None
+        tables = [turns[form.key, c.offset, n] for c, n in zip(own, counts)]
+        cos, sin = tables[0] if len(tables) == 1 else (np.concatenate(t) for t in zip(*tables))
+        kv_heads = attn.n_kv_heads
+        dim = weights.qkv[1].weights.out_features // kv_heads
+        shape = (len(x), kv_heads, dim)
+        new = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
+        specs.append(
+            (
+                weights.whole.matrices,
+                weights.whole.biases,
+                weights.attention_norm,
+                weights.mlp_norm,
+                cos,
+                sin,
+                form.traditional,
+                attn.n_heads,
+                float(attn.scale),
+                [np.asarray(c.keys) if c.offset else None for c in own],
+                [np.asarray(c.values) if c.offset else None for c in own],
+                [c.offset for c in own],
+                *new,
+            )
+        )
+        out.append(new)
+    packed.layers(x, counts, specs)
+    return out
 
 
 def _stored(cache: QuantizedKVCache, k: np.ndarray, v: np.ndarray) -> Turn:
@@ -338,13 +341,23 @@ def hidden(
     # attention over the cores only where the products are the native kernel's too:
     # BLAS's threads and OpenMP's would share them (see fused.c's SPREAD)
     spread = through_kernel(len(x))
+    whole = [
+        bool(packed and weights.whole and all(_in_place(row[i]) for row in caches))
+        for i, weights in enumerate(read.layers)
+    ]
     for i, (layer, form, weights) in enumerate(zip(layers, forms, read.layers)):
         attn = layer.self_attn
-        if packed and weights.whole and all(_in_place(row[i]) for row in caches):
-            own = [row[i] for row in caches]
-            ks, vs = _whole(packed, weights, attn, form, x, own, counts, turns)
-            for b, part in enumerate(spans_of):
-                new[b][i] = ks[part].transpose(1, 0, 2), vs[part].transpose(1, 0, 2)
+        if whole[i]:  # with the layers after it that go whole too, in one call
+            if i == 0 or not whole[i - 1]:
+                assert packed is not None  # (whole says so)
+                end = whole.index(False, i) if False in whole[i:] else len(layers)
+                run = [
+                    (layers[j].self_attn, forms[j], read.layers[j], [row[j] for row in caches])
+                    for j in range(i, end)
+                ]
+                for j, (ks, vs) in enumerate(_whole(packed, run, x, counts, turns), i):
+                    for b, part in enumerate(spans_of):
+                        new[b][j] = ks[part].transpose(1, 0, 2), vs[part].transpose(1, 0, 2)
             continue
         q, k, v = _linears(weights.qkv, _rms(x, weights.attention_norm))
         rows: list[np.ndarray] = [np.empty(0)] * len(tokens)

@@ -1,12 +1,13 @@
-/* packed.c's layer(): one decoder layer of a llama-family model (mlx-lm's llama and qwen2)
- * for the decoding step, whole, in one call. Include at the end of packed.c, after
- * attend.h.
+/* packed.c's layers(): decoder layers of a llama-family model (mlx-lm's llama and qwen2)
+ * for the decoding step, whole, one after another in one call (a step's 24 layers: the
+ * GIL let go once, not 24 times, and the threads kept busy). Include at the end of
+ * packed.c, after attend.h.
  *
  * The numpy step makes about fifteen calls a layer (two RMSNorms, the rotations, the
  * biases, the residual sums, SwiGLU, attention and four products, each handing arrays
  * between numpy and C), 6-7 ms of a 17 ms step of qwen2.5-0.5b at 4 bits on 2 cores,
  * and between two products OpenMP's threads may fall asleep. Here, for the n tokens of
- * the step's rows (each row's tokens after one another):
+ * the step's rows (each row's tokens after one another), each layer:
  *
  *   h = RMSNorm(x); q, k, v = h · Wq,k,vᵀ + biases; q and k turned by RoPE (cos, sin of
  *   each token's angles); each row's tokens attend to its cache and its new keys and
@@ -146,81 +147,128 @@ static int vector_of(PyObject *obj, Py_ssize_t len, Py_buffer *v, const float **
     return -1;
 }
 
-static PyObject *layer(PyObject *self, PyObject *args) {
-    PyObject *x_obj, *specs, *biases, *norm_objs[2], *cos_obj, *sin_obj, *new_k_obj, *new_v_obj;
-    PyObject *keys, *values, *spans, *counts, *result = NULL;
+/* A layer as parsed from its spec, its views held (see parse_layer). */
+typedef struct {
     Layer L;
-    memset(&L, 0, sizeof L);
-    if (!PyArg_ParseTuple(args, "OO!O!(Of)(Of)OOpnfO!O!O!O!OO:layer", &x_obj, &PyTuple_Type,
-                          &specs, &PyTuple_Type, &biases, &norm_objs[0], &L.eps[0],
-                          &norm_objs[1], &L.eps[1], &cos_obj, &sin_obj, &L.traditional, &L.heads,
-                          &L.scale, &PyList_Type, &keys, &PyList_Type, &values, &PyList_Type,
-                          &spans, &PyList_Type, &counts, &new_k_obj, &new_v_obj))
-        return NULL;
-    /* views: each matrix's three, the biases, the norms, x, cos, sin, new_k, new_v */
-    Py_buffer views[3 * MATRICES + MATRICES + 2 + 5], *mv = views, *bv = views + 3 * MATRICES;
-    Py_buffer *nv = bv + MATRICES, *x = nv + 2, *cs = x + 1, *sn = x + 2, *nk = x + 3, *nvv = x + 4;
-    memset(views, 0, sizeof views);
-    Row *rows = NULL;
-    Py_buffer *held = NULL;
-    Py_ssize_t n_rows = PyList_GET_SIZE(spans);
+    /* each matrix's three views, the biases, the norms, cos, sin, new_k, new_v */
+    Py_buffer views[3 * MATRICES + MATRICES + 2 + 4];
+    Row *rows;
+    Py_buffer *held; /* the rows' cache buffers, 2 a row */
+    Py_ssize_t n_rows;
+} Parsed;
+
+static void release_layer(Parsed *P) {
+    if (P->held)
+        for (Py_ssize_t i = 0; i < 2 * P->n_rows; i++)
+            if (P->held[i].obj) PyBuffer_Release(&P->held[i]);
+    PyMem_Free(P->rows);
+    PyMem_Free(P->held);
+    release(P->views, (int)(sizeof P->views / sizeof *P->views));
+}
+
+/* Layer `spec` for x (n tokens × d, at `x`) whose rows have counts[r] tokens each: 0, or
+ * -1 with the exception set and nothing held. A spec: (matrices, biases, (norm, eps),
+ * (norm, eps), cos, sin, traditional, heads, scale, keys, values, spans, new_k, new_v). */
+static int parse_layer(PyObject *spec, float *x, Py_ssize_t n, Py_ssize_t d, PyObject *counts,
+                       Parsed *P) {
+    PyObject *specs, *biases, *norm_objs[2], *cos_obj, *sin_obj, *new_k_obj, *new_v_obj;
+    PyObject *keys, *values, *spans;
+    memset(P, 0, sizeof *P);
+    Layer *L = &P->L;
+    if (!PyTuple_Check(spec)) {
+        PyErr_SetString(PyExc_TypeError, "each layer must be a tuple");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(spec, "O!O!(Of)(Of)OOpnfO!O!O!OO:layers", &PyTuple_Type, &specs,
+                          &PyTuple_Type, &biases, &norm_objs[0], &L->eps[0], &norm_objs[1],
+                          &L->eps[1], &cos_obj, &sin_obj, &L->traditional, &L->heads, &L->scale,
+                          &PyList_Type, &keys, &PyList_Type, &values, &PyList_Type, &spans,
+                          &new_k_obj, &new_v_obj))
+        return -1;
+    Py_buffer *mv = P->views, *bv = mv + 3 * MATRICES, *nv = bv + MATRICES, *cs = nv + 2;
+    Py_buffer *sn = cs + 1, *nk = cs + 2, *nvv = cs + 3;
+    P->n_rows = PyList_GET_SIZE(spans);
     if (PyTuple_GET_SIZE(specs) != MATRICES || PyTuple_GET_SIZE(biases) != MATRICES) {
         PyErr_SetString(PyExc_ValueError, "seven matrices and seven biases (q, k, v, o, gate, up, "
                                           "down), a bias None where there is none");
-        goto done;
+        goto fail;
     }
     for (int i = 0; i < MATRICES; i++)
-        if (matrix_of(PyTuple_GET_ITEM(specs, i), mv + 3 * i, &L.m[i]) < 0) goto done;
-    if (floats(x_obj, x, 2, 1, "x") < 0 || floats(cos_obj, cs, 2, 0, "cos") < 0
-        || floats(sin_obj, sn, 2, 0, "sin") < 0 || floats(new_k_obj, nk, 3, 1, "new_k") < 0
-        || floats(new_v_obj, nvv, 3, 1, "new_v") < 0)
-        goto done;
-    L.x = x->buf, L.new_k = nk->buf, L.new_v = nvv->buf, L.cos = cs->buf, L.sin = sn->buf;
-    L.n = x->shape[0], L.d = x->shape[1], L.kv_heads = nk->shape[1], L.dim = nk->shape[2];
-    L.half = cs->shape[1], L.hidden = L.m[GATE].out;
-    if (L.n < 1 || L.kv_heads < 1 || L.heads % L.kv_heads || L.dim % VL
-        || memcmp(nk->shape, nvv->shape, 3 * sizeof(Py_ssize_t)) || nk->shape[0] != L.n
-        || memcmp(cs->shape, sn->shape, 2 * sizeof(Py_ssize_t)) || cs->shape[0] != L.n
-        || L.half < 1 || 2 * L.half > L.dim) {
+        if (matrix_of(PyTuple_GET_ITEM(specs, i), mv + 3 * i, &L->m[i]) < 0) goto fail;
+    if (floats(cos_obj, cs, 2, 0, "cos") < 0 || floats(sin_obj, sn, 2, 0, "sin") < 0
+        || floats(new_k_obj, nk, 3, 1, "new_k") < 0 || floats(new_v_obj, nvv, 3, 1, "new_v") < 0)
+        goto fail;
+    L->x = x, L->n = n, L->d = d, L->new_k = nk->buf, L->new_v = nvv->buf;
+    L->cos = cs->buf, L->sin = sn->buf;
+    L->kv_heads = nk->shape[1], L->dim = nk->shape[2], L->half = cs->shape[1];
+    L->hidden = L->m[GATE].out;
+    if (L->kv_heads < 1 || L->heads % L->kv_heads || L->dim % VL
+        || memcmp(nk->shape, nvv->shape, 3 * sizeof(Py_ssize_t)) || nk->shape[0] != n
+        || memcmp(cs->shape, sn->shape, 2 * sizeof(Py_ssize_t)) || cs->shape[0] != n
+        || L->half < 1 || 2 * L->half > L->dim) {
         PyErr_SetString(PyExc_ValueError,
-                        "x must be (tokens ≥ 1, features), new_k and new_v (tokens, kv heads, dim), "
-                        "heads a multiple of kv heads, dim of 8, cos and sin (tokens, ≤ dim / 2)");
-        goto done;
+                        "new_k and new_v must be (tokens, kv heads, dim), heads a multiple of kv "
+                        "heads, dim of 8, cos and sin (tokens, ≤ dim / 2)");
+        goto fail;
     }
-    if (layer_shapes(&L) < 0) goto done;
+    if (layer_shapes(L) < 0) goto fail;
     for (int i = 0; i < MATRICES; i++)
-        if (vector_of(PyTuple_GET_ITEM(biases, i), L.m[i].out, &bv[i], &L.bias[i], "a bias") < 0)
-            goto done;
+        if (vector_of(PyTuple_GET_ITEM(biases, i), L->m[i].out, &bv[i], &L->bias[i], "a bias") < 0)
+            goto fail;
     for (int i = 0; i < 2; i++)
-        if (vector_of(norm_objs[i], L.d, &nv[i], &L.norm[i], "a norm's weight") < 0) goto done;
-    if (!L.norm[0] || !L.norm[1]) {
+        if (vector_of(norm_objs[i], d, &nv[i], &L->norm[i], "a norm's weight") < 0) goto fail;
+    if (!L->norm[0] || !L->norm[1]) {
         PyErr_SetString(PyExc_TypeError, "the norms' weights must be float32 vectors");
-        goto done;
+        goto fail;
     }
-    if (PyList_GET_SIZE(keys) != n_rows || PyList_GET_SIZE(values) != n_rows
-        || PyList_GET_SIZE(counts) != n_rows) {
+    if (PyList_GET_SIZE(keys) != P->n_rows || PyList_GET_SIZE(values) != P->n_rows
+        || PyList_GET_SIZE(counts) != P->n_rows) {
         PyErr_SetString(PyExc_ValueError, "keys, values, spans and counts need one entry a row");
-        goto done;
+        goto fail;
     }
-    if (!(rows = PyMem_Calloc(n_rows ? n_rows : 1, sizeof *rows))
-        || !(held = PyMem_Calloc(n_rows ? 2 * n_rows : 1, sizeof *held))) {
+    if (!(P->rows = PyMem_Calloc(P->n_rows ? P->n_rows : 1, sizeof *P->rows))
+        || !(P->held = PyMem_Calloc(P->n_rows ? 2 * P->n_rows : 1, sizeof *P->held))) {
         PyErr_NoMemory();
-        goto done;
+        goto fail;
     }
-    if (cache_rows(keys, values, spans, counts, n_rows, L.n, (int)L.kv_heads, (int)L.dim, rows,
-                   held) < 0)
-        goto done;
-    int failed, team = free_threads();
-    Py_BEGIN_ALLOW_THREADS
-    failed = run_layer(&L, rows, n_rows, team);
-    Py_END_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < 2 * n_rows; i++)
-        if (held[i].obj) PyBuffer_Release(&held[i]);
-    result = failed ? PyErr_NoMemory() : Py_NewRef(Py_None);
-done:
-    PyMem_Free(rows);
-    PyMem_Free(held);
-    release(views, (int)(sizeof views / sizeof *views));
+    if (cache_rows(keys, values, spans, counts, P->n_rows, n, (int)L->kv_heads, (int)L->dim,
+                   P->rows, P->held) < 0)
+        goto fail;
+    return 0;
+fail:
+    release_layer(P);
+    return -1;
+}
+
+static PyObject *layers(PyObject *self, PyObject *args) {
+    PyObject *x_obj, *counts, *specs, *result = NULL;
+    if (!PyArg_ParseTuple(args, "OO!O!:layers", &x_obj, &PyList_Type, &counts, &PyList_Type,
+                          &specs))
+        return NULL;
+    Py_buffer x;
+    if (floats(x_obj, &x, 2, 1, "x") < 0) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(specs), parsed = 0;
+    Parsed *P = PyMem_Calloc(count ? count : 1, sizeof *P);
+    if (!P)
+        PyErr_NoMemory();
+    else if (x.shape[0] < 1)
+        PyErr_SetString(PyExc_ValueError, "x must be (tokens ≥ 1, features)");
+    else {
+        while (parsed < count && parse_layer(PyList_GET_ITEM(specs, parsed), x.buf, x.shape[0],
+                                             x.shape[1], counts, &P[parsed]) == 0)
+            parsed++;
+        if (parsed == count) { /* every layer's arguments right: then x changes, not before */
+            int failed = 0, team = free_threads();
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < count && !failed; i++)
+                failed = run_layer(&P[i].L, P[i].rows, P[i].n_rows, team);
+            Py_END_ALLOW_THREADS
+            result = failed ? PyErr_NoMemory() : Py_NewRef(Py_None);
+        }
+    }
+    for (Py_ssize_t i = 0; i < parsed; i++) release_layer(&P[i]);
+    PyMem_Free(P);
+    PyBuffer_Release(&x);
     return result;
 }
 

@@ -29,7 +29,7 @@
  * affine_rows / half_rows: chosen weight rows widened to float32 (an embedding's lookup;
  * a prompt's products widen a tile of weight rows at a time for BLAS).
  *
- * layer: a llama-family decoder layer whole, its products these (layer.h).
+ * layers: llama-family decoder layers whole, their products these (layer.h).
  *
  * The build (pyproject.toml's ext-modules) is optional: without it kvchat.engine.cpu.stored
  * computes the same with numpy.
@@ -594,7 +594,7 @@ static PyObject *half_rows(PyObject *self, PyObject *args) {
     return with_half(args, "OiOO:half_rows", widen);
 }
 
-#include "layer.h" /* a whole decoder layer in one call */
+#include "layer.h" /* whole decoder layers in one call */
 
 static PyObject *integer(PyObject *self, PyObject *args) {
     int on = -1;
@@ -618,13 +618,15 @@ static PyMethodDef methods[] = {
      "products_t(matrices, x, outs): outs[i] = x @ W_iᵀ for up to 8 matrices that share x "
      "(a layer's q, k and v), each given as the arguments affine_t or half_t takes before x; "
      "the same figures as their calls one by one, in one parallel region."},
-    {"layer", layer, METH_VARARGS,
-     "layer(x, matrices, biases, (norm, eps), (norm, eps), cos, sin, traditional, heads, scale, "
-     "keys, values, spans, counts, new_k, new_v): one decoder layer of a llama-family model for "
-     "the step's tokens x (tokens, features), updated in place (see layer.h); matrices and "
-     "biases: q, k, v, o, gate, up, down (as products_t takes them; a bias None where there is "
-     "none); cos, sin (tokens, turned pairs); keys … counts as fused.attend takes them; the "
-     "turned new keys and the values written to new_k and new_v (tokens, kv heads, dim)."},
+    {"layers", layers, METH_VARARGS,
+     "layers(x, counts, specs): decoder layers of a llama-family model, one after another, for "
+     "the step's tokens x (tokens, features), updated in place (see layer.h); counts: each "
+     "row's tokens. A spec: (matrices, biases, (norm, eps), (norm, eps), cos, sin, traditional, "
+     "heads, scale, keys, values, spans, new_k, new_v): matrices and biases q, k, v, o, gate, "
+     "up, down (as products_t takes them; a bias None where there is none); cos, sin (tokens, "
+     "turned pairs); keys, values, spans as fused.attend takes them; the turned new keys and "
+     "the values written to new_k and new_v (tokens, kv heads, dim). Nothing changes unless "
+     "every spec is right."},
     {"integer", integer, METH_VARARGS,
      "integer([on]) -> bool: whether 4 and 8-bit products (groups of 32, 64 or 128) run in 8-bit "
      "integers, as they do where the CPU has AVX-512 VNNI; integer(False) the float tiles "
