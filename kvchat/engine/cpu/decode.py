@@ -331,7 +331,7 @@ def hidden(
             needed.setdefault((form.key, c.offset, n), (layer.self_attn.rope, form))
     turns = rotations(needed)
     x = read.embedding.gather(np.asarray([t for row in tokens for t in row]))
-    x = np.ascontiguousarray(x, dtype=np.float32)  # packed.layer's, updated in place
+    x = np.ascontiguousarray(x, dtype=np.float32)  # packed.layers', updated in place
     new: list[list[Turn | None]] = [[None] * len(layers) for _ in tokens]
     fused = native.module("fused")
     # whole layers in one native call: every row on a plain cache, few tokens (the

@@ -39,7 +39,7 @@ class Linear:
 @dataclass(frozen=True)
 class Whole:
     """A layer's seven matrices (q, k, v, o, gate, up, down) as the native kernels take them
-    (:attr:`~.stored.Stored.kernel_args`) and their biases: what ``packed.layer`` computes
+    (:attr:`~.stored.Stored.kernel_args`) and their biases: what ``packed.layers`` computes
     a whole layer with (see :mod:`.decode`)."""
 
     matrices: tuple[tuple[np.ndarray | int, ...], ...]
