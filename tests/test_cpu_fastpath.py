@@ -18,7 +18,7 @@ from mlx_lm.models.base import create_causal_mask
 from kvchat.engine import cpu
 from kvchat.engine.caches.kinds import make_cache, parse_kind
 from kvchat.engine.conversation.session import GenerationSettings, Session, TurnDone
-from kvchat.engine.cpu import attention, decode, linear, parallel
+from kvchat.engine.cpu import attention, decode, linear, parallel, quantized_reads
 from kvchat.engine.cpu import rope as rope_module
 from kvchat.engine.cpu.layers import MLP, Attention, Body
 from kvchat.engine.cpu.linear import CpuEmbedding, CpuLinear, CpuOutput
@@ -210,7 +210,7 @@ def test_numpy_dequantize_is_mlxs_bit_for_bit(bits, group_size):
     packed = mx.quantize(x, group_size=group_size, bits=bits)
     want = mx.dequantize(*packed, group_size=group_size, bits=bits)
     sliced = tuple(p[..., :257, :] for p in packed)  # as a cache hands them: cut to its offset
-    got = decode._dequantized(sliced, group_size, bits)
+    got = quantized_reads.dequantized(sliced, group_size, bits)
     assert got.shape == (2, 257, 128)
     assert np.array_equal(got, np.asarray(want)[0, :, :257])
 
