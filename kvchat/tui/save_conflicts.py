@@ -80,7 +80,7 @@ class Conflicts:
                 + (f" {loaded.notice}" if loaded.notice else "")
             ),
         )
-        shown.input.text = draft
+        shown.input.put(draft)
 
     def _save_as(self, conversation: Conversation, new: str) -> None:
         """Save ``conversation`` as the new session ``new`` and file the tab under it."""

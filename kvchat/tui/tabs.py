@@ -198,7 +198,7 @@ class TabController:
         name = conversation.session_name
         typed = drafts.typed(name, conversation.session.messages)
         if typed is not None:
-            conversation.input.text = typed
+            conversation.input.put(typed)
             self.app.notify(
                 f"{name}: the message you were writing is back in the box (not sent).",
                 markup=False,
@@ -209,7 +209,7 @@ class TabController:
 
         def chosen(choice: str | None) -> None:
             if choice == "restore":
-                conversation.input.text = text + (f"\n\n{typed}" if typed else "")
+                conversation.input.put(text + (f"\n\n{typed}" if typed else ""))
                 conversation.focus_input()
             elif choice == "discard":
                 drafts.clear(name)

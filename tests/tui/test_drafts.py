@@ -146,7 +146,7 @@ async def test_the_tui_keeps_the_message_on_disk_while_its_turn_runs(make_app):
 async def test_a_message_typed_and_not_sent_comes_back_after_quitting(make_app):
     """Ctrl+Q a moment after typing (before the box went to disk on its own): the text is
     kept, the picker lists the never-saved session with it, and opening it puts the text
-    back in the box."""
+    back in the box, where typing goes on at its end."""
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
@@ -168,6 +168,9 @@ async def test_a_message_typed_and_not_sent_comes_back_after_quitting(make_app):
         await settle(pilot)
         shown = again.active_conversation()
         assert shown.session_name == name and shown.input.text == "half a thought"
+        shown.focus_input()
+        await pilot.press(*", finished")  # typing goes on at its end
+        assert shown.input.text == "half a thought, finished"
         await send(pilot, shown.input.text)
         await until(pilot, lambda: drafts.typed(name, []) is None)  # sent: the box is empty
 

@@ -255,7 +255,7 @@ class TurnRunner:
             if not any(m["role"] == "user" for m in tab.session.messages):
                 await tab.log.mount(Welcome(), before=0)
             if self.pending_text is not None and not tab.input.text:
-                tab.input.text = self.pending_text
+                tab.input.put(self.pending_text)
             tab.app.notify("Cancelled before it started.")
         elif event.error:
             await tab.add_notice(event.error, "error")

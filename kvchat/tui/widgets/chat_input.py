@@ -162,7 +162,7 @@ class ChatInput(TextArea):
             self.app.bell()
             return
         self._at = at
-        self._show(self._walk[at] if at >= 0 else "")
+        self.put(self._walk[at] if at >= 0 else "")
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "leave_history":  # else Esc is the app's (stop the reply), in the footer too
@@ -171,9 +171,10 @@ class ChatInput(TextArea):
 
     def action_leave_history(self) -> None:
         self._at = -1
-        self._show("")
+        self.put("")
 
-    def _show(self, text: str) -> None:
+    def put(self, text: str) -> None:
+        """Put ``text`` in the box, the cursor at its end (where typing goes on)."""
         self.text = text
         self.move_cursor(self.document.end)
 
@@ -199,7 +200,7 @@ class ChatInput(TextArea):
         before, path = request
         text = self._file_text(path)
         if text is not None:
-            self._show(before + text)
+            self.put(before + text)
 
     def action_newline(self) -> None:
         self.insert("\n")
@@ -217,7 +218,7 @@ class ChatInput(TextArea):
         except PromptToolError as error:
             self.notify(str(error), severity="warning", markup=False)
             return
-        self._show(printable(text))
+        self.put(printable(text))
         self.focus()
 
     def action_insert_file(self) -> None:
