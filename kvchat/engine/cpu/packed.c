@@ -395,9 +395,8 @@ static int half_matrix(PyObject *obj, int kind, Py_buffer *v, Matrix *m) {
     return 0;
 }
 
-/* outs[i] = x · m[i]ᵀ for `count` matrices, x arranged once for each format among them:
- * None, or NULL with the exception set. */
-/* ys[i] = x · m[i]ᵀ for the n rows of x, without the GIL: 0, or -1 where memory ran out. */
+/* ys[i] = x · m[i]ᵀ for `count` matrices and the n rows of x, x arranged once for each
+ * format among them, without the GIL: 0, or -1 where memory ran out. */
 static int products_into(const Matrix *m, int count, const float *x, Py_ssize_t n,
                          float *const *ys, int team) {
     Part parts[MAX_PARTS];
@@ -432,6 +431,7 @@ static int products_into(const Matrix *m, int count, const float *x, Py_ssize_t 
     return failed ? -1 : 0;
 }
 
+/* products_into for Python's x and outs: None, or NULL with the exception set. */
 static PyObject *multiply_all(const Matrix *m, int count, PyObject *x_obj,
                               PyObject *const *y_objs) {
     Py_buffer x, y[MAX_PARTS];
