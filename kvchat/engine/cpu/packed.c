@@ -59,6 +59,20 @@
 #define MB 8 /* rows of x a tile takes (more go in groups of MB) */
 #define TILE 16 /* dot products a tile keeps: weight rows NR_OF(nb) × nb rows of x */
 #define NR_OF(nb) ((nb) <= 4 ? 4 : 2)
+/* CALL(m, form, NR(k), k, …) for k = nb, 1 … MB rows of x, each k a constant, so that the
+ * tile called is unrolled for it: the float tiles' (BAND) and the integer ones' (INTS_BAND,
+ * packed_int.h). */
+#define TILES_BY_NB(nb, CALL, NR, m, form, ...)                                            \
+    switch (nb) {                                                                          \
+    case 1: CALL(m, form, NR(1), 1, __VA_ARGS__); break;                                   \
+    case 2: CALL(m, form, NR(2), 2, __VA_ARGS__); break;                                   \
+    case 3: CALL(m, form, NR(3), 3, __VA_ARGS__); break;                                   \
+    case 4: CALL(m, form, NR(4), 4, __VA_ARGS__); break;                                   \
+    case 5: CALL(m, form, NR(5), 5, __VA_ARGS__); break;                                   \
+    case 6: CALL(m, form, NR(6), 6, __VA_ARGS__); break;                                   \
+    case 7: CALL(m, form, NR(7), 7, __VA_ARGS__); break;                                   \
+    default: CALL(m, form, NR(8), 8, __VA_ARGS__); break;                                  \
+    }
 /* A product of fewer weight values × rows than this runs on the calling thread: waking
  * the others costs more than they save. */
 #define PARALLEL_WORK (1 << 18)
@@ -190,22 +204,12 @@ static inline __attribute__((always_inline)) void tile(const Matrix *m, int fmt,
 
 
 #define BAND(fmt)                                                                          \
-    for (Py_ssize_t o = lo; o < hi; o += step) {                                           \
-        switch (single ? 0 : nb) {                                                         \
-        case 0: /* one weight row a tile, each row of x alone: the same arithmetic */      \
+    for (Py_ssize_t o = lo; o < hi; o += step)                                             \
+        if (single) /* one weight row a tile, each row of x alone: the same arithmetic */  \
             for (int b = 0; b < nb; b++)                                                   \
                 tile(m, fmt, 1, 1, xs + b * m->in, sx + b * m->groups, y + b * m->out, o); \
-            break;                                                                         \
-        case 1: tile(m, fmt, NR_OF(1), 1, xs, sx, y, o); break;                            \
-        case 2: tile(m, fmt, NR_OF(2), 2, xs, sx, y, o); break;                            \
-        case 3: tile(m, fmt, NR_OF(3), 3, xs, sx, y, o); break;                            \
-        case 4: tile(m, fmt, NR_OF(4), 4, xs, sx, y, o); break;                            \
-        case 5: tile(m, fmt, NR_OF(5), 5, xs, sx, y, o); break;                            \
-        case 6: tile(m, fmt, NR_OF(6), 6, xs, sx, y, o); break;                            \
-        case 7: tile(m, fmt, NR_OF(7), 7, xs, sx, y, o); break;                            \
-        default: tile(m, fmt, NR_OF(8), 8, xs, sx, y, o); break;                           \
-        }                                                                                  \
-    }
+        else                                                                               \
+            TILES_BY_NB(nb, tile, NR_OF, m, fmt, xs, sx, y, o)
 
 /* Weight rows lo … hi − 1 times nb ≤ MB rows of x, in one format: a constant fmt and nb, so
  * that each tile is unrolled; `single`, one weight row a tile (a matrix's last rows when

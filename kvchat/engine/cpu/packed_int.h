@@ -212,29 +212,22 @@ INTS_INLINE void ints_tile(const Matrix *m, int bits, int NR, int nb, const uint
 
 #define INTS_NR(nb) ((nb) <= 2 ? 4 : 2)
 #define INTS_BAND(bits)                                                                    \
-    for (Py_ssize_t o = lo; o < hi; o += single ? 1 : INTS_NR(nb)) switch (single ? 0 : nb) { \
-        case 0:                                                                            \
+    for (Py_ssize_t o = lo; o < hi; o += single ? 1 : INTS_NR(nb))                          \
+        if (single)                                                                        \
             for (int b = 0; b < nb; b++)                                                   \
                 ints_tile(m, bits, 1, 1, xs + b * ints_row_bytes(m), sums + b * m->groups, \
                           y + b * m->out, o);                                              \
-            break;                                                                         \
-        case 1: ints_tile(m, bits, INTS_NR(1), 1, xs, sums, y, o); break;                  \
-        case 2: ints_tile(m, bits, INTS_NR(2), 2, xs, sums, y, o); break;                  \
-        case 3: ints_tile(m, bits, INTS_NR(3), 3, xs, sums, y, o); break;                  \
-        case 4: ints_tile(m, bits, INTS_NR(4), 4, xs, sums, y, o); break;                  \
-        case 5: ints_tile(m, bits, INTS_NR(5), 5, xs, sums, y, o); break;                  \
-        case 6: ints_tile(m, bits, INTS_NR(6), 6, xs, sums, y, o); break;                  \
-        case 7: ints_tile(m, bits, INTS_NR(7), 7, xs, sums, y, o); break;                  \
-        default: ints_tile(m, bits, INTS_NR(8), 8, xs, sums, y, o); break;                 \
-        }
+        else                                                                               \
+            TILES_BY_NB(nb, ints_tile, INTS_NR, m, bits, xs, sums, y, o)
 
 /* band()'s work for a matrix ints_take(). */
 INTS static void ints_band(const Matrix *m, const uint8_t *xs, const float *sums, float *y,
                            int nb, Py_ssize_t lo, Py_ssize_t hi, int single) {
-    if (m->bits == 4)
+    if (m->bits == 4) {
         INTS_BAND(4)
-    else
+    } else {
         INTS_BAND(8)
+    }
 }
 
 #else
