@@ -42,6 +42,19 @@ static inline __attribute__((always_inline)) wf widen_f16(wu h) {
     return (wf)(v | ((h & 0x8000) << 16));
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+/* `fmt` of float16 weights in packed.c's band_f16c: widen_f16's values through F16C's
+ * vcvtph2ps, three instructions a vector where widen_f16 takes about sixteen (4864×896,
+ * one row, one core: 0.23 against 0.75 ms; bfloat16 0.18). Only a function compiled for
+ * these instructions (F16C_TARGET) takes it: they cannot be inlined into band's clones. */
+#define HALF_F16C 18
+#define F16C_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+F16C_TARGET static inline wf widen_f16c(wu h) {
+    return (wf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16((__m512i)h));
+}
+#endif
+
 /* One value, in scalar code (widen_f16 on a vector of one lane, compiled for the baseline
  * instruction set, made a 4-bit product with float16 scales 2.4 times as long as with
  * bfloat16 scales: 4864×896, one row, one core, 0.63 against 0.26 ms). A float16 goes
@@ -98,6 +111,11 @@ static inline __attribute__((always_inline)) void chunk(const uint8_t *row, Py_s
         if (fmt == HALF_BF16) {
             q[0] = (wf)(v << 16);
             q[1] = (wf)(v & 0xffff0000u);
+#ifdef HALF_F16C
+        } else if (fmt == HALF_F16C) {
+            q[0] = widen_f16c(v & 0xffff);
+            q[1] = widen_f16c(v >> 16);
+#endif
         } else {
             q[0] = widen_f16(v & 0xffff);
             q[1] = widen_f16(v >> 16);
