@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import openai
 import pytest
@@ -16,6 +17,7 @@ from kvchat.engine import cpu
 from kvchat.engine.conversation.maintenance import common_prefix
 from kvchat.engine.conversation.template import render
 from kvchat.runtime.pool import SessionPool
+from kvchat.store.lock import lock_file
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -150,6 +152,28 @@ def test_a_session_written_by_kvchat_ask_is_continued_by_name(demo_model, home):
     contents = [m["content"] for m in store.read("notes")["messages"]]
     assert contents[:2] == [m["content"] for m in saved["messages"]]
     assert contents[2:5] == ["Hello from HTTP.", reply, "Again."] and len(contents) == 6
+
+
+def test_a_stopped_server_lets_go_of_its_sessions(demo_model, home):
+    """While serving, the sessions it answered in are open (a lease each, so that another
+    kvchat opening one is warned); once it stops, none is left behind."""
+    with Server(demo_model) as server:
+        _, named, _ = chat(
+            server.client,
+            [{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_headers={"X-Session-Id": "kept"},
+        )
+        _, anonymous, _ = chat(server.client, [{"role": "user", "content": "yo"}], max_tokens=2)
+        names = sorted([named["kvchat"]["session"], anonymous["kvchat"]["session"]])
+        assert names[0] == "kept" and names[1].startswith("serve-")
+        leases = lock_file("kept").parent
+        assert sorted(p.name for p in leases.glob("*.open")) == [
+            f"{name}.{os.getpid()}.open" for name in names
+        ]
+        assert store.open_elsewhere("kept") == []  # its own lease: not another process's
+    assert list(leases.glob("*.open")) == []
+    assert [m["content"] for m in store.read("kept")["messages"]][0] == "hi"
 
 
 def test_a_client_that_disconnects_mid_stream_stops_its_reply(demo_model, home):

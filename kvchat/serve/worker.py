@@ -143,7 +143,10 @@ class Engine:
         return max(1, math.ceil(mean * (self._waiting // self.decode_concurrency + 1)))
 
     def shutdown(self) -> None:
+        """Stop: the turns running end, those queued are dropped, and every session the
+        pool has open is let go of (closed, for other kvchats, at once)."""
         self._thread.shutdown(wait=True, cancel_futures=True)
+        self.pool.let_go_all()
 
     def call(self, fn, *args):
         """Run ``fn`` on the model thread once the requests queued before it are done
