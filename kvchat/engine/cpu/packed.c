@@ -15,9 +15,10 @@
  * of x in vector registers while it streams the tile's weights once. For 2, 4 and 8 bits
  * a 64-bit word of codes is broadcast to 16 lanes, each shifting out its own code, so x is
  * first rearranged to match; 3, 5 and 6 bits widen 16 codes of 2 × `bits` bytes at a time.
- * A 4-bit code picks its value s·q + b from its group's 16 (one shuffle, in place of
- * masking, widening and scaling it: one 4864×896 row on one core 0.29 against 0.35 ms,
- * 8 rows 0.83-1.14 against 1.19-1.41 ms); other codes are scaled. Every (weight row, row
+ * Where the CPU has AVX-512 a 4-bit code picks its value s·q + b from its group's 16 (one
+ * shuffle, in place of masking, widening and scaling it: one 4864×896 row on one core 0.29
+ * against 0.35 ms, 8 rows 0.83-1.14 against 1.19-1.41 ms); other codes, and 4-bit ones on
+ * other CPUs (see look_up), are scaled. Every (weight row, row
  * of x) dot product is the same sequence of operations whatever the tile, the band or
  * the number of rows: a row's result does not depend on the rows beside it, bit for bit.
  * Where the CPU has AVX-512 VNNI, 4 and 8-bit products in groups of 32, 64 or 128 run in
@@ -102,9 +103,9 @@ static inline __attribute__((always_inline)) void products(const Matrix *m, int 
                                                            int per_row, wf *tot) {
     wf q[4][2];
     for (int r = 0; r < NR; r++) {
-        chunk(m->w + (o + r) * m->row_bytes, c, fmt, m->bits, fmt == 4 ? table + r * per_row : NULL,
+        chunk(m->w + (o + r) * m->row_bytes, c, fmt, m->bits, table ? table + r * per_row : NULL,
               q[r]);
-        if (fmt < HALF_F16 && fmt != 4)
+        if (fmt < HALF_F16 && !table)
             for (int s = 0; s < VECS(fmt); s++) q[r][s] *= scale[r];
     }
     for (int b = 0; b < nb; b++)
@@ -142,7 +143,7 @@ static inline __attribute__((always_inline)) void tables(const Matrix *m, Py_ssi
  * s · Σ q·x) keeps one sum per row pair: an 8-row tile in 16 registers. */
 static inline __attribute__((always_inline)) void tile(const Matrix *m, int fmt, int NR, int nb,
                                                        const float *xs, const float *sx,
-                                                       float *y, Py_ssize_t o) {
+                                                       float *y, Py_ssize_t o, int look) {
     wf tot[TILE]; /* tot[r · nb + b]: a flat array, small enough to live in registers */
     for (int i = 0; i < NR * nb; i++) tot[i] = (wf){0};
     Py_ssize_t chunks = m->in / CODES(fmt);
@@ -151,7 +152,7 @@ static inline __attribute__((always_inline)) void tile(const Matrix *m, int fmt,
             ahead(m, NR, o, 64 * c, 64);
             products(m, fmt, NR, nb, xs, o, c, NULL, NULL, 0, tot);
         }
-    } else if (fmt == 4 && nb == 1) {
+    } else if (fmt == 4 && look && nb == 1) {
         /* One row of x: each group's tables made ahead, 16 groups at a time, so that the
          * products run through them with no group's set-up between its chunks (4864×896 on
          * one core 0.289 against 0.263 ms). With more rows the multiply-adds bound a tile
@@ -172,14 +173,14 @@ static inline __attribute__((always_inline)) void tile(const Matrix *m, int fmt,
         Py_ssize_t per_group = m->group / CODES(fmt);
         for (Py_ssize_t g = 0; g < m->groups; g++) {
             float scale[4];
-            wf table[4]; /* 4 bits: the group's tables, table[r] row r's */
+            wf table[4]; /* 4 bits looked up: the group's tables, table[r] row r's */
             for (int r = 0; r < NR; r++) {
                 scale[r] = value(m->scales, m->kind, (o + r) * m->groups + g);
-                if (fmt == 4) tables(m, o + r, g, g + 1, table + r);
+                if (fmt == 4 && look) tables(m, o + r, g, g + 1, table + r);
             }
             ahead(m, NR, o, g * m->group * m->bits / 8, m->group * m->bits / 8);
             for (Py_ssize_t c = g * per_group; c < (g + 1) * per_group; c++)
-                products(m, fmt, NR, nb, xs, o, c, scale, table, 1, tot);
+                products(m, fmt, NR, nb, xs, o, c, scale, fmt == 4 && look ? table : NULL, 1, tot);
         }
     }
     for (int r = 0; r < NR; r++) {
@@ -194,7 +195,7 @@ static inline __attribute__((always_inline)) void tile(const Matrix *m, int fmt,
             if (fmt >= HALF_F16) /* the values after the last whole chunk */
                 for (Py_ssize_t j = chunks * CODES(fmt); j < m->in; j++)
                     s += scalar16(((const uint16_t *)row)[j], fmt) * xs[b * m->in + j];
-            else if (fmt != 4) /* (4 bits: the biases are in the tables) */
+            else if (fmt != 4 || !look) /* (4 bits looked up: the biases are in the tables) */
                 for (Py_ssize_t g = 0; g < m->groups; g++)
                     s += value(m->biases, m->kind, (o + r) * m->groups + g) * sx[b * m->groups + g];
             y[b * m->out + o + r] = s;
@@ -203,13 +204,22 @@ static inline __attribute__((always_inline)) void tile(const Matrix *m, int fmt,
 }
 
 
-#define BAND(fmt)                                                                          \
+#define BAND(fmt, look)                                                                    \
     for (Py_ssize_t o = lo; o < hi; o += step)                                             \
         if (single) /* one weight row a tile, each row of x alone: the same arithmetic */  \
             for (int b = 0; b < nb; b++)                                                   \
-                tile(m, fmt, 1, 1, xs + b * m->in, sx + b * m->groups, y + b * m->out, o); \
+                tile(m, fmt, 1, 1, xs + b * m->in, sx + b * m->groups, y + b * m->out, o,  \
+                     look);                                                                \
         else                                                                               \
-            TILES_BY_NB(nb, tile, NR_OF, m, fmt, xs, sx, y, o)
+            TILES_BY_NB(nb, tile, NR_OF, m, fmt, xs, sx, y, o, look)
+
+/* Whether the float tiles' 4-bit codes pick their values from their groups' tables (chunk()'s
+ * shuffle): where the CPU has AVX-512 that is one vpermps, but GCC builds a 16-lane shuffle
+ * for AVX2 or NEON a lane at a time (a build of these kernels for x86-64-v3 on an AVX-512
+ * machine: 4864×896, one row, one core, 10.4 ms looked up, 0.77 scaled), so elsewhere the
+ * codes are scaled as the other widths' are. Set when the module loads (cpu_check);
+ * lookup() switches it, to compare them. */
+static int look_up;
 
 /* Weight rows lo … hi − 1 times nb ≤ MB rows of x, in one format: a constant fmt and nb, so
  * that each tile is unrolled; `single`, one weight row a tile (a matrix's last rows when
@@ -218,12 +228,17 @@ CLONES static void band(const Matrix *m, const float *xs, const float *sx, float
                         Py_ssize_t lo, Py_ssize_t hi, int single) {
     Py_ssize_t step = single ? 1 : NR_OF(nb);
     switch (m->fmt) {
-    case 2: BAND(2) break;
-    case ODD: BAND(ODD) break;
-    case 4: BAND(4) break;
-    case 8: BAND(8) break;
-    case HALF_F16: BAND(HALF_F16) break;
-    default: BAND(HALF_BF16) break;
+    case 2: BAND(2, 0) break;
+    case ODD: BAND(ODD, 0) break;
+    case 4:
+        if (look_up)
+            BAND(4, 1)
+        else
+            BAND(4, 0)
+        break;
+    case 8: BAND(8, 0) break;
+    case HALF_F16: BAND(HALF_F16, 0) break;
+    default: BAND(HALF_BF16, 0) break;
     }
 }
 
@@ -233,22 +248,23 @@ CLONES static void band(const Matrix *m, const float *xs, const float *sx, float
 F16C_TARGET static void band_f16c(const Matrix *m, const float *xs, const float *sx, float *y,
                                   int nb, Py_ssize_t lo, Py_ssize_t hi, int single) {
     Py_ssize_t step = single ? 1 : NR_OF(nb);
-    BAND(HALF_F16C)
+    BAND(HALF_F16C, 0)
 }
 
 static int f16c_ready; /* the CPU runs band_f16c (set when the module loads) */
 
-static void f16c_check(void) {
+/* What the CPU has that the kernels choose by, when the module loads. */
+static void cpu_check(void) {
     __builtin_cpu_init();
-    f16c_ready = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-              && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
-              && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-              && __builtin_cpu_supports("f16c");
+    look_up = __builtin_cpu_supports("avx512f") != 0;
+    f16c_ready = look_up && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")
+              && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2")
+              && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 #else
 #define band_f16c band
 static const int f16c_ready = 0;
-static void f16c_check(void) {}
+static void cpu_check(void) {}
 #endif
 
 /* One matrix's product within a call: the matrix, x arranged for it (xs: floats, or
@@ -309,8 +325,8 @@ static void product(const Part *parts, int count, Py_ssize_t n, int team) {
 }
 
 /* x laid out as chunk() widens its chunks (xs; the values after the last whole chunk as
- * they are), and the sums of its groups (sx, affine only, but for 4 bits: their biases
- * are in the tables). fmt is a constant where it is inlined, so that POS folds: qwen2.5's
+ * they are), and the sums of its groups (sx, affine only; 4 bits looked up do without,
+ * their biases are in the tables). fmt is a constant where it is inlined, so that POS folds: qwen2.5's
  * 4864-wide x took 28 µs with fmt read at run time, longer than its product with 4 rows. */
 static inline __attribute__((always_inline)) void arrange_as(const Matrix *m, int fmt,
                                                              const float *x, Py_ssize_t n,
@@ -324,7 +340,6 @@ static inline __attribute__((always_inline)) void arrange_as(const Matrix *m, in
             for (int s = 0; s < vecs; s++)
                 for (int j = 0; j < WL; j++) out[c + s * WL + j] = xb[c + POS(fmt, s, j)];
         memcpy(out + whole, xb + whole, sizeof(float) * (m->in - whole));
-        if (fmt == 4) continue;
         for (Py_ssize_t g = 0; g < m->groups; g++) {
             float sum = 0;
             for (Py_ssize_t i = 0; i < m->group; i++) sum += xb[g * m->group + i];
@@ -633,6 +648,13 @@ static PyObject *integer(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ints_on && ints_available());
 }
 
+static PyObject *lookup(PyObject *self, PyObject *args) {
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|p:lookup", &on)) return NULL;
+    if (on >= 0) look_up = on;
+    return PyBool_FromLong(look_up);
+}
+
 static PyObject *threads(PyObject *self, PyObject *args) { return PyLong_FromLong(free_threads()); }
 
 static PyMethodDef methods[] = {
@@ -657,6 +679,10 @@ static PyMethodDef methods[] = {
      "turned pairs); keys, values, spans as fused.attend takes them; the turned new keys and "
      "the values written to new_k and new_v (tokens, kv heads, dim). Nothing changes unless "
      "every spec is right."},
+    {"lookup", lookup, METH_VARARGS,
+     "lookup([on]) -> bool: whether the float tiles' 4-bit codes pick their values from their "
+     "groups' tables of 16, as they do where the CPU has AVX-512; lookup(False) scales them as "
+     "other widths' are (as on other CPUs), lookup(True) the tables."},
     {"integer", integer, METH_VARARGS,
      "integer([on]) -> bool: whether 4 and 8-bit products (groups of 32, 64 or 128) run in 8-bit "
      "integers, as they do where the CPU has AVX-512 VNNI; integer(False) the float tiles "
@@ -679,6 +705,6 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit_packed(void) {
-    f16c_check();
+    cpu_check();
     return PyModule_Create(&module);
 }

@@ -38,6 +38,11 @@ def affine_rows(
 def half_rows(w: np.ndarray, kind: int, ids: np.ndarray, out: np.ndarray, /) -> None:
     """``out[i] = W[ids[i]]`` widened to float32 for 16-bit ``w``."""
 
+def lookup(on: bool = ..., /) -> bool:
+    """Whether the float tiles' 4-bit codes pick their values from their groups' tables of 16,
+    as they do where the CPU has AVX-512; ``lookup(False)`` scales them as other widths' are
+    (as on other CPUs), ``lookup(True)`` the tables."""
+
 def integer(on: bool = ..., /) -> bool:
     """Whether 4 and 8-bit products (groups of 32, 64 or 128) run in 8-bit integers, as they do
     where the CPU has AVX-512 VNNI; ``integer(False)`` the float tiles instead (to compare
