@@ -103,8 +103,8 @@ static inline __attribute__((always_inline)) void products(const Matrix *m, int 
                                                            int per_row, wf *tot) {
     wf q[4][2];
     for (int r = 0; r < NR; r++) {
-        chunk(m->w + (o + r) * m->row_bytes, c, fmt, m->bits, table ? table + r * per_row : NULL,
-              q[r]);
+        chunk(m->w + (o + r) * m->row_bytes, m->row_bytes, c, fmt, m->bits,
+              table ? table + r * per_row : NULL, q[r]);
         if (fmt < HALF_F16 && !table)
             for (int s = 0; s < VECS(fmt); s++) q[r][s] *= scale[r];
     }
@@ -360,7 +360,7 @@ CLONES static void arrange(const Matrix *m, const float *x, Py_ssize_t n, float 
 }
 
 #define NATURAL(fmt)                                                                       \
-    chunk(row, c, fmt, m->bits, NULL, q);                                                  \
+    chunk(row, m->row_bytes, c, fmt, m->bits, NULL, q);                                    \
     natural(q, fmt, scale, bias, o);                                                       \
     break;
 
