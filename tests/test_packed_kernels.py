@@ -100,12 +100,13 @@ def test_affine_product(bits, group, scale, path):
 @pytest.mark.parametrize("scale", SCALES, ids=str)
 @pytest.mark.parametrize("group", GROUPS)
 def test_four_bit_codes_scaled_as_on_other_cpus(group, scale):
-    """The float tiles' 4-bit codes scaled, as on CPUs without AVX-512, rather than looked up
-    in their groups' tables: within 1e-5 of float64 for each row count, each row the same
-    bit for bit as alone, and the tables' figures to float32 rounding (two ways, not one
-    under two names)."""
+    """The float tiles' 4-bit codes scaled, as on CPUs without AVX-512 (in the tiles' own
+    code, and in AVX2's kernel where the CPU has AVX2), rather than looked up in their
+    groups' tables: within 1e-5 of float64 for each row count, each row the same bit for
+    bit as alone, and the tables' figures to float32 rounding (other ways, not one under
+    other names)."""
     module = kernels()
-    ints, look = module.integer(), module.lookup()
+    ints, look, avx2 = module.integer(), module.lookup(), module.avx2()
     layer = quantized(4, group, scale)
     weight, matrix = reference(layer), stored.stored(layer)
     x = rows(max(ROWS), 3 * group, seed=group)
@@ -113,22 +114,26 @@ def test_four_bit_codes_scaled_as_on_other_cpus(group, scale):
     got = {}
     try:
         module.integer(False)
-        for looked in (True, False):
-            assert module.lookup(looked) is looked
+        for way in ("tables", "scaled", "avx2"):
+            module.lookup(way == "tables")
+            if module.avx2(way == "avx2") != (way == "avx2"):
+                continue  # no AVX2 on this CPU
             alone = np.empty((len(x), OUT), dtype=np.float32)
             for i in range(len(x)):
                 module.affine_t(*matrix_args(matrix), x[i : i + 1], alone[i : i + 1])
             for n in ROWS:
                 out = np.empty((n, OUT), dtype=np.float32)
                 module.affine_t(*matrix_args(matrix), x[:n], out)
-                assert error(out, want[:n]) <= TOLERANCE
-                assert np.array_equal(out, alone[:n])
-            got[looked] = alone
+                assert error(out, want[:n]) <= TOLERANCE, way
+                assert np.array_equal(out, alone[:n]), way
+            got[way] = alone
     finally:
         module.integer(ints)
         module.lookup(look)
-    assert not np.array_equal(got[True], got[False])
-    assert np.abs(got[True] - got[False]).max() <= 1e-6 * np.abs(want).max()
+        module.avx2(avx2)
+    for way in set(got) - {"tables"}:
+        assert not np.array_equal(got["tables"], got[way])
+        assert np.abs(got["tables"] - got[way]).max() <= 1e-6 * np.abs(want).max()
 
 
 def matrix_args(matrix: stored.Stored) -> tuple:
