@@ -647,25 +647,25 @@ static PyObject *half_rows(PyObject *self, PyObject *args) {
 
 #include "layer.h" /* whole decoder layers in one call */
 
+/* A switch of the kernels (integer, lookup, avx2): *on set first where args give a bool (on
+ * only where the CPU `can`); whether it is on. */
+static PyObject *switched(PyObject *args, const char *format, int *on, int can) {
+    int want = -1;
+    if (!PyArg_ParseTuple(args, format, &want)) return NULL;
+    if (want >= 0) *on = want && can;
+    return PyBool_FromLong(*on && can);
+}
+
 static PyObject *integer(PyObject *self, PyObject *args) {
-    int on = -1;
-    if (!PyArg_ParseTuple(args, "|p:integer", &on)) return NULL;
-    if (on >= 0) ints_on = on;
-    return PyBool_FromLong(ints_on && ints_available());
+    return switched(args, "|p:integer", &ints_on, ints_available());
 }
 
 static PyObject *lookup(PyObject *self, PyObject *args) {
-    int on = -1;
-    if (!PyArg_ParseTuple(args, "|p:lookup", &on)) return NULL;
-    if (on >= 0) look_up = on;
-    return PyBool_FromLong(look_up);
+    return switched(args, "|p:lookup", &look_up, 1);
 }
 
 static PyObject *avx2(PyObject *self, PyObject *args) {
-    int on = -1;
-    if (!PyArg_ParseTuple(args, "|p:avx2", &on)) return NULL;
-    if (on >= 0) avx2_used = on && avx2_has;
-    return PyBool_FromLong(avx2_used);
+    return switched(args, "|p:avx2", &avx2_used, avx2_has);
 }
 
 static PyObject *threads(PyObject *self, PyObject *args) { return PyLong_FromLong(free_threads()); }
