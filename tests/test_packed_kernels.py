@@ -62,17 +62,36 @@ def rows(n: int, width: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, width)).astype(np.float32)
 
 
-@pytest.fixture(params=["integers", "floats"])
-def path(request):
-    """4 and 8-bit products in 8-bit integers (where the CPU has AVX-512 VNNI), then in the
-    float tiles every other CPU runs; the setting restored after."""
-    module = kernels()
-    before = module.integer()
-    if request.param == "integers" and not before:
+def switch_to(module, way: str) -> None:
+    """Products in 8-bit integers (``integers``, where the CPU has AVX-512 VNNI), in the
+    float tiles (``floats``), or in AVX2's own kernels (``avx2``, as CPUs with AVX2 but not
+    AVX-512 run them); skipped where the CPU has no such way."""
+    if module.integer(way == "integers") != (way == "integers"):
         pytest.skip("this CPU has no AVX-512 VNNI: 4 and 8-bit products run in the float tiles")
-    module.integer(request.param == "integers")
-    yield request.param
-    module.integer(before)
+    if module.avx2(way == "avx2") != (way == "avx2"):
+        pytest.skip("this CPU has no AVX2, FMA and F16C")
+
+
+def ways(name: str, *names: str):
+    """A fixture named ``name`` that runs its tests each way of ``names`` (switch_to), the
+    settings restored after."""
+
+    @pytest.fixture(params=names, name=name)
+    def fixture(request):
+        module = kernels()
+        before = module.integer(), module.avx2()
+        try:
+            switch_to(module, request.param)
+            yield request.param
+        finally:
+            module.integer(before[0])
+            module.avx2(before[1])
+
+    return fixture
+
+
+path = ways("path", "integers", "floats", "avx2")  # 4 and 8-bit codes: every way
+tiles = ways("tiles", "floats", "avx2")  # what only the float tiles read: 16-bit weights
 
 
 @pytest.mark.parametrize("scale", SCALES, ids=str)
@@ -164,7 +183,8 @@ def test_products_in_integers(bits, path):
             assert error(out[row], want[i]) <= TOLERANCE / 4
     assert not out[2].any()
     assert not np.isfinite(out[3]).all()
-    module.integer(path == "floats")  # the other way
+    if module.integer(path != "integers") == (path == "integers"):
+        return  # no other way on this CPU
     other = np.empty_like(out)
     module.affine_t(*matrix_args(matrix), x, other)
     assert not np.array_equal(out[finite], other[finite])
@@ -173,13 +193,15 @@ def test_products_in_integers(bits, path):
 
 @pytest.mark.parametrize("scale", SCALES, ids=str)
 @pytest.mark.parametrize("bits", BITS)
-def test_affine_gather(bits, scale):
-    """Rows gathered (an embedding's lookup) are the dequantized rows, in any order, repeated."""
+def test_affine_gather(bits, scale, tiles):
+    """Rows gathered (an embedding's lookup) are the dequantized rows, in any order, repeated
+    (and a whole matrix widened, as a long prompt's products widen tiles of it)."""
     kernels()
     layer = quantized(bits, 64, scale)
     ids = np.array([12, 0, 5, 12], dtype=np.int64)
     got = stored.stored(layer).gather(ids)
     assert error(got, reference(layer)[ids]) <= 1e-6
+    assert error(stored.stored(layer).widened(0, OUT), reference(layer)) <= 1e-6
 
 
 @pytest.mark.parametrize("native_on", ["1", "0"])
@@ -199,7 +221,7 @@ def test_fallback_agrees(bits, native_on, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=str)
 @pytest.mark.parametrize("width", [16, 200, 203])
-def test_half_weights(dtype, width):
+def test_half_weights(dtype, width, tiles):
     """float16 and bfloat16 weights as stored: products within 1e-5, row by row the same bit
     for bit, rows gathered exactly; subnormal, infinite and zero float16 values widened."""
     module = kernels()
@@ -278,7 +300,7 @@ SHARED = {
 
 @pytest.mark.parametrize("n", [1, 8, 11])
 @pytest.mark.parametrize("case", SHARED)
-def test_products_of_one_x_equal_each_alone(case, n):
+def test_products_of_one_x_equal_each_alone(case, n, path):
     """Several weights times the same rows in one call (``products_t``: q, k and v; gate and
     up) give each weight's own product, bit for bit, whatever their formats and sizes."""
     module = kernels()

@@ -23,8 +23,8 @@
  * the number of rows: a row's result does not depend on the rows beside it, bit for bit.
  * Where the CPU has AVX-512 VNNI, 4 and 8-bit products in groups of 32, 64 or 128 run in
  * 8-bit integers instead, x split into three 8-bit digits (packed_int.h: twice as fast).
- * Where it has AVX2 but not AVX-512, 4-bit products run in packed_avx2.h's 8-lane kernel
- * (GCC builds the tiles' 16-lane vectors on the stack for AVX2: 19 times as long).
+ * Where it has AVX2 but not AVX-512, the float tiles run in packed_avx2.h's 8-lane kernels
+ * (GCC builds the tiles' 16-lane vectors on the stack for AVX2: 3 to 20 times as long).
  *
  * products_t: several such products of one x (a layer's q, k and v; its gate and up) in one
  * call, each matrix's rows banded as if it were alone, every band in one parallel region.
@@ -269,7 +269,7 @@ static const int f16c_ready = 0;
 static void cpu_check(void) {}
 #endif
 
-#include "packed_avx2.h" /* 4 bits on CPUs with AVX2 but not AVX-512 */
+#include "packed_avx2.h" /* the float tiles on CPUs with AVX2 but not AVX-512 */
 
 /* One matrix's product within a call: the matrix, x arranged for it (xs: floats, or
  * where `ints` (ints_take(m) when the call began) digits, packed_int.h's; group sums in
@@ -295,7 +295,7 @@ static void rows_of(const Part *p, Py_ssize_t n, Py_ssize_t lo, Py_ssize_t hi, i
         int nb = n - b0 < MB ? (int)(n - b0) : MB;
         if (p->ints)
             ints_band(m, xs, p->sx + b0 * m->groups, p->y + b0 * m->out, nb, lo, hi, single);
-        else if (m->fmt == 4 && avx2_used)
+        else if (avx2_used)
             avx2_band(m, xs, p->sx + b0 * m->groups, p->y + b0 * m->out, nb, lo, hi, single);
         else if (m->fmt == HALF_F16 && f16c_ready)
             band_f16c(m, xs, p->sx + b0 * m->groups, p->y + b0 * m->out, nb, lo, hi, single);
@@ -542,7 +542,8 @@ static PyObject *widen(const Matrix *m, PyObject *ids_obj, PyObject *out_obj) {
             int team = free_threads();
             Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for schedule(dynamic) num_threads(team) if (count * m->in >= PARALLEL_WORK)
-            for (Py_ssize_t r = 0; r < count; r++) widen_row(m, id[r], o + r * m->in);
+            for (Py_ssize_t r = 0; r < count; r++)
+                (avx2_used ? avx2_widen_row : widen_row)(m, id[r], o + r * m->in);
             Py_END_ALLOW_THREADS
             result = Py_NewRef(Py_None);
         }
@@ -693,9 +694,9 @@ static PyMethodDef methods[] = {
      "the values written to new_k and new_v (tokens, kv heads, dim). Nothing changes unless "
      "every spec is right."},
     {"avx2", avx2, METH_VARARGS,
-     "avx2([on]) -> bool: whether 4-bit products in the float tiles run in AVX2's own kernel "
-     "(packed_avx2.h), as they do where the CPU has AVX2 but not AVX-512; avx2(True) where it "
-     "has both, to compare them, avx2(False) the tiles' own clone."},
+     "avx2([on]) -> bool: whether the float tiles' products and rows widened run in AVX2's "
+     "own kernels (packed_avx2.h), as they do where the CPU has AVX2 but not AVX-512; "
+     "avx2(True) where it has both, to compare them, avx2(False) the tiles' own clones."},
     {"lookup", lookup, METH_VARARGS,
      "lookup([on]) -> bool: whether the float tiles' 4-bit codes pick their values from their "
      "groups' tables of 16, as they do where the CPU has AVX-512; lookup(False) scales them as "

@@ -39,9 +39,9 @@ def half_rows(w: np.ndarray, kind: int, ids: np.ndarray, out: np.ndarray, /) -> 
     """``out[i] = W[ids[i]]`` widened to float32 for 16-bit ``w``."""
 
 def avx2(on: bool = ..., /) -> bool:
-    """Whether 4-bit products in the float tiles run in AVX2's own kernel (packed_avx2.h), as
-    they do where the CPU has AVX2 but not AVX-512; ``avx2(True)`` where it has both, to
-    compare them, ``avx2(False)`` the tiles' own clone."""
+    """Whether the float tiles' products and rows widened run in AVX2's own kernels
+    (packed_avx2.h), as they do where the CPU has AVX2 but not AVX-512; ``avx2(True)``
+    where it has both, to compare them, ``avx2(False)`` the tiles' own clones."""
 
 def lookup(on: bool = ..., /) -> bool:
     """Whether the float tiles' 4-bit codes pick their values from their groups' tables of 16,
