@@ -263,3 +263,33 @@ def test_streamed_words_reach_the_ui_in_batches_and_none_is_lost():
     assert [m.tokens for m in sent] == [1, 41, 42]
     words.flush()  # nothing waits: nothing sent
     assert len(sent) == 3
+
+
+def test_a_reply_is_drawn_less_often_as_drawing_costs_more():
+    """The wait before a streamed reply's next batch follows the UI thread's CPU since the
+    last one (over DRAW_SHARE): FLUSH_S when drawing costs nothing, about 40 ms / DRAW_SHARE
+    after 40 ms of it, FLUSH_MAX_S at most; CPU spent on another thread does not count."""
+    import threading
+    import time
+
+    from kvchat.tui.widgets.messages import DRAW_SHARE, FLUSH_MAX_S, FLUSH_S, Pace
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    pace = Pace()
+    pace.batch()
+    assert pace.wait == FLUSH_S
+    burn(0.04)
+    pace.batch()
+    assert 0.04 / DRAW_SHARE <= pace.wait < 0.06 / DRAW_SHARE < FLUSH_MAX_S
+    other = threading.Thread(target=burn, args=(0.2,))
+    other.start()
+    other.join()
+    pace.batch()
+    assert pace.wait == FLUSH_S
+    burn(FLUSH_MAX_S * DRAW_SHARE * 2)
+    pace.batch()
+    assert pace.wait == FLUSH_MAX_S

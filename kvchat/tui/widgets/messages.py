@@ -8,6 +8,7 @@ never parsed as Rich/Textual markup.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from rich.text import Text
@@ -26,6 +27,33 @@ from kvchat.safety import printable
 def safe(text: str) -> str:
     """Untrusted text made safe for the terminal (markup is a separate matter: see callers)."""
     return printable(text)
+
+
+# A streamed reply's view catches up in batches. Each costs the UI thread a layout and a
+# redraw that grow with the reply (Textual lays the log out again and re-wraps the growing
+# paragraph), and on a small machine that CPU is taken from the decoding: qwen2.5-0.5b@q4 on
+# 2 cores streamed at 46 tok/s with a batch every 50 ms (the UI thread 36% of a core), 64-68
+# with one a second. So batches come at least FLUSH_S apart, and further apart (up to
+# FLUSH_MAX_S) as they cost more: the UI thread's CPU since the last batch, over DRAW_SHARE.
+FLUSH_S = 0.05
+FLUSH_MAX_S = 0.5
+DRAW_SHARE = 0.15  # (0.15 and 0.1 alike: 55-57 tok/s, the UI thread 16-18% of a core)
+
+
+class Pace:
+    """How long a streamed reply's view waits before its next batch (``wait``): called on the
+    UI thread, whose CPU time it reads."""
+
+    def __init__(self) -> None:
+        self.wait = FLUSH_S
+        self._cpu = time.thread_time()
+
+    def batch(self) -> None:
+        """A batch is drawn now: the next waits for the UI thread's CPU time since the last
+        over DRAW_SHARE, within FLUSH_S … FLUSH_MAX_S."""
+        cpu = time.thread_time()
+        self.wait = min(FLUSH_MAX_S, max(FLUSH_S, (cpu - self._cpu) / DRAW_SHARE))
+        self._cpu = cpu
 
 
 # ------------------------------------------------------------------ messages
@@ -179,6 +207,7 @@ class AssistantMessage(Selectable, Vertical):
         self._shown = ""  # the answer as the Markdown has it
         self._thought_shown = ""  # the thoughts as their Static has them
         self._flush_timer: Timer | None = None
+        self._pace = Pace()
         self._done = False
         self._has_thoughts = False
         self.text = self._initial
@@ -219,11 +248,12 @@ class AssistantMessage(Selectable, Vertical):
         """Append a streamed piece of the reply; the view catches up in small batches."""
         self.text += safe(chunk)
         if self._flush_timer is None:
-            self._flush_timer = self.set_timer(0.05, self._flush)
+            self._flush_timer = self.set_timer(self._pace.wait, self._flush)
 
     async def _flush(self) -> None:
         self._flush_timer = None
         if not self._done:
+            self._pace.batch()
             await self._show(self.text)
 
     async def _show(self, text: str, whole: bool = False) -> None:
