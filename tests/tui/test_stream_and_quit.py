@@ -32,21 +32,30 @@ pytestmark = pytest.mark.anyio
 def gate_after_first_chunk(session):
     """Wrap ``session.send`` so the real turn pauses after its first chunk with visible text
     until the test lets it go on (the reply of the tiny demo is over in a blink)."""
-    first, go_on = threading.Event(), threading.Event()
+    return gate_chunks(session, 1)[0]
+
+
+def gate_chunks(session, count: int) -> list[tuple[threading.Event, threading.Event]]:
+    """Wrap ``session.send`` so the real turn pauses after each of its first ``count``
+    chunks with visible text: each pause's first event is set when it is reached, and it
+    goes on when the test sets the second."""
+    pauses = [(threading.Event(), threading.Event()) for _ in range(count)]
     real_send = session.send
 
     def send(text):
         events = real_send(text)
 
         def gated():
-            said = ""
+            said, paused = "", 0
             try:
                 for event in events:
                     yield event
-                    if isinstance(event, Chunk) and not first.is_set():
+                    if isinstance(event, Chunk) and paused < count:
                         said += event.text
                         if said.strip():  # something to see: the view strips leading space
-                            first.set()
+                            reached, go_on = pauses[paused]
+                            paused, said = paused + 1, ""
+                            reached.set()
                             go_on.wait(20)
             finally:
                 events.close()
@@ -54,7 +63,7 @@ def gate_after_first_chunk(session):
         return gated()
 
     session.send = send
-    return first, go_on
+    return pauses
 
 
 def shown_text(conversation) -> str:
@@ -80,6 +89,38 @@ async def test_reply_text_is_on_screen_while_it_is_written(make_app):
         reply = split_thoughts(conversation.session.messages[-1]["content"]).answer
         assert shown and reply.startswith(shown) and len(reply) > len(shown)
         assert conversation.log.query(AssistantMessage).last().markdown.source == reply
+
+
+async def test_the_log_follows_a_growing_reply_until_the_user_scrolls_up(make_app):
+    """While a reply streams the log stays at its end as the reply grows on screen, with no
+    word coming after the batch drawn; once the user scrolls up to read, later batches
+    leave the log where the user put it; the reply's end brings it back down."""
+    app = make_app(max_tokens=48)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        conversation = app.active_conversation()
+        log = conversation.log
+        (first, go_on), (second, go_on_again) = gate_chunks(conversation.session, 2)
+        long_message = "\n".join(f"line {i} of a long message" for i in range(60))
+        assert await conversation.turns.send(long_message)  # the log overflows at once
+        await until(pilot, first.is_set)
+        await until(pilot, lambda: bool(shown_text(conversation)))
+
+        def following() -> bool:
+            return log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
+
+        # (well within the gate's 20 s: a log that follows only the next word waits it out)
+        await until(pilot, following, timeout=5)
+        log.scroll_home(animate=False)  # the user reads from the top
+        go_on.set()
+        await until(pilot, second.is_set)
+        drawn = shown_text(conversation)
+        await until(pilot, lambda: shown_text(conversation) != drawn)  # the next batch
+        await pilot.pause(0.2)  # a scroll after the batch (the old way's) has had its time
+        assert log.scroll_y == 0 < log.max_scroll_y
+        go_on_again.set()
+        await settle(pilot, conversation)
+        await until(pilot, following)
 
 
 async def test_quit_mid_reply_stops_keeps_and_saves_it(demo_model, home):
