@@ -154,7 +154,8 @@ static inline __attribute__((always_inline)) void chunk(const uint8_t *row, Py_s
         const wq shifts = (wq){0, 1, 2, 3, 4, 5, 6, 7} * (uint64_t)bits;
         hu a = __builtin_convertvector((wq){w0, w0, w0, w0, w0, w0, w0, w0} >> shifts, hu);
         hu b = __builtin_convertvector((wq){w1, w1, w1, w1, w1, w1, w1, w1} >> shifts, hu);
-        q[0] = ints(SH(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) & ((1u << bits) - 1));
+        wu joined = SH(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        q[0] = ints(joined & ((1u << bits) - 1));
     }
 }
 

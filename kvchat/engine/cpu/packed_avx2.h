@@ -6,8 +6,9 @@
  * their 16-lane vectors for AVX2 on the stack (a 64-bit word broadcast to 16 lanes is eight
  * stores and four loads, then a stalled load; a shuffle of a loaded vector the same). In a
  * build for x86-64-v3, a 4864×896 product, one row, one core, took 4.4 / 2.0 / 6.2 / 2.0 /
- * 2.0 / 3.1 ms for 2 / 3 / 4 / 5 / 6 / 8-bit codes and 0.62 / 4.6 for bfloat16 / float16,
- * where AVX-512 takes 0.33 / 1.3 / 0.35 / 1.3 / 1.3 / 0.42 and 0.18 / 0.23. Here the same
+ * 2.0 / 3.1 ms for 2 / 3 / 4 / 5 / 6 / 8-bit codes and 0.61 / 4.6 for bfloat16 / float16,
+ * here 0.33 / 0.72 / 0.34 / 0.72 / 0.72 / 0.36 and 0.27 / 0.28 (AVX-512: 0.34 / 1.03 /
+ * 0.39 / 1.03 / 1.03 / 0.45 and 0.19 / 0.23; docs/benchmarks.md). Here the same
  * arithmetic is written for AVX2's 8-lane registers: each of the tiles' 16-lane vectors of
  * a chunk (packed.h's chunk(): the same lanes, so x is arranged as for them) is two of
  * AVX2's, its codes shifted out, scaled, multiplied and added; each (weight row, row of x)
@@ -38,7 +39,8 @@ AVX2_INLINE __m256 avx2_f16(__m256i v, int odd) {
     const __m256i halves = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                             0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     __m256i sorted = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, halves), 0xd8);
-    return _mm256_cvtph_ps(odd ? _mm256_extracti128_si256(sorted, 1) : _mm256_castsi256_si128(sorted));
+    return _mm256_cvtph_ps(odd ? _mm256_extracti128_si256(sorted, 1)
+                               : _mm256_castsi256_si128(sorted));
 }
 
 /* Chunk c of a row of `room` bytes as packed.h's chunk() widens it, q[2s] and q[2s + 1]
@@ -68,8 +70,10 @@ AVX2_INLINE void avx2_chunk(const uint8_t *row, Py_ssize_t room, Py_ssize_t c, i
         if (fmt == 8) { /* lanes 8 … 15: the next word */
             memcpy(&w1, p + 8, 8);
             const __m256i shifts = _mm256_setr_epi32(0, 0, 8, 8, 16, 16, 24, 24);
-            q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi64x(w0), shifts), codes));
-            q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi64x(w1), shifts), codes));
+            __m256i v0 = _mm256_srlv_epi32(_mm256_set1_epi64x(w0), shifts);
+            __m256i v1 = _mm256_srlv_epi32(_mm256_set1_epi64x(w1), shifts);
+            q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v0, codes));
+            q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, codes));
         } else {
             const __m256i step = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
             __m256i v = _mm256_set1_epi64x(w0);
@@ -184,7 +188,8 @@ AVX2 static void avx2_widen_row(const Matrix *m, Py_ssize_t id, float *out) {
         for (; k + 8 <= m->in; k += 8) {
             __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * k));
             _mm256_storeu_ps(out + k, m->fmt == HALF_BF16
-                                          ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                          ? _mm256_castsi256_ps(
+                                                _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
                                           : _mm256_cvtph_ps(h));
         }
         for (; k < m->in; k++) out[k] = scalar16(((const uint16_t *)row)[k], m->fmt);
@@ -192,7 +197,8 @@ AVX2 static void avx2_widen_row(const Matrix *m, Py_ssize_t id, float *out) {
     }
     int bits = m->bits;
     const __m256i codes = _mm256_set1_epi32((1 << bits) - 1);
-    const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+    const __m256i shifts =
+        _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
     const __m256i low = _mm256_setr_epi64x(0, bits, 2 * bits, 3 * bits);
     const __m256i high = _mm256_add_epi64(low, _mm256_set1_epi64x(4 * bits));
     for (; k < m->in; k += 8) { /* eight codes: `bits` bytes (in is a multiple of the group) */
@@ -206,7 +212,8 @@ AVX2 static void avx2_widen_row(const Matrix *m, Py_ssize_t id, float *out) {
                 memcpy(&word, p, 4);
             else
                 memcpy(&word, p, 2);
-            q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), codes));
+            __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts);
+            q = _mm256_cvtepi32_ps(_mm256_and_si256(v, codes));
         } else {
             uint64_t word = 0;
             if (p + 8 <= row + m->row_bytes)
