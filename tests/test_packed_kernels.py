@@ -94,6 +94,17 @@ path = ways("path", "integers", "floats", "avx2")  # 4 and 8-bit codes: every wa
 tiles = ways("tiles", "floats", "avx2")  # what only the float tiles read: 16-bit weights
 
 
+def test_doctor_names_the_way_products_run(path):
+    """``kvchat doctor``'s phrase for the kernels names the way they run on this CPU."""
+    said = {
+        "integers": "native kernels (dequantized in registers; 4 and 8-bit in 8-bit integers, "
+        "AVX-512 VNNI)",
+        "floats": "native kernels (dequantized in registers)",
+        "avx2": "native kernels (dequantized in registers, AVX2)",
+    }
+    assert stored.kernels() == said[path]
+
+
 @pytest.mark.parametrize("scale", SCALES, ids=str)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("bits", BITS)

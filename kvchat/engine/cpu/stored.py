@@ -253,6 +253,8 @@ def kernels() -> str:
         return (
             "native kernels (dequantized in registers; 4 and 8-bit in 8-bit integers, AVX-512 VNNI)"
         )
+    if module is not None and module.avx2():
+        return "native kernels (dequantized in registers, AVX2)"
     if module is not None:
         return "native kernels (dequantized in registers)"
     return "numpy tiles (slow: kvchat's native kernels were not built)"
