@@ -331,9 +331,10 @@ static void product(const Part *parts, int count, Py_ssize_t n, int team) {
 }
 
 /* x laid out as chunk() widens its chunks (xs; the values after the last whole chunk as
- * they are), and the sums of its groups (sx, affine only; 4 bits looked up do without,
- * their biases are in the tables). fmt is a constant where it is inlined, so that POS folds: qwen2.5's
- * 4864-wide x took 28 µs with fmt read at run time, longer than its product with 4 rows. */
+ * they are), and the sums of its groups (sx, affine only; 4-bit codes looked up leave them
+ * unread, their biases are in the tables). fmt is a constant where it is inlined, so that
+ * POS folds: qwen2.5's 4864-wide x took 28 µs with fmt read at run time, longer than its
+ * product with 4 rows. */
 static inline __attribute__((always_inline)) void arrange_as(const Matrix *m, int fmt,
                                                              const float *x, Py_ssize_t n,
                                                              float *xs, float *sx) {

@@ -99,14 +99,30 @@ static inline __attribute__((always_inline)) float value(const void *p, int kind
                        : (j) / LANES(fmt) * (64 / (fmt)) + ((j) & 1) * (32 / (fmt))        \
                              + ((j) % LANES(fmt) >> 1) + 8 * (s))
 
+/* Chunk c's 16 codes of `bits` (3, 5 or 6) in a row of `room` bytes: its two halves' eight
+ * codes in the low bits of *w0 and *w1, read as 8 bytes each where the row has them (a copy
+ * of 3, 5 or 6 bytes is put together on the stack and stalls the load after it), exactly
+ * at the row's end. */
+static inline __attribute__((always_inline)) void odd_words(const uint8_t *row, Py_ssize_t room,
+                                                            Py_ssize_t c, int bits,
+                                                            uint64_t *w0, uint64_t *w1) {
+    const uint8_t *p = row + 2 * bits * c;
+    *w0 = *w1 = 0;
+    if (2 * bits * (c + 1) + 8 - bits <= room) {
+        memcpy(w0, p, 8);
+        memcpy(w1, p + bits, 8);
+    } else {
+        memcpy(w0, p, bits);
+        memcpy(w1, p + bits, bits);
+    }
+}
+
 /* Chunk c of a row of `room` bytes (of packed codes or 16-bit values) as VECS(fmt) vectors
  * of floats. Two, four or eight-bit codes: a 64-bit word in each pair of lanes, each lane
  * shifting out its own code; three, five, six: the 64 bits of eight codes in each of eight
  * 64-bit lanes, twice, each shifting out its own code, narrowed to 32 bits and joined (as
- * 16 64-bit lanes, 1.87 ms for a 4864×896 row on one core, now 1.03), read as 8 bytes
- * where the row has them (a copy of 3, 5 or 6 bytes was put together on the stack and
- * stalled the load after it: 4.2-4.4 → 1.3-1.9 ms); 16-bit values: two in each lane of a
- * 64-byte load. */
+ * 16 64-bit lanes, 1.87 ms for a 4864×896 row on one core, now 1.03), read by odd_words
+ * (byte by byte: 4.2-4.4 ms); 16-bit values: two in each lane of a 64-byte load. */
 static inline __attribute__((always_inline)) void chunk(const uint8_t *row, Py_ssize_t room,
                                                         Py_ssize_t c, int fmt, int bits,
                                                         const wf *table, wf *q) {
@@ -142,15 +158,8 @@ static inline __attribute__((always_inline)) void chunk(const uint8_t *row, Py_s
             for (int s = 0; s < VECS(fmt); s++)
                 q[s] = ints((v >> (shifts + 8 * fmt * s)) & ((1u << fmt) - 1));
     } else {
-        uint64_t w0 = 0, w1 = 0;
-        const uint8_t *p = row + 2 * bits * c;
-        if (2 * bits * (c + 1) + 8 - bits <= room) { /* 8 bytes each (the lanes read 8 codes) */
-            memcpy(&w0, p, 8);
-            memcpy(&w1, p + bits, 8);
-        } else {
-            memcpy(&w0, p, bits);
-            memcpy(&w1, p + bits, bits);
-        }
+        uint64_t w0, w1;
+        odd_words(row, room, c, bits, &w0, &w1);
         const wq shifts = (wq){0, 1, 2, 3, 4, 5, 6, 7} * (uint64_t)bits;
         hu a = __builtin_convertvector((wq){w0, w0, w0, w0, w0, w0, w0, w0} >> shifts, hu);
         hu b = __builtin_convertvector((wq){w1, w1, w1, w1, w1, w1, w1, w1} >> shifts, hu);

@@ -84,15 +84,8 @@ AVX2_INLINE void avx2_chunk(const uint8_t *row, Py_ssize_t room, Py_ssize_t c, i
             }
         }
     } else {
-        uint64_t w0 = 0, w1 = 0;
-        const uint8_t *p = row + 2 * bits * c;
-        if (2 * bits * (c + 1) + 8 - bits <= room) { /* 8 bytes each, as chunk() reads them */
-            memcpy(&w0, p, 8);
-            memcpy(&w1, p + bits, 8);
-        } else {
-            memcpy(&w0, p, bits);
-            memcpy(&w1, p + bits, bits);
-        }
+        uint64_t w0, w1;
+        odd_words(row, room, c, bits, &w0, &w1);
         const __m256i low = _mm256_setr_epi64x(0, bits, 2 * bits, 3 * bits);
         const __m256i high = _mm256_add_epi64(low, _mm256_set1_epi64x(4 * bits));
         const __m256i codes = _mm256_set1_epi32((1 << bits) - 1);
@@ -113,11 +106,11 @@ AVX2_INLINE void avx2_tile(const Matrix *m, int fmt, int NR, int nb, const float
     Py_ssize_t chunk_bytes = CODES(fmt) * (half ? 16 : m->bits) / 8;
     for (Py_ssize_t g = 0; g < (half ? 1 : m->groups); g++) {
         __m256 scale[2];
-        if (!half)
+        if (!half) {
             for (int r = 0; r < NR; r++)
                 scale[r] = _mm256_set1_ps(value(m->scales, m->kind, (o + r) * m->groups + g));
-        if (!half)
             ahead(m, NR, o, g * per_group * chunk_bytes, per_group * chunk_bytes);
+        }
         for (Py_ssize_t c = g * per_group; c < (g + 1) * per_group; c++) {
             if (half) ahead(m, NR, o, c * chunk_bytes, chunk_bytes);
             for (int r = 0; r < NR; r++) {
