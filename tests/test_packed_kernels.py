@@ -5,6 +5,8 @@ the same, bit for bit, alone or among others."""
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -72,6 +74,18 @@ def switch_to(module, way: str) -> None:
         pytest.skip("this CPU has no AVX2, FMA and F16C")
 
 
+@contextlib.contextmanager
+def kept(module):
+    """The kernels' switches (integer, lookup, avx2) as they were, once the block is over."""
+    before = module.integer(), module.lookup(), module.avx2()
+    try:
+        yield
+    finally:
+        module.integer(before[0])
+        module.lookup(before[1])
+        module.avx2(before[2])
+
+
 def ways(name: str, *names: str):
     """A fixture named ``name`` that runs its tests each way of ``names`` (switch_to), the
     settings restored after."""
@@ -79,13 +93,9 @@ def ways(name: str, *names: str):
     @pytest.fixture(params=names, name=name)
     def fixture(request):
         module = kernels()
-        before = module.integer(), module.avx2()
-        try:
+        with kept(module):
             switch_to(module, request.param)
             yield request.param
-        finally:
-            module.integer(before[0])
-            module.avx2(before[1])
 
     return fixture
 
@@ -136,13 +146,12 @@ def test_four_bit_codes_scaled_as_on_other_cpus(group, scale):
     bit as alone, and the tables' figures to float32 rounding (other ways, not one under
     other names)."""
     module = kernels()
-    ints, look, avx2 = module.integer(), module.lookup(), module.avx2()
     layer = quantized(4, group, scale)
     weight, matrix = reference(layer), stored.stored(layer)
     x = rows(max(ROWS), 3 * group, seed=group)
     want = x.astype(np.float64) @ weight.T
     got = {}
-    try:
+    with kept(module):
         module.integer(False)
         for way in ("tables", "scaled", "avx2"):
             module.lookup(way == "tables")
@@ -157,10 +166,6 @@ def test_four_bit_codes_scaled_as_on_other_cpus(group, scale):
                 assert error(out, want[:n]) <= TOLERANCE, way
                 assert np.array_equal(out, alone[:n]), way
             got[way] = alone
-    finally:
-        module.integer(ints)
-        module.lookup(look)
-        module.avx2(avx2)
     for way in set(got) - {"tables"}:
         assert not np.array_equal(got["tables"], got[way])
         assert np.abs(got["tables"] - got[way]).max() <= 1e-6 * np.abs(want).max()
