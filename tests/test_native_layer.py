@@ -82,9 +82,11 @@ def test_whole_layers_decode_as_mlx_lm(shape, bits, whole_calls):
 
 def test_a_row_gets_the_same_figures_whatever_rows_are_beside_it(whole_calls):
     """Three rows decoded together, then each alone on a copy of its cache: the same
-    logits bit for bit, and the same new keys and values."""
+    logits bit for bit, and the same new keys and values. The longest row's attention
+    reads enough to go over the cores alone (attend.h's SPREAD_AWAKE), the shorter rows'
+    only beside it."""
     model, _ = packed_twins("qwen2", 4)
-    prompts = [[(i * 11 + 3 * b) % 400 + 3 for i in range(4 + 9 * b)] for b in range(3)]
+    prompts = [[(i * 11 + 3 * b) % 400 + 3 for i in range(n)] for b, n in enumerate((4, 13, 300))]
     tokens = [[21], [8], [99]]
     together = [prefilled(model, p, "standard") for p in prompts]
     alone = [prefilled(model, p, "standard") for p in prompts]

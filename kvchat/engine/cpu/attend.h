@@ -67,6 +67,13 @@ CLONES static void silu_mul(const float *g, const float *u, float *out, Py_ssize
  * SwiGLU always runs on the calling thread: after a product through BLAS, a second
  * thread made it ten times slower, not twice as fast. */
 #define SPREAD (1 << 20)
+/* The same where the other threads are awake: in packed.c's layers(), whose products ran
+ * on them just before, and whose attention is each layer's only long stretch on one
+ * core. qwen2.5-0.5b@q4's step on 2 cores (one row, builds taking turns, median of 100):
+ * 30 tokens of context 8.99 against 9.04 ms with SPREAD, 200 9.25 → 8.91, 520 10.45 →
+ * 9.33, 2,000 15.4 → 11.95; 8 rows at 200, 44.7 → 41.8 (1 << 12 as fast, 1 << 16 slower
+ * below 256 tokens). */
+#define SPREAD_AWAKE (1 << 14)
 
 /* Where a query's keys (or values) are: `span` cached rows of `dim` floats, then `own`
  * new rows (the row's new tokens up to the query's own, causal) `stride` floats apart. */
@@ -148,10 +155,11 @@ typedef struct {
 } Row;
 
 /* Every new token of every row, each kv head a task: token i of a row attends to the
- * row's cache and to its new tokens up to i. */
+ * row's cache and to its new tokens up to i. Over `threads` where it reads more than
+ * `spread` floats (SPREAD, or SPREAD_AWAKE), else on the calling thread. */
 static int attend_all(const float *q, const float *k, const float *v, const Row *rows,
                       Py_ssize_t n_rows, Py_ssize_t n_tokens, int heads, int kv_heads, int dim,
-                      float scale, int threads, float *out) {
+                      float scale, int threads, Py_ssize_t spread, float *out) {
     int group = heads / kv_heads, failed = 0;
     Py_ssize_t work = 0, *row_of = malloc(sizeof(Py_ssize_t) * (n_tokens ? n_tokens : 1));
     if (!row_of) return 1;
@@ -160,7 +168,7 @@ static int attend_all(const float *q, const float *k, const float *v, const Row 
         for (Py_ssize_t i = 0; i < rows[r].count; i++) row_of[rows[r].first + i] = r;
     }
 #pragma omp parallel for schedule(dynamic) reduction(| : failed) num_threads(threads) \
-    if (threads > 1 && work > SPREAD)
+    if (threads > 1 && work > spread)
     for (Py_ssize_t t = 0; t < n_tokens * kv_heads; t++) {
         Py_ssize_t token = t / kv_heads, h = t % kv_heads;
         const Row *row = rows + row_of[token];

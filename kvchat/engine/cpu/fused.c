@@ -86,7 +86,7 @@ static PyObject *attend(PyObject *self, PyObject *args) {
         int failed, threads = spread ? free_threads() : 1;
         Py_BEGIN_ALLOW_THREADS
         failed = attend_all(b[0].buf, b[1].buf, b[2].buf, rows, n_rows, n_tokens, heads,
-                            kv_heads, dim, scale, threads, b[3].buf);
+                            kv_heads, dim, scale, threads, SPREAD, b[3].buf);
         Py_END_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < 2 * n_rows; i++)
             if (held[i].obj) PyBuffer_Release(&held[i]);

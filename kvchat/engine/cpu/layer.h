@@ -93,7 +93,7 @@ static int run_layer(const Layer *L, const Row *rows, Py_ssize_t n_rows, int tea
         rotate_heads(q, n, L->heads, L->dim, L->cos, L->sin, L->half, L->traditional);
         rotate_heads(L->new_k, n, L->kv_heads, L->dim, L->cos, L->sin, L->half, L->traditional);
         failed |= attend_all(q, L->new_k, L->new_v, rows, n_rows, n, (int)L->heads,
-                             (int)L->kv_heads, (int)L->dim, L->scale, team, att);
+                             (int)L->kv_heads, (int)L->dim, L->scale, team, SPREAD_AWAKE, att);
     }
     if (!failed) failed |= products_into(&L->m[O], 1, att, n, &y, team);
     if (!failed) {
