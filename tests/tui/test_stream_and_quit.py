@@ -22,7 +22,13 @@ from kvchat.config import Config
 from kvchat.engine.conversation.session import Chunk
 from kvchat.engine.conversation.thoughts import split_thoughts
 from kvchat.tui.app import KvChatApp
-from kvchat.tui.widgets.messages import AssistantMessage
+from kvchat.tui.widgets.messages import (
+    DRAW_SHARE,
+    FLUSH_MAX_S,
+    FLUSH_S,
+    AssistantMessage,
+    Pace,
+)
 
 from .conftest import SIZE, settle, until, widget_text
 
@@ -285,8 +291,6 @@ def test_streamed_words_reach_the_ui_in_batches_and_none_is_lost():
     """Words that come faster than CHUNK_S apart go to the UI thread together (one message
     for several tokens), a word after a pause goes at once, and the last wait is sent at
     the end: the messages' texts make the reply, their counts the tokens so far."""
-    import time
-
     from kvchat.tui.tab.events import ReplyChunk
     from kvchat.tui.tab.turns import CHUNK_S, Words
 
@@ -310,10 +314,6 @@ def test_a_reply_is_drawn_less_often_as_drawing_costs_more():
     """The wait before a streamed reply's next batch follows the UI thread's CPU since the
     last one (over DRAW_SHARE): FLUSH_S when drawing costs nothing, about 40 ms / DRAW_SHARE
     after 40 ms of it, FLUSH_MAX_S at most; CPU spent on another thread does not count."""
-    import threading
-    import time
-
-    from kvchat.tui.widgets.messages import DRAW_SHARE, FLUSH_MAX_S, FLUSH_S, Pace
 
     def burn(seconds: float) -> None:
         end = time.thread_time() + seconds
