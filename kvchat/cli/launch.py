@@ -60,7 +60,7 @@ def launch(
     port: Annotated[int | None, typer.Option(help="First TCP port of the ring backend.")] = None,
 ) -> None:
     """Run the TUI, `ask` or `replay` on a model sharded over several ranks:
-    kvchat launch -n 2 -- [--model M ...] (the TUI), or kvchat launch -n 2 -- ask TEXT.
+    `kvchat launch -n 2 -- [--model M ...]` (the TUI), or `kvchat launch -n 2 -- ask TEXT`.
 
     Every host needs this Python at the same path, kvchat, and the same model
     folder (or Hugging Face id); each rank keeps its own cache shard beside the
