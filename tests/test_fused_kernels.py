@@ -168,22 +168,32 @@ def test_attend_refuses_bad_arguments_and_leaves_out_alone(change, error, messag
     assert not args["out"].any()
 
 
-def test_a_cache_is_read_in_place_only_where_its_buffers_allow():
-    """A plain cache's buffers are read in place; a strided one's (a view into a wider
-    array) and a quantized cache go the numpy way."""
+def test_a_cache_is_read_where_it_is_and_a_strided_one_as_a_copy():
+    """A plain cache's buffers go to the kernels where they are; a strided one's (a view into
+    a wider array) as a contiguous copy of the same figures; a quantized cache is not
+    theirs."""
 
     def grown(length):
         cache = KVCache()
         cache.update_and_fetch(*(mx.ones((1, 2, length, 32)) for _ in range(2)))
         return cache
 
-    assert decode._in_place(grown(5)) and decode._in_place(KVCache())
+    plain = grown(5)
+    keys, values = decode._buffers(plain)
+    assert np.shares_memory(keys, np.asarray(plain.keys))
+    assert np.shares_memory(values, np.asarray(plain.values))
+    assert decode._buffers(KVCache()) == (None, None)
     strided = KVCache()
-    strided.keys = strided.values = mx.ones((1, 2, 5, 64))[..., :32]
+    wide = mx.arange(2 * 5 * 64, dtype=mx.float32).reshape(1, 2, 5, 64)
+    strided.keys = strided.values = wide[..., :32]
     strided.offset = 5
     assert not np.asarray(strided.keys).flags.c_contiguous
-    assert not decode._in_place(strided)
-    assert not decode._in_place(grown(5).to_quantized(group_size=32, bits=8))
+    keys, values = decode._buffers(strided)
+    assert keys.flags.c_contiguous and values.flags.c_contiguous
+    assert np.array_equal(keys, np.asarray(wide)[..., :32])
+    assert not np.shares_memory(keys, np.asarray(wide))
+    assert decode._plain(plain) and decode._plain(strided)
+    assert not decode._plain(grown(5).to_quantized(group_size=32, bits=8))
 
 
 @pytest.mark.cpu_only

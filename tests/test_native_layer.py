@@ -105,6 +105,28 @@ def test_a_row_gets_the_same_figures_whatever_rows_are_beside_it(whole_calls):
             )
 
 
+def test_a_cache_left_strided_by_its_prompt_changes_no_other_row(whole_calls):
+    """A prompt of exactly 256 tokens in one piece fills the cache's first buffer, and
+    mlx-lm's KVCache then holds the values as the update came, strided (keys too, where
+    no RoPE copied them). The step reads such a cache as a contiguous copy, in the one
+    native call with the others: the rows beside it get the figures they get alone, bit
+    for bit (the step went layer by layer for the whole batch before: 2e-6 off), and the
+    strided row's own are mlx-lm's."""
+    model, stock = packed_twins("qwen2", 4)
+    prompts = [[(i * 11) % 400 + 3 for i in range(256)], [(i * 7) % 300 + 5 for i in range(40)]]
+    together = [prefilled(model, p, "standard") for p in prompts]
+    assert not all(np.asarray(c.values).flags.c_contiguous for c in together[0])
+    alone = prefilled(model, prompts[1], "standard")
+    twin = prefilled(stock, prompts[0], "standard")
+    whole_calls.clear()
+    batched = np.asarray(cpu.decode_batch(model, [[21], [8]], together))
+    assert whole_calls == [(len(model.model.layers), 2)]
+    assert np.array_equal(batched[1], np.asarray(cpu.decode_batch(model, [[8]], [alone]))[0])
+    want = stock(mx.array([[21]]), cache=twin)[0, -1]
+    assert mx.allclose(mx.array(batched[0]), want, atol=1e-4, rtol=1e-4).item()
+    assert together[0][0].offset == 257
+
+
 def test_a_row_on_a_quantized_cache_keeps_the_layer_by_layer_step(whole_calls):
     """The native call reads plain caches in place; a batch with a row on a quantized cache
     goes layer by layer through numpy and the attention kernel, still mlx-lm's figures."""

@@ -20,7 +20,7 @@ lengths) and one token or, on a plain ``KVCache``, several (a short prompt
 folded into a decoding step): the linear layers multiply every row's tokens at
 once (the weights stream once a step). Attention reads each row's cache and its
 own new tokens (causal among them): the rows on plain caches all in one call of
-the native kernel (fused.c, reading each cache where it is), the others
+the native kernel (fused.c, reading each cache where it is: :func:`_buffers`), the others
 (quantized or rotated caches, or no kernel built) row by row in numpy.
 The rotary embedding's cosines and sines are the model's own RoPE module's
 (whatever its variant: it is applied to ones and zeros at each row's offset).
@@ -178,14 +178,23 @@ def _attention_tokens(
     return out.reshape(n, -1), (k, v)
 
 
-def _in_place(cache: Any) -> bool:
-    """Whether the native kernel can read ``cache``'s keys and values where they are: a
-    plain cache (not quantized or rotated) whose buffers are C-contiguous."""
-    if type(cache) not in (KVCache, ConcatenateKVCache):
-        return False
-    return not cache.offset or all(
-        np.asarray(a).flags.c_contiguous for a in (cache.keys, cache.values)
-    )
+def _plain(cache: Any) -> bool:
+    """Whether the native kernels read ``cache`` (:func:`_buffers`): a plain cache, not
+    quantized or rotated."""
+    return type(cache) in (KVCache, ConcatenateKVCache)
+
+
+def _buffers(cache: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A plain cache's key and value buffers for the native kernels, C-contiguous: where
+    they are, or (None, None) while it is empty. A prompt that fills the first buffer
+    exactly (256 tokens in one piece) leaves mlx-lm's KVCache holding the update as it came,
+    strided, until its next update: then a contiguous copy, so that the row still goes in
+    the one call with the others (layer by layer, every row of the step would get figures
+    that differ from their own alone)."""
+    if not cache.offset:
+        return None, None
+    keys, values = (np.ascontiguousarray(np.asarray(a)) for a in (cache.keys, cache.values))
+    return keys, values
 
 
 def _attend(
@@ -200,7 +209,7 @@ def _attend(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A layer's attention for rows on plain caches (their tokens at ``at`` in ``qkv``,
     their caches ``own``), all in one call of the native kernel, which reads each cache
-    in place (over the cores if ``spread``): each row's outputs ``(tokens, features)`` and
+    where it is (:func:`_buffers`; over the cores if ``spread``): each row's outputs ``(tokens, features)`` and
     rotated new keys and values ``(tokens, kv heads, head dim)``, one after another, for
     the caller to hand on. Their rotations go in one call too."""
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
@@ -214,8 +223,7 @@ def _attend(
     # C order for the kernel (a product of many rows comes transposed, see linear.product)
     v = np.ascontiguousarray(v.reshape(n, kv_heads, -1))
     spans = [c.offset for c in own]
-    keys = [np.asarray(c.keys) if c.offset else None for c in own]
-    values = [np.asarray(c.values) if c.offset else None for c in own]
+    keys, values = (list(side) for side in zip(*map(_buffers, own)))
     out = np.empty_like(q)
     fused.attend(q, k, v, keys, values, spans, counts, float(attn.scale), out, spread)
     return out.reshape(n, -1), k, v
@@ -230,7 +238,7 @@ def _whole(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Consecutive layers whole in one native call (``packed.layers``, see layer.h), each
     given as (its attention module, RoPE form, weights, every row's cache for it: plain
-    caches, read in place), ``x`` updated in place: each layer's turned new keys and the
+    caches, read where they are, see :func:`_buffers`), ``x`` updated in place: each layer's turned new keys and the
     values ``(tokens, kv heads, head dim)``, for the caller to hand on."""
     specs, out = [], []
     for attn, form, weights, own in run:
@@ -241,6 +249,7 @@ def _whole(
         dim = weights.qkv[1].weights.out_features // kv_heads
         shape = (len(x), kv_heads, dim)
         new = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
+        keys, values = (list(side) for side in zip(*map(_buffers, own)))
         specs.append(
             (
                 weights.whole.matrices,
@@ -252,8 +261,8 @@ def _whole(
                 form.traditional,
                 attn.n_heads,
                 float(attn.scale),
-                [np.asarray(c.keys) if c.offset else None for c in own],
-                [np.asarray(c.values) if c.offset else None for c in own],
+                keys,
+                values,
                 [c.offset for c in own],
                 *new,
             )
@@ -303,7 +312,7 @@ def hidden(
     # BLAS's threads and OpenMP's would share them (see fused.c's SPREAD)
     spread = through_kernel(len(x))
     whole = [
-        bool(packed and weights.whole and all(_in_place(row[i]) for row in caches))
+        bool(packed and weights.whole and all(_plain(row[i]) for row in caches))
         for i, weights in enumerate(read.layers)
     ]
     for i, (layer, form, weights) in enumerate(zip(layers, forms, read.layers)):
@@ -323,7 +332,7 @@ def hidden(
         q, k, v = _linears(weights.qkv, _rms(x, weights.attention_norm))
         rows: list[np.ndarray] = [np.empty(0)] * len(tokens)
         # rows on plain caches: the native kernel, all in one call
-        quick = [b for b, row in enumerate(caches) if _in_place(row[i])] if fused else []
+        quick = [b for b, row in enumerate(caches) if _plain(row[i])] if fused else []
         if fused is not None and quick:
             spans = [spans_of[b] for b in quick]
             own = [caches[b][i] for b in quick]
