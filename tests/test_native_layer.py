@@ -128,8 +128,9 @@ def test_a_cache_left_strided_by_its_prompt_changes_no_other_row(whole_calls):
 
 
 def test_a_row_on_a_quantized_cache_keeps_the_layer_by_layer_step(whole_calls):
-    """The native call reads plain caches in place; a batch with a row on a quantized cache
-    goes layer by layer through numpy and the attention kernel, still mlx-lm's figures."""
+    """The native call reads plain caches; a row on a quantized cache goes layer by layer
+    through numpy and the attention kernel, apart from the plain row, which keeps its call:
+    each gets mlx-lm's figures."""
     model, stock = packed_twins("llama", 4, **LLAMA3)
     prompt = [(i * 5) % 400 + 3 for i in range(9)]
     kinds = ["standard", "quantized:8"]
@@ -138,9 +139,33 @@ def test_a_row_on_a_quantized_cache_keeps_the_layer_by_layer_step(whole_calls):
     wants = [stock(mx.array([[4]]), cache=c)[0, -1] for c in theirs]
     whole_calls.clear()  # (the plain cache's prompt went through it)
     logits = cpu.decode_batch(model, [[4], [4]], ours)
-    assert whole_calls == []
+    assert whole_calls == [(len(model.model.layers), 1)]
     for got, want in zip(logits, wants):
         assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("beside", ["quantized:8", "a prompt of 20 tokens", "300 tokens"])
+def test_a_row_keeps_the_whole_layer_call_whatever_rows_are_beside_it(beside, whole_calls):
+    """A decoding row beside a row the whole-layer call cannot take with it (a quantized
+    cache; more new tokens than its products take together, as a short prompt folded
+    into the step makes) gets its call all the same, in a step of its own rows: its
+    figures are the ones it gets alone, bit for bit (3e-6 off when the whole step went
+    layer by layer)."""
+    model, _ = packed_twins("qwen2", 4)
+    prompt = [(i * 7) % 300 + 5 for i in range(40)]
+    other = [(i * 11) % 400 + 3 for i in range(30)]
+    kind, fed = ("quantized:8", [9]) if beside == "quantized:8" else ("standard", [9])
+    if beside != "quantized:8":
+        fed = [(i * 3) % 200 + 4 for i in range(20 if beside.startswith("a prompt") else 300)]
+    together = [prefilled(model, other, kind), prefilled(model, prompt, "standard")]
+    alone = prefilled(model, prompt, "standard")
+    whole_calls.clear()
+    batched = np.asarray(cpu.decode_batch(model, [fed, [8]], together))
+    layers = len(model.model.layers)
+    # the decoding row in a call of its own, or with the short prompt (21 tokens)
+    assert whole_calls == [(layers, 2 if beside.startswith("a prompt") else 1)]
+    assert np.array_equal(batched[1], np.asarray(cpu.decode_batch(model, [[8]], [alone]))[0])
+    assert together[0][0].offset == 30 + len(fed) and together[1][0].offset == 41
 
 
 def test_float32_matrices_keep_their_own_kernels():

@@ -26,12 +26,14 @@ the native kernel (fused.c, reading each cache where it is: :func:`_buffers`), t
 The rotary embedding's cosines and sines are the model's own RoPE module's
 (whatever its variant: it is applied to ones and zeros at each row's offset).
 
-Where the packed kernels read all of a layer's matrices (a 16-bit or packed model), every
-row is on a plain cache and the step has few tokens, the layer runs whole in native code
-instead, with the layers after it that do too, in one call (``packed.layers``, layer.h:
-norms, products, rotation, attention, SwiGLU and residuals, the same arithmetic in C),
-which took qwen2.5-0.5b@q4's step on 2 cores from 17 to 11-12 ms: the numpy glue between
-the products was a third of it.
+Where the packed kernels read all of a layer's matrices (a 16-bit or packed model), the
+rows on plain caches with at most WHOLE_TOKENS new tokens run each layer whole in native
+code instead, with the layers after it that do too, in one call (``packed.layers``,
+layer.h: norms, products, rotation, attention, SwiGLU and residuals, the same arithmetic
+in C, rounded otherwise than the numpy step), which took qwen2.5-0.5b@q4's step on 2 cores
+from 17 to 11-12 ms: the numpy glue between the products was a third of it. The other
+rows of such a step go layer by layer apart (:func:`_groups`), so that which way a row
+goes, and so its figures, never depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -46,14 +48,17 @@ import numpy as np
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
 from kvchat.engine.caches.rotated import RotatedKVCache
-from kvchat.engine.cpu import native, step_attention, step_weights
+from kvchat.engine.cpu import native, step_attention, step_weights, stored
 from kvchat.engine.cpu.attention import swiglu_rows
-from kvchat.engine.cpu.linear import KERNEL_ROWS, multiply_each, through_kernel
+from kvchat.engine.cpu.linear import multiply_each, through_kernel
 from kvchat.engine.cpu.rope import RopeForm, RopeKey, Turn, rotate, rotations
 from kvchat.engine.cpu.step_weights import Layer, Linear, Norm
 
 # caches whose single-token mask is None
 CACHES = (KVCache, ConcatenateKVCache, QuantizedKVCache, RotatedKVCache)
+# A step's tokens the whole-layer call takes at most: as many as the packed kernels
+# multiply (beyond, a product widens its weights for BLAS)
+WHOLE_TOKENS = stored.KERNEL_ROWS
 
 
 def takes(cache: list[Any]) -> bool:
@@ -198,6 +203,45 @@ def hidden(
     read = step_weights.gather(body, caches, extra)
     if read is None:
         return None
+    groups = _groups(read, tokens, caches)
+    if len(groups) == 1:
+        return _step(body, read, tokens, caches)
+    parts = [_step(body, read, [tokens[b] for b in g], [caches[b] for b in g]) for g in groups]
+    out = np.empty((len(tokens), parts[0].shape[1]), dtype=np.float32)
+    for group, part in zip(groups, parts):
+        out[group] = part
+    return out
+
+
+def _groups(
+    read: step_weights.Weights, tokens: list[list[int]], caches: list[list[Any]]
+) -> list[list[int]]:
+    """The rows (by index) in groups of one step each: those the whole-layer call takes
+    (every cache plain, at most WHOLE_TOKENS tokens a group) apart from the others, which
+    go layer by layer. Its norms, rotations and SwiGLU round otherwise than the numpy
+    step's, so a row must get the whole-layer call beside any rows where it gets it
+    alone: a row beside a quantized cache, or beside a short prompt folded into the step,
+    got figures 3e-6 off its own. One group, the usual case, where all go the same way."""
+    if native.module("packed") is None or not any(w.whole for w in read.layers):
+        return [list(range(len(tokens)))]
+    whole: list[list[int]] = [[]]
+    other, used = [], 0
+    for b, (row, cache) in enumerate(zip(tokens, caches)):
+        if len(row) > WHOLE_TOKENS or not all(_plain(c) for c in cache):
+            other.append(b)
+            continue
+        if used + len(row) > WHOLE_TOKENS:
+            whole.append([])
+            used = 0
+        whole[-1].append(b)
+        used += len(row)
+    return [group for group in (*whole, other) if group]
+
+
+def _step(
+    body: nn.Module, read: step_weights.Weights, tokens: list[list[int]], caches: list[list[Any]]
+) -> np.ndarray:
+    """:func:`hidden`'s step for rows it checked."""
     layers = body.layers
     forms = [layer.self_attn.rope_form for layer in layers]
     counts = [len(row) for row in tokens]
@@ -211,9 +255,9 @@ def hidden(
     x = np.ascontiguousarray(x, dtype=np.float32)  # packed.layers', updated in place
     new: list[list[Turn | None]] = [[None] * len(layers) for _ in tokens]
     fused = native.module("fused")
-    # whole layers in one native call: every row on a plain cache, few tokens (the
-    # products' kernels, see linear.KERNEL_ROWS), matrices the kernels read
-    packed = native.module("packed") if len(x) <= KERNEL_ROWS else None
+    # whole layers in one native call: every row on a plain cache, as many tokens as the
+    # packed kernels multiply (WHOLE_TOKENS), matrices they read
+    packed = native.module("packed") if len(x) <= WHOLE_TOKENS else None
     spans_of = [slice(starts[b], starts[b + 1]) for b in range(len(tokens))]
     # attention over the cores only where the products are the native kernel's too:
     # BLAS's threads and OpenMP's would share them (see fused.c's SPREAD)
