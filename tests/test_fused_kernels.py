@@ -179,16 +179,16 @@ def test_a_cache_is_read_where_it_is_and_a_strided_one_as_a_copy():
         return cache
 
     plain = grown(5)
-    keys, values = decode._buffers(plain)
+    (keys, empty_keys), (values, empty_values) = decode._buffers([plain, KVCache()])
     assert np.shares_memory(keys, np.asarray(plain.keys))
     assert np.shares_memory(values, np.asarray(plain.values))
-    assert decode._buffers(KVCache()) == (None, None)
+    assert empty_keys is None and empty_values is None
     strided = KVCache()
     wide = mx.arange(2 * 5 * 64, dtype=mx.float32).reshape(1, 2, 5, 64)
     strided.keys = strided.values = wide[..., :32]
     strided.offset = 5
     assert not np.asarray(strided.keys).flags.c_contiguous
-    keys, values = decode._buffers(strided)
+    (keys,), (values,) = decode._buffers([strided])
     assert keys.flags.c_contiguous and values.flags.c_contiguous
     assert np.array_equal(keys, np.asarray(wide)[..., :32])
     assert not np.shares_memory(keys, np.asarray(wide))

@@ -20,8 +20,8 @@ lengths) and one token or, on a plain ``KVCache``, several (a short prompt
 folded into a decoding step): the linear layers multiply every row's tokens at
 once (the weights stream once a step). Attention reads each row's cache and its
 own new tokens (causal among them): the rows on plain caches all in one call of
-the native kernel (fused.c, reading each cache where it is: :func:`_buffers`), the others
-(quantized or rotated caches, or no kernel built) row by row in numpy
+the native kernel (fused.c, reading each cache where it is: :func:`_buffers`), the
+others (quantized or rotated caches, or no kernel built) row by row in numpy
 (:mod:`.step_attention`).
 The rotary embedding's cosines and sines are the model's own RoPE module's
 (whatever its variant: it is applied to ones and zeros at each row's offset).
@@ -96,16 +96,19 @@ def _plain(cache: Any) -> bool:
     return type(cache) in (KVCache, ConcatenateKVCache)
 
 
-def _buffers(cache: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """A plain cache's key and value buffers for the native kernels, C-contiguous: where
-    they are, or (None, None) while it is empty. A prompt that fills the first buffer
-    exactly (256 tokens in one piece) leaves mlx-lm's KVCache holding the update as it came,
+def _buffers(caches: list[Any]) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
+    """Plain caches' key and value buffers for the native kernels, C-contiguous: where
+    they are, or None for an empty cache. A prompt that fills the first buffer exactly
+    (256 tokens in one piece) leaves mlx-lm's KVCache holding the update as it came,
     strided, until its next update: then a contiguous copy, so that the row still goes in
     the one call with the others (layer by layer, every row of the step would get figures
     that differ from their own alone)."""
-    if not cache.offset:
-        return None, None
-    keys, values = (np.ascontiguousarray(np.asarray(a)) for a in (cache.keys, cache.values))
+    keys: list[np.ndarray | None] = []
+    values: list[np.ndarray | None] = []
+    for cache in caches:
+        held = cache.offset > 0
+        keys.append(np.ascontiguousarray(np.asarray(cache.keys)) if held else None)
+        values.append(np.ascontiguousarray(np.asarray(cache.values)) if held else None)
     return keys, values
 
 
@@ -121,9 +124,10 @@ def _attend(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A layer's attention for rows on plain caches (their tokens at ``at`` in ``qkv``,
     their caches ``own``), all in one call of the native kernel, which reads each cache
-    where it is (:func:`_buffers`; over the cores if ``spread``): each row's outputs ``(tokens, features)`` and
-    rotated new keys and values ``(tokens, kv heads, head dim)``, one after another, for
-    the caller to hand on. Their rotations go in one call too."""
+    where it is (:func:`_buffers`; over the cores if ``spread``): each row's outputs
+    ``(tokens, features)`` and rotated new keys and values ``(tokens, kv heads, head
+    dim)``, one after another, for the caller to hand on. Their rotations go in one call
+    too."""
     heads, kv_heads = attn.n_heads, attn.n_kv_heads
     counts = [span.stop - span.start for span in at]
     tables = [turns[form.key, c.offset, n] for c, n in zip(own, counts)]
@@ -135,7 +139,7 @@ def _attend(
     # C order for the kernel (a product of many rows comes transposed, see linear.product)
     v = np.ascontiguousarray(v.reshape(n, kv_heads, -1))
     spans = [c.offset for c in own]
-    keys, values = (list(side) for side in zip(*map(_buffers, own)))
+    keys, values = _buffers(own)
     out = np.empty_like(q)
     fused.attend(q, k, v, keys, values, spans, counts, float(attn.scale), out, spread)
     return out.reshape(n, -1), k, v
@@ -150,8 +154,9 @@ def _whole(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Consecutive layers whole in one native call (``packed.layers``, see layer.h), each
     given as (its attention module, RoPE form, weights, every row's cache for it: plain
-    caches, read where they are, see :func:`_buffers`), ``x`` updated in place: each layer's turned new keys and the
-    values ``(tokens, kv heads, head dim)``, for the caller to hand on."""
+    caches, read where they are, see :func:`_buffers`), ``x`` updated in place: each
+    layer's turned new keys and the values ``(tokens, kv heads, head dim)``, for the
+    caller to hand on."""
     specs, out = [], []
     for attn, form, weights, own in run:
         assert weights.whole is not None
@@ -161,7 +166,7 @@ def _whole(
         dim = weights.qkv[1].weights.out_features // kv_heads
         shape = (len(x), kv_heads, dim)
         new = np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32)
-        keys, values = (list(side) for side in zip(*map(_buffers, own)))
+        keys, values = _buffers(own)
         specs.append(
             (
                 weights.whole.matrices,
