@@ -144,7 +144,16 @@ def test_a_row_on_a_quantized_cache_keeps_the_layer_by_layer_step(whole_calls):
         assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
 
 
-@pytest.mark.parametrize("beside", ["quantized:8", "a prompt of 20 tokens", "300 tokens"])
+# the row beside a decoding row: its cache kind, its new tokens, and the whole-layer call
+# the decoding row gets (layers, rows): alone, or with the short prompt (21 tokens)
+BESIDE = {
+    "quantized:8": ("quantized:8", 1, 1),
+    "a prompt of 20 tokens": ("standard", 20, 2),
+    "300 tokens": ("standard", 300, 1),
+}
+
+
+@pytest.mark.parametrize("beside", BESIDE)
 def test_a_row_keeps_the_whole_layer_call_whatever_rows_are_beside_it(beside, whole_calls):
     """A decoding row beside a row the whole-layer call cannot take with it (a quantized
     cache; more new tokens than its products take together, as a short prompt folded
@@ -154,16 +163,13 @@ def test_a_row_keeps_the_whole_layer_call_whatever_rows_are_beside_it(beside, wh
     model, _ = packed_twins("qwen2", 4)
     prompt = [(i * 7) % 300 + 5 for i in range(40)]
     other = [(i * 11) % 400 + 3 for i in range(30)]
-    kind, fed = ("quantized:8", [9]) if beside == "quantized:8" else ("standard", [9])
-    if beside != "quantized:8":
-        fed = [(i * 3) % 200 + 4 for i in range(20 if beside.startswith("a prompt") else 300)]
+    kind, n, rows = BESIDE[beside]
+    fed = [(i * 3) % 200 + 4 for i in range(n)]
     together = [prefilled(model, other, kind), prefilled(model, prompt, "standard")]
     alone = prefilled(model, prompt, "standard")
     whole_calls.clear()
     batched = np.asarray(cpu.decode_batch(model, [fed, [8]], together))
-    layers = len(model.model.layers)
-    # the decoding row in a call of its own, or with the short prompt (21 tokens)
-    assert whole_calls == [(layers, 2 if beside.startswith("a prompt") else 1)]
+    assert whole_calls == [(len(model.model.layers), rows)]
     assert np.array_equal(batched[1], np.asarray(cpu.decode_batch(model, [[8]], [alone]))[0])
     assert together[0][0].offset == 30 + len(fed) and together[1][0].offset == 41
 
